@@ -1,0 +1,104 @@
+"""Reference attention over the paged KV cache: gather the blocks, then SDPA.
+
+Runs on any device torch runs on. It is the oracle for the Triton kernels and the
+default backend on the CPU. Decodes (query length 1) are batched into one SDPA call
+with the query heads of a KV group laid along the query axis, so GQA needs no
+repeat of K/V; prefill chunks run one request at a time with a causal mask offset by
+the cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.forward_context import AttentionMetadata
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots.
+
+    ``slot_mapping``: ``[num_tokens]`` int64 flat slot ids; negative ids are skipped (padding).
+    """
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    k_flat = kv_cache[0].view(num_blocks * block_size, hkv, d)
+    v_flat = kv_cache[1].view(num_blocks * block_size, hkv, d)
+    k_flat.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the first ``num_blocks`` blocks of each row of ``block_tables``.
+
+    Returns K and V of shape ``[num_reqs, num_blocks * block_size, num_kv_heads, head_size]``.
+    """
+    bt = block_tables[:, :num_blocks].long()
+    k = kv_cache[0][bt]  # [R, nb, bs, hkv, d]
+    v = kv_cache[1][bt]
+    r, nb, bs, hkv, d = k.shape
+    return k.reshape(r, nb * bs, hkv, d), v.reshape(r, nb * bs, hkv, d)
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+        block_size = kv_cache.shape[2]
+        hkv = kv_cache.shape[3]
+        num_tokens, num_heads, d = query.shape
+        group = num_heads // hkv
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+
+        if nd > 0:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            nb = -(-max_len // block_size)
+            k, v = gather_kv(kv_cache, meta.block_tables[:nd], nb)  # [nd, L, hkv, d]
+            k = k.to(query.dtype).transpose(1, 2)  # [nd, hkv, L, d]
+            v = v.to(query.dtype).transpose(1, 2)
+            q = query[:nd].view(nd, hkv, group, d)  # a KV group's heads as query rows
+            pos = torch.arange(nb * block_size, device=query.device)
+            seq_lens = meta.seq_lens[:nd].to(query.device).unsqueeze(1)
+            mask = pos.unsqueeze(0) < seq_lens  # [nd, L]
+            if sliding_window is not None:
+                mask &= pos.unsqueeze(0) > seq_lens - 1 - sliding_window
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+            out[:nd] = o.reshape(nd, num_heads, d)
+
+        qsl = meta.query_start_loc.tolist() if meta.num_reqs > nd else None
+        for i in range(nd, meta.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            n = end - start
+            seq_len = meta.seq_lens_cpu[i]
+            ctx = seq_len - n
+            nb = -(-seq_len // block_size)
+            k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1], nb)
+            k = k[0, :seq_len].to(query.dtype).transpose(0, 1)  # [hkv, L, d]
+            v = v[0, :seq_len].to(query.dtype).transpose(0, 1)
+            q = query[start:end].transpose(0, 1)  # [h, n, d]
+            qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
+            kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+            mask = kpos <= qpos  # [n, L]
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+                enable_gqa=group > 1,
+            )
+            out[start:end] = o[0].transpose(0, 1)
+        return out

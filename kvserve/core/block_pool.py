@@ -1,0 +1,141 @@
+"""KV cache blocks: ids, reference counts, the free queue and the cached-block map.
+
+Pure Python, no torch. Block 0 is the null block: never handed out, used to pad
+block tables.
+
+The free queue holds blocks with ``ref_cnt == 0``. Blocks that carry no cached prefix
+are handed out first; blocks whose KV is still reusable (they have a block hash) stay
+findable by the prefix cache until memory is needed, and then go least recently freed
+first. A request frees its blocks tail-first, so within one request the deepest blocks
+of the prefix (the tree's leaves) are evicted before their parents.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[int] = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Owns ``num_blocks`` blocks (including the null block 0).
+
+    Raises:
+        ValueError: if ``num_blocks < 2``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # never freed
+        # Free blocks: uncached ones (FIFO) and cached ones in LRU order.
+        self._free_uncached: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (uncached + evictable cached)."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks referenced by a live request, in [0, 1]."""
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+    def lookup(self, block_hash: int) -> Optional[KVCacheBlock]:
+        return self.cached.get(block_hash)
+
+    # ---- mutation ------------------------------------------------------------------
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` free blocks (ref_cnt becomes 1). Raises ValueError if fewer are free."""
+        if n > self.get_num_free_blocks():
+            raise ValueError(f"cannot allocate {n} blocks, only {self.get_num_free_blocks()} free")
+        out = []
+        for _ in range(n):
+            if self._free_uncached:
+                bid, _ = self._free_uncached.popitem(last=False)
+            else:
+                bid, _ = self._free_cached.popitem(last=False)
+                self._evict(self.blocks[bid])
+            block = self.blocks[bid]
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to cached blocks a request reuses (removing them from the free queue)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self._free_cached.pop(b.block_id)
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in the order given; blocks reaching 0 become free."""
+        for b in blocks:
+            if b is self.null_block:
+                continue
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {b.block_id}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if b.block_hash is not None:
+                    self._free_cached[b.block_id] = None
+                else:
+                    self._free_uncached[b.block_id] = None
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Register ``block`` as holding the KV of ``block_hash``. Returns False if already cached."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that no request uses. Returns False if some are in use."""
+        if self.get_num_free_blocks() != self.num_usable_blocks:
+            return False
+        for bid in list(self._free_cached):
+            self._evict(self.blocks[bid])
+            self._free_uncached[bid] = None
+        self._free_cached.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (for tests)."""
+        free = set(self._free_uncached) | set(self._free_cached)
+        assert len(free) == len(self._free_uncached) + len(self._free_cached)
+        for b in self.blocks[1:]:
+            assert (b.ref_cnt == 0) == (b.block_id in free), b
+            assert b.ref_cnt >= 0
+            if b.block_id in self._free_cached:
+                assert b.block_hash is not None
+            if b.block_hash is not None:
+                assert self.cached[b.block_hash] is b
+        assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)

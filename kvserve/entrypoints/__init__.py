@@ -1,0 +1,1 @@
+"""User-facing entry points: the ``kvserve`` command line (``kvserve.entrypoints.cli``)."""

@@ -1,0 +1,336 @@
+"""The ``kvserve`` command line.
+
+Subcommands::
+
+    kvserve generate [MODEL] --prompt TEXT [--prompt TEXT ...] [--chat] [sampling flags] [engine flags]
+    kvserve chat [MODEL] [--system TEXT] [sampling flags] [engine flags]
+    kvserve bench throughput [MODEL] [workload flags] [engine flags]
+
+Every subcommand that builds an engine gets every ``EngineArgs`` field as a flag, generated
+from the dataclass (``add_engine_args``): ``--kebab-case`` names, help text and choices from
+the field metadata, ``--flag/--no-flag`` for booleans, ``MODEL`` as an optional positional.
+
+Adding a subcommand (e.g. ``serve``) is one function: write ``_register_serve(subparsers)``
+that adds a parser and ``set_defaults(func=...)``, and append it to ``SUBCOMMANDS``. The
+``func`` gets the parsed namespace and returns an exit status (int) or None (= 0).
+
+Errors the engine raises for bad input (``ValueError``, ``FileNotFoundError``) are printed
+as one line ``error: ...`` on stderr and the process exits with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import Any, Callable, Optional, Sequence
+
+from kvserve.config import EngineArgs
+
+#: Exit status for usage errors and engine errors caused by the user's input.
+EXIT_USAGE = 2
+
+
+# --------------------------------------------------------------------------- engine flags
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """Return ``(inner_type, is_optional)`` for ``Optional[X]`` / ``X | None``; else ``(tp, False)``."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _escape(text: str) -> str:
+    """Escape ``%`` for argparse help strings (they are %-formatted)."""
+    return text.replace("%", "%%")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per ``EngineArgs`` field to ``parser`` (in an "engine arguments" group).
+
+    * ``model`` (metadata ``positional=True``) becomes an optional positional ``MODEL``.
+    * ``foo_bar`` becomes ``--foo-bar`` with ``dest="foo_bar"`` and the dataclass default.
+    * ``bool`` fields use ``argparse.BooleanOptionalAction`` (``--flag`` / ``--no-flag``).
+    * ``Optional[int]`` / ``float`` / ``str`` fields are parsed with that type; metadata
+      ``choices`` are enforced by argparse.
+
+    Returns the parser, for chaining.
+    """
+    hints = typing.get_type_hints(EngineArgs)
+    group = parser.add_argument_group("engine arguments", "Flags of kvserve.config.EngineArgs.")
+    for f in fields(EngineArgs):
+        meta = f.metadata
+        default = f.default if f.default is not MISSING else None
+        help_text = _escape(meta.get("help", ""))
+        tp, _optional = _unwrap_optional(hints[f.name])
+        if meta.get("positional"):
+            parser.add_argument(
+                f.name, nargs="?", default=default, metavar=f.name.upper(),
+                help=help_text,
+            )
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
+        if tp is bool:
+            action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            if tp in (int, float, str):
+                kwargs["type"] = tp
+            if "choices" in meta:
+                kwargs["choices"] = list(meta["choices"])
+            action = group.add_argument(flag, **kwargs)
+        if default is not None and "default" not in (action.help or "").lower():
+            action.help = (action.help or "") + " (default: %(default)s)"
+    return parser
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
+    """Pick the ``EngineArgs`` fields out of a parsed namespace.
+
+    Returns a dict ``{field_name: value}`` for every EngineArgs field present in ``ns``,
+    ready for ``LLM(**engine_args)`` / ``EngineArgs(**engine_args)``. Other attributes
+    (sampling or workload flags, ``func``) are left out.
+    """
+    return {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+
+
+# --------------------------------------------------------------------------- sampling flags
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> argparse.ArgumentParser:
+    """Add the per-request sampling flags (``kvserve.SamplingParams`` fields) to ``parser``.
+
+    ``max_tokens`` is this subcommand's default for ``--max-tokens`` (new tokens per reply).
+    The sampling RNG follows the engine's ``--seed``.
+    """
+    g = parser.add_argument_group("sampling arguments", "Fields of kvserve.SamplingParams.")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="Most new tokens per completion (default: %(default)s).")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="EOS and stop tokens are suppressed before this many new tokens (default: %(default)s).")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature; 0 is greedy (default: %(default)s).")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="Nucleus sampling: keep the smallest set of tokens with this total probability (default: %(default)s).")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="Keep the k most likely tokens; 0 or -1 disables (default: %(default)s).")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="Drop tokens with probability below min_p * p_max (default: %(default)s).")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="Multiplicative penalty on prompt and output tokens, > 0 (default: %(default)s).")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="Additive penalty in [-2, 2] on tokens already in the output (default: %(default)s).")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="Additive penalty in [-2, 2] per occurrence in the output (default: %(default)s).")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="Stop string (repeatable); not included in the output.")
+    g.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
+    g.add_argument("--n", type=int, default=1, help="Completions per prompt (default: %(default)s).")
+    return parser
+
+
+def sampling_params_from_namespace(ns: argparse.Namespace):
+    """Build a ``kvserve.SamplingParams`` from the flags of ``add_sampling_args``.
+
+    Raises ValueError (from SamplingParams) on out-of-range values.
+    """
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
+        repetition_penalty=ns.repetition_penalty, max_tokens=ns.max_tokens,
+        min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )
+
+
+def make_llm(engine_args: dict[str, Any]):
+    """Build the offline engine: ``kvserve.LLM(**engine_args)``. Tests monkeypatch this."""
+    from kvserve import LLM
+
+    return LLM(**engine_args)
+
+
+# --------------------------------------------------------------------------- generate
+
+def _register_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate", help="Complete prompts and print the completions.",
+        description="Complete one or more prompts in one batch and print the completions.",
+    )
+    p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                   help="Prompt text (repeatable; all prompts run as one batch).")
+    p.add_argument("--chat", action="store_true",
+                   help="Treat each prompt as a user message and apply the model's chat template.")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="System message for --chat.")
+    add_sampling_args(p, max_tokens=128)
+    add_engine_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    """``kvserve generate``: run the prompts as one batch, print each prompt and completion."""
+    sp = sampling_params_from_namespace(ns)
+    llm = make_llm(engine_args_from_namespace(ns))
+    if ns.chat:
+        convs = []
+        for text in ns.prompt:
+            conv = [{"role": "system", "content": ns.system}] if ns.system else []
+            conv.append({"role": "user", "content": text})
+            convs.append(conv)
+        outs = llm.chat(convs, sampling_params=sp)
+    else:
+        if ns.system:
+            raise ValueError("--system needs --chat")
+        outs = llm.generate(ns.prompt, sampling_params=sp)
+    for i, (text, out) in enumerate(zip(ns.prompt, outs)):
+        print(f"=== prompt {i} ===")
+        print(text)
+        for comp in out.outputs:
+            tag = f"completion {comp.index}" if len(out.outputs) > 1 else "completion"
+            print(f"--- {tag} ({len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}) ---")
+            print(comp.text)
+    sys.stdout.flush()
+    return 0
+
+
+# --------------------------------------------------------------------------- chat
+
+def _register_chat(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "chat", help="Interactive chat (reads stdin lines, streams replies).",
+        description=(
+            "Chat with the model. Each stdin line is a user message; the reply streams token by "
+            "token and the conversation history is kept. '/exit' or EOF quits, '/reset' clears "
+            "the history. Works with piped input: echo 'Hi' | kvserve chat"
+        ),
+    )
+    p.add_argument("--system", default=None, metavar="TEXT", help="System message.")
+    add_sampling_args(p, max_tokens=512)
+    add_engine_args(p)
+    p.set_defaults(func=run_chat)
+
+
+def chat_loop(llm, sampling_params, system: Optional[str], stdin=None, stdout=None) -> list[dict]:
+    """Read user lines from ``stdin`` until EOF or ``/exit``; stream each reply to ``stdout``.
+
+    Shows a ``>>>`` prompt only when ``stdin`` is a TTY, so piped input gives clean output.
+    Ctrl-C during a reply stops that reply (the partial text is kept in the history);
+    Ctrl-C at the prompt quits. Returns the final message history.
+    """
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    interactive = bool(getattr(stdin, "isatty", lambda: False)())
+    base = [{"role": "system", "content": system}] if system else []
+    history = list(base)
+    if interactive:
+        print("kvserve chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
+              file=sys.stderr)
+    while True:
+        if interactive:
+            stdout.write(">>> ")
+            stdout.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            stdout.write("\n")
+            break
+        if not line:  # EOF
+            if interactive:
+                stdout.write("\n")
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            history = list(base)
+            continue
+        history.append({"role": "user", "content": text})
+        reply = []
+        try:
+            for delta in llm.stream_chat(history, sampling_params):
+                reply.append(delta)
+                stdout.write(delta)
+                stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        stdout.write("\n")
+        stdout.flush()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return history
+
+
+def run_chat(ns: argparse.Namespace) -> int:
+    """``kvserve chat``: build the engine and run ``chat_loop`` on stdin/stdout."""
+    sp = sampling_params_from_namespace(ns)
+    llm = make_llm(engine_args_from_namespace(ns))
+    chat_loop(llm, sp, ns.system)
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+def _register_bench(subparsers: argparse._SubParsersAction) -> None:
+    from kvserve.bench import BENCH_SUBCOMMANDS
+
+    p = subparsers.add_parser("bench", help="Benchmarks (throughput).",
+                              description="Benchmarks of the engine.")
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for register in BENCH_SUBCOMMANDS:
+        register(sub)
+
+
+# --------------------------------------------------------------------------- main
+
+#: One registration function per subcommand; each adds its parser and sets ``func``.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _register_generate,
+    _register_chat,
+    _register_bench,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``kvserve`` parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="kvserve: a small LLM inference engine built around the KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in SUBCOMMANDS:
+        register(sub)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point. Returns the exit status (0 ok, 2 usage/engine input error, 130 Ctrl-C)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)  # argparse exits 2 itself on bad flags
+    ns.command_line = shlex.join(["kvserve", *argv])
+    try:
+        rc = ns.func(ns)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stdout.flush()
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    return 0 if rc is None else int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

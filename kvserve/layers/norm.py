@@ -1,0 +1,40 @@
+"""RMSNorm with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in float32 like HF.
+
+    Args:
+        hidden_size: size of the normalized (last) dim.
+        eps: variance epsilon.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        # HF casts back to the input dtype before scaling by the weight.
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x ``[..., hidden]``.
+
+        Without ``residual`` returns the normed ``x``. With ``residual`` (same shape) returns
+        ``(norm(x + residual), x + residual)``: the sum is the new residual stream.
+        """
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual

@@ -1,0 +1,158 @@
+"""Find models on disk and load configs, tokenizers and weights (safetensors, GGUF, dummy).
+
+Nothing here ever contacts the HF hub: every path must exist locally.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.model_loader.default_model import default_model_path
+from kvserve.model_loader.dummy_loader import init_dummy_weights
+from kvserve.model_loader.gguf_loader import iterate_gguf, load_gguf_config
+from kvserve.model_loader.hf_loader import iterate_safetensors
+
+__all__ = ["resolve_model", "load_hf_config", "get_model", "get_tokenizer"]
+
+_LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# GGUF-derived configs carry no `architectures`; infer it from model_type.
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _single_gguf_in(directory: str) -> str | None:
+    files = sorted(glob.glob(os.path.join(directory, "*.gguf")))
+    return files[0] if len(files) == 1 else None
+
+
+def resolve_model(model: str | None, load_format: str) -> tuple[str, str]:
+    """Resolve a user model argument to ``(path, load_format)``.
+
+    ``model``: None (the embedded SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, an HF
+    directory with ``config.json`` or, for ``dummy``, a ``config.json`` file (its
+    directory is returned). ``load_format``: auto | safetensors | gguf | dummy; the
+    returned one is never ``auto``. A ``.gguf`` path may also be used with ``dummy``.
+
+    Raises FileNotFoundError for a missing path (no hub lookups are made) or a missing
+    default package, ValueError for a format that does not fit the path.
+    """
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
+    if model is None:
+        path = default_model_path()
+        return path, "dummy" if load_format == "dummy" else _check(path, "gguf", load_format)
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; kvserve only loads local HF directories "
+            "or .gguf files (it never downloads from the hub)"
+        )
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return path, "dummy" if load_format == "dummy" else _check(path, "gguf", load_format)
+        if os.path.basename(path) == "config.json" and load_format == "dummy":
+            return os.path.dirname(path), "dummy"
+        raise ValueError(f"{model!r} is a file but not a .gguf (pass an HF model directory instead)")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if load_format == "dummy":
+            return path, "dummy"
+        if load_format == "gguf":
+            gguf = _single_gguf_in(path)
+            if gguf is None:
+                raise ValueError(f"load_format=gguf but {model!r} holds no single .gguf file")
+            return gguf, "gguf"
+        return path, "safetensors"
+    gguf = _single_gguf_in(path)
+    if gguf is not None:
+        return gguf, "dummy" if load_format == "dummy" else _check(gguf, "gguf", load_format)
+    raise FileNotFoundError(f"{model!r} has neither config.json nor a single .gguf file")
+
+
+def _check(path: str, fmt: str, requested: str) -> str:
+    if requested not in ("auto", fmt):
+        raise ValueError(f"{path} is a {fmt} model but load_format={requested!r}")
+    return fmt
+
+
+def load_hf_config(path: str, load_format: str) -> Any:
+    """The ``transformers.PretrainedConfig`` of a resolved model.
+
+    ``path``/``load_format`` as returned by ``resolve_model``. Reads ``config.json`` or the
+    GGUF metadata; ``architectures`` is filled from ``model_type`` when absent.
+    Raises ValueError("... is not a valid GGUF file ...: <reason>") on a corrupt GGUF.
+    """
+    from transformers import AutoConfig
+
+    if path.endswith(".gguf") and os.path.isfile(path):
+        config = load_gguf_config(path)
+    else:
+        config = AutoConfig.from_pretrained(path)
+    if not getattr(config, "architectures", None) and config.model_type in _ARCH_BY_MODEL_TYPE:
+        config.architectures = [_ARCH_BY_MODEL_TYPE[config.model_type]]
+    return config
+
+
+def _rebuild_buffers(model: nn.Module) -> None:
+    from kvserve.layers.rotary import RotaryEmbedding
+
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.build_cache()
+
+
+def get_model(model_config: Any, device: str) -> nn.Module:
+    """Build the model for ``model_config`` (a ``kvserve.config.ModelConfig``) and load its weights.
+
+    Parameters are allocated directly on ``device`` in ``model_config.dtype`` (no CPU
+    init pass), then filled from safetensors, GGUF (dequantized) or random (dummy,
+    seeded by ``model_config.seed``). Returns the model in eval mode.
+    Raises ValueError for an unsupported architecture or a checkpoint that does not match.
+    """
+    from kvserve.models.registry import get_model_class
+
+    dtype = getattr(torch, model_config.dtype)
+    hf_config = model_config.hf_config or load_hf_config(model_config.model, model_config.load_format)
+    cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, dtype)
+    model = model.to_empty(device=device)
+    _rebuild_buffers(model)  # meta construction left non-persistent buffers empty
+    fmt = model_config.load_format
+    if fmt == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    elif fmt == "gguf":
+        model.load_weights(iterate_gguf(model_config.model, hf_config))
+    elif fmt == "safetensors":
+        model.load_weights(iterate_safetensors(model_config.model))
+    else:
+        raise ValueError(f"unresolved load_format {fmt!r}; call resolve_model first")
+    return model.eval()
+
+
+def get_tokenizer(model_path: str, load_format: str, tokenizer: str | None = None) -> Any:
+    """A ``transformers`` tokenizer (with the chat template when the model ships one).
+
+    ``tokenizer`` (a directory or ``.gguf``) overrides ``model_path``. GGUF files are read
+    with ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``. Nothing is cached.
+    Raises FileNotFoundError if the path does not exist.
+    """
+    from transformers import AutoTokenizer
+
+    path = os.path.abspath(os.path.expanduser(tokenizer or model_path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+        path = os.path.dirname(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        d, name = os.path.split(path)
+        return AutoTokenizer.from_pretrained(d, gguf_file=name)
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,210 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged attention layer.
+
+One implementation covers the four: Qwen2 adds q/k/v bias, Qwen3 adds per-head q/k
+RMSNorm before rope, Mistral may set a sliding window. Projections are packed
+(``qkv_proj``, ``gate_up_proj``); ``load_weights`` packs HF checkpoint tensors into them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from kvserve.layers.activation import SiluAndMul
+from kvserve.layers.attention import Attention
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding, get_rope_params
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:  # Qwen2/3: only layers marked sliding use the window
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype)
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's children
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx,
+            _layer_sliding_window(cfg, layer_idx),
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.rotary_emb = RotaryEmbedding(_head_dim(cfg), max_pos, get_rope_params(cfg))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.rotary_emb, dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# HF checkpoint name suffix -> (our packed param, shard index within it).
+_PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_PACKED_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM for Llama / Mistral / Qwen2 / Qwen3 HF configs.
+
+    Args:
+        hf_config: a transformers config of one of those model types.
+        dtype: parameter dtype (the rotary cos/sin cache stays float32).
+    """
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: ``[T]`` int64 -> final-normed hidden ``[T, hidden]`` in the model dtype.
+
+        Must run inside ``kvserve.attention.forward_context.forward_context(...)``.
+        """
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    def _split_sizes(self, packed: str) -> list[int]:
+        if packed == "qkv_proj":
+            a = self.model.layers[0].self_attn
+            return [a.q_size, a.kv_size, a.kv_size]
+        inter = self.config.intermediate_size
+        return [inter, inter]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (e.g. ``model.layers.0.self_attn.q_proj.weight``) into the model.
+
+        q/k/v and gate/up are packed into ``qkv_proj`` / ``gate_up_proj``. ``rotary_emb.inv_freq``
+        is ignored, and so is ``lm_head.weight`` when embeddings are tied.
+
+        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
+        """
+        params = dict(self.named_parameters())
+        # Each packed param must receive all of its shards; count them.
+        expected: dict[str, int] = {}
+        for name in params:
+            for packed, n in (("qkv_proj", 3), ("gate_up_proj", 2)):
+                if f".{packed}." in name:
+                    expected[name] = n
+        seen: dict[str, set] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            m = _PACKED_RE.match(name)
+            if m:
+                packed, shard = _PACKED[m.group(2)]
+                target = f"{m.group(1)}.{packed}.{m.group(3)}"
+                if target not in params:
+                    raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
+                sizes = self._split_sizes(packed)
+                dst = params[target].narrow(0, sum(sizes[:shard]), sizes[shard])
+            else:
+                target, shard = name, 0
+                if target not in params:
+                    raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
+                dst = params[target]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            seen.setdefault(target, set()).add(shard)
+        missing = [n for n in params if len(seen.get(n, ())) < expected.get(n, 1)]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

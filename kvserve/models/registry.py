@@ -1,0 +1,41 @@
+"""Map HF ``architectures`` names to kvserve model classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from kvserve.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    """Names of the HF architectures kvserve can run."""
+    return list(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The model class for ``hf_config.architectures``.
+
+    Raises ValueError (naming the supported list) when none of them is supported.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:  # GGUF-derived configs have no architectures; go by model_type
+        archs = [_BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None), "")]
+    for arch in archs:
+        if arch in _MODELS:
+            return _MODELS[arch]
+    raise ValueError(
+        f"unsupported model architectures {archs}; supported: {', '.join(_MODELS)}"
+    )

@@ -1,0 +1,108 @@
+"""Request state as the scheduler and the model runner see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    Phase-free: a request only knows ``num_tokens`` (prompt + output so far) and
+    ``num_computed_tokens`` (tokens whose KV is in the cache). Each step the scheduler
+    gives it some of the difference to compute.
+
+    Attributes:
+        request_id: unique string.
+        prompt_token_ids: list[int], never empty.
+        output_token_ids: list[int] sampled so far.
+        num_computed_tokens: tokens whose KV is written in the paged cache.
+        priority: lower value is served first under ``--scheduling-policy priority``.
+        arrival_time: seconds (time.time()) when the request arrived.
+        generator: a torch.Generator for seeded sampling (set by the model runner).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        eos_token_id: Optional[int] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (first schedule)
+        self.first_token_time: Optional[float] = None
+        self.first_scheduled_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+        self.generator = None
+        # Sampled logprobs, one entry per output token: dict token_id -> (logprob, rank).
+        self.logprobs: list[dict[int, tuple[float, int]]] = []
+        # Block hashes of the full blocks of all_token_ids (prefix cache keys).
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return _FINISH_REASON.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )
