@@ -127,7 +127,7 @@ class EngineArgs:
         dtype = self.dtype
         if dtype == "auto":
             # CPU matmuls are fastest and exact in float32; on GPU use the checkpoint's 16-bit type.
-            cfg_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "")
+            cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
             if device == "cpu":
                 dtype = "float32"
             else:

