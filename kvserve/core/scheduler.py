@@ -243,14 +243,15 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
         n_out = req.num_output_tokens
+        # Length first, as vLLM does: a stop token that is also the last allowed one reads "length".
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and tok == req.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
             if tok in sp.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
         return None
 
     def get_stats(self) -> SchedulerStats:

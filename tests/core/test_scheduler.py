@@ -312,6 +312,26 @@ def test_no_admission_in_a_step_that_preempts():
     assert_all_free(s)
 
 
+def test_two_victims_in_one_step_keep_arrival_order_in_waiting():
+    s = make(num_blocks=4, block_size=4)  # 3 usable blocks
+    a, b, c = (mkreq(k, range(10 * i, 10 * i + 4), max_tokens=3, arrival=float(i + 1))
+               for i, k in enumerate("abc"))
+    for r in (a, b, c):
+        s.add_request(r)
+    assert pairs(step(s)) == [("a", 4), ("b", 4), ("c", 4)]
+    sched = step(s)
+    # a takes c's block; b then needs one too, and is itself the worst left.
+    assert pairs(sched) == [("a", 1)]
+    assert sched.preempted == [c, b]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    assert s.running == [a]
+    assert (b.num_computed_tokens, c.num_computed_tokens) == (0, 0)
+    assert s.get_stats().num_preemptions == 2
+    run_to_end(s)
+    assert [r.num_output_tokens for r in (a, b, c)] == [3, 3, 3]
+    assert_all_free(s)
+
+
 # ---- stop rules ------------------------------------------------------------------------------------
 
 
@@ -456,8 +476,9 @@ def test_random_workload(data):
     # and without chunking a (re)admission of that many tokens must fit the budget.
     max_total = min((num_blocks - 1) * bs, 16)
     budget = data.draw(st.integers(1 if chunked else max_total, 20), label="budget")
+    caching = data.draw(st.booleans(), label="caching")
     s = make(num_blocks=num_blocks, block_size=bs, max_num_seqs=max_num_seqs, budget=budget,
-             max_model_len=64, chunked=chunked, policy=policy)
+             max_model_len=64, chunked=chunked, policy=policy, caching=caching)
     bases = [[100 * k + i for i in range(16)] for k in range(3)]
     # "pressure": several short prompts with long outputs, so running requests outgrow the pool.
     pressure = data.draw(st.booleans(), label="pressure")
@@ -549,6 +570,9 @@ def test_random_workload(data):
             assert r.status == RequestStatus.FINISHED_LENGTH
             assert r.num_output_tokens == sp["max_tokens"]
     assert s.requests == {}
+    if not caching:
+        assert s.prefix_cache_hits == 0 and s.kv.pool.cached == {}
+    assert 0 <= s.prefix_cache_hits <= s.prefix_cache_queries
     assert s.num_preemptions == sum(r.num_preemptions for r in reqs.values())
     assert s.kv.pool.get_num_free_blocks() == s.kv.pool.num_usable_blocks
     _check_blocks(s)
