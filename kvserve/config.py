@@ -41,12 +41,12 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelConfig:
     model: Optional[str]  # resolved path (HF dir or .gguf file)
     tokenizer: Optional[str]
-    skip_tokenizer_init: bool
     dtype: str  # resolved torch dtype name: float32 | float16 | bfloat16
     load_format: str  # auto | safetensors | gguf | dummy
     max_model_len: int
     seed: int
     hf_config: Any = None  # transformers.PretrainedConfig
+    skip_tokenizer_init: bool = False
 
 
 @dataclass

@@ -37,11 +37,13 @@ def gather_kv(
 
     Returns K and V of shape ``[num_reqs, num_blocks * block_size, num_kv_heads, head_size]``.
     """
-    bt = block_tables[:, :num_blocks].long()
-    k = kv_cache[0][bt]  # [R, nb, bs, hkv, d]
-    v = kv_cache[1][bt]
-    r, nb, bs, hkv, d = k.shape
-    return k.reshape(r, nb * bs, hkv, d), v.reshape(r, nb * bs, hkv, d)
+    r = block_tables.shape[0]
+    _, _, bs, hkv, d = kv_cache.shape
+    idx = block_tables[:, :num_blocks].reshape(-1).long()
+    # index_select copies whole blocks; several times faster than advanced indexing on the CPU.
+    k = kv_cache[0].index_select(0, idx).view(r, num_blocks * bs, hkv, d)
+    v = kv_cache[1].index_select(0, idx).view(r, num_blocks * bs, hkv, d)
+    return k, v
 
 
 class TorchRefBackend(AttentionBackend):

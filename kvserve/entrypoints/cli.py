@@ -102,10 +102,12 @@ def engine_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- sampling flags
 
-def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> argparse.ArgumentParser:
+def add_sampling_args(
+    parser: argparse.ArgumentParser, *, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0
+) -> argparse.ArgumentParser:
     """Add the per-request sampling flags (``kvserve.SamplingParams`` fields) to ``parser``.
 
-    ``max_tokens`` is this subcommand's default for ``--max-tokens`` (new tokens per reply).
+    ``max_tokens``, ``temperature`` and ``top_p`` are this subcommand's defaults.
     The sampling RNG follows the engine's ``--seed``.
     """
     g = parser.add_argument_group("sampling arguments", "Fields of kvserve.SamplingParams.")
@@ -113,9 +115,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> ar
                    help="Most new tokens per completion (default: %(default)s).")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="EOS and stop tokens are suppressed before this many new tokens (default: %(default)s).")
-    g.add_argument("--temperature", type=float, default=1.0,
+    g.add_argument("--temperature", type=float, default=temperature,
                    help="Sampling temperature; 0 is greedy (default: %(default)s).")
-    g.add_argument("--top-p", type=float, default=1.0,
+    g.add_argument("--top-p", type=float, default=top_p,
                    help="Nucleus sampling: keep the smallest set of tokens with this total probability (default: %(default)s).")
     g.add_argument("--top-k", type=int, default=0,
                    help="Keep the k most likely tokens; 0 or -1 disables (default: %(default)s).")
@@ -212,7 +214,8 @@ def _register_chat(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--system", default=None, metavar="TEXT", help="System message.")
-    add_sampling_args(p, max_tokens=512)
+    # Small instruct models ramble at temperature 1; SmolLM2's card suggests 0.2 / 0.9.
+    add_sampling_args(p, max_tokens=512, temperature=0.2, top_p=0.9)
     add_engine_args(p)
     p.set_defaults(func=run_chat)
 
