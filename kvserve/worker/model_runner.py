@@ -93,7 +93,6 @@ class ModelRunner:
         nb = -(-t // self.block_size) + 1
         scratch = [torch.zeros(self.backend.kv_cache_shape(nb, self.block_size, self.num_kv_heads, self.head_dim),
                                dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
-        scratch_bytes = sum(s.numel() * s.element_size() for s in scratch)
         base = torch.cuda.memory_allocated()
         # One request per max_model_len tokens.
         lens = [min(sc.max_model_len, t - s) for s in range(0, t, sc.max_model_len)]
@@ -116,7 +115,6 @@ class ModelRunner:
             total / 2**30, self.config.cache_config.gpu_memory_utilization, budget / 2**30,
             used_now / 2**30, peak_act / 2**30, kv_bytes / 2**30,
         )
-        del scratch_bytes
         return max(kv_bytes, 0)
 
     def _dummy_batch(self, lens: list[int]):
