@@ -9,19 +9,25 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 from kvserve.config import EngineArgs, EngineConfig
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.input_processor import (
+    PromptType,
+    log_stats_line,
+    make_child_requests,
+    resolve_eos_token_id,
+    tokenize_prompt,
+    validate_request,
+)
 from kvserve.engine.output_processor import OutputProcessor, ParentState
 from kvserve.model_loader import get_tokenizer
 from kvserve.outputs import RequestOutput
-from kvserve.request import Request, RequestStatus
+from kvserve.request import RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
-
-PromptType = Union[str, list[int]]
 
 
 @dataclass
@@ -51,11 +57,7 @@ class LLMEngine:
         self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.model, mc.load_format, mc.tokenizer)
         self.engine_core = EngineCore(config, max_model_len_explicit)
         self.vocab_size = mc.hf_config.vocab_size
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if eos is None:
-            eos = getattr(mc.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.eos_token_id: Optional[int] = eos
+        self.eos_token_id: Optional[int] = resolve_eos_token_id(self.tokenizer, mc.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._counter = itertools.count()
@@ -73,13 +75,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("a prompt must be a string or a list of token ids (ints)")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(
         self,
@@ -96,33 +92,13 @@ class LLMEngine:
                 max_model_len, or bad sampling parameters. Nothing is queued then.
         """
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling params must be a SamplingParams")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
         text, ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) is longer than max_model_len ({self.max_model_len} tokens)"
-            )
-        if not isinstance(priority, int):
-            raise ValueError("priority must be an integer")
+        validate_request(ids, params, priority, self.vocab_size, self.max_model_len, self.tokenizer is not None)
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} already exists")
         arrival = time.time() if arrival_time is None else arrival_time
-        children = []
-        for k in range(params.n):
-            child_params = params.clone(n=1)
-            if params.n > 1 and params.seed is not None:
-                child_params.seed = params.seed + k  # siblings must differ
-            child_id = request_id if params.n == 1 else f"{request_id}#{k}"
-            children.append(Request(child_id, ids, child_params, arrival, priority, self.eos_token_id))
+        children = make_child_requests(request_id, ids, params, arrival, priority, self.eos_token_id)
         self.output_processor.add(ParentState(request_id, text, ids), children)
         for child in children:
             self.engine_core.add_request(child)
@@ -172,12 +148,9 @@ class LLMEngine:
         dt = now - self._last_log
         if self.config.disable_log_stats or dt < self.config.log_stats_interval:
             return
-        hit = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-            "Preemptions: %d",
+        log_stats_line(
             (s.num_prompt_tokens - self._last_prompt) / dt, (s.num_generation_tokens - self._last_gen) / dt,
-            s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * hit, s.num_preemptions,
+            s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
+            s.num_preemptions,
         )
         self._last_log, self._last_prompt, self._last_gen = now, s.num_prompt_tokens, s.num_generation_tokens

@@ -5,6 +5,7 @@ Subcommands::
     kvserve generate [MODEL] --prompt TEXT [--prompt TEXT ...] [--chat] [sampling flags] [engine flags]
     kvserve chat [MODEL] [--system TEXT] [sampling flags] [engine flags]
     kvserve bench throughput [MODEL] [workload flags] [engine flags]
+    kvserve serve [MODEL] [--host H] [--port P] [--api-key KEY] [engine flags]
 
 Every subcommand that builds an engine gets every ``EngineArgs`` field as a flag, generated
 from the dataclass (``add_engine_args``): ``--kebab-case`` names, help text and choices from
@@ -291,6 +292,14 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         register(sub)
 
 
+# --------------------------------------------------------------------------- serve
+
+def _register_serve(subparsers: argparse._SubParsersAction) -> None:
+    from kvserve.entrypoints.openai import register_serve_parser
+
+    register_serve_parser(subparsers)
+
+
 # --------------------------------------------------------------------------- main
 
 #: One registration function per subcommand; each adds its parser and sets ``func``.
@@ -298,6 +307,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_generate,
     _register_chat,
     _register_bench,
+    _register_serve,
 ]
 
 

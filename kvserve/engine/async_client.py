@@ -1,0 +1,503 @@
+"""AsyncLLM: the frontend side of the engine for the API server.
+
+Owns the tokenizer and the ``OutputProcessor`` (detokenization, stop strings, ``n``
+fan-in) and talks to an ``EngineCore`` in a child process (``core_proc``) over zmq:
+
+* ``generate(...)`` tokenizes and validates, fans ``n`` out into child requests
+  ``"{id}#{k}"`` (seed + k), sends them, and yields ``RequestOutput``s as tokens arrive.
+* one asyncio task reads ``StepOutputs`` and wakes the per-request waiters.
+* if the child process dies, every waiter and every new call gets ``EngineDeadError`` at once.
+
+Needs ``pyzmq`` and ``msgspec`` (server-only dependencies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from kvserve.config import EngineArgs
+from kvserve.engine.input_processor import (
+    PromptType,
+    log_stats_line,
+    make_child_requests,
+    resolve_eos_token_id,
+    tokenize_prompt,
+    validate_request,
+)
+from kvserve.engine.output_processor import OutputProcessor, ParentState
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+
+_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+           "abort": RequestStatus.FINISHED_ABORTED}
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone (crashed, killed) or the engine was shut down."""
+
+
+class StatLogger:
+    """Hooks AsyncLLM calls with what it observes (no-op base; see kvserve.metrics).
+
+    Times are seconds.
+    """
+
+    def on_step(self, stats: Any, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """After every StepOutputs: scheduler stats and tokens computed in that step."""
+
+    def on_first_token(self, ttft_s: float) -> None:
+        """A completion got its first token, ``ttft_s`` after its arrival."""
+
+    def on_inter_token(self, itl_s: float) -> None:
+        """A completion got a token ``itl_s`` after its previous one."""
+
+    def on_finished(self, finish_reason: str, e2e_s: float, queue_s: Optional[float],
+                    num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """A completion finished ("stop" | "length" | "abort")."""
+
+
+@dataclass
+class _ChildTimes:
+    last_token: Optional[float] = None
+    recorded: bool = False
+
+
+@dataclass
+class _ReqState:
+    parent: ParentState
+    delta: bool
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Optional[BaseException] = None
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_logprobs: list[int] = field(default_factory=list)
+    finish_sent: list[bool] = field(default_factory=list)
+    times: list[_ChildTimes] = field(default_factory=list)
+
+
+class AsyncLLM:
+    """Async engine client. Build with ``await AsyncLLM.from_engine_args(args)``.
+
+    Attributes (after start): ``tokenizer`` (transformers tokenizer or None),
+    ``max_model_len`` (tokens, as the core sized it), ``vocab_size``, ``eos_token_id``,
+    ``model_path``, ``proc`` (the child ``multiprocessing.Process``), ``errored``
+    (the exception that killed the engine, or None), ``last_stats`` (latest scheduler stats).
+    """
+
+    def __init__(self, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None) -> None:
+        self.engine_args = engine_args
+        self.stat_logger = stat_logger or StatLogger()
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_id: Optional[int] = None
+        self.model_path: Optional[str] = None
+        self.proc: Optional[multiprocessing.process.BaseProcess] = None
+        self.errored: Optional[BaseException] = None
+        self.last_stats = None
+        self.output_processor: Optional[OutputProcessor] = None
+        self._states: dict[str, _ReqState] = {}
+        self._closing = False
+        self._out_task: Optional[asyncio.Task] = None
+        self._addrs: tuple[str, str] = ("", "")
+        self._log_interval = engine_args.log_stats_interval
+        self._log_last = time.monotonic()
+        self._log_tokens = [0, 0]
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    async def from_engine_args(cls, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None,
+                               startup_timeout: float = 900.0) -> "AsyncLLM":
+        """Start the engine-core process and load the tokenizer; returns when the core is ready.
+
+        Raises:
+            ValueError / FileNotFoundError: bad flags or model (from the core or the frontend).
+            EngineDeadError: the core process died during start-up or did not get ready in time.
+        """
+        self = cls(engine_args, stat_logger)
+        await self._start(startup_timeout)
+        return self
+
+    async def _start(self, startup_timeout: float) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from kvserve.engine import ipc
+        from kvserve.engine.core_proc import run_engine_core
+        from kvserve.model_loader import get_tokenizer, resolve_model
+
+        args = self.engine_args
+        self.model_path, load_format = resolve_model(args.model, args.load_format)
+        in_addr, out_addr = self._addrs = ipc.make_ipc_paths()
+        self._sync_ctx = zmq.Context()
+        self._in_sock = self._sync_ctx.socket(zmq.PUSH)
+        self._in_sock.setsockopt(zmq.SNDHWM, 0)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.bind(in_addr)
+        self._async_ctx = zmq.asyncio.Context()
+        self._out_sock = self._async_ctx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.bind(out_addr)
+        self._encoder = ipc.input_encoder()
+        self._decoder = ipc.output_decoder()
+        mp = multiprocessing.get_context("spawn")
+        engine_kwargs = {name: getattr(args, name) for name in EngineArgs.field_names()}
+        self.proc = mp.Process(target=run_engine_core, args=(engine_kwargs, in_addr, out_addr),
+                               name="kvserve-engine-core", daemon=True)
+        self.proc.start()
+        tok_task = None
+        if not args.skip_tokenizer_init:
+            tok_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, self.model_path, load_format,
+                                                               args.tokenizer))
+        try:
+            ready = await self._wait_ready(startup_timeout)
+            if tok_task is not None:
+                self.tokenizer = await tok_task
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
+        self.num_blocks, self.block_size = ready.num_blocks, ready.block_size
+        cfg = None
+        if self.tokenizer is None or self.tokenizer.eos_token_id is None:
+            from kvserve.model_loader import load_hf_config
+
+            cfg = await asyncio.to_thread(load_hf_config, self.model_path, load_format)
+        self.eos_token_id = resolve_eos_token_id(self.tokenizer, cfg)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.proc.sentinel, self._on_proc_exit)
+        self._out_task = asyncio.create_task(self._output_loop(), name="kvserve-output-loop")
+
+    async def _wait_ready(self, timeout: float):
+        from kvserve.engine import ipc
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self._out_sock.poll(500):
+                msg = self._decoder.decode(await self._out_sock.recv())
+                if isinstance(msg, ipc.Ready):
+                    return msg
+                if isinstance(msg, ipc.StartupFailed):
+                    exc_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(
+                        msg.error_type, EngineDeadError)
+                    raise exc_type(msg.message)
+            elif not self.proc.is_alive():
+                raise EngineDeadError(f"the engine core process exited during start-up "
+                                      f"(exit code {self.proc.exitcode})")
+        raise EngineDeadError(f"the engine core did not get ready within {timeout:.0f} s")
+
+    def _on_proc_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        if not self._closing:
+            self.proc.join(0.1)
+            self._fail(EngineDeadError(f"the engine core process died (exit code {self.proc.exitcode})"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.errored is None:
+            if not self._closing:
+                logger.error("engine failed: %s", exc)
+            self.errored = exc
+        for st in self._states.values():
+            st.error = self.errored
+            st.event.set()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine core is alive and not shutting down."""
+        return (self.errored is None and not self._closing and self.proc is not None
+                and self.proc.is_alive())
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core (Shutdown message, then SIGTERM, then SIGKILL) and close sockets.
+
+        In-flight requests get ``EngineDeadError``. Safe to call twice.
+        """
+        if self._closing:
+            return
+        self._closing = True
+        from kvserve.engine import ipc
+
+        if self.proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+            except (ValueError, OSError, RuntimeError):
+                pass
+            if self.proc.is_alive():
+                self._send(ipc.Shutdown(), raise_dead=False)
+                await asyncio.to_thread(self.proc.join, timeout)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, 5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.join, 5)
+        self._fail(EngineDeadError("the engine was shut down"))
+        if self._out_task is not None:
+            self._out_task.cancel()
+        for name in ("_in_sock", "_out_sock"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        for name in ("_sync_ctx", "_async_ctx"):
+            ctx = getattr(self, name, None)
+            if ctx is not None:
+                ctx.term()
+        from kvserve.engine.ipc import cleanup_ipc_paths
+
+        cleanup_ipc_paths(*self._addrs)
+
+    # ------------------------------------------------------------------ IO
+    def _send(self, msg, raise_dead: bool = True) -> None:
+        import zmq
+
+        try:
+            self._in_sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # no peer: the core is gone
+            if raise_dead:
+                err = EngineDeadError(f"cannot reach the engine core ({exc})")
+                self._fail(err)
+                raise err from exc
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                frame = await self._out_sock.recv(copy=False)
+                msg = self._decoder.decode(frame.buffer)
+                try:
+                    self._process(msg)
+                except Exception:  # never let one bad update kill the loop silently
+                    logger.exception("error while processing engine outputs")
+                    raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(EngineDeadError(f"the engine output loop failed: {exc!r}"))
+
+    def _process(self, msg) -> None:
+        from kvserve.engine.ipc import AbortRequests, StepOutputs
+
+        if not isinstance(msg, StepOutputs):
+            return
+        now = time.time()
+        op = self.output_processor
+        updated: list[Request] = []
+        for o in msg.outputs:
+            entry = op.child_to_parent.get(o.request_id)
+            if entry is None:
+                continue
+            parent, seq = entry
+            if seq.finish_reason is not None:
+                continue
+            req = seq.request
+            for t in o.new_token_ids:
+                req.append_output_token(t)
+            if o.new_logprobs:
+                req.logprobs.extend(o.new_logprobs)
+            req.num_cached_tokens = o.num_cached_tokens
+            req.first_scheduled_time = o.first_scheduled_time
+            req.first_token_time = o.first_token_time
+            req.finished_time = o.finished_time
+            req.num_preemptions = o.num_preemptions
+            if o.finish_reason is not None:
+                req.status = _STATUS.get(o.finish_reason, RequestStatus.FINISHED_ABORTED)
+                req.stop_reason = o.stop_reason
+            updated.append(req)
+            if o.new_token_ids:
+                times = self._states[parent.request_id].times[seq.index]
+                if times.last_token is None:
+                    self.stat_logger.on_first_token(now - req.arrival_time)
+                else:
+                    self.stat_logger.on_inter_token((now - times.last_token) / len(o.new_token_ids))
+                times.last_token = now
+        parents, stopped = op.process(updated, detokenize_all=True)
+        if stopped:
+            self._send(AbortRequests(stopped), raise_dead=False)
+        for p in parents:
+            st = self._states.get(p.request_id)
+            if st is None:
+                continue
+            self._record_finished(st, now)
+            st.event.set()
+        self.last_stats = msg.stats
+        self.stat_logger.on_step(msg.stats, msg.num_prompt_tokens, msg.num_generation_tokens)
+        self._maybe_log(msg)
+
+    def _record_finished(self, st: _ReqState, now: float) -> None:
+        for seq, times in zip(st.parent.seqs, st.times):
+            if seq.finish_reason is None or times.recorded:
+                continue
+            times.recorded = True
+            req = seq.request
+            queue = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time else None
+            self.stat_logger.on_finished(seq.finish_reason, now - req.arrival_time, queue,
+                                         req.num_prompt_tokens, req.num_output_tokens)
+
+    def _maybe_log(self, msg) -> None:
+        self._log_tokens[0] += msg.num_prompt_tokens
+        self._log_tokens[1] += msg.num_generation_tokens
+        now = time.monotonic()
+        dt = now - self._log_last
+        if self.engine_args.disable_log_stats or dt < self._log_interval:
+            return
+        s = msg.stats
+        log_stats_line(self._log_tokens[0] / dt, self._log_tokens[1] / dt, s.num_running, s.num_waiting,
+                       s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions)
+        self._log_last, self._log_tokens = now, [0, 0]
+
+    # ------------------------------------------------------------------ requests
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` if the engine cannot take requests."""
+        if self.errored is not None:
+            raise EngineDeadError(str(self.errored))
+        if self._closing:
+            raise EngineDeadError("the engine is shutting down")
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """``(text or None, token ids)``; see ``input_processor.tokenize_prompt``."""
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    def validate(self, ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Raise ValueError for a bad prompt or parameters; see ``input_processor.validate_request``."""
+        validate_request(ids, params, priority, self.vocab_size, self.max_model_len, self.tokenizer is not None)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        *,
+        priority: int = 0,
+        delta: bool = False,
+        prompt_text: Optional[str] = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Generate ``sampling_params.n`` completions of one prompt, yielding as tokens arrive.
+
+        Args:
+            prompt: text (tokenized here, with BOS) or token ids.
+            request_id: unique id (default: a random one); children are ``"{id}#{k}"`` when n > 1.
+            priority: lower is served first under ``--scheduling-policy priority``.
+            delta: if True each yielded output holds only what is new since the previous one
+                (text, token_ids, logprobs per completion; completions with nothing new are left
+                out; ``finish_reason`` is set once); else each holds everything so far.
+            prompt_text: the text to report as ``RequestOutput.prompt`` for token-id prompts.
+
+        The last output has ``finished=True``. Leaving the iteration early (break, cancel,
+        client disconnect) aborts the request in the engine and frees its blocks.
+
+        Raises:
+            ValueError: invalid prompt or parameters (nothing is queued then).
+            EngineDeadError: the engine core died or is shutting down (raised at once).
+        """
+        self.check_alive()
+        params = sampling_params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params, priority)
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} already exists")
+        st = self._add(request_id, text if text is not None else prompt_text, ids, params, priority, delta)
+        finished = False
+        try:
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                if st.error is not None:
+                    raise st.error
+                finished = st.parent.finished
+                out = self._make_output(st)
+                if out is not None:
+                    yield out
+                if finished:
+                    return
+        finally:
+            if not finished and self.errored is None and not self._closing:
+                self._abort_children(st.parent)
+            self._states.pop(request_id, None)
+            self.output_processor.remove(st.parent)
+
+    def _add(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
+             priority: int, delta: bool) -> _ReqState:
+        from kvserve.engine.ipc import AddRequest, params_to_dict
+
+        arrival = time.time()
+        children = make_child_requests(request_id, ids, params, arrival, priority, self.eos_token_id)
+        parent = ParentState(request_id, text, ids)
+        self.output_processor.add(parent, children)
+        n = params.n
+        st = _ReqState(parent, delta, sent_tokens=[0] * n, sent_logprobs=[0] * n, finish_sent=[False] * n,
+                       times=[_ChildTimes() for _ in range(n)])
+        self._states[request_id] = st
+        try:
+            for c in children:
+                self._send(AddRequest(c.request_id, c.prompt_token_ids, params_to_dict(c.sampling_params),
+                                      arrival, priority, self.eos_token_id))
+        except BaseException:
+            self._states.pop(request_id, None)
+            self.output_processor.remove(parent)
+            raise
+        return st
+
+    def _make_output(self, st: _ReqState) -> Optional[RequestOutput]:
+        op = self.output_processor
+        full = op.make_output(st.parent)
+        if not st.delta:
+            return full
+        outs = []
+        for seq, co in zip(st.parent.seqs, full.outputs):
+            i = seq.index
+            text = op.take_delta(st.parent, i)
+            toks = co.token_ids[st.sent_tokens[i]:]
+            st.sent_tokens[i] = len(co.token_ids)
+            lps = None
+            if co.logprobs is not None:
+                lps = co.logprobs[st.sent_logprobs[i]:]
+                st.sent_logprobs[i] = len(co.logprobs)
+            fin = None
+            if co.finish_reason is not None and not st.finish_sent[i]:
+                fin = co.finish_reason
+                st.finish_sent[i] = True
+            if not text and not toks and fin is None:
+                continue
+            outs.append(CompletionOutput(i, text, toks, fin, co.stop_reason if fin else None, lps,
+                                         co.cumulative_logprob))
+        if not outs and not full.finished:
+            return None
+        full.outputs = outs
+        return full
+
+    def _abort_children(self, parent: ParentState) -> None:
+        from kvserve.engine.ipc import AbortRequests
+
+        ids = [s.request.request_id for s in parent.seqs if s.finish_reason is None]
+        for cid in ids:
+            self.output_processor.abort(cid)
+        if ids:
+            self._send(AbortRequests(ids), raise_dead=False)
+        st = self._states.get(parent.request_id)
+        if st is not None:
+            self._record_finished(st, time.time())
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (all its completions); its ``generate`` ends with finish_reason "abort".
+
+        Unknown or finished ids are ignored.
+        """
+        st = self._states.get(request_id)
+        if st is None:
+            return
+        self._abort_children(st.parent)
+        st.event.set()
+
+    def num_unfinished(self) -> int:
+        """Requests (parents) this client is still waiting on."""
+        return len(self._states)

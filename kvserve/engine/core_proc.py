@@ -1,0 +1,217 @@
+"""The engine-core process: ``EngineCore`` behind two zmq sockets.
+
+Started by ``AsyncLLM`` with multiprocessing *spawn*; ``run_engine_core`` is the target.
+The loop:
+
+1. If no request is unfinished, block on the input socket (waking every second to check
+   that the parent process still lives); else poll it without blocking.
+2. Drain every queued message: ``AddRequest`` -> ``EngineCore.add_request``,
+   ``AbortRequests`` -> ``EngineCore.abort_requests`` (frees blocks now), ``Shutdown``.
+3. If there is work, run one ``EngineCore.step()``.
+4. Send one ``StepOutputs`` (new tokens per request, finish reasons, timings, scheduler
+   stats) whenever a step ran or messages were handled, so gauges stay fresh after aborts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+logger = logging.getLogger("kvserve")
+
+#: Seconds the idle loop blocks before checking that its parent still lives.
+IDLE_POLL_S = 1.0
+
+
+class _Tracked:
+    __slots__ = ("request", "sent_tokens", "sent_logprobs")
+
+    def __init__(self, request) -> None:
+        self.request = request
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+
+
+def _token_output(t: _Tracked, finish_reason=None):
+    from kvserve.engine.ipc import TokenOutput
+
+    req = t.request
+    new = req.output_token_ids[t.sent_tokens:]
+    t.sent_tokens = len(req.output_token_ids)
+    lps = None
+    if req.sampling_params.logprobs is not None:
+        lps = req.logprobs[t.sent_logprobs:]
+        t.sent_logprobs = len(req.logprobs)
+    return TokenOutput(
+        request_id=req.request_id, new_token_ids=list(new), new_logprobs=lps,
+        finish_reason=finish_reason or req.finish_reason, stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
+        first_token_time=req.first_token_time, finished_time=req.finished_time,
+        num_preemptions=req.num_preemptions,
+    )
+
+
+class EngineCoreProc:
+    """Runs ``EngineCore`` against an input PULL and an output PUSH socket.
+
+    Args:
+        core: an ``EngineCore`` (anything with add_request / abort_requests / step /
+            has_unfinished_requests / scheduler.get_stats).
+        input_addr / output_addr: zmq addresses the frontend has bound.
+    """
+
+    def __init__(self, core: Any, input_addr: str, output_addr: str, ctx=None) -> None:
+        import zmq
+
+        from kvserve.engine import ipc
+
+        self.core = core
+        self.ctx = ctx or zmq.Context()
+        self.in_sock = self.ctx.socket(zmq.PULL)
+        self.in_sock.connect(input_addr)
+        self.out_sock = self.ctx.socket(zmq.PUSH)
+        self.out_sock.setsockopt(zmq.LINGER, 2000)
+        self.out_sock.setsockopt(zmq.SNDHWM, 0)  # never block on a slow frontend
+        self.out_sock.connect(output_addr)
+        self.decoder = ipc.input_decoder()
+        self.encoder = ipc.input_encoder()
+        self.tracked: dict[str, _Tracked] = {}
+        self.running = True
+        self._ppid = os.getppid()
+
+    def send(self, msg) -> None:
+        self.out_sock.send(self.encoder.encode(msg), copy=False)
+
+    def _handle(self, msg) -> None:
+        from kvserve.engine import ipc
+        from kvserve.request import Request
+
+        if isinstance(msg, ipc.AddRequest):
+            params = ipc.params_from_dict(msg.sampling_params)
+            req = Request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time, msg.priority,
+                          msg.eos_token_id)
+            self.core.add_request(req)
+            self.tracked[req.request_id] = _Tracked(req)
+        elif isinstance(msg, ipc.AbortRequests):
+            ids = [i for i in msg.request_ids if i in self.tracked]
+            if ids:
+                self.core.abort_requests(ids)
+            for i in ids:
+                self.tracked.pop(i, None)
+        elif isinstance(msg, ipc.Shutdown):
+            self.running = False
+
+    def _drain(self, block: bool) -> int:
+        """Handle every queued input message; returns how many. Blocks up to IDLE_POLL_S if asked."""
+        import zmq
+
+        n = 0
+        if block and not self.in_sock.poll(int(IDLE_POLL_S * 1000)):
+            return 0
+        while True:
+            try:
+                frame = self.in_sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            self._handle(self.decoder.decode(frame.buffer))
+            n += 1
+
+    def _stats(self):
+        from kvserve.engine.ipc import SchedulerStatsMsg
+
+        s = self.core.scheduler.get_stats()
+        return SchedulerStatsMsg(s.num_running, s.num_waiting, float(s.kv_cache_usage), s.num_preemptions,
+                                 s.prefix_cache_queries, s.prefix_cache_hits)
+
+    def run_once(self, block: bool = True) -> bool:
+        """One loop iteration; returns False when the loop should stop."""
+        from kvserve.engine.ipc import StepOutputs
+
+        idle = not self.core.has_unfinished_requests()
+        handled = self._drain(block=block and idle)
+        if not self.running:
+            return False
+        if os.getppid() != self._ppid:
+            logger.error("engine core: the API server process died; exiting")
+            return False
+        outputs, n_prompt, n_gen = [], 0, 0
+        stepped = False
+        if self.core.has_unfinished_requests():
+            res = self.core.step()
+            stepped = True
+            n_prompt, n_gen = res.num_prompt_tokens, res.num_generation_tokens
+            seen = set()
+            for req in res.updated:
+                t = self.tracked.get(req.request_id)
+                if t is None:
+                    continue
+                seen.add(req.request_id)
+                outputs.append(_token_output(t))
+                if req.is_finished:
+                    del self.tracked[req.request_id]
+            # Requests finished without a new token this step (e.g. by the scheduler).
+            for rid in [r for r, t in self.tracked.items() if t.request.is_finished and r not in seen]:
+                outputs.append(_token_output(self.tracked.pop(rid)))
+        if stepped or handled:
+            self.send(StepOutputs(outputs, self._stats(), n_prompt, n_gen, time.time()))
+        return True
+
+    def run(self) -> None:
+        while self.run_once():
+            pass
+
+    def close(self) -> None:
+        self.in_sock.close(linger=0)
+        self.out_sock.close()
+        self.ctx.term()
+
+
+def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str) -> None:
+    """Entry point of the spawned engine-core process.
+
+    Builds ``EngineCore`` from ``EngineArgs(**engine_args)``, sends ``Ready`` (or
+    ``StartupFailed`` and exits with status 1), then loops until ``Shutdown``, SIGTERM, or
+    the parent's death.
+    """
+    import zmq
+
+    from kvserve.config import EngineArgs
+    from kvserve.engine import ipc
+    from kvserve.engine.llm import _setup_logging
+
+    _setup_logging()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the API server, which shuts us down
+
+    def _term(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _term)
+    ctx = zmq.Context()
+    enc = ipc.input_encoder()
+    try:
+        from kvserve.engine.engine_core import EngineCore
+
+        args = EngineArgs(**engine_args)
+        config = args.create_engine_config()
+        core = EngineCore(config, max_model_len_explicit=args.max_model_len is not None)
+    except Exception as exc:  # report why, then exit
+        logger.exception("engine core failed to start")
+        s = ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 5000)
+        s.connect(output_addr)
+        s.send(enc.encode(ipc.StartupFailed(type(exc).__name__, str(exc))))
+        s.close()
+        ctx.term()
+        raise SystemExit(1)
+    proc = EngineCoreProc(core, input_addr, output_addr, ctx)
+    cfg = core.config
+    proc.send(ipc.Ready(cfg.scheduler_config.max_model_len, cfg.model_config.hf_config.vocab_size,
+                        cfg.cache_config.num_blocks, cfg.cache_config.block_size, os.getpid()))
+    logger.info("engine core ready (pid %d)", os.getpid())
+    try:
+        proc.run()
+    finally:
+        proc.close()

@@ -1,0 +1,91 @@
+"""Frontend input handling shared by the offline engine and the API server: tokenize,
+validate, fan ``n`` completions out into child requests, and the stats log line."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+PromptType = Union[str, list[int]]
+
+
+def tokenize_prompt(tokenizer, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    """``(text or None, token ids)``; strings get the tokenizer's special tokens (BOS).
+
+    Raises:
+        ValueError: a string without a tokenizer, or anything but a string / list of ints.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (the engine runs with skip_tokenizer_init)")
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError("a prompt must be a string or a list of token ids (ints)")
+
+
+def validate_request(
+    ids: list[int], params: SamplingParams, priority: int, vocab_size: int, max_model_len: int,
+    has_tokenizer: bool = True,
+) -> None:
+    """Raise ValueError for an empty prompt, ids outside ``[0, vocab_size)``, a prompt longer
+    than ``max_model_len`` tokens, a non-integer priority, or stop strings without a tokenizer."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError("sampling params must be a SamplingParams")
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) > max_model_len:
+        raise ValueError(f"the prompt ({len(ids)} tokens) is longer than max_model_len ({max_model_len} tokens)")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError("priority must be an integer")
+
+
+def make_child_requests(
+    request_id: str, ids: list[int], params: SamplingParams, arrival: float, priority: int,
+    eos_token_id: Optional[int],
+) -> list[Request]:
+    """One engine request per completion: ``n == 1`` keeps the id, else ``"{id}#{k}"``.
+
+    Seeded siblings get ``seed + k`` so that their completions differ (as vLLM does).
+    """
+    children = []
+    for k in range(params.n):
+        cp = params.clone(n=1)
+        if params.n > 1 and params.seed is not None:
+            cp.seed = params.seed + k
+        cid = request_id if params.n == 1 else f"{request_id}#{k}"
+        children.append(Request(cid, ids, cp, arrival, priority, eos_token_id))
+    return children
+
+
+def resolve_eos_token_id(tokenizer, hf_config) -> Optional[int]:
+    """The tokenizer's EOS id, else the first of the model config's ``eos_token_id``."""
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, list) else eos
+    return eos
+
+
+def log_stats_line(
+    prompt_tps: float, gen_tps: float, running: int, waiting: int, kv_usage: float,
+    prefix_queries: int, prefix_hits: int, preemptions: int,
+) -> None:
+    """The periodic stats line (throughputs in tokens/s; kv_usage as a 0..1 fraction)."""
+    hit = prefix_hits / prefix_queries if prefix_queries else 0.0
+    logger.info(
+        "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+        "Preemptions: %d",
+        prompt_tps, gen_tps, running, waiting, 100 * kv_usage, 100 * hit, preemptions,
+    )

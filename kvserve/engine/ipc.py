@@ -1,0 +1,185 @@
+"""Messages between the API server (frontend) and the engine-core process, and zmq helpers.
+
+Two one-way ZMQ PUSH/PULL channels over ``ipc://`` sockets that the frontend binds:
+
+* input  (frontend PUSH -> core PULL): ``AddRequest`` | ``AbortRequests`` | ``Shutdown``
+* output (core PUSH -> frontend PULL): ``Ready`` | ``StartupFailed`` | ``StepOutputs``
+
+Every message is a msgspec ``Struct`` encoded with msgpack as a tagged union, so one decoder
+per direction reads any of them. Times are seconds since the epoch (``time.time()``).
+Requires ``msgspec`` and ``pyzmq`` (server-only dependencies; imported by the server only).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import fields
+from typing import Any, Optional, Union
+
+import msgspec
+
+from kvserve.sampling_params import SamplingParams
+
+# ----------------------------------------------------------------------------- frontend -> core
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """Queue one (child) request in the engine core.
+
+    ``sampling_params`` holds ``SamplingParams`` fields by name (see ``params_to_dict``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    arrival_time: float
+    priority: int = 0
+    eos_token_id: Optional[int] = None
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Finish these child requests (aborted or stopped by a stop string) and free their blocks."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Ask the engine core to exit its loop."""
+
+
+InputMessage = Union[AddRequest, AbortRequests, Shutdown]
+
+# ----------------------------------------------------------------------------- core -> frontend
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """Sent once the engine core has loaded the model and sized the KV cache.
+
+    ``max_model_len`` may be lower than asked (capped to the KV capacity).
+    """
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    pid: int
+
+
+class StartupFailed(msgspec.Struct, tag=True, array_like=True):
+    """The engine core could not start (bad flag, missing model, too little KV memory)."""
+
+    error_type: str
+    message: str
+
+
+class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one child request in one step.
+
+    Attributes:
+        request_id: the child request id.
+        new_token_ids: tokens sampled since the previous message (usually one).
+        new_logprobs: per new token ``{token_id: (logprob, 1-based rank)}``, if asked.
+        finish_reason: "stop" | "length" | "abort" once finished, else None.
+        stop_reason: the stop token id that ended it, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
+        first_scheduled_time / first_token_time / finished_time: engine-side timestamps.
+        num_preemptions: how often the request was preempted so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[dict[int, tuple[float, int]]]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    num_cached_tokens: int = -1
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+
+
+class SchedulerStatsMsg(msgspec.Struct, array_like=True):
+    """Scheduler gauges (now) and cumulative counters (since start)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by live requests, 0..1
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # tokens, cumulative
+    prefix_cache_hits: int = 0  # tokens, cumulative
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One engine step's (or one batch of aborts') result.
+
+    ``num_prompt_tokens`` / ``num_generation_tokens`` are the tokens computed in this step.
+    """
+
+    outputs: list[TokenOutput]
+    stats: SchedulerStatsMsg
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    timestamp: float = 0.0
+
+
+OutputMessage = Union[Ready, StartupFailed, StepOutputs]
+
+# ----------------------------------------------------------------------------- helpers
+
+_PARAM_FIELDS = [f.name for f in fields(SamplingParams)]
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """``SamplingParams`` -> plain dict for ``AddRequest.sampling_params`` (sets become lists)."""
+    out = {}
+    for name in _PARAM_FIELDS:
+        v = getattr(params, name)
+        out[name] = sorted(v) if isinstance(v, set) else v
+    return out
+
+
+def params_from_dict(d: dict[str, Any]) -> SamplingParams:
+    """Inverse of ``params_to_dict``. Raises ValueError on invalid values."""
+    d = dict(d)
+    stop_ids = set(d.pop("all_stop_token_ids", None) or ())
+    params = SamplingParams(**{k: v for k, v in d.items() if k in _PARAM_FIELDS})
+    params.all_stop_token_ids = stop_ids
+    return params
+
+
+def make_ipc_paths() -> tuple[str, str]:
+    """Two fresh ``ipc://`` addresses (input, output) in the temp directory."""
+    base = os.path.join(tempfile.gettempdir(), f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return f"ipc://{base}-in.sock", f"ipc://{base}-out.sock"
+
+
+def cleanup_ipc_paths(*addrs: str) -> None:
+    """Remove the socket files of ``ipc://`` addresses (missing files are fine)."""
+    for a in addrs:
+        if a.startswith("ipc://"):
+            try:
+                os.unlink(a[len("ipc://"):])
+            except OSError:
+                pass
+
+
+def input_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(InputMessage)
+
+
+def output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(OutputMessage)
+
+
+__all__ = [
+    "AddRequest", "AbortRequests", "Shutdown", "Ready", "StartupFailed", "TokenOutput",
+    "SchedulerStatsMsg", "StepOutputs", "InputMessage", "OutputMessage", "params_to_dict",
+    "params_from_dict", "make_ipc_paths", "cleanup_ipc_paths", "input_encoder", "input_decoder",
+    "output_decoder",
+]

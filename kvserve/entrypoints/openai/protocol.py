@@ -1,0 +1,267 @@
+"""OpenAI API request models (pydantic) and conversions to kvserve types.
+
+Requests follow OpenAI's field names plus vLLM's extras (top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, priority, stop_token_ids, skip_special_tokens). Responses are
+plain dicts in OpenAI's shapes (built here and in ``serving.py``).
+Range checks are ``SamplingParams``'s: a bad value raises ``ValueError`` whose message
+starts with the parameter name (``param_of`` picks it out for the error body).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.sampling_params import SamplingParams
+
+#: Most top logprobs one token may ask for.
+MAX_LOGPROBS = 20
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are ignored, as OpenAI's SDK may send new ones.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+
+    def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens}")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of ids."""
+
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Raises ValueError for invalid or unsupported values."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (best_of > n is not supported)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._params(max_tokens, self.logprobs)
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt(s) as a list of strings / token-id lists. Raises ValueError if empty."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list = [p]
+        elif p and isinstance(p[0], int):
+            out = [list(p)]
+        else:
+            out = list(p)
+        if not out:
+            raise ValueError("prompt must not be empty")
+        return out
+
+
+class ChatMessage(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message for ``apply_chat_template``; list content must be text parts only."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``max_completion_tokens`` wins over ``max_tokens``; default: the rest of the context."""
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        lp = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(default_max_tokens if mt is None else mt, lp)
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """``POST /tokenize``: ``prompt`` text, or chat ``messages`` (the template is applied)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def error_body(message: str, type_: str = "BadRequestError", param: Optional[str] = None,
+               code: Optional[int] = 400) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "prompt",
+                "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority",
+                "echo"}
+
+
+def param_of(message: str) -> Optional[str]:
+    """The parameter a ValueError message names first (``"top_p must be ..."`` -> ``"top_p"``)."""
+    first = message.split(" ", 1)[0].strip(":,")
+    return first if first in _PARAM_NAMES else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def token_str(tokenizer, token_id: int) -> str:
+    """Text of one token as OpenAI reports it (decoded alone; ``token_id:N`` without a tokenizer)."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, tuple[float, int]]],
+                        text_offset_start: int = 0) -> dict[str, Any]:
+    """OpenAI completions logprobs: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+    ``logprobs[i]`` maps token id -> (logprob, rank) for the top-k tokens plus the sampled
+    token ``token_ids[i]``; ``top_logprobs[i]`` holds all of them (token text -> logprob).
+    ``text_offset`` is each token's character offset, counted from ``text_offset_start``.
+    """
+    tokens, token_lps, tops, offsets = [], [], [], []
+    off = text_offset_start
+    for tid, lp in zip(token_ids, logprobs):
+        s = token_str(tokenizer, tid)
+        tokens.append(s)
+        token_lps.append(_finite(lp[tid][0]) if tid in lp else None)
+        top = {}
+        for t, (v, _rank) in sorted(lp.items(), key=lambda kv: kv[1][1]):
+            top.setdefault(token_str(tokenizer, t), _finite(v))
+        tops.append(top)
+        offsets.append(off)
+        off += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, tuple[float, int]]],
+                  top_n: int) -> dict[str, Any]:
+    """OpenAI chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``.
+
+    ``top_logprobs`` lists the ``top_n`` best tokens (rank <= top_n) in rank order.
+    """
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        s = token_str(tokenizer, tid)
+        top = [{"token": token_str(tokenizer, t), "logprob": _finite(v),
+                "bytes": list(token_str(tokenizer, t).encode())}
+               for t, (v, rank) in sorted(lp.items(), key=lambda kv: kv[1][1]) if rank <= top_n]
+        content.append({"token": s, "logprob": _finite(lp[tid][0]) if tid in lp else -9999.0,
+                        "bytes": list(s.encode()), "top_logprobs": top[:top_n]})
+    return {"content": content}
+
+
+def _finite(v: float) -> float:
+    """JSON has no -inf: clamp to OpenAI's floor of -9999."""
+    return max(float(v), -9999.0)
+
+
+def now() -> int:
+    return int(time.time())

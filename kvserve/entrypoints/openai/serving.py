@@ -1,0 +1,317 @@
+"""Completions and chat completions on top of ``AsyncLLM``: validation, fan-out over prompts,
+OpenAI response and SSE chunk assembly.
+
+Each ``create_*`` returns a dict (the JSON body) or, for ``stream=true``, an async iterator
+of SSE lines (``"data: {json}\\n\\n"`` ... ``"data: [DONE]\\n\\n"``). Errors are raised as
+``APIError`` (status, message, type, param).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+from kvserve.engine.async_client import AsyncLLM, EngineDeadError
+from kvserve.entrypoints.openai import protocol as P
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          500: "internal_server_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return P.error_body(self.message, self.type, self.param, self.status)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> "APIError":
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, EngineDeadError):
+            return cls(503, f"the engine is not available: {exc}")
+        if isinstance(exc, (ValueError, TypeError)):
+            return cls(400, str(exc), P.param_of(str(exc)))
+        return cls(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def sse(obj: Union[dict, str]) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def merge(iters: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave async iterators, yielding ``(index, item)``; closing it closes them all."""
+    if len(iters) == 1:
+        try:
+            async for item in iters[0]:
+                yield 0, item
+        finally:
+            await iters[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, None, exc))
+            return
+        await queue.put((i, done, None))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iters)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in iters:
+            await it.aclose()
+
+
+class OpenAIServing:
+    """Shared checks: model name, prompt length vs. context, sampling parameters."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_length(self, prompt_len: int, max_tokens: Optional[int], what: str = "prompt") -> int:
+        """Return the max_tokens to use; raise APIError(400) if the context cannot hold it."""
+        m = self.engine.max_model_len
+        if prompt_len > m:
+            raise APIError(400, f"This model's maximum context length is {m} tokens. However, your {what} has "
+                                f"{prompt_len} tokens. Please reduce the length of the {what}.", "messages"
+                           if what == "messages" else "prompt")
+        if max_tokens is None:
+            return max(m - prompt_len, 1)
+        if prompt_len + max_tokens > m:
+            raise APIError(400, f"This model's maximum context length is {m} tokens. However, you requested "
+                                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} "
+                                f"for the completion). Please reduce the length of the {what} or completion.",
+                           "max_tokens")
+        return max_tokens
+
+    def tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
+        _, ids = self.engine.tokenize(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        return ids
+
+    def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        conv = [m.to_template_dict() for m in messages]
+        ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+async def _with_disconnect(coro, is_disconnected) -> Any:
+    """Run ``coro``; cancel it (aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if is_disconnected is not None and await is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, req: P.CompletionRequest, is_disconnected=None) -> Union[dict, AsyncIterator[str]]:
+        self.check_model(req.model)
+        self.engine.check_alive()
+        prompts = req.prompts()
+        ids_list = [self.tokenize(p) for p in prompts]
+        explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+        params = []
+        for ids in ids_list:
+            mt = self.check_length(len(ids), req.max_tokens if explicit else None)
+            if not explicit:
+                mt = min(mt, 16)
+            params.append(req.to_sampling_params(mt))
+            self.engine.validate(ids, params[-1], req.priority)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        gens = [self.engine.generate(ids, sp, f"{rid}-{i}", priority=req.priority, delta=req.stream,
+                                     prompt_text=texts[i])
+                for i, (ids, sp) in enumerate(zip(ids_list, params))]
+        if req.stream:
+            return self._stream(req, rid, gens, ids_list, params[0])
+        outs: list[Optional[RequestOutput]] = [None] * len(gens)
+
+        async def collect() -> None:
+            async for i, out in merge(gens):
+                outs[i] = out
+
+        await _with_disconnect(collect(), is_disconnected)
+        return self._response(req, rid, outs, params[0])
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        tok = self.engine.tokenizer
+        return tok.decode(out.prompt_token_ids) if tok is not None else ""
+
+    def _response(self, req: P.CompletionRequest, rid: str, outs: list[RequestOutput], sp: SamplingParams) -> dict:
+        choices, n_prompt, n_gen, n_cached = [], 0, 0, 0
+        tok = self.engine.tokenizer
+        for pi, out in enumerate(outs):
+            n_prompt += len(out.prompt_token_ids)
+            n_cached += out.num_cached_tokens
+            prefix = self._prompt_text(out) if req.echo else ""
+            for co in out.outputs:
+                n_gen += len(co.token_ids)
+                lp = None
+                if sp.logprobs is not None:
+                    lp = P.completion_logprobs(tok, co.token_ids, co.logprobs or [], len(prefix))
+                choices.append({"index": pi * sp.n + co.index, "text": prefix + co.text, "logprobs": lp,
+                                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name,
+                "choices": choices, "usage": P.usage(n_prompt, n_gen, n_cached), "system_fingerprint": None}
+
+    async def _stream(self, req, rid, gens, ids_list, sp: SamplingParams) -> AsyncIterator[str]:
+        created, model, tok = P.now(), self.model_name, self.engine.tokenizer
+        offsets: dict[int, int] = {}
+        n_gen = n_cached = 0
+        cached_seen: set[int] = set()
+
+        def chunk(index: int, text: str, lp=None, finish=None, stop_reason=None) -> str:
+            body = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
+                                 "stop_reason": stop_reason}]}
+            if req.include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        try:
+            if req.echo:
+                for pi, ids in enumerate(ids_list):
+                    text = req.prompts()[pi] if isinstance(req.prompts()[pi], str) else (tok.decode(ids) if tok else "")
+                    for k in range(sp.n):
+                        offsets[pi * sp.n + k] = len(text)
+                        yield chunk(pi * sp.n + k, text)
+            async for pi, out in merge(gens):
+                if out.finished and pi not in cached_seen:
+                    cached_seen.add(pi)
+                    n_cached += out.num_cached_tokens
+                for co in out.outputs:
+                    idx = pi * sp.n + co.index
+                    n_gen += len(co.token_ids)
+                    lp = None
+                    if sp.logprobs is not None and co.token_ids:
+                        lp = P.completion_logprobs(tok, co.token_ids, co.logprobs or [], offsets.get(idx, 0))
+                        offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    yield chunk(idx, co.text, lp, co.finish_reason, co.stop_reason)
+            if req.include_usage:
+                n_prompt = sum(len(ids) for ids in ids_list)
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": P.usage(n_prompt, n_gen, n_cached)})
+        except Exception as exc:  # noqa: BLE001 - reported in the stream
+            yield sse(APIError.from_exception(exc).body())
+        yield sse("[DONE]")
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, req: P.ChatCompletionRequest, is_disconnected=None) -> Union[dict, AsyncIterator[str]]:
+        self.check_model(req.model)
+        self.engine.check_alive()
+        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        mt = self.check_length(len(ids), req.requested_max_tokens, "messages")
+        sp = req.to_sampling_params(mt)
+        self.engine.validate(ids, sp, req.priority)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = self.engine.generate(ids, sp, rid, priority=req.priority, delta=bool(req.stream))
+        if req.stream:
+            return self._stream(req, rid, gen, len(ids), sp)
+        final: list[RequestOutput] = []
+
+        async def collect() -> None:
+            async for out in gen:
+                final[:] = [out]
+
+        await _with_disconnect(collect(), is_disconnected)
+        out = final[0]
+        tok = self.engine.tokenizer
+        choices = []
+        for co in out.outputs:
+            lp = P.chat_logprobs(tok, co.token_ids, co.logprobs or [], sp.logprobs or 0) \
+                if sp.logprobs is not None else None
+            choices.append({"index": co.index, "message": {"role": "assistant", "content": co.text},
+                            "logprobs": lp, "finish_reason": co.finish_reason, "stop_reason": co.stop_reason})
+        n_gen = sum(len(co.token_ids) for co in out.outputs)
+        return {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name,
+                "choices": choices, "usage": P.usage(len(ids), n_gen, out.num_cached_tokens),
+                "system_fingerprint": None}
+
+    async def _stream(self, req, rid, gen, n_prompt: int, sp: SamplingParams) -> AsyncIterator[str]:
+        created, model, tok = P.now(), self.model_name, self.engine.tokenizer
+
+        def chunk(index: int, delta: dict, lp=None, finish=None, stop_reason=None) -> str:
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                                 "stop_reason": stop_reason}]}
+            if req.include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        n_gen, n_cached = 0, 0
+        try:
+            for i in range(sp.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for out in merge([gen]):
+                out = out[1]
+                if out.finished:
+                    n_cached = out.num_cached_tokens
+                for co in out.outputs:
+                    n_gen += len(co.token_ids)
+                    if co.text or co.token_ids:
+                        lp = None
+                        if sp.logprobs is not None and co.token_ids:
+                            lp = P.chat_logprobs(tok, co.token_ids, co.logprobs or [], sp.logprobs)
+                        if co.text or lp is not None:
+                            yield chunk(co.index, {"content": co.text}, lp)
+                    if co.finish_reason is not None:
+                        yield chunk(co.index, {}, None, co.finish_reason, co.stop_reason)
+            if req.include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": P.usage(n_prompt, n_gen, n_cached)})
+        except Exception as exc:  # noqa: BLE001 - reported in the stream
+            yield sse(APIError.from_exception(exc).body())
+        yield sse("[DONE]")

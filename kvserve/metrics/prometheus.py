@@ -1,0 +1,105 @@
+"""Prometheus metrics of the API server, with vLLM's names and a ``kvserve:`` prefix.
+
+Every metric carries the label ``model_name``. Each ``PrometheusStatLogger`` owns its own
+``CollectorRegistry`` (never the global one), so several servers can live in one process.
+
+Exposed families (counters get the ``_total`` suffix in the text format):
+
+* histograms (seconds): ``kvserve:time_to_first_token_seconds``,
+  ``kvserve:inter_token_latency_seconds``, ``kvserve:e2e_request_latency_seconds``,
+  ``kvserve:request_queue_time_seconds`` (arrival to first scheduling)
+* gauges: ``kvserve:num_requests_running``, ``kvserve:num_requests_waiting`` (engine
+  sequences, so a request with n=2 counts twice), ``kvserve:kv_cache_usage_perc``
+  (fraction of KV blocks held by live requests, 0..1, as in vLLM)
+* counters: ``kvserve:prefix_cache_queries`` / ``kvserve:prefix_cache_hits`` (tokens),
+  ``kvserve:num_preemptions``, ``kvserve:prompt_tokens`` / ``kvserve:generation_tokens``
+  (tokens computed), ``kvserve:request_success`` (completions finished, label
+  ``finished_reason``: stop | length | abort)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.engine.async_client import StatLogger
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0]
+_ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0]
+
+
+class PrometheusStatLogger(StatLogger):
+    """Feeds the metrics from ``AsyncLLM``'s hooks. ``render()`` gives the exposition text."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(f"kvserve:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"kvserve:{name}", doc, lab, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"kvserve:{name}", doc, lab, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, seconds.", _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between tokens of one completion, seconds.",
+                        _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish, seconds.", _E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduling, seconds.", _E2E_BUCKETS)
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Preemptions of running sequences.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recompute included).")
+        self.gen_tokens = counter("generation_tokens", "Tokens generated.")
+        self.success = Counter("kvserve:request_success", "Completions finished, by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self._last = {"q": 0, "h": 0, "p": 0}
+
+    def _inc_cumulative(self, key: str, counter: Any, value: int) -> None:
+        delta = value - self._last[key]
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = max(value, self._last[key])
+
+    def on_step(self, stats: Any, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self._inc_cumulative("q", self.pc_queries, stats.prefix_cache_queries)
+        self._inc_cumulative("h", self.pc_hits, stats.prefix_cache_hits)
+        self._inc_cumulative("p", self.preemptions, stats.num_preemptions)
+        if num_prompt_tokens > 0:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_generation_tokens > 0:
+            self.gen_tokens.inc(num_generation_tokens)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(max(ttft_s, 0.0))
+
+    def on_inter_token(self, itl_s: float) -> None:
+        self.itl.observe(max(itl_s, 0.0))
+
+    def on_finished(self, finish_reason: str, e2e_s: float, queue_s: Optional[float],
+                    num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.e2e.observe(max(e2e_s, 0.0))
+        if queue_s is not None:
+            self.queue.observe(max(queue_s, 0.0))
+        self.success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,54 @@
+"""PrometheusStatLogger without a server: names, per-instance registries, counter deltas."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from kvserve.engine.ipc import SchedulerStatsMsg  # noqa: E402
+from kvserve.metrics.prometheus import PrometheusStatLogger  # noqa: E402
+
+
+def _value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_two_loggers_do_not_clash_and_families_exist():
+    a, b = PrometheusStatLogger("m1"), PrometheusStatLogger("m2")
+    text = a.render().decode()
+    for fam in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                "request_queue_time_seconds"]:
+        assert f"# TYPE kvserve:{fam} histogram" in text
+    for fam in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]:
+        assert f"# TYPE kvserve:{fam} gauge" in text
+    for fam in ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                "generation_tokens", "request_success"]:
+        assert f"# TYPE kvserve:{fam}_total counter" in text or f"# TYPE kvserve:{fam} counter" in text
+    assert 'model_name="m2"' in b.render().decode()
+
+
+def test_values_from_hooks():
+    m = PrometheusStatLogger("m")
+    m.on_step(SchedulerStatsMsg(3, 2, 0.25, 1, 100, 40), 50, 3)
+    m.on_step(SchedulerStatsMsg(1, 0, 0.1, 1, 160, 70), 0, 1)  # cumulative counters -> deltas
+    m.on_first_token(0.2)
+    m.on_inter_token(0.05)
+    m.on_finished("stop", 1.5, 0.01, 10, 5)
+    m.on_finished("length", 2.0, None, 10, 5)
+    t = m.render().decode()
+    assert _value(t, "kvserve:num_requests_running") == 1
+    assert _value(t, "kvserve:num_requests_waiting") == 0
+    assert _value(t, "kvserve:kv_cache_usage_perc") == 0.1
+    assert _value(t, "kvserve:prefix_cache_queries_total") == 160
+    assert _value(t, "kvserve:prefix_cache_hits_total") == 70
+    assert _value(t, "kvserve:num_preemptions_total") == 1
+    assert _value(t, "kvserve:prompt_tokens_total") == 50
+    assert _value(t, "kvserve:generation_tokens_total") == 4
+    assert _value(t, "kvserve:time_to_first_token_seconds_count") == 1
+    assert _value(t, "kvserve:e2e_request_latency_seconds_sum") == 3.5
+    assert _value(t, "kvserve:request_queue_time_seconds_count") == 1
+    assert 'kvserve:request_success_total{finished_reason="stop",model_name="m"} 1.0' in t
