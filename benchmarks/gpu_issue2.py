@@ -84,7 +84,7 @@ def equality(tmp: str) -> dict:
     return res
 
 
-def w1(tmp: str) -> dict:
+def w1(tmp: str, backend: str = "torch_ref") -> dict:
     """W1: 256 requests, prompts U[100,1024] random ids in [0,10000), outputs U[100,1024],
     ignore_eos, temperature 0.6, dummy bf16 weights. Metric: output tokens / wall seconds."""
     import numpy as np
@@ -100,7 +100,7 @@ def w1(tmp: str) -> dict:
     prompts = [rng.integers(0, 10000, n).tolist() for n in in_lens]
     params = [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True) for n in out_lens]
     llm = LLM(model=path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              attention_backend="torch_ref", max_model_len=4096, max_num_seqs=256,
+              attention_backend=backend, max_model_len=4096, max_num_seqs=256,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.9, log_stats_interval=10)
     llm.generate([list(range(100))] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     torch.cuda.synchronize()
@@ -111,7 +111,7 @@ def w1(tmp: str) -> dict:
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == int(out_lens.sum())
     tps = n_out / wall
-    return dict(workload="W1", backend="torch_ref", output_tok_per_s=round(tps, 1), wall_s=round(wall, 2),
+    return dict(workload="W1", backend=backend, output_tok_per_s=round(tps, 1), wall_s=round(wall, 2),
                 output_tokens=n_out, prompt_tokens=int(in_lens.sum()), num_requests=256,
                 preemptions=llm.llm_engine.stats.num_preemptions,
                 num_kv_blocks=llm.llm_engine.config.cache_config.num_blocks,
@@ -134,7 +134,7 @@ def main() -> None:
         json.dump(r, open(os.path.join(a.out, "equality.json"), "w"), indent=1)
         rows.append(("greedy equality (batched / alone)", f"{r['batched_equal']} / {r['alone_equal']}"))
     if not a.skip_w1:
-        r = {**w1(a.tmp), **e}
+        r = {**w1(a.tmp), **e}  # torch_ref
         json.dump(r, open(os.path.join(a.out, "w1_torch_ref.json"), "w"), indent=1)
         rows.append(("W1 torch_ref output tok/s", f"{r['output_tok_per_s']} ({r['wall_s']} s, {r['roofline_fraction']:.1%} of roofline)"))
     print(f"\n{e['device']} torch {e['torch']} triton {e['triton']} commit {e['commit'][:10]}")

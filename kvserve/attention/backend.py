@@ -51,9 +51,13 @@ class AttentionBackend(ABC):
 
 
 def get_attn_backend(name: str) -> AttentionBackend:
-    """Instantiate a backend by name ("torch_ref"). Raises ValueError for unknown names."""
+    """Instantiate a backend by name ("torch_ref", "triton"). Raises ValueError for unknown names."""
     if name == "torch_ref":
         from kvserve.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch_ref")
+    if name == "triton":
+        from kvserve.attention.triton import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch_ref, triton")

@@ -1,0 +1,61 @@
+"""``TritonBackend``: paged attention with Triton kernels (name ``"triton"``).
+
+One forward is: the store kernel (new K/V -> cache slots), then the split-KV decode kernel
+for the first ``num_decodes`` requests (query length 1) and the FlashAttention-2 style
+prefill/extend kernel for the rest. Grid sizes come only from tensor shapes and the host
+ints ``max_query_len`` / ``max_seq_len`` / ``num_decodes`` of the metadata; nothing in
+``forward`` reads device values back (no ``.item()`` / ``.tolist()``), so it can be
+captured in a CUDA graph for fixed host ints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.triton.decode import decode_attention
+from kvserve.attention.triton.kv_store import store_kv
+from kvserve.attention.triton.prefill import prefill_attention
+
+
+class TritonBackend(AttentionBackend):
+    """Store, then decode (split-KV) + prefill kernels; see ``AttentionBackend.forward``.
+
+    Shapes: query ``[T, H, D]``; key/value ``[T, Hkv, D]``; kv_cache
+    ``[2, num_blocks, block_size, Hkv, D]`` (any float dtype; loaded then cast to the query
+    dtype). Returns ``[T, H, D]`` in the query dtype; rows not owned by any request
+    (padding) are left unwritten.
+    """
+
+    name = "triton"
+
+    def __init__(self, decode_num_splits: int | None = None) -> None:
+        self.decode_num_splits = decode_num_splits
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        num_reqs = meta.seq_lens.shape[0]
+        nd = meta.num_decodes
+        if nd > 0:
+            decode_attention(
+                query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                nd, meta.max_seq_len, scale, sliding_window, out=out,
+                num_splits=self.decode_num_splits,
+            )
+        if num_reqs > nd:
+            prefill_attention(
+                query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out,
+            )
+        return out

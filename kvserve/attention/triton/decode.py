@@ -1,0 +1,254 @@
+"""Paged decode attention (query length 1) with split-KV (Flash-Decoding).
+
+Algorithm: Flash-Decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context
+inference") on top of the FlashAttention-2 online softmax (Dao, arXiv:2307.08691), over the
+PagedAttention block layout (Kwon et al., arXiv:2309.06180).
+
+Stage 1, ``_decode_split_kernel``, grid ``(num_decodes, num_kv_heads, num_splits)``: each
+program owns one request, one KV head and one contiguous slice of that request's keys. The
+G = num_heads // num_kv_heads query heads of the KV group are packed as the rows of a
+``[G_PAD, D]`` tile (G_PAD = max(16, next_pow2(G)), so ``tl.dot`` has M >= 16 and each K/V
+tile is read once for the whole group). Keys are visited ``BLOCK_N`` positions at a time;
+each position's page comes from the block table, so BLOCK_N is independent of the cache
+block size. Softmax runs online in fp32 (base 2, the scale folded into log2(e)); the
+program writes its normalised partial output ``[G, D]`` (fp32) and its log-sum-exp
+(base 2) per head into ``part_out [R, H, num_splits, D]`` / ``part_lse [R, H, num_splits]``.
+
+Stage 2, ``_decode_reduce_kernel``, grid ``(num_decodes, num_heads)``: combines the splits,
+``out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)``. With one split, stage 1
+writes the final output directly and stage 2 is skipped.
+
+Splits: each request's key range ``[lo, seq_len)`` (``lo = seq_len - window`` with a sliding
+window) is cut into ``num_splits`` slices of equal length rounded up to BLOCK_N, so every
+split of a long request has work; ``num_splits`` is chosen on the host from ``max_seq_len``
+and the number of (request, kv_head) programs so that ~2 waves fill the GPU's SMs. It is a
+runtime argument (only "one split or several" is a compile-time constant), so changing
+``max_seq_len`` never recompiles; the reduce kernel compiles once per power-of-two bound.
+Keys past ``seq_len`` are never loaded (masked loads), so stale or poisoned cache slots
+are harmless.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NUM_SMS: dict[int, int] = {}
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, window, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None], other=0.0)
+    in_dtype = q_ptr.dtype.element_ty  # tl.dot operand dtype: K/V/P are cast to it
+    if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
+        q = q.to(tl.float32)
+
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    else:
+        kv_lo = seq_len * 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kvh * stride_ch
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        row_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head_off
+        k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd,
+                    mask=n_mask[None, :], other=0.0).to(in_dtype)  # [D, BLOCK_N]
+        if WIDEN:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd,
+                    mask=n_mask[:, None], other=0.0).to(in_dtype)  # [BLOCK_N, D]
+        if WIDEN:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DIRECT:  # a single split: write the final output, no reduce pass
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        # part_out: [R, H, num_splits, D] fp32 contiguous; part_lse: [R, H, num_splits].
+        prow = (req.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_lse_ptr + prow, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_splits,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    q_row = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    base = (req.to(tl.int64) * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits (lse = -inf) get weight 0
+    o = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d * stride_od,
+             res.to(out_ptr.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64
+) -> int:
+    """Splits per request so that ~2 waves of programs cover ``num_sms`` SMs.
+
+    At most one split per ``block_n`` keys of the longest request, and at most 32.
+    """
+    programs = max(1, num_reqs * num_kv_heads)
+    want = triton.cdiv(2 * num_sms, programs)
+    cap = max(1, triton.cdiv(max_seq_len, block_n))
+    return max(1, min(want, cap, 32))
+
+
+def _config(head_dim: int, dtype: torch.dtype, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages)."""
+    if interpret:
+        return 16, 1, 1
+    if dtype == torch.float32:  # fp32 operands ("ieee" FMA dot): small tiles avoid spills
+        return 16, 4, 2
+    if head_dim >= 256:
+        return 32, 4, 2
+    return 64, 4, 2
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_decodes: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention for the first ``num_decodes`` requests (one query row each).
+
+    Args:
+        query: ``[num_tokens, num_heads, D]`` fp32/bf16/fp16; request ``i``'s row is
+            ``query_start_loc[i]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, D]``, any float dtype (cast to
+            the query dtype after loading).
+        block_tables: ``[num_reqs, max_blocks]`` int32; seq_lens ``[num_reqs]`` int32
+            (including the new token, already stored); query_start_loc ``[num_reqs + 1]``.
+        max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
+        out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
+        num_splits: override the heuristic (``choose_num_splits``).
+
+    Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
+    """
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_decodes == 0:
+        return out
+    _, num_heads, d = query.shape
+    _, _, block_size, hkv, dk = kv_cache.shape
+    assert dk == d and num_heads % hkv == 0
+    assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    group = num_heads // hkv
+    interpret = query.device.type != "cuda"
+    block_n, num_warps, num_stages = _config(d, query.dtype, interpret)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_decodes, hkv, max_seq_len, _num_sms(query.device), block_n)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert k_cache.stride() == v_cache.stride()
+    if num_splits > 1:
+        part_out = torch.empty((num_decodes, num_heads, num_splits, d), dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    window = sliding_window if sliding_window is not None else 0
+    _decode_split_kernel[(num_decodes, hkv, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, part_out, part_lse,
+        scale * _LOG2E, window, num_splits,
+        query.stride(0), query.stride(1), query.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            part_out, part_lse, out, query_start_loc, num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if d >= 128 else 2,
+        )
+    return out

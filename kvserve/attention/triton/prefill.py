@@ -1,0 +1,226 @@
+"""Varlen prefill / extend attention over a paged prefix plus the causal new tokens.
+
+Algorithm: FlashAttention-2 (Dao, arXiv:2307.08691) forward — tiled QK^T, online softmax
+in fp32, rescaled accumulator, one normalisation at the end — reading K/V from the
+PagedAttention block layout (Kwon et al., arXiv:2309.06180) through the block table. The
+store kernel has already written the new tokens' K/V, so prefix and new keys are read the
+same way (this also covers chunked prefill: a chunk over a cached prefix).
+
+Grid: ``(num_prefill_reqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)``. A program owns
+``BLOCK_Q`` consecutive query tokens of one request and all G = num_heads // num_kv_heads
+query heads of one KV group, packed as ``BLOCK_M = BLOCK_Q * G`` rows (row r is token
+``r // G``, head ``r % G``), so every K/V tile is loaded once per group (GQA packing).
+Query token ``t`` of a request with ``q_len`` new tokens and ``seq_len`` total sits at
+position ``seq_len - q_len + t`` and sees keys at positions ``<=`` it (and ``> pos - window``
+with a sliding window). The program walks keys ``[kv_lo, kv_hi)`` ``BLOCK_N`` at a time,
+where ``kv_hi`` is one past its last token's position and ``kv_lo`` is 0 or the window
+start of its first token; keys at or past ``seq_len`` are never loaded. Without a window,
+the ``BLOCK_N`` steps wholly below the tile's first position run without masks (as the
+FlashAttention-2 Triton tutorial's off-diagonal stage); only the diagonal steps are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(
+    q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off,
+    stride_cb, stride_co, stride_cd, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+    in_dtype: tl.constexpr,
+):
+    """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
+    causal / window / ``kv_hi`` masks (off for tiles every row sees in full)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = n0 + offs_n
+    if MASKED:
+        n_mask = pos < kv_hi
+        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+    row_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head_off
+    k_ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
+    v_ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0).to(in_dtype)  # [D, BLOCK_N]
+    else:
+        k = tl.load(k_ptrs).to(in_dtype)
+    if WIDEN:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
+    if MASKED:
+        valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            valid = valid & (pos[None, :] > q_pos[:, None] - window)
+        qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0).to(in_dtype)  # [BLOCK_N, D]
+    else:
+        v = tl.load(v_ptrs).to(in_dtype)
+    if WIDEN:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, window, req_offset,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+):
+    req = tl.program_id(0) + req_offset
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # cached prefix length
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    t0 = tile * BLOCK_Q
+    tok = t0 + offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = ctx + tok
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    in_dtype: tl.constexpr = q_ptr.dtype.element_ty  # tl.dot operand dtype: K/V/P cast to it
+    if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: [kv_lo, kv_hi), empty when the tile is past q_len. Without a
+    # window, keys below ctx + t0 (the tile's first position) are seen by every row: those
+    # whole BLOCK_N steps skip the masks; the rest (diagonal / window) are masked.
+    live = t0 < q_len
+    kv_hi = tl.where(live, tl.minimum(ctx + t0 + BLOCK_Q, seq_len), 0)
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx + t0 - window + 1, 0)
+        full_end = kv_lo
+    else:
+        kv_lo = seq_len * 0
+        full_end = tl.where(live, ((ctx + t0) // BLOCK_N) * BLOCK_N, 0)
+
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_head_off = kvh * stride_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in range(kv_lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+            kv_head_off, stride_cb, stride_co, stride_cd, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype)
+    for n0 in range(full_end, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+            kv_head_off, stride_cb, stride_co, stride_cd, qk_scale,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype)
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool):
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for the packed tile."""
+    if interpret:
+        bm, bn, warps, stages = 16, 16, 1, 1
+    elif dtype == torch.float32:  # fp32 operands: 4 bytes each, no tensor cores ("ieee")
+        bm, bn, warps, stages = (32, 16, 4, 2) if head_dim <= 128 else (16, 16, 4, 1)
+    elif head_dim >= 256:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    else:
+        bm, bn, warps, stages = 128, 64, 8, 2
+    bm = max(bm, triton.next_power_of_2(group))
+    return bm, bn, warps, stages
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    req_offset: int,
+    num_reqs: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
+
+    Args:
+        query: ``[num_tokens, num_heads, D]`` fp32/bf16/fp16; request ``i`` owns rows
+            ``query_start_loc[i]:query_start_loc[i+1]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, D]`` with the new tokens already
+            stored; any float dtype (cast to the query dtype after loading).
+        block_tables: ``[R, max_blocks]`` int32; seq_lens ``[R]`` int32; query_start_loc
+            ``[R + 1]`` int32.
+        max_query_len: host int upper bound of the query lengths (sizes the grid).
+        out: ``[num_tokens, num_heads, D]``, written at these requests' rows (allocated if None).
+        block_m / block_n: tile overrides (rows of the packed tile, keys per step).
+
+    Returns ``out``. No host synchronisation.
+    """
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_reqs == 0 or max_query_len == 0:
+        return out
+    _, num_heads, d = query.shape
+    _, _, block_size, hkv, dk = kv_cache.shape
+    assert dk == d and num_heads % hkv == 0
+    assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    group = num_heads // hkv
+    bm, bn, num_warps, num_stages = _config(d, query.dtype, group, query.device.type != "cuda")
+    bm = block_m or bm
+    bn = block_n or bn
+    assert bm >= 16 and bn >= 16 and bm >= group
+    block_q = bm // group
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    assert k_cache.stride() == v_cache.stride()
+    window = sliding_window if sliding_window is not None else 0
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), hkv)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out,
+        block_tables, seq_lens, query_start_loc,
+        scale * _LOG2E, window, req_offset,
+        query.stride(0), query.stride(1), query.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
+        BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=bn,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
