@@ -26,8 +26,12 @@ def store_kv(
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     k_flat = kv_cache[0].view(num_blocks * block_size, hkv, d)
     v_flat = kv_cache[1].view(num_blocks * block_size, hkv, d)
-    k_flat.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
+        k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    k_flat.index_copy_(0, slot_mapping, key)
+    v_flat.index_copy_(0, slot_mapping, value)
 
 
 def gather_kv(
