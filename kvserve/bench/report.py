@@ -163,10 +163,9 @@ def summary_text(m: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- env / JSON
 
 def env_info(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Where the benchmark ran: host, client-side versions and the kvserve git commit.
-
-    Does not import torch unless it is already imported (the server's device is the
-    server's business; pass it in ``extra`` when known)."""
+    """Where the benchmark ran: ``device`` (this machine's GPU or CPU; for ``bench serve``
+    that is the client's, the server's is not visible over the API), host, versions and the
+    kvserve git commit; ``extra`` entries are added last (and win)."""
     from kvserve.bench.throughput import _git_commit, _num_cores
 
     versions = {"python": platform.python_version()}
@@ -184,7 +183,15 @@ def env_info(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         versions["kvserve"] = version("kvserve")
     except Exception:
         pass
-    env = {"host": platform.node(), "platform": platform.platform(), "cpu_cores": _num_cores(),
+    device = None
+    if "torch" in sys.modules:  # kvserve's package import has loaded it already
+        from kvserve.bench.throughput import _device_description
+
+        try:
+            device = _device_description("cuda" if sys.modules["torch"].cuda.is_available() else "cpu")
+        except Exception:
+            device = None
+    env = {"device": device, "host": platform.node(), "platform": platform.platform(), "cpu_cores": _num_cores(),
            "versions": versions, "git_commit": _git_commit()}
     env.update(extra or {})
     return env
