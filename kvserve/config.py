@@ -77,6 +77,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: str
     attention_backend: str
+    enforce_eager: bool
     disable_log_stats: bool
     log_stats_interval: float
 
@@ -103,7 +104,8 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = _f(None, "Token budget per step (default 8192 with chunked prefill, else max_model_len).")
     enable_chunked_prefill: bool = _f(True, "Split long prefills across steps and mix them with decodes.")
     scheduling_policy: str = _f("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
-    attention_backend: Optional[str] = _f(None, "Attention backend (default: torch_ref).")
+    attention_backend: Optional[str] = _f(None, "Attention backend: triton (default on CUDA) or torch_ref (default elsewhere).")
+    enforce_eager: bool = _f(False, "Never use CUDA graphs (they are captured for decode steps on CUDA otherwise).")
     disable_log_stats: bool = _f(False, "Turn off the periodic stats log line.")
     log_stats_interval: float = _f(5.0, "Seconds between stats log lines.")
 
@@ -172,6 +174,8 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
-            device=device, attention_backend=self.attention_backend or "torch_ref",
+            device=device,
+            attention_backend=self.attention_backend or ("triton" if device == "cuda" else "torch_ref"),
+            enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats, log_stats_interval=self.log_stats_interval,
         )

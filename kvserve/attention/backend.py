@@ -17,6 +17,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # True if forward never reads device values back, so a CUDA graph can capture it.
+    cuda_graph_safe: bool = False
 
     @staticmethod
     def kv_cache_shape(

@@ -52,6 +52,7 @@ class EngineCore:
             sc.max_model_len = config.model_config.max_model_len = capacity
         cc.num_blocks = num_blocks
         self.model_runner.init_kv_cache(num_blocks)
+        self.model_runner.maybe_capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         bpt = self.model_runner.bytes_per_token

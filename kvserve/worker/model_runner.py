@@ -61,6 +61,7 @@ class ModelRunner:
         self.model = get_model(mc, config.device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner = None  # set by maybe_capture_cuda_graphs
 
     # ---- KV cache ---------------------------------------------------------------------
     @property
@@ -136,16 +137,20 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
 
     # ---- one step ----------------------------------------------------------------------
-    def _build_metadata(self, block_table: np.ndarray, ctx_lens: list[int], query_lens: list[int]):
+    def _flat_arrays(self, block_table: np.ndarray, ctx_lens: list[int], query_lens: list[int]):
+        """Host arrays of a flat varlen batch: query lens, prefix sums, positions, slots, seq lens."""
         q = np.asarray(query_lens, dtype=np.int64)
         ctx = np.asarray(ctx_lens, dtype=np.int64)
         qsl = np.zeros(len(q) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
-        t = int(qsl[-1])
         req_idx = np.repeat(np.arange(len(q)), q)
-        positions = np.arange(t) - qsl[:-1][req_idx] + ctx[req_idx]
-        slots = block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
-        seq_lens = ctx + q
+        positions = np.arange(int(qsl[-1])) - qsl[:-1][req_idx] + ctx[req_idx]
+        slots = block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        return q, qsl, positions, slots, ctx + q
+
+    def _build_metadata(self, block_table: np.ndarray, ctx_lens: list[int], query_lens: list[int]):
+        q, qsl, positions, slots, seq_lens = self._flat_arrays(block_table, ctx_lens, query_lens)
         num_decodes = 0
         while num_decodes < len(q) and q[num_decodes] == 1:
             num_decodes += 1
@@ -159,6 +164,19 @@ class ModelRunner:
             max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()), num_decodes=num_decodes,
         )
         return meta, torch.from_numpy(positions).to(dev, non_blocking=True)
+
+    def maybe_capture_cuda_graphs(self) -> None:
+        """Capture decode graphs on CUDA unless ``--enforce-eager`` or the backend can't be captured."""
+        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.cuda_graph_safe:
+            return
+        from kvserve.worker.cuda_graphs import CUDAGraphRunner
+
+        sc = self.config.scheduler_config
+        self.graph_runner = CUDAGraphRunner(
+            self.model, self.kv_caches, sc.max_num_seqs, -(-sc.max_model_len // self.block_size),
+            sc.max_model_len, self.block_size,
+        )
+        self.graph_runner.capture()
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -177,11 +195,15 @@ class ModelRunner:
         token_ids: list[int] = []
         for r, c, n in zip(reqs, ctx_lens, query_lens):
             token_ids.extend(r.all_token_ids[c : c + n])
-        meta, positions = self._build_metadata(bt, ctx_lens, query_lens)
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-
-        with forward_context(meta, self.kv_caches):
-            hidden = self.model(input_ids, positions)
+        gr = self.graph_runner
+        if gr is not None and query_lens[-1] == 1 and gr.can_run(len(reqs)):
+            _, _, positions, slots, seq_lens = self._flat_arrays(bt, ctx_lens, query_lens)
+            hidden = gr.run(np.asarray(token_ids, dtype=np.int64), positions, slots, bt, seq_lens.astype(np.int32))
+        else:
+            meta, positions = self._build_metadata(bt, ctx_lens, query_lens)
+            input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            with forward_context(meta, self.kv_caches):
+                hidden = self.model(input_ids, positions)
         ends = np.cumsum(query_lens) - 1
         rows = [i for i, (r, c, n) in enumerate(zip(reqs, ctx_lens, query_lens)) if c + n == r.num_tokens]
         out = ModelRunnerOutput()

@@ -29,6 +29,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    cuda_graph_safe = True
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
