@@ -44,6 +44,7 @@ class Request:
         priority: lower value is served first under ``--scheduling-policy priority``.
         arrival_time: seconds (time.time()) when the request arrived.
         generator: a torch.Generator for seeded sampling (set by the model runner).
+        cache_salt: requests share prefix-cache blocks only with requests of the same salt.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class Request:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         eos_token_id: Optional[int] = None,
+        cache_salt: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,6 +63,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt  # prefix-cache namespace: only equal salts share KV
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

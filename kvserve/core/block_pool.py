@@ -6,8 +6,10 @@ block tables.
 The free queue holds blocks with ``ref_cnt == 0``. Blocks that carry no cached prefix
 are handed out first; blocks whose KV is still reusable (they have a block hash) stay
 findable by the prefix cache until memory is needed, and then go least recently freed
-first. A request frees its blocks tail-first, so within one request the deepest blocks
-of the prefix (the tree's leaves) are evicted before their parents.
+first among the radix tree's leaves (``prefix_cache.py``): a block with cached children
+is passed over while a leaf is free. A request frees its blocks tail-first, so the oldest
+free cached block is nearly always a leaf. Evicting a node removes its subtree from the
+tree (only when no free leaf is left), so every cached block stays reachable.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Iterable, Optional
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "node")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Optional[int] = None
+        self.node = None  # its RadixNode while cached through a PrefixCache
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -48,6 +51,7 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
         self.num_evictions = 0
+        self.prefix_cache = None  # the PrefixCache (radix tree) that registers through this pool
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -75,7 +79,7 @@ class BlockPool:
             if self._free_uncached:
                 bid, _ = self._free_uncached.popitem(last=False)
             else:
-                bid, _ = self._free_cached.popitem(last=False)
+                bid = self._pop_evictable()
                 self._evict(self.blocks[bid])
             block = self.blocks[bid]
             block.ref_cnt = 1
@@ -111,20 +115,48 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
+    def _pop_evictable(self) -> int:
+        """The least recently freed cached block that is a leaf of the tree (else the oldest)."""
+        for bid in self._free_cached:
+            node = self.blocks[bid].node
+            if node is None or not node.children:
+                break
+        else:
+            bid = next(iter(self._free_cached))
+        del self._free_cached[bid]
+        return bid
+
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
+        if block.block_hash is None:
+            return
+        self.num_evictions += 1
+        if block.node is None:
             del self.cached[block.block_hash]
             block.block_hash = None
-            self.num_evictions += 1
+            return
+        # A node leaves the tree with its subtree (only non-leaves with held children get here).
+        for b in self.prefix_cache.remove_subtree(block.node):
+            del self.cached[b.block_hash]
+            b.block_hash = None
+            b.node = None
+            if b is not block and b.block_id in self._free_cached:
+                del self._free_cached[b.block_id]
+                self._free_uncached[b.block_id] = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block that no request uses. Returns False if some are in use."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         for bid in list(self._free_cached):
-            self._evict(self.blocks[bid])
+            b = self.blocks[bid]
+            del self.cached[b.block_hash]
+            b.block_hash = None
+            b.node = None
+            self.num_evictions += 1
             self._free_uncached[bid] = None
         self._free_cached.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         return True
 
     def check_invariants(self) -> None:
@@ -138,4 +170,8 @@ class BlockPool:
                 assert b.block_hash is not None
             if b.block_hash is not None:
                 assert self.cached[b.block_hash] is b
+            else:
+                assert b.node is None
         assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()

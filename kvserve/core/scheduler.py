@@ -33,12 +33,16 @@ class SchedulerOutput:
         block_ids: request id -> its block ids (after this step's allocation).
         num_scheduled_tokens: sum of the ``n``.
         preempted: requests preempted while building this step.
+        kv_copies: prefix-cache copy-on-write, ``(src_block, dst_block, num_tokens)``: the
+            model runner copies slots ``[0, num_tokens)`` of ``src_block`` into the same slots
+            of ``dst_block`` on every layer before the forward.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_scheduled_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -53,6 +57,9 @@ class SchedulerStats:
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # tokens, cumulative
     prefix_cache_hits: int = 0  # tokens, cumulative
+    # Lookups made when a preempted request is re-admitted (its own blocks, mostly), apart.
+    prefix_cache_recompute_queries: int = 0  # tokens, cumulative
+    prefix_cache_recompute_hits: int = 0  # tokens, cumulative
 
 
 class _WaitingQueue:
@@ -109,6 +116,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_recompute_queries = 0
+        self.prefix_cache_recompute_hits = 0
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -158,6 +167,7 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
+        self.kv.begin_step()
         # The worst request sits last, so a victim is never one already scheduled this step.
         self.running.sort(key=self._sort_key)
 
@@ -190,12 +200,25 @@ class Scheduler:
                 break
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
-                break
+                if hits.partial is None:
+                    break
+                # The copy source holds one block for the allocation: try without it.
+                num_hit -= hits.partial.num_tokens
+                hits.partial = None
+                n = req.num_tokens - num_hit
+                if not cfg.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                if self.kv.allocate_slots(req, n, hits) is None:
+                    break
             self.waiting.pop()
-            if req.num_cached_tokens < 0:  # first admission; recompute hits are not counted
+            if req.num_cached_tokens < 0:  # first admission
                 req.num_cached_tokens = num_hit
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_hit
+            else:  # a preempted request's recompute, counted apart
+                self.prefix_cache_recompute_queries += req.num_tokens
+                self.prefix_cache_recompute_hits += num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -206,6 +229,7 @@ class Scheduler:
 
         out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
         out.block_ids = {r.request_id: self.kv.get_block_ids(r.request_id) for r, _ in out.scheduled}
+        out.kv_copies = self.kv.take_copies()
         return out
 
     def update_from_output(
@@ -259,4 +283,6 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_recompute_queries=self.prefix_cache_recompute_queries,
+            prefix_cache_recompute_hits=self.prefix_cache_recompute_hits,
         )

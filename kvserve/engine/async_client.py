@@ -351,7 +351,8 @@ class AsyncLLM:
             return
         s = msg.stats
         log_stats_line(self._log_tokens[0] / dt, self._log_tokens[1] / dt, s.num_running, s.num_waiting,
-                       s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions)
+                       s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,
+                       s.prefix_cache_recompute_hits)
         self._log_last, self._log_tokens = now, [0, 0]
 
     # ------------------------------------------------------------------ requests
@@ -379,6 +380,7 @@ class AsyncLLM:
         priority: int = 0,
         delta: bool = False,
         prompt_text: Optional[str] = None,
+        cache_salt: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate ``sampling_params.n`` completions of one prompt, yielding as tokens arrive.
 
@@ -390,6 +392,7 @@ class AsyncLLM:
                 (text, token_ids, logprobs per completion; completions with nothing new are left
                 out; ``finish_reason`` is set once); else each holds everything so far.
             prompt_text: the text to report as ``RequestOutput.prompt`` for token-id prompts.
+            cache_salt: requests share prefix-cache blocks only with requests of the same salt.
 
         The last output has ``finished=True``. Leaving the iteration early (break, cancel,
         client disconnect) aborts the request in the engine and frees its blocks.
@@ -405,7 +408,10 @@ class AsyncLLM:
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} already exists")
-        st = self._add(request_id, text if text is not None else prompt_text, ids, params, priority, delta)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        st = self._add(request_id, text if text is not None else prompt_text, ids, params, priority, delta,
+                       cache_salt)
         finished = False
         try:
             while True:
@@ -426,11 +432,12 @@ class AsyncLLM:
             self.output_processor.remove(st.parent)
 
     def _add(self, request_id: str, text: Optional[str], ids: list[int], params: SamplingParams,
-             priority: int, delta: bool) -> _ReqState:
+             priority: int, delta: bool, cache_salt: Optional[str] = None) -> _ReqState:
         from kvserve.engine.ipc import AddRequest, params_to_dict
 
         arrival = time.time()
-        children = make_child_requests(request_id, ids, params, arrival, priority, self.eos_token_id)
+        children = make_child_requests(request_id, ids, params, arrival, priority, self.eos_token_id,
+                                       cache_salt)
         parent = ParentState(request_id, text, ids)
         self.output_processor.add(parent, children)
         n = params.n
@@ -440,7 +447,7 @@ class AsyncLLM:
         try:
             for c in children:
                 self._send(AddRequest(c.request_id, c.prompt_token_ids, params_to_dict(c.sampling_params),
-                                      arrival, priority, self.eos_token_id))
+                                      arrival, priority, self.eos_token_id, cache_salt))
         except BaseException:
             self._states.pop(request_id, None)
             self.output_processor.remove(parent)

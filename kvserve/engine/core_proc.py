@@ -79,6 +79,8 @@ class EngineCoreProc:
         self.decoder = ipc.input_decoder()
         self.encoder = ipc.input_encoder()
         self.tracked: dict[str, _Tracked] = {}
+        #: TokenOutputs (finish_reason "abort") of AddRequests the core refused, sent next.
+        self.rejected: list = []
         self.running = True
         self._ppid = os.getppid()
 
@@ -90,10 +92,16 @@ class EngineCoreProc:
         from kvserve.request import Request
 
         if isinstance(msg, ipc.AddRequest):
-            params = ipc.params_from_dict(msg.sampling_params)
-            req = Request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time, msg.priority,
-                          msg.eos_token_id)
-            self.core.add_request(req)
+            try:
+                params = ipc.params_from_dict(msg.sampling_params)
+                req = Request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time, msg.priority,
+                              msg.eos_token_id, cache_salt=msg.cache_salt)
+                self.core.add_request(req)
+            except Exception:  # one bad request must not take the engine down: abort it
+                logger.exception("engine core: rejected request %s", msg.request_id)
+                self.rejected.append(ipc.TokenOutput(request_id=msg.request_id, new_token_ids=[],
+                                                     finish_reason="abort"))
+                return
             self.tracked[req.request_id] = _Tracked(req)
         elif isinstance(msg, ipc.AbortRequests):
             ids = [i for i in msg.request_ids if i in self.tracked]
@@ -124,7 +132,7 @@ class EngineCoreProc:
 
         s = self.core.scheduler.get_stats()
         return SchedulerStatsMsg(s.num_running, s.num_waiting, float(s.kv_cache_usage), s.num_preemptions,
-                                 s.prefix_cache_queries, s.prefix_cache_hits)
+                                 s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_recompute_hits)
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
@@ -137,7 +145,8 @@ class EngineCoreProc:
         if os.getppid() != self._ppid:
             logger.error("engine core: the API server process died; exiting")
             return False
-        outputs, n_prompt, n_gen = [], 0, 0
+        outputs, n_prompt, n_gen = self.rejected, 0, 0
+        self.rejected = []
         stepped = False
         if self.core.has_unfinished_requests():
             res = self.core.step()

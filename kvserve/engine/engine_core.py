@@ -54,6 +54,11 @@ class EngineCore:
         self.model_runner.init_kv_cache(num_blocks)
         self.model_runner.maybe_capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        hf = config.model_config.hf_config
+        if cc.enable_prefix_caching and getattr(hf, "sliding_window", None):
+            logger.warning(
+                "prefix caching with a sliding-window model (window %s): blocks outside the window "
+                "are kept, so reuse stays exact but saves no memory there", hf.sliding_window)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
         bpt = self.model_runner.bytes_per_token
         logger.info(

@@ -37,6 +37,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     arrival_time: float
     priority: int = 0
     eos_token_id: Optional[int] = None
+    cache_salt: Optional[str] = None  # prefix-cache isolation between tenants
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -109,6 +110,7 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     num_preemptions: int = 0  # cumulative
     prefix_cache_queries: int = 0  # tokens, cumulative
     prefix_cache_hits: int = 0  # tokens, cumulative
+    prefix_cache_recompute_hits: int = 0  # tokens, cumulative; a preempted request's own recompute
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

@@ -53,6 +53,7 @@ class LLM:
         prompts: Sequence[PromptType],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None],
         priority: Optional[Sequence[int]],
+        cache_salt: Optional[str] = None,
     ) -> list[str]:
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
@@ -65,7 +66,8 @@ class LLM:
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self.llm_engine.add_request(None, p, sp, priority[i] if priority else 0))
+                ids.append(self.llm_engine.add_request(None, p, sp, priority[i] if priority else 0,
+                                                       cache_salt=cache_salt))
         except Exception:
             for rid in ids:  # leave the engine as it was
                 self.llm_engine.abort_request(rid)
@@ -78,6 +80,7 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
         priority: Optional[Sequence[int]] = None,
+        cache_salt: Optional[str] = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; returns outputs in the prompts' order.
 
@@ -85,13 +88,14 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts, or one per prompt.
             priority: per-prompt priority (lower first) for ``--scheduling-policy priority``.
+            cache_salt: prefix-cache namespace for these requests (only equal salts share KV).
 
         Raises:
             ValueError: an invalid prompt or parameter (no request of this call is run then).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = self._add_all(list(prompts), sampling_params, priority)
+        ids = self._add_all(list(prompts), sampling_params, priority, cache_salt)
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

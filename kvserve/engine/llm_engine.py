@@ -38,6 +38,8 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_cache_recompute_queries: int = 0  # lookups of re-admitted preempted requests, apart
+    prefix_cache_recompute_hits: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (recompute included)
     num_generation_tokens: int = 0
     num_running: int = 0
@@ -84,8 +86,10 @@ class LLMEngine:
         params: Optional[SamplingParams] = None,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
     ) -> str:
-        """Validate and queue one request; returns its id.
+        """Validate and queue one request; returns its id. Requests share prefix-cache
+        blocks only with requests of the same ``cache_salt`` (None is a salt too).
 
         Raises:
             ValueError: empty prompt, token ids outside the vocabulary, a prompt longer than
@@ -98,7 +102,10 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} already exists")
         arrival = time.time() if arrival_time is None else arrival_time
-        children = make_child_requests(request_id, ids, params, arrival, priority, self.eos_token_id)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        children = make_child_requests(request_id, ids, params, arrival, priority, self.eos_token_id,
+                                       cache_salt)
         self.output_processor.add(ParentState(request_id, text, ids), children)
         for child in children:
             self.engine_core.add_request(child)
@@ -143,6 +150,8 @@ class LLMEngine:
         s.kv_cache_usage = ss.kv_cache_usage
         s.prefix_cache_queries = ss.prefix_cache_queries
         s.prefix_cache_hits = ss.prefix_cache_hits
+        s.prefix_cache_recompute_queries = ss.prefix_cache_recompute_queries
+        s.prefix_cache_recompute_hits = ss.prefix_cache_recompute_hits
         s.num_running, s.num_waiting = ss.num_running, ss.num_waiting
         now = time.monotonic()
         dt = now - self._last_log
@@ -151,6 +160,6 @@ class LLMEngine:
         log_stats_line(
             (s.num_prompt_tokens - self._last_prompt) / dt, (s.num_generation_tokens - self._last_gen) / dt,
             s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-            s.num_preemptions,
+            s.num_preemptions, s.prefix_cache_recompute_hits,
         )
         self._last_log, self._last_prompt, self._last_gen = now, s.num_prompt_tokens, s.num_generation_tokens

@@ -15,13 +15,27 @@ Exposed families (counters get the ``_total`` suffix in the text format):
   ``kvserve:num_preemptions``, ``kvserve:prompt_tokens`` / ``kvserve:generation_tokens``
   (tokens computed), ``kvserve:request_success`` (completions finished, label
   ``finished_reason``: stop | length | abort)
+* API-server gauges (set by ``attach_frontend``): ``kvserve:num_requests_admitted``
+  (engine sequences the server admitted and still serves), ``kvserve:frontend_unfinished_requests``
+  (requests the engine client still tracks); counter ``kvserve:num_requests_rejected_total``
+  (429s from the ``--max-waiting-requests`` bound)
+* the API process's own ``process_*`` metrics (``process_resident_memory_bytes``, ...),
+  when the ``registry`` is private (the default)
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from kvserve.engine.async_client import StatLogger
 
@@ -39,7 +53,10 @@ class PrometheusStatLogger(StatLogger):
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        own = registry is None
         self.registry = registry if registry is not None else CollectorRegistry()
+        if own:
+            ProcessCollector(registry=self.registry)
         r, lab = self.registry, ["model_name"]
         self.model_name = model_name
 
@@ -62,12 +79,26 @@ class PrometheusStatLogger(StatLogger):
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
         self.pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.pc_recompute_hits = counter("prefix_cache_recompute_hits",
+                                         "Tokens a preempted request found cached on its own recompute.")
         self.preemptions = counter("num_preemptions", "Preemptions of running sequences.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recompute included).")
         self.gen_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = Counter("kvserve:request_success", "Completions finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
-        self._last = {"q": 0, "h": 0, "p": 0}
+        self._last = {"q": 0, "h": 0, "p": 0, "rh": 0}
+        self._frontend: Optional[tuple] = None
+        self.admitted = gauge("num_requests_admitted", "Engine sequences admitted by the API server, "
+                                                       "not finished yet.")
+        self.frontend_unfinished = gauge("frontend_unfinished_requests",
+                                         "Requests the engine client still waits on.")
+        self.rejected = counter("num_requests_rejected", "Requests rejected with 429 (queue full).")
+        self._rejected_seen = 0
+
+    def attach_frontend(self, admitted, rejected, unfinished) -> None:
+        """Callables read at every ``render()``: admitted sequences, rejections so far, and
+        requests the engine client still tracks."""
+        self._frontend = (admitted, rejected, unfinished)
 
     def _inc_cumulative(self, key: str, counter: Any, value: int) -> None:
         delta = value - self._last[key]
@@ -81,6 +112,7 @@ class PrometheusStatLogger(StatLogger):
         self.kv_usage.set(stats.kv_cache_usage)
         self._inc_cumulative("q", self.pc_queries, stats.prefix_cache_queries)
         self._inc_cumulative("h", self.pc_hits, stats.prefix_cache_hits)
+        self._inc_cumulative("rh", self.pc_recompute_hits, getattr(stats, "prefix_cache_recompute_hits", 0))
         self._inc_cumulative("p", self.preemptions, stats.num_preemptions)
         if num_prompt_tokens > 0:
             self.prompt_tokens.inc(num_prompt_tokens)
@@ -102,4 +134,12 @@ class PrometheusStatLogger(StatLogger):
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""
+        if self._frontend is not None:
+            admitted, rejected, unfinished = self._frontend
+            self.admitted.set(admitted())
+            self.frontend_unfinished.set(unfinished())
+            r = rejected()
+            if r > self._rejected_seen:
+                self.rejected.inc(r - self._rejected_seen)
+                self._rejected_seen = r
         return generate_latest(self.registry)

@@ -136,6 +136,24 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
 
+    # ---- prefix cache copy-on-write (before the forward) --------------------------------
+    @torch.inference_mode()
+    def copy_kv_slots(self, copies: list[tuple[int, int, int]]) -> None:
+        """For each ``(src_block, dst_block, n)``, copy slots ``[0, n)`` of ``src_block`` into
+        the same slots of ``dst_block``, K and V, on every layer (one index copy per layer)."""
+        if not copies:
+            return
+        bs = self.block_size
+        src = [s * bs + j for s, _, n in copies for j in range(n)]
+        dst = [d * bs + j for _, d, n in copies for j in range(n)]
+        src_t = torch.tensor(src, dtype=torch.long).to(self.device, non_blocking=True)
+        dst_t = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+        for cache in self.kv_caches:  # (2, num_blocks, block_size, kv_heads, head_dim)
+            if cache.element_size() == 1:  # fp8: copy the bytes
+                cache = cache.view(torch.uint8)
+            flat = cache.flatten(1, 2)
+            flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
+
     # ---- one step ----------------------------------------------------------------------
     def _flat_arrays(self, block_table: np.ndarray, ctx_lens: list[int], query_lens: list[int]):
         """Host arrays of a flat varlen batch: query lens, prefix sums, positions, slots, seq lens."""
@@ -183,6 +201,7 @@ class ModelRunner:
         """Compute the scheduled tokens and sample where a request reached its last token."""
         if sched.is_empty:
             return ModelRunnerOutput()
+        self.copy_kv_slots(sched.kv_copies)
         # Decodes (1 token) first so the backend can batch them.
         items = sorted(sched.scheduled, key=lambda x: x[1] != 1)
         reqs = [r for r, _ in items]

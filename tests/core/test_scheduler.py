@@ -296,6 +296,47 @@ def test_preempted_request_is_recomputed_with_its_outputs():
     assert_all_free(s)
 
 
+def test_recompute_reuses_its_own_cached_blocks_counted_apart():
+    s = make(num_blocks=6, block_size=4)  # 5 usable blocks
+    a = mkreq("a", range(0, 4), max_tokens=8, arrival=1.0)
+    b = mkreq("b", range(10, 19), max_tokens=5, arrival=2.0)
+    s.add_request(a)
+    s.add_request(b)
+    scheds = run_to_end(s)
+    log = [(pairs(x), [r.request_id for r in x.preempted], x.block_ids) for x in scheds]
+    assert log[0] == ([("a", 4), ("b", 9)], [], {"a": [1], "b": [2, 3, 4]})
+    # Step 5: b (12 computed tokens, 3 full cached blocks) is preempted; its blocks stay cached.
+    assert log[4][:2] == ([("a", 1)], ["b"])
+    # a takes b's leaf block 4 (LRU among leaves) for its third block.
+    assert log[5][2] == {"a": [1, 5, 4]}
+    # b's recompute finds its own blocks 2 and 3: 8 of its 13 tokens.
+    assert log[8] == ([("b", 5)], [], {"b": [2, 3, 4, 5]})
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (13, 0)  # first admissions only
+    assert (s.prefix_cache_recompute_queries, s.prefix_cache_recompute_hits) == (13, 8)
+    st_ = s.get_stats()
+    assert (st_.prefix_cache_recompute_queries, st_.prefix_cache_recompute_hits) == (13, 8)
+    assert b.num_cached_tokens == 0 and b.output_token_ids == [1000 + i for i in range(5)]
+    assert_all_free(s)
+
+
+def test_scheduler_emits_copy_on_write_for_a_hit_inside_a_block():
+    s = make(block_size=4)
+    a = mkreq("a", range(12), max_tokens=1)
+    s.add_request(a)
+    run_to_end(s)
+    b = mkreq("b", [0, 1, 2, 3, 4, 5, 99, 98], max_tokens=2)
+    s.add_request(b)
+    sched = step(s)
+    assert pairs(sched) == [("b", 2)]  # tokens 0-5 come from the cache
+    assert sched.block_ids == {"b": [1, 4]}
+    assert sched.kv_copies == [(2, 4, 2)]
+    assert b.num_cached_tokens == 6
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (20, 6)
+    assert step(s).kv_copies == []
+    assert_all_free(s) if not s.has_unfinished_requests() else run_to_end(s)
+    assert_all_free(s)
+
+
 def test_no_admission_in_a_step_that_preempts():
     s = make(num_blocks=3, block_size=4)  # 2 usable blocks
     a = mkreq("a", range(4), max_tokens=3, arrival=1.0)
@@ -502,6 +543,7 @@ def test_random_workload(data):
     key = (lambda r: (r.priority, r.arrival_time)) if policy == "priority" else (lambda r: (0, r.arrival_time))
     content: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> prefix whose KV it holds
     pending = list(specs)
+    num_copies = 0
     t = 0
     while pending or s.has_unfinished_requests():
         assert t < 400, "no progress"
@@ -537,6 +579,15 @@ def test_random_workload(data):
                 assert v.status == RequestStatus.PREEMPTED and v.num_computed_tokens == 0
                 assert v.request_id not in s.kv.req_to_blocks
 
+        # Copy-on-write before the forward: slots [0, m) of src into the same slots of dst.
+        copied = {(dst, j): content[(src, j)] for src, dst, m in sched.kv_copies for j in range(m)}
+        content.update(copied)
+        num_copies += len(sched.kv_copies)
+        if not caching:
+            assert sched.kv_copies == []
+        for src, dst, m in sched.kv_copies:
+            assert 0 < m < bs and s.kv.pool.blocks[dst].ref_cnt >= 1  # the source may be reused after the copy
+
         # "Forward": read the KV of already-computed positions, then write this step's.
         for r, n in sched.scheduled:
             blocks = s.kv.get_block_ids(r.request_id)
@@ -558,6 +609,8 @@ def test_random_workload(data):
     event(f"pressure={pressure} preemptions>0: {s.num_preemptions > 0}")
     event(f"prefix hits>0: {s.prefix_cache_hits > 0}")
     event(f"aborted>0: {bool(aborted)}")
+    event(f"copy-on-write hits>0: {num_copies > 0}")
+    event(f"recompute hits>0: {s.prefix_cache_recompute_hits > 0}")
     event(f"steps: {'<10' if t < 10 else '<40' if t < 40 else '>=40'}")
 
     assert len(reqs) == n_req

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -61,9 +63,14 @@ def test_tiny_token_budget_chunks_prefill(prompt_ids, ours_alone):
     assert [o.outputs[0].token_ids for o in outs] == ours_alone
 
 
-def test_preemption_keeps_outputs(prompt_ids, ours_alone):
+@pytest.fixture(scope="module")
+def tiny():
+    """28 blocks x 16 tokens, prefix caching on (the default)."""
+    return LLM(num_gpu_blocks_override=29, max_model_len=448, disable_log_stats=True)
+
+
+def test_preemption_keeps_outputs(prompt_ids, ours_alone, tiny):
     # 28 blocks x 16 tokens: the 8 prompts (~100-250 tokens + 32 new each) cannot all fit.
-    tiny = LLM(num_gpu_blocks_override=29, max_model_len=448, disable_log_stats=True)
     outs = tiny.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert tiny.llm_engine.stats.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -92,3 +99,77 @@ def test_n_completions_share_prompt_blocks(llm, prompt_ids):
     full = (len(ids) - 1) // 16 * 16
     assert eng.stats.prefix_cache_hits - h0 >= 2 * full
     assert eng.stats.prefix_cache_queries - q0 == 3 * len(ids)
+
+
+# ---- prefix caching (radix tree, token-granular copy-on-write) ------------------------------------
+
+SHORT = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+_cold_salts = itertools.count()
+
+
+def _cold(llm, prompts):
+    """Each prompt computed from scratch: a fresh cache_salt sees an empty cache (caching off)."""
+    outs = []
+    for p in prompts:
+        o = llm.generate([p], SHORT, use_tqdm=False, cache_salt=f"cold-{next(_cold_salts)}")[0]
+        assert o.num_cached_tokens == 0
+        outs.append(o.outputs[0].token_ids)
+    return outs
+
+
+def test_shared_prefix_token_granular_hits_match_caching_off(llm, prompt_ids):
+    base, other = prompt_ids[-1], prompt_ids[0]
+    assert len(base) > 160 and other[0] != base[37]
+    salt = "shared-prefix-test"
+    first = llm.generate([base[:150]], SHORT, use_tqdm=False, cache_salt=salt)[0]
+    assert first.num_cached_tokens == 0
+    prompts = [
+        base[:150],  # identical repeat: 9 full blocks + 5 tokens copied, the last computed
+        base[:37] + other[:20],  # 2 full blocks + 5 tokens of block 3, copied
+        base[:150] + other[:10],  # 9 full blocks + the 6 prompt tokens of block 10 (+ outputs?)
+        base[:20],  # 1 full block + 3 tokens
+    ]
+    mr = llm.llm_engine.engine_core.model_runner
+    copies = []
+    orig = mr.copy_kv_slots
+    mr.copy_kv_slots = lambda c: (copies.extend(c), orig(c))
+    try:
+        outs = llm.generate(prompts, SHORT, use_tqdm=False, cache_salt=salt)
+    finally:
+        del mr.copy_kv_slots
+    assert [o.num_cached_tokens for o in outs[:2]] == [149, 37]
+    assert outs[2].num_cached_tokens >= 150 and outs[3].num_cached_tokens == 19
+    assert sorted(n for _, _, n in copies)[:3] == [3, 5, 5]
+    assert [o.outputs[0].token_ids for o in outs] == _cold(llm, prompts)
+    assert outs[0].outputs[0].token_ids == first.outputs[0].token_ids
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.usage == 0.0
+    kv.pool.check_invariants()
+
+
+def test_cache_salt_isolates_on_the_real_model(llm, prompt_ids):
+    p = prompt_ids[3][:90]
+    a = llm.generate([p], SHORT, use_tqdm=False, cache_salt="tenant-a")[0]
+    b = llm.generate([p], SHORT, use_tqdm=False, cache_salt="tenant-b")[0]
+    a2 = llm.generate([p], SHORT, use_tqdm=False, cache_salt="tenant-a")[0]
+    assert (a.num_cached_tokens, b.num_cached_tokens, a2.num_cached_tokens) == (0, 0, 89)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == a2.outputs[0].token_ids
+
+
+def test_eviction_under_a_tiny_pool_is_leaf_first_and_outputs_stay_right(tiny, llm, prompt_ids):
+    kv = tiny.llm_engine.engine_core.kv_cache_manager
+    kv.pool.reset_prefix_cache()
+    a, b = prompt_ids[-1][:160], sum(prompt_ids[-2::-1], [])[:300]
+    assert len(a) == 160 and len(b) == 300 and a[:16] != b[:16]
+    # a computes 160 + 15 tokens: 10 full blocks cached (+1 uncached); b computes 315 tokens,
+    # 20 blocks: the 18 uncached ones, then 2 of a's.
+    ra = tiny.generate([a], SHORT, use_tqdm=False)[0]
+    e0 = kv.pool.num_evictions
+    rb = tiny.generate([b], SHORT, use_tqdm=False)[0]
+    assert kv.pool.num_evictions - e0 == 2
+    # Leaf-first, LRU: a's blocks 10 and 9 went; its first 8 blocks are still a path from the root.
+    ra2 = tiny.generate([a], SHORT, use_tqdm=False)[0]
+    assert ra2.num_cached_tokens == 8 * 16
+    assert [ra.outputs[0].token_ids, rb.outputs[0].token_ids, ra2.outputs[0].token_ids] == _cold(llm, [a, b, a])
+    assert kv.usage == 0.0
+    kv.pool.check_invariants()

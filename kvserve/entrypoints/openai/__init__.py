@@ -33,6 +33,18 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s).")
     g.add_argument("--disable-access-log", action="store_true", help="No per-request access log lines.")
+    g.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="Engine sequences (n x prompts per request) admitted beyond --max-num-seqs; past "
+                        "that, new requests get 429 with Retry-After at once (default: 4 x max-num-seqs; "
+                        "-1: unbounded).")
+    g.add_argument("--max-n", type=int, default=16,
+                   help="Largest n (completions per prompt) a request may ask for; 400 past it "
+                        "(default: %(default)s).")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
+                   help="Largest request body; 413 past it (default: %(default)s = 8 MiB; -1: unbounded).")
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs the API key too (default: /metrics, /health, /ping and /version "
+                        "are open; every other route needs it when --api-key is set).")
     add_engine_args(p)
     p.set_defaults(func=_run_serve)
     return p

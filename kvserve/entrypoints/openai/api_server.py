@@ -7,9 +7,13 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health`` (200, or 503 when the engine is dead or the server drains),
 ``GET /version``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
-parameters (FastAPI's 422 validation errors included) and context overflow, 401 for a
-missing/wrong ``--api-key`` (``/v1`` routes only), 404 for an unknown model, 503 when the
-engine is dead or the server is shutting down.
+parameters (FastAPI's 422 validation errors and unparsable bodies included) and context
+overflow, 401 for a missing/wrong ``--api-key`` (every route but ``/health``, ``/ping``,
+``/version`` and, unless ``--protect-metrics``, ``/metrics``), 404 for an unknown model, 413
+for a body over ``--max-request-body-bytes``, 429 (with ``Retry-After``) past
+``--max-waiting-requests``, 503 when the engine is dead or the server is shutting down.
+If the engine-core process dies, the server answers 503 for ``ENGINE_DEAD_EXIT_DELAY_S``
+seconds, then exits with status 1 so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -30,17 +34,36 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_client import AsyncLLM, EngineDeadError
 from kvserve.entrypoints.openai import protocol as P
-from kvserve.entrypoints.openai.serving import APIError, OpenAIServingChat, OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving import (
+    Admission,
+    APIError,
+    OpenAIServingChat,
+    OpenAIServingCompletion,
+)
 
 logger = logging.getLogger("kvserve")
 
+#: Defaults of the limits (flags of ``kvserve serve``).
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+#: Seconds the server keeps answering 503 after the engine died, before it exits with 1.
+ENGINE_DEAD_EXIT_DELAY_S = 5.0
+#: Paths that never need the API key (``/metrics`` too unless ``protect_metrics``).
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
+
 
 def _json_error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class _BodyTooLarge(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes", None)
 
 
 class _GateMiddleware:
-    """ASGI middleware: API-key check on /v1, 503 while draining, in-flight request count."""
+    """ASGI middleware: API key (deny by default), 503 while draining, body-size limit,
+    in-flight request count."""
 
     def __init__(self, app, state) -> None:
         self.app, self.state = app, state
@@ -51,13 +74,33 @@ class _GateMiddleware:
         path = scope.get("path", "")
         st = self.state
         err = None
+        headers = dict(scope.get("headers") or [])
+        open_path = path in OPEN_PATHS or (path == "/metrics" and not st.protect_metrics)
         if st.draining and path != "/metrics":
             err = APIError(503, "the server is shutting down")
-        elif st.api_key and path.startswith("/v1"):
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), st.api_key.encode()):
+        elif st.api_key and not open_path:
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, st.api_key_bytes):
                 err = APIError(401, "Incorrect or missing API key.", type_="authentication_error")
+        limit = st.max_body_bytes
+        if err is None and limit is not None and limit >= 0:
+            cl = headers.get(b"content-length")
+            try:
+                too_big = cl is not None and int(cl) > limit
+            except ValueError:
+                too_big = False
+                err = APIError(400, "invalid Content-Length header")
+            if too_big:
+                err = _BodyTooLarge(limit)
+            elif cl is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+                # Chunked body: read it here (up to the limit) so that an oversized one is a
+                # clean 413, not a parse error, then replay it to the app.
+                receive, too_big = await self._buffered(receive, limit)
+                if too_big:
+                    err = _BodyTooLarge(limit)
+            else:
+                receive = self._limited(receive, limit)
         if err is not None:
             return await _json_error(err)(scope, receive, send)
         st.inflight += 1
@@ -66,22 +109,75 @@ class _GateMiddleware:
         finally:
             st.inflight -= 1
 
+    @staticmethod
+    async def _buffered(receive, limit: int):
+        chunks, seen = [], 0
+        while True:
+            msg = await receive()
+            if msg.get("type") != "http.request":  # disconnect: let the app see it
+                chunks.append(msg)
+                break
+            seen += len(msg.get("body", b""))
+            if seen > limit:
+                return receive, True
+            chunks.append(msg)
+            if not msg.get("more_body", False):
+                break
+
+        async def replay():
+            if chunks:
+                return chunks.pop(0)
+            return await receive()
+
+        return replay, False
+
+    @staticmethod
+    def _limited(receive, limit: int):
+        seen = 0
+
+        async def wrapped():
+            nonlocal seen
+            msg = await receive()
+            if msg.get("type") == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:  # chunked body with no Content-Length
+                    raise _BodyTooLarge(limit)
+            return msg
+
+        return wrapped
+
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
-              stat_logger: Any = None) -> FastAPI:
+              stat_logger: Any = None, *, max_waiting_requests: Optional[int] = None,
+              max_n: int = DEFAULT_MAX_N, max_request_body_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              protect_metrics: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` (already started) under ``served_model_names``.
 
     ``stat_logger``: a ``PrometheusStatLogger`` for ``/metrics`` (404 there if None).
-    ``app.state`` holds ``engine``, ``draining`` (bool) and ``inflight`` (requests being served).
+    ``max_waiting_requests``: engine sequences admitted beyond ``max_num_seqs`` before new
+    requests get 429 (None: 4 x max_num_seqs; negative: unbounded).
+    ``max_n``: largest ``n`` (400 past it). ``max_request_body_bytes``: 413 past it (None or
+    negative: unbounded). ``protect_metrics``: ``/metrics`` needs the API key too.
+    ``app.state`` holds ``engine``, ``draining`` (bool), ``inflight`` (requests being served)
+    and ``admission`` (the ``Admission`` gate).
     """
     from kvserve import __version__
 
     app = FastAPI(title="kvserve", version=__version__)
     state = app.state
     state.engine, state.api_key, state.stat_logger = engine, api_key, stat_logger
+    state.api_key_bytes = api_key.encode() if api_key else b""
+    state.protect_metrics, state.max_body_bytes = protect_metrics, max_request_body_bytes
     state.draining, state.inflight = False, 0
-    completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    max_num_seqs = getattr(engine.engine_args, "max_num_seqs", 256) or 256
+    if max_waiting_requests is None:
+        max_waiting_requests = 4 * max_num_seqs
+    state.admission = admission = Admission(max_num_seqs, max_waiting_requests)
+    completion = OpenAIServingCompletion(engine, served_model_names, admission, max_n)
+    chat = OpenAIServingChat(engine, served_model_names, admission, max_n)
+    if stat_logger is not None and hasattr(stat_logger, "attach_frontend"):
+        stat_logger.attach_frontend(lambda: admission.admitted, lambda: admission.rejected,
+                                    engine.num_unfinished)
     app.add_middleware(_GateMiddleware, state=state)
     created = int(time.time())
 
@@ -137,6 +233,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
                 for name in served_model_names]
         return {"object": "list", "data": data}
 
+    @app.get("/ping")
     @app.get("/health")
     async def health():
         ok = engine.is_running and not state.draining
@@ -227,19 +324,42 @@ async def serve_async(ns: argparse.Namespace) -> None:
     stat_logger = PrometheusStatLogger(names[0])
     engine_args = EngineArgs(**engine_args_from_namespace(ns))
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger)
+    engine_died = False
     try:
-        app = build_app(engine, names, ns.api_key or os.environ.get("KVSERVE_API_KEY"), stat_logger)
+        app = build_app(engine, names, ns.api_key or os.environ.get("KVSERVE_API_KEY"), stat_logger,
+                        max_waiting_requests=getattr(ns, "max_waiting_requests", None),
+                        max_n=getattr(ns, "max_n", DEFAULT_MAX_N),
+                        max_request_body_bytes=getattr(ns, "max_request_body_bytes",
+                                                       DEFAULT_MAX_REQUEST_BODY_BYTES),
+                        protect_metrics=getattr(ns, "protect_metrics", False))
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                                 access_log=not ns.disable_access_log, timeout_keep_alive=5)
         server = _DrainingServer(config, app.state, ns.shutdown_timeout)
-        await server.serve()
+
+        async def watchdog() -> None:
+            """Exit (status 1) once the engine core is dead, after a short 503 window."""
+            nonlocal engine_died
+            while engine.errored is None or engine._closing:
+                await asyncio.sleep(0.5)
+            engine_died = True
+            logger.error("the engine core is dead; the server exits in %.0f s", ENGINE_DEAD_EXIT_DELAY_S)
+            await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
+            server.should_exit = True
+
+        wd = asyncio.create_task(watchdog(), name="kvserve-engine-watchdog")
+        try:
+            await server.serve()
+        finally:
+            wd.cancel()
     finally:
         await engine.shutdown()
         logger.info("engine stopped")
+    if engine_died:
+        raise SystemExit(1)
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    """``kvserve serve``. Returns 0 after a clean shutdown."""
+    """``kvserve serve``. Returns 0 after a clean shutdown, 1 if the engine core died."""
     from kvserve.engine.llm import _setup_logging
 
     _setup_logging()
@@ -247,4 +367,6 @@ def run_server(ns: argparse.Namespace) -> int:
         asyncio.run(serve_async(ns))
     except KeyboardInterrupt:
         pass
+    except SystemExit as exc:
+        return int(exc.code or 0)
     return 0

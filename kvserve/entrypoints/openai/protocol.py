@@ -10,7 +10,7 @@ starts with the parameter name (``param_of`` picks it out for the error body).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,11 +18,21 @@ from kvserve.sampling_params import SamplingParams
 
 #: Most top logprobs one token may ask for.
 MAX_LOGPROBS = 20
+#: Most stop strings one request may give (OpenAI allows 4; vLLM has no limit).
+MAX_STOP = 16
+#: Longest stop string, in characters.
+MAX_STOP_LEN = 1024
+
+#: Integers that fit the engine's messages (msgspec int64); larger ones get 400, not 500.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+#: Non-negative int64 (token ids, counts).
+UInt63 = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI's SDK may send new ones.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI's SDK may send new ones. NaN and +-Infinity
+    # (which Python's JSON parser accepts) are rejected in float fields.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -31,11 +41,11 @@ class StreamOptions(OpenAIBaseModel):
 
 class _SamplingFields(OpenAIBaseModel):
     model: Optional[str] = None
-    n: int = 1
+    n: UInt63 = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1 - 2**20)]] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     stream: Optional[bool] = False
@@ -43,13 +53,14 @@ class _SamplingFields(OpenAIBaseModel):
     user: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extras
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: UInt63 = 0
+    priority: Int64 = 0
+    cache_salt: Optional[str] = None  # vLLM: prefix-cache isolation between tenants
+    stop_token_ids: Optional[list[UInt63]] = None
     skip_special_tokens: bool = True
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
@@ -63,6 +74,11 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop may hold at most {MAX_STOP} strings, got {len(stops)}")
+        if any(len(x) > MAX_STOP_LEN for x in stops):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_LEN} characters long")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -90,11 +106,11 @@ class _SamplingFields(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, strings, token ids, or lists of ids."""
 
-    prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: Union[list[UInt63], list[list[UInt63]], str, list[str]]
+    max_tokens: Optional[Int64] = 16
+    logprobs: Optional[Int64] = None
     echo: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
     suffix: Optional[str] = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -148,10 +164,10 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int64] = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -181,7 +197,7 @@ class DetokenizeRequest(OpenAIBaseModel):
     """``POST /detokenize``."""
 
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # ----------------------------------------------------------------------------- responses
@@ -195,7 +211,7 @@ def error_body(message: str, type_: str = "BadRequestError", param: Optional[str
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "prompt",
-                "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority",
+                "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority", "cache_salt",
                 "echo"}
 
 

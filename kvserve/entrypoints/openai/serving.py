@@ -19,16 +19,19 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          500: "internal_server_error", 503: "service_unavailable_error"}
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+          503: "service_unavailable_error"}
 
 
 class APIError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type_ or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return P.error_body(self.message, self.type, self.param, self.status)
@@ -88,12 +91,95 @@ async def merge(iters: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
             await it.aclose()
 
 
-class OpenAIServing:
-    """Shared checks: model name, prompt length vs. context, sampling parameters."""
+class _Ticket:
+    """Engine sequences held by one admitted request; ``release()`` is idempotent.
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    Released when the response finishes, fails or is abandoned; ``__del__`` catches a
+    streaming body that Starlette never started (client gone before the first byte).
+    """
+
+    __slots__ = ("adm", "n")
+
+    def __init__(self, adm: "Admission", n: int) -> None:
+        self.adm, self.n = adm, n
+
+    def release(self) -> None:
+        if self.n:
+            self.adm.admitted -= self.n
+            self.n = 0
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class Admission:
+    """Bounded admission: at most ``max_num_seqs + max_waiting`` engine sequences admitted.
+
+    A request needing ``k`` sequences (``n`` times the number of prompts) past that gets 429
+    with ``Retry-After`` at once; one needing more than the whole capacity gets 400.
+    ``max_waiting < 0`` turns the bound off.
+    """
+
+    def __init__(self, max_num_seqs: int, max_waiting: int, retry_after_s: int = 1) -> None:
+        self.max_num_seqs, self.max_waiting = max_num_seqs, max_waiting
+        self.retry_after_s = retry_after_s
+        self.admitted = 0
+        self.rejected = 0
+
+    @property
+    def capacity(self) -> Optional[int]:
+        return None if self.max_waiting < 0 else self.max_num_seqs + self.max_waiting
+
+    def admit(self, k: int) -> _Ticket:
+        cap = self.capacity
+        if cap is not None:
+            if k > cap:
+                raise APIError(400, f"the request needs {k} sequences (n x prompts); the server admits at "
+                                    f"most {cap} at a time", "n")
+            if self.admitted + k > cap:
+                self.rejected += 1
+                raise APIError(429, f"the server is overloaded: {self.admitted} sequences are running or "
+                                    f"waiting (limit {cap}); retry later", None,
+                               headers={"Retry-After": str(self.retry_after_s)})
+        self.admitted += k
+        return _Ticket(self, k)
+
+
+async def _released(it: AsyncIterator[str], ticket: _Ticket) -> AsyncIterator[str]:
+    try:
+        async for x in it:
+            yield x
+    finally:
+        ticket.release()
+        await it.aclose()
+
+
+class OpenAIServing:
+    """Shared checks: model name, prompt length vs. context, sampling parameters, limits."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: Optional[Admission] = None,
+                 max_n: int = 16) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.admission = admission or Admission(1, -1)
+        self.max_n = max_n
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise APIError(400, f"n must be <= {self.max_n} on this server, got {n}", "n")
+
+    def check_extras(self, ids_list: list[list[int]], req) -> None:
+        """Token ids and vLLM's extras that the engine would choke on: 400 here instead."""
+        v = self.engine.vocab_size
+        for ids in ids_list:
+            bad = next((t for t in ids if not 0 <= t < v), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {v})", "prompt")
+        bad = next((t for t in (req.stop_token_ids or []) if not 0 <= t < v), None)
+        if bad is not None:
+            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {v})", "stop_token_ids")
+        if req.top_k is not None and req.top_k >= v:
+            req.top_k = 0  # keeping every token is no top-k at all
 
     @property
     def model_name(self) -> str:
@@ -130,7 +216,10 @@ class OpenAIServing:
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conv = [m.to_template_dict() for m in messages]
-        ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except Exception as exc:  # jinja2 TemplateError (raise_exception in templates), bad roles
+            raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -157,8 +246,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: P.CompletionRequest, is_disconnected=None) -> Union[dict, AsyncIterator[str]]:
         self.check_model(req.model)
         self.engine.check_alive()
+        self.check_n(req.n)
         prompts = req.prompts()
         ids_list = [self.tokenize(p) for p in prompts]
+        self.check_extras(ids_list, req)
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         params = []
         for ids in ids_list:
@@ -167,20 +258,25 @@ class OpenAIServingCompletion(OpenAIServing):
                 mt = min(mt, 16)
             params.append(req.to_sampling_params(mt))
             self.engine.validate(ids, params[-1], req.priority)
+        ticket = self.admission.admit(req.n * len(ids_list))
         rid = f"cmpl-{uuid.uuid4().hex}"
         texts = [p if isinstance(p, str) else None for p in prompts]
         gens = [self.engine.generate(ids, sp, f"{rid}-{i}", priority=req.priority, delta=req.stream,
+                                     cache_salt=req.cache_salt,
                                      prompt_text=texts[i])
                 for i, (ids, sp) in enumerate(zip(ids_list, params))]
         if req.stream:
-            return self._stream(req, rid, gens, ids_list, params[0])
+            return _released(self._stream(req, rid, gens, ids_list, params[0]), ticket)
         outs: list[Optional[RequestOutput]] = [None] * len(gens)
 
         async def collect() -> None:
             async for i, out in merge(gens):
                 outs[i] = out
 
-        await _with_disconnect(collect(), is_disconnected)
+        try:
+            await _with_disconnect(collect(), is_disconnected)
+        finally:
+            ticket.release()
         return self._response(req, rid, outs, params[0])
 
     def _prompt_text(self, out: RequestOutput) -> str:
@@ -252,21 +348,28 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: P.ChatCompletionRequest, is_disconnected=None) -> Union[dict, AsyncIterator[str]]:
         self.check_model(req.model)
         self.engine.check_alive()
+        self.check_n(req.n)
         ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        self.check_extras([ids], req)
         mt = self.check_length(len(ids), req.requested_max_tokens, "messages")
         sp = req.to_sampling_params(mt)
         self.engine.validate(ids, sp, req.priority)
+        ticket = self.admission.admit(req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = self.engine.generate(ids, sp, rid, priority=req.priority, delta=bool(req.stream))
+        gen = self.engine.generate(ids, sp, rid, priority=req.priority, delta=bool(req.stream),
+                                   cache_salt=req.cache_salt)
         if req.stream:
-            return self._stream(req, rid, gen, len(ids), sp)
+            return _released(self._stream(req, rid, gen, len(ids), sp), ticket)
         final: list[RequestOutput] = []
 
         async def collect() -> None:
             async for out in gen:
                 final[:] = [out]
 
-        await _with_disconnect(collect(), is_disconnected)
+        try:
+            await _with_disconnect(collect(), is_disconnected)
+        finally:
+            ticket.release()
         out = final[0]
         tok = self.engine.tokenizer
         choices = []

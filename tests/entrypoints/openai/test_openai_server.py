@@ -221,3 +221,17 @@ def test_stream_sse_format(http):
     for line in lines[:-1]:
         assert line.startswith("data: ")
         json.loads(line[6:])
+
+
+def test_cache_salt_isolates_prefix_cache(client):
+    # A prompt of several full blocks; the repeat with the same salt hits, another salt does not.
+    prompt = "kvserve cache salt probe. " * 12
+
+    def cached(salt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 16
+    assert cached("tenant-b") == 0

@@ -1,0 +1,230 @@
+"""Radix-tree prefix cache: exact block ids, ref counts and copy-on-write lists (block_size 4).
+
+Each ``admit`` is its own scheduler step (``begin_step``), so blocks registered by an
+earlier admission hold written KV and can be copy sources.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+BS = 4
+_ids = itertools.count()
+
+
+def req(tokens, salt=None) -> Request:
+    return Request(f"p{next(_ids)}", list(tokens), SamplingParams(max_tokens=8), cache_salt=salt)
+
+
+def ids(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def refs(kv: KVCacheManager) -> dict[int, int]:
+    return {b.block_id: b.ref_cnt for b in kv.pool.blocks[1:] if b.ref_cnt}
+
+
+def tree(kv: KVCacheManager) -> dict[int, tuple]:
+    """block id -> (parent block id or salt root 'root:<salt>', tokens)."""
+    out = {}
+    for n in kv.tree.nodes():
+        p = n.parent
+        out[n.block.block_id] = (p.block.block_id if p.block is not None else f"root:{p.salt}", n.tokens)
+    return out
+
+
+def admit(kv: KVCacheManager, r: Request):
+    """One scheduler step admitting ``r`` and prefilling it whole."""
+    kv.begin_step()
+    hits, num_hit = kv.get_computed_blocks(r)
+    new = kv.allocate_slots(r, r.num_tokens - num_hit, hits)
+    assert new is not None
+    r.num_computed_tokens = r.num_tokens
+    kv.pool.check_invariants()
+    return ids(hits), num_hit, ids(new), kv.take_copies()
+
+
+def test_token_granular_hit_inside_a_block_copies_the_matched_slots():
+    kv = KVCacheManager(16, BS)
+    a = req(range(12))
+    assert admit(kv, a) == ([], 0, [1, 2, 3], [])
+    assert tree(kv) == {1: ("root:None", (0, 1, 2, 3)), 2: (1, (4, 5, 6, 7)), 3: (2, (8, 9, 10, 11))}
+    # Shares block 1, then 2 of block 2's 4 tokens: copied into its own block 4.
+    b = req([0, 1, 2, 3, 4, 5, 99, 98])
+    assert admit(kv, b) == ([1], 6, [4], [(2, 4, 2)])
+    assert b.num_computed_tokens == 8
+    assert kv.get_block_ids(b.request_id) == [1, 4]
+    assert refs(kv) == {1: 2, 2: 1, 3: 1, 4: 1}
+    # Block 4 is full: a new branch under block 1.
+    assert tree(kv)[4] == (1, (4, 5, 99, 98))
+    kv.free(a)
+    kv.free(b)
+    assert refs(kv) == {}
+    # Free cached blocks, tail first: a's 3, 2, then b's 4, then 1 (held by both until b left).
+    assert list(kv.pool._free_cached) == [3, 2, 4, 1]
+    kv.pool.check_invariants()
+
+
+def test_branches_share_up_to_the_branch_point():
+    kv = KVCacheManager(16, BS)
+    a = req(list(range(8)) + [10, 11, 12, 13])
+    b = req(list(range(8)) + [20, 21, 22, 23])
+    c = req(list(range(8)) + [10, 11, 30, 31, 32])
+    assert admit(kv, a) == ([], 0, [1, 2, 3], [])
+    assert admit(kv, b) == ([1, 2], 8, [4], [])  # no common token with block 3
+    assert admit(kv, c) == ([1, 2], 10, [5, 6], [(3, 5, 2)])
+    assert refs(kv) == {1: 3, 2: 3, 3: 1, 4: 1, 5: 1, 6: 1}
+    t = tree(kv)
+    assert {k: v[0] for k, v in t.items()} == {1: "root:None", 2: 1, 3: 2, 4: 2, 5: 2}
+    assert t[5][1] == (10, 11, 30, 31) and 6 not in t  # block 6 holds 1 token: not cached
+    for r in (a, b, c):
+        kv.free(r)
+    assert kv.pool.get_num_free_blocks() == 15
+    kv.pool.check_invariants()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_identical_repeat_of_k_blocks_plus_delta(k, delta):
+    """Prompts of 4k-1, 4k, 4k+1 tokens repeated: the last token is always computed."""
+    n = 4 * k + delta
+    kv = KVCacheManager(32, BS)
+    first = req(range(n))
+    _, _, fblocks, _ = admit(kv, first)
+    second = req(range(n))
+    hits, num_hit, new, copies = admit(kv, second)
+    if delta == -1:  # block k holds 3 tokens (not full, not cached): k-1 full blocks
+        assert (hits, num_hit, copies) == (fblocks[: k - 1], 4 * (k - 1), [])
+        assert len(new) == 1
+    elif delta == 0:  # k-1 full blocks + 3 tokens of block k, copied; the 4th is computed
+        assert (hits, num_hit) == (fblocks[: k - 1], 4 * k - 1)
+        assert len(new) == 1 and copies == [(fblocks[k - 1], new[0], 3)]
+    else:  # all k full blocks; the last token gets a block of its own
+        assert (hits, num_hit, copies) == (fblocks[:k], 4 * k, [])
+        assert len(new) == 1
+    assert second.num_computed_tokens == n
+    assert all(kv.pool.blocks[b].ref_cnt == 2 for b in hits)
+    kv.free(first)
+    kv.free(second)
+    assert kv.pool.get_num_free_blocks() == 31
+    kv.pool.check_invariants()
+
+
+def test_same_step_blocks_are_shared_but_never_copied():
+    """Blocks registered in the current step are written by its forward: a copy (which runs
+    before the forward) may not read them; sharing by reference is fine."""
+    kv = KVCacheManager(16, BS)
+    kv.begin_step()
+    a, b = req(range(8)), req(range(8))
+    for r in (a, b):
+        hits, num_hit = kv.get_computed_blocks(r)
+        assert kv.allocate_slots(r, r.num_tokens - num_hit, hits) is not None
+        r.num_computed_tokens = r.num_tokens
+    assert kv.take_copies() == []
+    assert kv.get_block_ids(a.request_id) == [1, 2]
+    assert kv.get_block_ids(b.request_id) == [1, 3]  # block 1 shared, block 2 not copied
+    assert b.num_computed_tokens == 8
+    # Next step, the same prompt may copy from block 2.
+    c = req(range(8))
+    assert admit(kv, c) == ([1], 7, [4], [(2, 4, 3)])
+
+
+@pytest.mark.parametrize("salt_x, salt_y, shared", [
+    ("a", None, False), (None, "a", False), ("a", "b", False), ("a", "a", True), (None, None, True),
+])
+def test_cache_salt_isolates_full_and_partial_hits(salt_x, salt_y, shared):
+    kv = KVCacheManager(16, BS)
+    x = req(range(8), salt=salt_x)
+    admit(kv, x)
+    y = req([0, 1, 2, 3, 4, 5, 50], salt=salt_y)
+    got = admit(kv, y)
+    if shared:
+        assert got == ([1], 6, [3], [(2, 3, 2)])
+    else:
+        assert got == ([], 0, [3, 4], [])
+    roots = {salt_x} | {salt_y}
+    assert set(kv.tree.roots) == roots
+
+
+def test_eviction_is_lru_among_leaves():
+    kv = KVCacheManager(6, BS)  # 5 usable
+    a = req(range(8))
+    assert admit(kv, a)[2] == [1, 2]
+    kv.free(a)
+    b = req(range(100, 108))
+    assert admit(kv, b)[2] == [3, 4]
+    kv.free(b)
+    assert list(kv.pool._free_cached) == [2, 1, 4, 3]
+    # 3 blocks: the uncached 5 first, then a's leaf 2, then its parent 1 (now a leaf).
+    c = req(range(200, 212))
+    assert admit(kv, c) == ([], 0, [5, 2, 1], [])
+    assert kv.pool.num_evictions == 2
+    assert set(tree(kv)) == {1, 2, 3, 4, 5}  # c's blocks 5, 2, 1 are cached anew
+    # b's prefix survived: full block 3, and 3 tokens of block 4 copied.
+    kv.free(c)
+    d = req(range(100, 108))
+    assert admit(kv, d) == ([3], 7, [1], [(4, 1, 3)])
+
+
+def test_a_free_parent_is_not_evicted_before_its_free_child():
+    kv = KVCacheManager(3, BS)  # 2 usable
+    a = req(range(8))
+    admit(kv, a)
+    kv.free(a)
+    assert list(kv.pool._free_cached) == [2, 1]
+    # Reuse block 2 as a copy source only: it becomes the most recent, its parent the oldest.
+    p = kv.pool
+    p.touch([p.blocks[2]])
+    p.free([p.blocks[2]])
+    assert list(p._free_cached) == [1, 2]
+    c = req([50, 51, 52])
+    assert admit(kv, c)[2] == [2]  # the leaf goes, not the LRU-oldest parent
+    assert tree(kv) == {1: ("root:None", (0, 1, 2, 3))}
+    kv.free(c)
+    kv.pool.check_invariants()
+
+
+def test_private_duplicate_and_subtree_eviction_keep_the_tree_consistent():
+    kv = KVCacheManager(5, BS)  # 4 usable
+    a = req(range(8))
+    assert admit(kv, a) == ([], 0, [1, 2], [])
+    c = req(range(8))
+    assert admit(kv, c) == ([1], 7, [3], [(2, 3, 3)])
+    # Block 3 duplicates block 2's hash: it stays private; c's next block hangs under node 2.
+    assert kv.pool.blocks[3].block_hash is None
+    for t in (8, 9, 10, 11):
+        c.append_output_token(t)
+        kv.begin_step()
+        kv.allocate_slots(c, 1)
+        c.num_computed_tokens += 1
+    assert kv.get_block_ids(c.request_id) == [1, 3, 4]
+    assert tree(kv)[4] == (2, (8, 9, 10, 11))
+    kv.free(a)
+    assert list(kv.pool._free_cached) == [2]
+    # The only free block is node 2, whose child 4 is held: it goes with its subtree.
+    e = req([70, 71])
+    assert admit(kv, e)[2] == [2]
+    assert tree(kv) == {1: ("root:None", (0, 1, 2, 3))}
+    assert kv.pool.blocks[4].block_hash is None and kv.pool.blocks[4].ref_cnt == 1
+    kv.free(c)
+    kv.free(e)
+    assert list(kv.pool._free_cached) == [1]
+    assert refs(kv) == {}
+    kv.pool.check_invariants()
+
+
+def test_reset_prefix_cache_clears_the_tree():
+    kv = KVCacheManager(8, BS)
+    a = req(range(8), salt="s")
+    admit(kv, a)
+    assert not kv.pool.reset_prefix_cache()
+    kv.free(a)
+    assert kv.pool.reset_prefix_cache()
+    assert kv.tree.roots == {} and kv.pool.cached == {}
+    kv.pool.check_invariants()
