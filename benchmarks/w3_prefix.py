@@ -65,7 +65,7 @@ def main() -> None:
     llms = {}
     for caching in (True, False):
         llms[caching] = LLM(model=path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-                            max_model_len=4096, max_num_seqs=256, gpu_memory_utilization=0.42,
+                            max_model_len=4096, max_num_seqs=256, kv_cache_memory="24GiB",
                             enable_prefix_caching=caching, disable_log_stats=True)
         llms[caching].generate([list(range(64))] * 4, use_tqdm=False)  # warm-up
     for shared in (True, False):
