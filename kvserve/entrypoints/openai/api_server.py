@@ -332,8 +332,10 @@ async def serve_async(ns: argparse.Namespace) -> None:
                         max_request_body_bytes=getattr(ns, "max_request_body_bytes",
                                                        DEFAULT_MAX_REQUEST_BODY_BYTES),
                         protect_metrics=getattr(ns, "protect_metrics", False))
+        # lifespan="off": the app has no startup/shutdown hooks (the engine is started above), and
+        # an idle lifespan task would be cancelled at exit with a spurious traceback.
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                                access_log=not ns.disable_access_log, timeout_keep_alive=5)
+                                access_log=not ns.disable_access_log, timeout_keep_alive=5, lifespan="off")
         server = _DrainingServer(config, app.state, ns.shutdown_timeout)
 
         async def watchdog() -> None:
