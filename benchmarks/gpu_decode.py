@@ -46,25 +46,28 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_latency(llm, prompt_len: int, out_len: int, batch: int) -> list[float]:
-    """Per-step wall times (ms) of pure decode steps for ``batch`` requests."""
+    """Wall times (ms) between consecutive engine steps while ``batch`` requests all decode.
+
+    No device syncs inside the timed loop: with async scheduling the host prepares step
+    N+1 while the device runs step N, and a step's return marks its tokens reaching the
+    host, so in steady state the interval is the time per step as a user sees it.
+    """
     from kvserve import SamplingParams
 
     eng = llm.llm_engine
+    sched = eng.engine_core.scheduler
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
     for _ in range(batch):
         eng.add_request(None, torch.randint(0, 10000, (prompt_len,), generator=g).tolist(), sp)
-    times = []
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        eng.step()  # prefill
+    torch.cuda.synchronize()
+    stamps = [time.perf_counter()]
     while eng.has_unfinished_requests():
-        decode_only = all(r.num_computed_tokens >= r.num_prompt_tokens for r in eng.engine_core.scheduler.running) \
-            and len(eng.engine_core.scheduler.waiting) == 0 and eng.engine_core.scheduler.running
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
         eng.step()
-        torch.cuda.synchronize()
-        if decode_only:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+        stamps.append(time.perf_counter())
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
 
 
 def w2_ours(tmp: str, backend: str) -> dict:
@@ -106,7 +109,24 @@ def w2_peer() -> dict:
     return dict(workload="W2", peer="transformers generate, static cache", ms_per_token=round(ms, 3))
 
 
-def decode_steps(tmp: str, backend: str) -> list[dict]:
+def graph_replay_ms(runner, b: int) -> float | None:
+    """Device time of the decode forward alone (the CUDA graph of batch ``b``, replayed on
+    the last step's inputs; CUDA events), to split a step into kernel time and the rest."""
+    gr = runner.graph_runner
+    if gr is None or b not in gr.graphs:
+        return None
+    graph, _ = gr.graphs[b]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / 20, 3)
+
+
+def decode_steps(tmp: str, backend: str, profile_dir: str | None = None) -> list[dict]:
     from kvserve import LLM
 
     path = _config_dir(tmp, "qwen3-0.6b-config", QWEN3_06B, "Qwen3Config")
@@ -124,7 +144,22 @@ def decode_steps(tmp: str, backend: str) -> list[dict]:
         floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
         out.append(dict(workload=f"decode_step_qwen3-0.6b_b{b}_ctx1k", backend=backend, ms_per_step=round(ms, 3),
                         output_tok_per_s=round(b / ms * 1e3, 1), roofline_ms=round(floor, 4),
-                        roofline_fraction=round(floor / ms, 4)))
+                        roofline_fraction=round(floor / ms, 4), gpu_forward_ms=graph_replay_ms(runner, b)))
+    if profile_dir:
+        import cProfile
+        import io
+        import pstats
+
+        for b in (1, 256):  # host time per step by function; the GPU wait is Event.synchronize
+            prof = cProfile.Profile()
+            prof.enable()
+            times = decode_latency(llm, 1024, 64, b)
+            prof.disable()
+            buf = io.StringIO()
+            buf.write(f"batch {b}: median step {statistics.median(times[4:]):.3f} ms under cProfile\n")
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+            with open(os.path.join(profile_dir, f"decode_b{b}_profile.txt"), "w") as f:
+                f.write(buf.getvalue())
     del llm
     torch.cuda.empty_cache()
     return out
@@ -137,6 +172,10 @@ def main() -> None:
     ap.add_argument("--backends", default="torch_ref,triton")
     ap.add_argument("--w1-backends", default="triton", help="backends to run W1 with ('' for none)")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--w1-sync-too", action="store_true", help="also run W1 with async scheduling off")
+    ap.add_argument("--w1-profile", action="store_true", help="also run W1 under cProfile (w1_profile.txt)")
+    ap.add_argument("--skip-w2", action="store_true")
+    ap.add_argument("--skip-steps", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.tmp, exist_ok=True)
     e = env()
@@ -151,11 +190,17 @@ def main() -> None:
     if not a.skip_peer:
         emit(w2_peer())
     for b in a.backends.split(","):
-        emit(w2_ours(a.tmp, b))
-        for r in decode_steps(a.tmp, b):
-            emit(r)
+        if not a.skip_w2:
+            emit(w2_ours(a.tmp, b))
+        if not a.skip_steps:
+            for r in decode_steps(a.tmp, b, a.out if a.w1_profile else None):
+                emit(r)
         if b in a.w1_backends.split(","):
             emit(w1(a.tmp, b))
+            if a.w1_sync_too:
+                emit(w1(a.tmp, b, async_scheduling=False))
+            if a.w1_profile:
+                emit(w1(a.tmp, b, profile_path=os.path.join(a.out, "w1_profile.txt")))
     print(f"\n{e['device']} torch {e['torch']} triton {e['triton']} commit {e['commit'][:10]}")
     for r in recs:
         fig = r.get("ms_per_token") or r.get("ms_per_step") or r.get("output_tok_per_s")

@@ -84,9 +84,13 @@ def equality(tmp: str) -> dict:
     return res
 
 
-def w1(tmp: str, backend: str = "torch_ref") -> dict:
+def w1(tmp: str, backend: str = "torch_ref", async_scheduling: bool | None = None,
+       profile_path: str | None = None) -> dict:
     """W1: 256 requests, prompts U[100,1024] random ids in [0,10000), outputs U[100,1024],
-    ignore_eos, temperature 0.6, dummy bf16 weights. Metric: output tokens / wall seconds."""
+    ignore_eos, temperature 0.6, dummy bf16 weights. Metric: output tokens / wall seconds.
+
+    ``profile_path``: also write a cProfile of the timed run there (host time per function;
+    the figure is then slower than without it)."""
     import numpy as np
     from transformers import Qwen3Config
 
@@ -101,20 +105,43 @@ def w1(tmp: str, backend: str = "torch_ref") -> dict:
     params = [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True) for n in out_lens]
     llm = LLM(model=path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               attention_backend=backend, max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=8192, gpu_memory_utilization=0.9, log_stats_interval=10)
+              max_num_batched_tokens=8192, gpu_memory_utilization=0.9, log_stats_interval=10,
+              async_scheduling=async_scheduling)
     llm.generate([list(range(100))] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    prof = None
+    if profile_path:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_callees("run|schedule|execute_model_async")
+        with open(profile_path, "w") as f:
+            f.write(buf.getvalue())
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == int(out_lens.sum())
     tps = n_out / wall
-    return dict(workload="W1", backend=backend, output_tok_per_s=round(tps, 1), wall_s=round(wall, 2),
+    cfg = llm.llm_engine.config
+    preemptions = llm.llm_engine.stats.num_preemptions
+    del llm
+    torch.cuda.empty_cache()
+    return dict(workload="W1" + ("" if profile_path is None else " (under cProfile)"), backend=backend,
+                async_scheduling=cfg.async_scheduling, cuda_graphs=not cfg.enforce_eager,
+                output_tok_per_s=round(tps, 1), wall_s=round(wall, 2),
                 output_tokens=n_out, prompt_tokens=int(in_lens.sum()), num_requests=256,
-                preemptions=llm.llm_engine.stats.num_preemptions,
-                num_kv_blocks=llm.llm_engine.config.cache_config.num_blocks,
+                preemptions=preemptions, num_kv_blocks=cfg.cache_config.num_blocks,
                 roofline_tok_per_s=26000, roofline_fraction=round(tps / 26000, 4),
                 peer="transformers generate_batch 601.6 tok/s (GPU.md, earlier run on this H100 kind; not this run)")
 

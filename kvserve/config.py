@@ -80,6 +80,7 @@ class EngineConfig:
     enforce_eager: bool
     disable_log_stats: bool
     log_stats_interval: float
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -105,7 +106,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _f(True, "Split long prefills across steps and mix them with decodes.")
     scheduling_policy: str = _f("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
     attention_backend: Optional[str] = _f(None, "Attention backend: triton (default on CUDA) or torch_ref (default elsewhere).")
-    enforce_eager: bool = _f(False, "Never use CUDA graphs (they are captured for decode steps on CUDA otherwise).")
+    enforce_eager: bool = _f(False, "Never use CUDA graphs (captured on CUDA otherwise: whole decode steps, and steps with prefill piecewise around attention).")
+    async_scheduling: Optional[bool] = _f(None, "Schedule step N+1 while the device runs step N (default: on with CUDA, off on the CPU where nothing overlaps).")
     disable_log_stats: bool = _f(False, "Turn off the periodic stats log line.")
     log_stats_interval: float = _f(5.0, "Seconds between stats log lines.")
 
@@ -177,5 +179,6 @@ class EngineArgs:
             device=device,
             attention_backend=self.attention_backend or ("triton" if device == "cuda" else "torch_ref"),
             enforce_eager=self.enforce_eager,
+            async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
             disable_log_stats=self.disable_log_stats, log_stats_interval=self.log_stats_interval,
         )

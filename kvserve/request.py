@@ -40,7 +40,10 @@ class Request:
         request_id: unique string.
         prompt_token_ids: list[int], never empty.
         output_token_ids: list[int] sampled so far.
-        num_computed_tokens: tokens whose KV is written in the paged cache.
+        num_computed_tokens: tokens whose KV is written in the paged cache, or will be by
+            the steps scheduled so far.
+        num_pending_tokens: output tokens sampled by scheduled steps whose ids have not come
+            back to the host yet (0 without async scheduling, else at most 2).
         priority: lower value is served first under ``--scheduling-policy priority``.
         arrival_time: seconds (time.time()) when the request arrived.
         generator: a torch.Generator for seeded sampling (set by the model runner).
@@ -67,6 +70,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

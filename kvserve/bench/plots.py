@@ -2,13 +2,21 @@
 
 The x axis is the achieved request throughput (completed requests/s, "QPS"), so runs at
 ``--request-rate inf`` are placed where the server actually got.
+
+Re-plot a saved sweep (the ``--save-result`` JSON), e.g. one made where matplotlib is
+missing or one cut short::
+
+    python -m kvserve.bench.plots results/serve.json results/plots [--title TEXT]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
-from typing import Any, Sequence
+import sys
+from typing import Any, Optional, Sequence
 
 
 def _num(v: Any) -> float:
@@ -56,3 +64,36 @@ def plot_sweep(runs: Sequence[dict[str, Any]], out_dir: str, title: str = "") ->
         one("tpot_vs_qps.png", "TPOT (ms)", [("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99")]),
         one("throughput_vs_qps.png", "output tokens/s", [("output_throughput", "output tok/s")]),
     ]
+
+
+def plot_result_file(path: str, out_dir: str, title: Optional[str] = None) -> list[str]:
+    """Plot the runs of a ``kvserve bench serve --save-result`` JSON file into ``out_dir``."""
+    with open(path) as fh:
+        result = json.load(fh)
+    runs = result.get("runs") or []
+    if not runs:
+        raise ValueError(f"{path}: no runs to plot")
+    if title is None:
+        cfg = result.get("config") or {}
+        title = f"{cfg.get('model', '')} ({cfg.get('dataset', '')})" if cfg.get("model") else ""
+    return plot_sweep(runs, out_dir, title)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvserve.bench.plots",
+                                description="PNG plots of a saved `kvserve bench serve` result (JSON).")
+    p.add_argument("result", help="The JSON of --save-result.")
+    p.add_argument("out_dir", help="Folder for the PNGs (created).")
+    p.add_argument("--title", default=None, help="Plot title (default: model (dataset) from the JSON).")
+    ns = p.parse_args(argv)
+    try:
+        paths = plot_result_file(ns.result, ns.out_dir, ns.title)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

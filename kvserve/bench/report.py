@@ -165,7 +165,8 @@ def summary_text(m: dict[str, Any]) -> str:
 def env_info(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Where the benchmark ran: ``device`` (this machine's GPU or CPU; for ``bench serve``
     that is the client's, the server's is not visible over the API), host, versions and the
-    kvserve git commit; ``extra`` entries are added last (and win)."""
+    kvserve git commit (``$KVSERVE_COMMIT`` where git cannot tell); ``extra`` entries are
+    added last (and win)."""
     from kvserve.bench.throughput import _git_commit, _num_cores
 
     versions = {"python": platform.python_version()}
@@ -178,11 +179,15 @@ def env_info(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
                 m = None
         if m is not None:
             versions[mod] = getattr(m, "__version__", "?")
-    try:
-        from importlib.metadata import version
-        versions["kvserve"] = version("kvserve")
-    except Exception:
-        pass
+    from importlib.metadata import version
+
+    for dist in ("torch", "transformers", "triton", "kvserve"):  # installed versions, not imported here
+        if dist in versions:
+            continue
+        try:
+            versions[dist] = version(dist)
+        except Exception:
+            pass
     device = None
     if "torch" in sys.modules:  # kvserve's package import has loaded it already
         from kvserve.bench.throughput import _device_description

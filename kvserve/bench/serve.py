@@ -18,7 +18,15 @@ Exit status 1 when some run completes no request.
 ``--sweep 1,2,4,inf`` repeats the run at each rate (the same workload) for the
 latency-versus-load curve; ``--plot DIR`` draws it (needs matplotlib). ``--save-result``
 writes JSON (environment, command, config, one entry per rate) and a Markdown table
-next to it (same name, ``.md``).
+next to it (same name, ``.md``), rewritten after every rate so that an interrupted sweep
+keeps the rates it finished (``python -m kvserve.bench.plots RESULT.json DIR`` re-plots it).
+
+``--sweep-duration S`` sizes each rate's run to about S seconds of arrivals instead:
+``max(--sweep-min-prompts, round(rate x S))`` requests at a finite rate (``--num-prompts``,
+or the dataset's default, at ``inf``), each rate with its own workload (seed ``--seed + k``
+for the k-th rate), so that with the synthetic datasets (random, shared-prefix,
+multi-turn) no rate reuses the prompts, and so the prefix-cache entries, of an earlier one
+(plain ``--sweep`` sends the same prompts at every rate; HumanEval and JSONL prompts repeat).
 
 Example::
 
@@ -66,29 +74,40 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def build_workload(ns: argparse.Namespace) -> list[Any]:
-    """The dataset of ``ns``: a list of ``BenchRequest`` or (multi-turn) ``ChatSession``."""
+def prompts_for_rate(rate: float, duration_s: float, min_prompts: int, num_prompts: Optional[int]) -> Optional[int]:
+    """Requests of one ``--sweep-duration`` run: ``max(min_prompts, round(rate * duration_s))``
+    at a finite rate; ``num_prompts`` (None: the dataset's default) at ``inf``."""
+    if math.isinf(rate):
+        return num_prompts
+    return max(int(min_prompts), int(round(rate * duration_s)))
+
+
+def build_workload(ns: argparse.Namespace, num_prompts: Optional[int] = None,
+                   seed: Optional[int] = None) -> list[Any]:
+    """The dataset of ``ns``: a list of ``BenchRequest`` or (multi-turn) ``ChatSession``.
+    ``num_prompts`` / ``seed`` override ``ns.num_prompts`` / ``ns.seed``."""
     in_range = parse_len_range(ns.input_len)
     out_range = parse_len_range(ns.output_len)
-    if ns.num_prompts is not None and ns.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
-    n = ns.num_prompts
+    n = ns.num_prompts if num_prompts is None else num_prompts
+    if n is not None and n < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {n}")
+    seed = ns.seed if seed is None else seed
     if ns.dataset == "random":
         if ns.endpoint == CHAT_COMPLETIONS:
             raise ValueError("--dataset random sends token ids, which needs --endpoint /v1/completions")
-        return sample_random_requests(n or 100, in_range, out_range, ns.vocab_size, ns.seed)
+        return sample_random_requests(n or 100, in_range, out_range, ns.vocab_size, seed)
     if ns.dataset == "humaneval":
-        return sample_humaneval_requests(n or 164, out_range, None, ns.seed)
+        return sample_humaneval_requests(n or 164, out_range, None, seed)
     if ns.dataset == "shared-prefix":
         return sample_shared_prefix_requests(ns.num_prefixes, ns.questions_per_prefix, ns.prefix_len,
-                                             in_range, out_range, ns.seed, n)
+                                             in_range, out_range, seed, n)
     if ns.dataset == "multi-turn":
         return sample_multi_turn_sessions(n or 16, parse_len_range(ns.num_turns), in_range, out_range,
-                                          ns.seed, system_len=ns.prefix_len if ns.prefix_len else 0)
+                                          seed, system_len=ns.prefix_len if ns.prefix_len else 0)
     if ns.dataset == "jsonl":
         if not ns.dataset_path:
             raise ValueError("--dataset jsonl needs --dataset-path FILE.jsonl")
-        reqs = load_jsonl_requests(ns.dataset_path, n, out_range, ns.seed)
+        reqs = load_jsonl_requests(ns.dataset_path, n, out_range, seed)
         if ns.endpoint == CHAT_COMPLETIONS and any(r.prompt_text is None for r in reqs):
             raise ValueError("token-id prompts in the JSONL need --endpoint /v1/completions")
         return reqs
@@ -151,6 +170,21 @@ def count_requests(workload: list[Any]) -> int:
     return sum(w.num_turns if isinstance(w, ChatSession) else 1 for w in workload)
 
 
+def warmup_payloads(workload: list[Any], endpoint: str, model: str, num_warmups: int,
+                    extra_body: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """The untimed warm-up requests (4 output tokens each). For a token-id workload
+    (``random``, token-id JSONL) they are token ids too, so that they work against a server
+    without a tokenizer (``--skip-tokenizer-init``): workload prompts reversed, which share
+    no prefix with the workload. Otherwise short text prompts."""
+    ids = [w.prompt_token_ids for w in workload
+           if isinstance(w, BenchRequest) and w.prompt_text is None and w.prompt_token_ids]
+    out = []
+    for i in range(num_warmups):
+        prompt: Any = list(reversed(ids[i % len(ids)])) if ids else f"Warm-up request {i}: say something."
+        out.append(build_payload(endpoint, model, prompt, None, 4, extra_body))
+    return out
+
+
 async def benchmark(
     workload: list[Any], *, base_url: str, endpoint: str, model: str, request_rate: float = math.inf,
     burstiness: float = 1.0, max_concurrency: Optional[int] = None, seed: int = 0,
@@ -175,9 +209,8 @@ async def benchmark(
             async def send(payload, est) -> RequestResult:
                 return await send_request(client, url, endpoint, payload, est, headers)
 
-            for i in range(num_warmups):  # untimed; a prompt sharing no prefix with the workload
-                text = f"Warm-up request {i}: say something."
-                await send(build_payload(endpoint, model, text, None, 4, extra_body), 0)
+            for payload in warmup_payloads(workload, endpoint, model, num_warmups, extra_body):  # untimed
+                await send(payload, 0)
             per_session, duration = await run_sessions(
                 sessions, send, request_rate=request_rate, burstiness=burstiness, seed=seed,
                 max_concurrency=max_concurrency, on_done=(lambda r: bar.update(1)) if bar else None,
@@ -227,6 +260,11 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
 
     rates = parse_rates(ns.sweep) if ns.sweep else [float(ns.request_rate)]
     slos = report.parse_goodput(ns.goodput)
+    scaled = ns.sweep_duration is not None
+    if scaled and not ns.sweep_duration > 0:
+        raise ValueError(f"--sweep-duration must be > 0 s, got {ns.sweep_duration}")
+    if ns.sweep_min_prompts < 1:
+        raise ValueError(f"--sweep-min-prompts must be >= 1, got {ns.sweep_min_prompts}")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {ns.max_concurrency}")
     if ns.num_warmups < 0:
@@ -237,49 +275,58 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     if extra_body is not None and not isinstance(extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
     api_key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("KVSERVE_API_KEY")
-    workload = build_workload(ns)
+    # One workload for every rate, or (--sweep-duration) one sized to each rate, seed + k.
+    workloads = ([build_workload(ns, prompts_for_rate(r, ns.sweep_duration, ns.sweep_min_prompts, ns.num_prompts),
+                                 ns.seed + k) for k, r in enumerate(rates)]
+                 if scaled else [build_workload(ns)] * len(rates))
     model = ns.model or resolve_model(ns.base_url, api_key)
-    n_req = count_requests(workload)
-    print(f"bench serve: {ns.dataset}, {len(workload)} items ({n_req} requests) -> {ns.base_url}{ns.endpoint} "
+    n_req = count_requests(workloads[0])
+    sizes = (", ".join(f"{r:g}: {count_requests(w)}" for r, w in zip(rates, workloads)) + " requests"
+             if scaled else f"{len(workloads[0])} items ({n_req} requests)")
+    print(f"bench serve: {ns.dataset}, {sizes} -> {ns.base_url}{ns.endpoint} "
           f"model={model}, rates {', '.join(f'{r:g}' for r in rates)}", flush=True)
 
-    runs = []
-    for k, rate in enumerate(rates):
-        results, duration = asyncio.run(benchmark(
-            workload, base_url=ns.base_url, endpoint=ns.endpoint, model=model, request_rate=rate,
-            burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, seed=ns.seed, api_key=api_key,
-            timeout_s=ns.timeout, progress=not ns.disable_tqdm, extra_body=extra_body,
-            desc=f"rate {rate:g}", num_warmups=ns.num_warmups if k == 0 else 0,
-        ))
-        m = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
-             "num_requests": len(results)}
-        m.update(report.compute_metrics(results, duration, slos))
-        if ns.save_detailed:
-            m["per_request"] = _per_request(results)
-        runs.append(m)
-        print(report.summary_text(m), flush=True)
-
-    table = report.markdown_table(runs)
-    print()
-    print(table)
     result = {
         "env": report.env_info({"server": ns.base_url, "server_version": _server_version(ns.base_url)}),
         "command": getattr(ns, "command_line", None) or " ".join(sys.argv),
         "config": {
             "base_url": ns.base_url, "endpoint": ns.endpoint, "model": model, "dataset": ns.dataset,
-            "dataset_path": ns.dataset_path, "num_items": len(workload), "num_requests": n_req,
+            "dataset_path": ns.dataset_path, "num_items": len(workloads[0]), "num_requests": n_req,
             "input_len": ns.input_len, "output_len": ns.output_len, "seed": ns.seed,
             "request_rates": rates, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
             "goodput_slos_ms": slos, "num_warmups": ns.num_warmups, "ignore_eos": True, "temperature": 0.0,
-            "extra_body": extra_body,
+            "extra_body": extra_body, "sweep_duration_s": ns.sweep_duration,
+            "sweep_min_prompts": ns.sweep_min_prompts if scaled else None,
         },
-        "runs": runs,
+        "runs": [],
     }
+    if scaled:  # per-rate sizes are in each run's num_requests / workload_seed
+        result["config"]["num_items"] = result["config"]["num_requests"] = None
+    runs = result["runs"]
+    table = report.markdown_table(runs)
+    for k, (rate, workload) in enumerate(zip(rates, workloads)):
+        seed = ns.seed + k if scaled else ns.seed
+        results, duration = asyncio.run(benchmark(
+            workload, base_url=ns.base_url, endpoint=ns.endpoint, model=model, request_rate=rate,
+            burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, seed=seed, api_key=api_key,
+            timeout_s=ns.timeout, progress=not ns.disable_tqdm, extra_body=extra_body,
+            desc=f"rate {rate:g}", num_warmups=ns.num_warmups if k == 0 else 0,
+        ))
+        m = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
+             "num_requests": len(results), "workload_seed": seed}
+        m.update(report.compute_metrics(results, duration, slos))
+        if ns.save_detailed:
+            m["per_request"] = _per_request(results)
+        runs.append(m)
+        print(report.summary_text(m), flush=True)
+        table = report.markdown_table(runs)
+        if ns.save_result:  # after every rate: an interrupted sweep keeps what it finished
+            _save(ns.save_result, result, table)
+
+    print()
+    print(table)
     if ns.save_result:
-        report.write_json(ns.save_result, result)
-        md = os.path.splitext(ns.save_result)[0] + ".md"
-        with open(md, "w") as fh:
-            fh.write(f"`{result['command']}`\n\n{table}\n")
+        md = _save(ns.save_result, result, table)
         print(f"wrote {ns.save_result} and {md}")
     if ns.plot:
         paths = _plots(runs, ns.plot, f"{model} ({ns.dataset})")
@@ -287,6 +334,15 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
         print("wrote " + ", ".join(paths))
     ns.result = result
     return 0 if all(m["completed"] for m in runs) else 1
+
+
+def _save(path: str, result: dict[str, Any], table: str) -> str:
+    """Write ``result`` as JSON to ``path`` and its table beside it (``.md``); returns the .md path."""
+    report.write_json(path, result)
+    md = os.path.splitext(path)[0] + ".md"
+    with open(md, "w") as fh:
+        fh.write(f"`{result['command']}`\n\n{table}\n")
+    return md
 
 
 def _plots(runs, out_dir, title):
@@ -344,6 +400,11 @@ def register_serve_bench(subparsers: argparse._SubParsersAction) -> None:
                     help="Untimed 4-token requests before the first run (default: %(default)s).")
     lo.add_argument("--sweep", default=None, metavar="R1,R2,...",
                     help="Run at each of these request rates (e.g. 1,2,4,inf); overrides --request-rate.")
+    lo.add_argument("--sweep-duration", type=float, default=None, metavar="S",
+                    help="Size each rate's run to about S seconds of arrivals: max(--sweep-min-prompts, "
+                         "round(rate x S)) requests, --num-prompts at inf; a fresh workload per rate.")
+    lo.add_argument("--sweep-min-prompts", type=int, default=32, metavar="N",
+                    help="Fewest requests of a --sweep-duration run (default: %(default)s).")
     lo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms).")
     o = p.add_argument_group("output")

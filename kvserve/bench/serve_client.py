@@ -13,7 +13,8 @@ Per request (seconds, ``time.perf_counter``):
 * ``tpot``: ``(e2el - ttft) / (output_tokens - 1)`` (None for one-token outputs).
 
 ``output_tokens`` is the server's ``usage.completion_tokens`` when it sends usage, else the
-number of output-carrying chunks.
+number of output-carrying chunks. A chunk carries output when it has text, or, from a
+server without a tokenizer, ``token_ids``.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def build_payload(
 
 
 def _chunk_text(endpoint: str, obj: dict) -> Optional[str]:
-    """Output text of one stream chunk, or None when it carries none (role/usage chunks)."""
+    """Output text of one stream chunk, or None when it carries none (role/usage chunks).
+    A chunk with no text but non-empty ``token_ids`` (a server without a tokenizer, e.g.
+    ``kvserve serve --skip-tokenizer-init``, or vLLM's ``return_token_ids``) is output too: ``""``."""
     choices = obj.get("choices") or []
     if not choices:
         return None
@@ -99,7 +102,9 @@ def _chunk_text(endpoint: str, obj: dict) -> Optional[str]:
         text = (ch.get("delta") or {}).get("content")
     else:
         text = ch.get("text")
-    return text or None
+    if text:
+        return text
+    return "" if ch.get("token_ids") else None
 
 
 async def send_request(

@@ -127,12 +127,16 @@ def _num_cores() -> int:
 
 
 def _git_commit() -> Optional[str]:
+    """The kvserve checkout's ``git rev-parse HEAD``; where that fails (no git, or a copy of
+    the tree without ``.git``), ``$KVSERVE_COMMIT`` if set, else None."""
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        pass
+    return os.environ.get("KVSERVE_COMMIT") or None
 
 
 def _device_description(device: str) -> str:

@@ -1,12 +1,19 @@
 """Phase-free, token-budget scheduler with chunked prefill and preemption by recompute.
 
 Each step every scheduled request gets some of its ``num_tokens - num_computed_tokens``
-tokens under one budget (``max_num_batched_tokens``) and one request cap
+tokens (plus a pending one, see below) under one budget (``max_num_batched_tokens``) and one request cap
 (``max_num_seqs``). A decode is 1 token, a prefill chunk is n tokens, a prefix-cache
 hit advances ``num_computed_tokens`` for free. When blocks run out, the worst running
 request (lowest priority, then latest arrival) is preempted: its blocks are freed and
 it goes back to the waiting queue to be recomputed (Kwon et al., PagedAttention,
 arXiv:2309.06180). Pure Python; never touches tensors.
+
+``num_computed_tokens`` advances when a step is scheduled, not when its output comes back,
+so with async scheduling (the engine schedules step N+1 while the GPU runs step N) a
+request whose token from step N is still on the GPU holds one *pending* output token
+(``Request.num_pending_tokens``): step N+1 computes it without the host knowing its id
+(the model runner takes it from step N's sampled tokens on the device), as in vLLM's async
+scheduling and SGLang's overlap scheduler.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ class SchedulerOutput:
         kv_copies: prefix-cache copy-on-write, ``(src_block, dst_block, num_tokens)``: the
             model runner copies slots ``[0, num_tokens)`` of ``src_block`` into the same slots
             of ``dst_block`` on every layer before the forward.
+        num_computed: per ``scheduled`` entry, the request's computed tokens before this
+            step: its new tokens sit at positions ``[num_computed, num_computed + n)``.
+        samples: per entry, whether this step reaches the end of the request's sequence and
+            so samples its next token.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
@@ -43,6 +54,8 @@ class SchedulerOutput:
     num_scheduled_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    num_computed: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -159,6 +172,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_pending_tokens = 0  # a token still on the GPU is appended when it arrives
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
@@ -174,7 +188,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget,
+            if req.num_pending_tokens and self._reaches_limit(req):
+                i += 1  # its pending token is its last: nothing left to compute
+                continue
+            n = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget,
                     cfg.max_model_len - req.num_computed_tokens)
             if n <= 0:
                 i += 1
@@ -228,6 +245,13 @@ class Scheduler:
             budget -= n
 
         out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
+        for req, n in out.scheduled:
+            out.num_computed.append(req.num_computed_tokens)
+            req.num_computed_tokens += n
+            samples = req.num_computed_tokens == req.num_tokens + req.num_pending_tokens
+            if samples:
+                req.num_pending_tokens += 1
+            out.samples.append(samples)
         out.block_ids = {r.request_id: self.kv.get_block_ids(r.request_id) for r, _ in out.scheduled}
         out.kv_copies = self.kv.take_copies()
         return out
@@ -235,34 +259,49 @@ class Scheduler:
     def update_from_output(
         self, sched: SchedulerOutput, sampled: dict[str, int]
     ) -> list[Request]:
-        """Advance computed counts, append sampled tokens, and finish requests that stop.
+        """Append sampled tokens and finish requests that stop.
 
         Args:
-            sched: this step's schedule.
-            sampled: request id -> sampled token, for requests whose last scheduled
-                token was the end of their sequence (partial prefill chunks sample nothing).
+            sched: the step's schedule (with async scheduling, a later step may already
+                have been scheduled).
+            sampled: request id -> sampled token, for the entries of ``sched.samples``.
 
         Returns:
             Requests that received a token this step (finished ones included).
         """
         now = time.time()
         updated = []
-        for req, n in sched.scheduled:
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted between schedule and update
-            req.num_computed_tokens += n
+        for (req, _), samples in zip(sched.scheduled, sched.samples):
+            if not samples:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                req.num_pending_tokens -= 1
+            elif req.status != RequestStatus.PREEMPTED:
+                continue  # finished or aborted since: a token computed past the end is dropped
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
+            # A request preempted after this step was scheduled keeps the token: its KV was
+            # valid, and the recompute then includes it.
             req.append_output_token(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, tok)
             if status is not None:
-                self.running.remove(req)
+                if req.status == RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
                 self._finish(req, status)
             updated.append(req)
         return updated
+
+    def _reaches_limit(self, req: Request) -> bool:
+        """Whether the tokens already sampled (pending included) end the request by length."""
+        total = req.num_tokens + req.num_pending_tokens
+        mt = req.sampling_params.max_tokens
+        return (mt is not None and req.num_output_tokens + req.num_pending_tokens >= mt) \
+            or total >= self.config.max_model_len
 
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         sp = req.sampling_params

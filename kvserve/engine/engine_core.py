@@ -13,7 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.scheduler import Scheduler, SchedulerOutput
 from kvserve.request import Request, RequestStatus
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger("kvserve")
 
@@ -60,6 +60,9 @@ class EngineCore:
                 "prefix caching with a sliding-window model (window %s): blocks outside the window "
                 "are kept, so reuse stays exact but saves no memory there", hf.sliding_window)
         self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.async_scheduling = config.async_scheduling
+        # Async scheduling: the step launched last, whose tokens have not been read yet.
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         bpt = self.model_runner.bytes_per_token
         logger.info(
             "KV cache: %d bytes/token (2 x %d layers x %d kv_heads x %d head_dim x %s), %d blocks x %d "
@@ -76,18 +79,49 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> StepResult:
-        sched: SchedulerOutput = self.scheduler.schedule()
-        if sched.is_empty:
+        """Schedule, run and update one step.
+
+        With async scheduling the step scheduled and launched now is N+1, and the result
+        returned is step N's: the host schedules and prepares N+1 while the device still
+        runs N, so the device does not idle between steps. Requests whose sampling reads
+        their own output history (penalties, min_tokens not reached) need step N's token on
+        the host first; while one is running, the engine runs steps one at a time.
+        """
+        if not self.async_scheduling:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return StepResult([], 0, 0, 0)
+            return self._update(sched, self.model_runner.execute_model(sched))
+        prev = self._in_flight
+        self._in_flight = None
+        if prev is not None and self._needs_host_tokens():
+            return self._update(prev[0], prev[1].get())
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            self._in_flight = (sched, self.model_runner.execute_model_async(sched))
+        if prev is None:
             return StepResult([], 0, 0, 0)
-        num_decode = sum(1 for r, n in sched.scheduled if n == 1 and r.num_computed_tokens >= r.num_prompt_tokens)
-        out = self.model_runner.execute_model(sched)
+        return self._update(prev[0], prev[1].get())
+
+    def _needs_host_tokens(self) -> bool:
+        for r in self.scheduler.running:
+            if r.num_pending_tokens:
+                sp = r.sampling_params
+                if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty \
+                        or r.num_output_tokens < sp.min_tokens:
+                    return True
+        return False
+
+    def _update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
+        num_decode = sum(1 for (r, n), c in zip(sched.scheduled, sched.num_computed)
+                         if n == 1 and c >= r.num_prompt_tokens)
         updated = self.scheduler.update_from_output(sched, out.sampled)
         for req in updated:
             lp = out.logprobs.get(req.request_id)
             if lp is not None:
                 req.logprobs.append(lp)
         return StepResult(updated, sched.num_scheduled_tokens, sched.num_scheduled_tokens - num_decode,
-                          len(out.sampled))
+                          len(updated))

@@ -9,6 +9,15 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import get_forward_context
 
 _BACKEND: AttentionBackend | None = None
+# Set while piecewise CUDA graphs are captured: called instead of attention, it ends the
+# current graph piece (see kvserve.worker.cuda_graphs.PiecewiseCUDAGraphRunner).
+_SPLIT_HOOK = None
+
+
+def set_split_hook(hook) -> None:
+    """Route every ``Attention.forward`` to ``hook(layer, q, k, v)`` (None restores attention)."""
+    global _SPLIT_HOOK
+    _SPLIT_HOOK = hook
 
 
 def set_attn_backend(backend: AttentionBackend) -> None:
@@ -57,6 +66,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads * head_size]``, k/v ``[T, num_kv_heads * head_size]`` -> ``[T, num_heads * head_size]``."""
+        if _SPLIT_HOOK is not None:
+            return _SPLIT_HOOK(self, q, k, v)
         ctx = get_forward_context()
         t = q.shape[0]
         out = get_current_backend().forward(

@@ -182,10 +182,20 @@ class Sampler:
         Returns:
             ``SamplerOutput`` (see there); one device→host copy per call.
         """
+        _, packed, md = self.launch(logits, requests)
+        return self.unpack(packed.tolist(), md)
+
+    def launch(self, logits: Tensor, requests: list[Request]) -> tuple[Tensor, Tensor, SamplingMetadata]:
+        """The device part of ``__call__``, with no host sync.
+
+        Returns ``(sampled, packed, md)``: sampled ids long ``[B]`` on the device, the tensor
+        whose host copy ``unpack`` reads (the ids, with logprobs packed in when asked), and
+        the batch's sampling metadata.
+        """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
         md = build_sampling_metadata(requests, logits.shape[1], logits.device)
         sampled = self.sample(logits, md)
-        return self._to_host(logits, sampled, md)
+        return sampled, self._pack(logits, sampled, md), md
 
     def sample(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
         """Device part of the step: long ``[B]`` sampled ids (no host sync)."""
@@ -229,12 +239,12 @@ class Sampler:
         return exponential_race(probs, md.generators)
 
     @staticmethod
-    def _to_host(raw_logits: Tensor, sampled: Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Gather logprobs on the device, pack everything into one float64 tensor (ids are
-        exact in float64) and copy it to the host once."""
-        B = md.batch_size
+    def _pack(raw_logits: Tensor, sampled: Tensor, md: SamplingMetadata) -> Tensor:
+        """Gather logprobs on the device and pack them with the ids into one float64 tensor
+        (ids are exact in float64), so the host copy is one transfer; just the ids without
+        logprobs."""
         if md.logprobs_idx is None:
-            return SamplerOutput(sampled.tolist(), [None] * B)
+            return sampled
         K = md.max_num_logprobs
         lp = torch.log_softmax(raw_logits.index_select(0, md.logprobs_idx).float(), dim=-1)  # [L, V]
         tok = sampled.index_select(0, md.logprobs_idx).unsqueeze(1)  # [L, 1]
@@ -244,8 +254,15 @@ class Sampler:
         if K > 0:
             top_vals, top_ids = lp.topk(K, dim=-1)
             parts += [top_vals.double(), top_ids.double()]
-        packed = torch.cat([sampled.double(), torch.cat(parts, dim=1).flatten()]).tolist()
+        return torch.cat([sampled.double(), torch.cat(parts, dim=1).flatten()])
 
+    @staticmethod
+    def unpack(packed: list, md: SamplingMetadata) -> SamplerOutput:
+        """Host side: ``packed`` is ``_pack``'s tensor as a list."""
+        B = md.batch_size
+        if md.logprobs_idx is None:
+            return SamplerOutput(packed, [None] * B)
+        K = md.max_num_logprobs
         ids = [int(x) for x in packed[:B]]
         out: list[dict[int, tuple[float, int]] | None] = [None] * B
         width = 2 + 2 * K

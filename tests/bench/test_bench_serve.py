@@ -2,8 +2,10 @@
 
 The fake server (Starlette + uvicorn in a thread on 127.0.0.1) streams ``max_tokens``
 chunks: the first after ``first_delay`` s, then one every ``gap`` s, then a usage chunk and
-``[DONE]``. Prompts containing ``FAIL`` get HTTP 500. It records every request body and
-the peak number of requests in flight. Timing asserts use wide ranges (loaded 2-core box).
+``[DONE]``. Prompts containing ``FAIL`` get HTTP 500. With ``"token_only": true`` in the body
+it streams what a server without a tokenizer does: empty text plus ``token_ids`` (and one
+chunk with neither first). It records every request body and the peak number of requests
+in flight. Timing asserts use wide ranges (loaded 2-core box).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def _make_app(state: FakeState):
         if isinstance(prompt, str) and "FAIL" in prompt:
             return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
         n = int(body["max_tokens"])
+        token_only = bool(body.get("token_only"))
         n_prompt = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
 
         async def gen():
@@ -63,10 +66,15 @@ def _make_app(state: FakeState):
             try:
                 if chat:  # a role-only chunk first: it must not count as the first token
                     yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+                if token_only:  # no text, no ids: not output either
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "text": "", "token_ids": []}]}) + "\n\n"
                 for i in range(n):
                     await asyncio.sleep(state.first_delay if i == 0 else state.gap)
                     piece = f"w{i} "
-                    ch = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+                    if token_only:
+                        ch = {"index": 0, "text": "", "token_ids": [100 + i]}
+                    else:
+                        ch = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
                     yield "data: " + json.dumps({"choices": [ch]}) + "\n\n"
                 usage = {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}
                 yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
@@ -113,12 +121,12 @@ def _argv(srv, *extra):
     return ["bench", "serve", "--base-url", srv.url, "--disable-tqdm", "--num-warmups", "0", *extra]
 
 
-def _single(srv, endpoint, prompt, max_tokens, messages=None) -> RequestResult:
+def _single(srv, endpoint, prompt, max_tokens, messages=None, extra_body=None) -> RequestResult:
     import httpx
 
     async def go():
         async with httpx.AsyncClient(timeout=30) as c:
-            payload = serve_client.build_payload(endpoint, "fake-model", prompt, messages, max_tokens)
+            payload = serve_client.build_payload(endpoint, "fake-model", prompt, messages, max_tokens, extra_body)
             return await serve_client.send_request(c, srv.url + endpoint, endpoint, payload, 0)
 
     return asyncio.run(go())
@@ -143,6 +151,16 @@ def test_single_request_timings(srv, endpoint):
     body = srv.state.bodies[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] == n
+
+
+def test_token_id_only_stream_counts_as_output(srv):
+    # A server without a tokenizer (kvserve serve --skip-tokenizer-init) streams empty text
+    # with token_ids: those chunks are the output; a chunk with neither is not.
+    r = _single(srv, serve_client.COMPLETIONS, [1, 2, 3], 5, extra_body={"token_only": True})
+    assert r.success, r.error
+    assert r.output_tokens == 5 and r.text == "" and len(r.itl) == 4
+    assert 45 <= r.ttft * 1000 <= 150  # from the first id-carrying chunk, not the empty one
+    assert r.tpot is not None
 
 
 def test_server_error_and_connection_error_are_failures(srv):
@@ -318,8 +336,100 @@ def test_warmup_requests_untimed(srv):
     ns = cli.build_parser().parse_args(argv)
     assert ns.num_warmups == 1 and ns.func(ns) == 0
     prompts = [b["prompt"] for b in srv.state.bodies]
-    assert len(prompts) == 5 and prompts[0].startswith("Warm-up")  # once, before the first rate only
+    assert len(prompts) == 5  # once, before the first rate only
+    # random (token-id) workload: token-id warm-ups (a tokenizer-less server takes them), the
+    # workload's prompts reversed; 4 output tokens
+    assert prompts[0] == prompts[1][::-1] or prompts[0] == prompts[2][::-1]
+    assert srv.state.bodies[0]["max_tokens"] == 4
     assert [r["num_requests"] for r in ns.result["runs"]] == [2, 2]
+    # text workloads: text warm-ups
+    srv.state.reset()
+    argv = [a for a in _argv(srv, "--model", "fake-model", "--dataset", "shared-prefix", "--num-prompts", "2",
+                              "--num-prefixes", "1", "--questions-per-prefix", "2", "--prefix-len", "3",
+                              "--input-len", "3", "--output-len", "2") if a not in ("--num-warmups", "0")]
+    ns = cli.build_parser().parse_args(argv)
+    assert ns.func(ns) == 0
+    assert srv.state.bodies[0]["prompt"].startswith("Warm-up") and len(srv.state.bodies) == 3
+
+
+def test_prompts_for_rate():
+    assert serve.prompts_for_rate(1.0, 30, 32, 500) == 32  # the floor
+    assert serve.prompts_for_rate(2.0, 30, 32, 500) == 60
+    assert serve.prompts_for_rate(64.0, 30, 32, 500) == 1920
+    assert serve.prompts_for_rate(0.5, 5, 1, None) == 2  # round(2.5) -> 2
+    assert serve.prompts_for_rate(math.inf, 30, 32, 500) == 500
+    assert serve.prompts_for_rate(math.inf, 30, 32, None) is None  # the dataset's default
+
+
+def test_cli_sweep_duration_scales_prompts(srv, tmp_path, capsys):
+    srv.state.reset(first_delay=0.005, gap=0.002)
+    out = tmp_path / "sweep.json"
+    argv = _argv(srv, "--model", "fake-model", "--input-len", "4:8", "--output-len", "3", "--sweep", "40,10,inf",
+                 "--sweep-duration", "0.25", "--sweep-min-prompts", "4", "--num-prompts", "3", "--seed", "7",
+                 "--save-result", str(out))
+    assert cli.main(argv) == 0
+    assert "40: 10, 10: 4, inf: 3 requests" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["num_requests"] for r in res["runs"]] == [10, 4, 3]  # round(40 x 0.25), the floor 4, --num-prompts
+    assert [r["completed"] for r in res["runs"]] == [10, 4, 3]
+    assert [r["workload_seed"] for r in res["runs"]] == [7, 8, 9]
+    assert res["config"]["sweep_duration_s"] == 0.25 and res["config"]["sweep_min_prompts"] == 4
+    bodies = [b["prompt"] for b in srv.state.bodies]
+    assert len(bodies) == 17
+    # a fresh workload per rate: no prompt of one rate is sent again at another
+    assert len({tuple(p) for p in bodies}) == 17
+    # the same flags give the same workloads
+    first = bodies[:10]
+    srv.state.reset(first_delay=0.005, gap=0.002)
+    assert cli.main(argv) == 0
+    assert sorted(b["prompt"] for b in srv.state.bodies[:10]) == sorted(first)
+    # bad values
+    assert cli.main(argv + ["--sweep-duration", "0"]) == 2
+    assert cli.main(argv + ["--sweep-min-prompts", "0"]) == 2
+
+
+def test_interrupted_sweep_keeps_finished_rates(srv, tmp_path, monkeypatch):
+    out = tmp_path / "sweep.json"
+    real = serve.benchmark
+    calls = []
+
+    async def flaky(workload, **kw):
+        calls.append(kw["request_rate"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. timeout -s INT at the deadline
+        return await real(workload, **kw)
+
+    monkeypatch.setattr(serve, "benchmark", flaky)
+    argv = _argv(srv, "--model", "fake-model", "--input-len", "3", "--output-len", "2", "--num-prompts", "3",
+                 "--sweep", "inf,50,20", "--save-result", str(out))
+    assert cli.main(argv) == 130
+    res = json.loads(out.read_text())
+    assert [r["request_rate"] for r in res["runs"]] == ["inf"] and res["runs"][0]["completed"] == 3
+    md = out.with_suffix(".md").read_text()
+    assert md.count("\n| ") == 2  # header + the finished rate
+    # and the saved JSON re-plots
+    pytest.importorskip("matplotlib")
+    from kvserve.bench import plots
+
+    assert plots.main([str(out), str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "throughput_vs_qps.png", "tpot_vs_qps.png", "ttft_vs_qps.png"]
+    assert plots.main([str(tmp_path / "missing.json"), str(tmp_path / "p2")]) == 2
+
+
+def test_git_commit_falls_back_to_env(monkeypatch):
+    from kvserve.bench import throughput
+
+    def no_git(*a, **k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(throughput.subprocess, "run", no_git)
+    monkeypatch.setenv("KVSERVE_COMMIT", "abc123")
+    assert throughput._git_commit() == "abc123"
+    monkeypatch.delenv("KVSERVE_COMMIT")
+    assert throughput._git_commit() is None
+    env = report.env_info()
+    assert "triton" in env["versions"] or pytest.importorskip("triton") is None
 
 
 def test_failures_counted(srv, tmp_path):

@@ -48,7 +48,7 @@ def step(s: Scheduler, token=default_token) -> SchedulerOutput:
     assert sched.num_scheduled_tokens == sum(n for _, n in sched.scheduled)
     assert sched.num_scheduled_tokens <= s.config.max_num_batched_tokens
     assert len(sched.scheduled) <= s.config.max_num_seqs
-    sampled = {r.request_id: token(r) for r, n in sched.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: token(r) for (r, _), smp in zip(sched.scheduled, sched.samples) if smp}
     s.update_from_output(sched, sampled)
     s.kv.pool.check_invariants()
     return sched
@@ -565,11 +565,11 @@ def test_random_workload(data):
         assert len(set(map(id, scheduled))) == len(scheduled)
         assert sched.num_scheduled_tokens == sum(ns) <= budget
         assert len(scheduled) <= max_num_seqs and all(n >= 1 for n in ns)
-        for r, n in sched.scheduled:
-            assert r.status == RequestStatus.RUNNING
-            assert r.num_computed_tokens + n <= r.num_tokens
+        for (r, n), c, smp in zip(sched.scheduled, sched.num_computed, sched.samples):
+            assert r.status == RequestStatus.RUNNING and r.num_computed_tokens == c + n
+            assert c + n <= r.num_tokens and smp == (c + n == r.num_tokens)
             if not chunked:
-                assert r.num_computed_tokens + n == r.num_tokens
+                assert c + n == r.num_tokens
         if sched.preempted:
             # Victims are the worst running requests; nothing new is admitted that step.
             assert all(r in before_running for r in scheduled)
@@ -589,19 +589,19 @@ def test_random_workload(data):
             assert 0 < m < bs and s.kv.pool.blocks[dst].ref_cnt >= 1  # the source may be reused after the copy
 
         # "Forward": read the KV of already-computed positions, then write this step's.
-        for r, n in sched.scheduled:
+        for (r, n), c in zip(sched.scheduled, sched.num_computed):
             blocks = s.kv.get_block_ids(r.request_id)
             toks = r.all_token_ids
-            for p in range(r.num_computed_tokens):
+            for p in range(c):
                 assert content[(blocks[p // bs], p % bs)] == tuple(toks[: p + 1]), (r, p)
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+            for p in range(c, c + n):
                 content[(blocks[p // bs], p % bs)] = tuple(toks[: p + 1])
 
         for sp in specs:  # aborts after the forward, before the update
             if sp["abort"] is not None and sp["abort"] == (t, True) and sp["rid"] in reqs:
                 aborted.update(x.request_id for x in s.finish_requests([sp["rid"]], RequestStatus.FINISHED_ABORTED))
-        sampled = {r.request_id: 1000 + r.num_tokens % 3 for r, n in sched.scheduled
-                   if r.num_computed_tokens + n == r.num_tokens}
+        sampled = {r.request_id: 1000 + r.num_tokens % 3
+                   for (r, _), smp in zip(sched.scheduled, sched.samples) if smp}
         s.update_from_output(sched, sampled)
         _check_blocks(s)
         t += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.worker.cuda_graphs import capture_sizes
+from kvserve.worker.cuda_graphs import capture_sizes, piecewise_sizes
 
 
 def test_capture_sizes_cover_every_batch():
@@ -17,8 +17,21 @@ def test_capture_sizes_cover_every_batch():
     assert capture_sizes(3) == [1, 2, 3]
 
 
+def test_piecewise_sizes_cover_every_token_count():
+    sizes = piecewise_sizes(8192)
+    assert sizes[0] == 16 and sizes[-1] == 8192 and sizes == sorted(set(sizes))
+    for t in range(1, 8193):
+        s = next(x for x in sizes if x >= t)
+        assert s <= max(16, 2 * t) and (t < 512 or s <= 1.5 * t + 1)
+    assert piecewise_sizes(100) == [16, 32, 64, 100]
+    assert piecewise_sizes(16) == [16]
+
+
 @pytest.mark.gpu
-def test_graph_replay_matches_eager(tmp_path):
+@pytest.mark.parametrize("budget", [512, 24])
+def test_graph_replay_matches_eager(tmp_path, budget):
+    """Decode graphs and piecewise graphs (steps with prefill; budget 24 forces chunked
+    prefill mixed with decodes) give the eager tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from kvserve import LLM, SamplingParams
@@ -39,7 +52,9 @@ def test_graph_replay_matches_eager(tmp_path):
     outs = {}
     for eager in (True, False):
         llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
-                  max_num_seqs=12, kv_cache_memory="64MiB", enforce_eager=eager, disable_log_stats=True)
-        assert (llm.llm_engine.engine_core.model_runner.graph_runner is None) == eager
+                  max_num_seqs=12, kv_cache_memory="64MiB", enforce_eager=eager, disable_log_stats=True,
+                  max_num_batched_tokens=budget)
+        runner = llm.llm_engine.engine_core.model_runner
+        assert (runner.graph_runner is None) == eager and (runner.piecewise_runner is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs[True] == outs[False]

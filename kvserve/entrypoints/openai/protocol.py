@@ -112,6 +112,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[Int64] = None
     suffix: Optional[str] = None
+    # vLLM extra: each choice also carries ``token_ids`` (the generated ids; per chunk, the new
+    # ones) and, unstreamed, ``prompt_token_ids``. Always on when the server has no tokenizer
+    # (``--skip-tokenizer-init``), whose ``text`` is empty.
+    return_token_ids: bool = False
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises ValueError for invalid or unsupported values."""

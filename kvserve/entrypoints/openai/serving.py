@@ -279,6 +279,11 @@ class OpenAIServingCompletion(OpenAIServing):
             ticket.release()
         return self._response(req, rid, outs, params[0])
 
+    def _with_token_ids(self, req: P.CompletionRequest) -> bool:
+        """Choices carry ``token_ids`` when asked (vLLM's ``return_token_ids``) or when the
+        server has no tokenizer, so that outputs are visible without text."""
+        return bool(req.return_token_ids) or self.engine.tokenizer is None
+
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
@@ -297,8 +302,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = None
                 if sp.logprobs is not None:
                     lp = P.completion_logprobs(tok, co.token_ids, co.logprobs or [], len(prefix))
-                choices.append({"index": pi * sp.n + co.index, "text": prefix + co.text, "logprobs": lp,
-                                "finish_reason": co.finish_reason, "stop_reason": co.stop_reason})
+                choice = {"index": pi * sp.n + co.index, "text": prefix + co.text, "logprobs": lp,
+                          "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
+                if self._with_token_ids(req):
+                    choice["token_ids"] = list(co.token_ids)
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name,
                 "choices": choices, "usage": P.usage(n_prompt, n_gen, n_cached), "system_fingerprint": None}
 
@@ -308,10 +317,13 @@ class OpenAIServingCompletion(OpenAIServing):
         n_gen = n_cached = 0
         cached_seen: set[int] = set()
 
-        def chunk(index: int, text: str, lp=None, finish=None, stop_reason=None) -> str:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
-                                 "stop_reason": stop_reason}]}
+        with_ids = self._with_token_ids(req)
+
+        def chunk(index: int, text: str, lp=None, finish=None, stop_reason=None, token_ids=None) -> str:
+            ch = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+            if with_ids:
+                ch["token_ids"] = list(token_ids or [])
+            body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}
             if req.include_usage:
                 body["usage"] = None
             return sse(body)
@@ -334,7 +346,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if sp.logprobs is not None and co.token_ids:
                         lp = P.completion_logprobs(tok, co.token_ids, co.logprobs or [], offsets.get(idx, 0))
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                    yield chunk(idx, co.text, lp, co.finish_reason, co.stop_reason)
+                    yield chunk(idx, co.text, lp, co.finish_reason, co.stop_reason, co.token_ids)
             if req.include_usage:
                 n_prompt = sum(len(ids) for ids in ids_list)
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,

@@ -235,3 +235,17 @@ def test_cache_salt_isolates_prefix_cache(client):
     assert cached("tenant-a") == 0
     assert cached("tenant-a") >= 16
     assert cached("tenant-b") == 0
+
+
+def test_return_token_ids(http, tokenizer):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert "token_ids" not in plain  # only when asked (the server has a tokenizer)
+    full = http.post("/v1/completions", json=dict(body, return_token_ids=True)).json()["choices"][0]
+    assert len(full["token_ids"]) == 6 and tokenizer.decode(full["token_ids"]) == full["text"]
+    assert full["prompt_token_ids"] == tokenizer.encode(PROMPT)
+    with http.stream("POST", "/v1/completions",
+                     json=dict(body, return_token_ids=True, stream=True)) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    ids = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+    assert ids == full["token_ids"]
