@@ -46,7 +46,9 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_latency(llm, prompt_len: int, out_len: int, batch: int) -> list[float]:
-    """Wall times (ms) between consecutive engine steps while ``batch`` requests all decode.
+    """Wall times (ms) between ``out_len`` consecutive engine steps while all ``batch``
+    requests decode (measured after every prompt is prefilled; the requests are given
+    enough tokens to still be running then, and aborted after).
 
     No device syncs inside the timed loop: with async scheduling the host prepares step
     N+1 while the device runs step N, and a step's return marks its tokens reaching the
@@ -56,17 +58,24 @@ def decode_latency(llm, prompt_len: int, out_len: int, batch: int) -> list[float
 
     eng = llm.llm_engine
     sched = eng.engine_core.scheduler
-    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    budget = eng.config.scheduler_config.max_num_batched_tokens
+    prefill_steps = -(-batch * prompt_len // budget)
+    sp = SamplingParams(temperature=0, max_tokens=out_len + prefill_steps + 8, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        eng.add_request(None, torch.randint(0, 10000, (prompt_len,), generator=g).tolist(), sp)
+    ids = [eng.add_request(None, torch.randint(0, 10000, (prompt_len,), generator=g).tolist(), sp)
+           for _ in range(batch)]
     while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-        eng.step()  # prefill
+        eng.step()  # prefill (early requests already decode meanwhile)
+    assert len(sched.running) == batch, (len(sched.running), batch)
     torch.cuda.synchronize()
     stamps = [time.perf_counter()]
-    while eng.has_unfinished_requests():
+    for _ in range(out_len):
         eng.step()
         stamps.append(time.perf_counter())
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
     return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
 
 

@@ -31,10 +31,12 @@ def env() -> dict:
     import triton
     import transformers
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        commit = os.environ.get("KVSERVE_COMMIT", "unknown")
+    commit = os.environ.get("KVSERVE_COMMIT")  # first: a copied tree may carry stale git metadata
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:
+            commit = "unknown"
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, python=platform.python_version(), commit=commit,
                 command=" ".join([sys.executable] + sys.argv))

@@ -15,12 +15,11 @@ for a in "$@"; do
     --kernels) kernels=1 ;;
   esac
 done
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/worker/test_cuda_graphs.py \
-  tests/engine/test_async_scheduling.py > "$OUT/gpu_tests_engine.txt" 2>&1
+  tests/engine/test_async_scheduling.py tests/attention/test_fused_layers.py > "$OUT/gpu_tests_engine.txt" 2>&1
 echo "engine GPU tests rc=$?"; tail -2 "$OUT/gpu_tests_engine.txt"
 if [ $kernels = 1 ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_kernels.py \
+  timeout ${KERNEL_TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_kernels.py \
     > "$OUT/gpu_tests_kernels.txt" 2>&1
   echo "kernel tests rc=$?"; tail -2 "$OUT/gpu_tests_kernels.txt"
 fi

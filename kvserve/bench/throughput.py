@@ -127,8 +127,10 @@ def _num_cores() -> int:
 
 
 def _git_commit() -> Optional[str]:
-    """The kvserve checkout's ``git rev-parse HEAD``; where that fails (no git, or a copy of
-    the tree without ``.git``), ``$KVSERVE_COMMIT`` if set, else None."""
+    """``$KVSERVE_COMMIT`` if set (a copied tree may carry stale git metadata), else the
+    kvserve checkout's ``git rev-parse HEAD``, else None."""
+    if os.environ.get("KVSERVE_COMMIT"):
+        return os.environ["KVSERVE_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
@@ -136,7 +138,7 @@ def _git_commit() -> Optional[str]:
             return r.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("KVSERVE_COMMIT") or None
+    return None
 
 
 def _device_description(device: str) -> str:

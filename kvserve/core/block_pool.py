@@ -72,40 +72,63 @@ class BlockPool:
     # ---- mutation ------------------------------------------------------------------
     def allocate(self, n: int) -> list[KVCacheBlock]:
         """Take ``n`` free blocks (ref_cnt becomes 1). Raises ValueError if fewer are free."""
-        if n > self.get_num_free_blocks():
+        unc = self._free_uncached
+        if n > len(unc) + len(self._free_cached):
             raise ValueError(f"cannot allocate {n} blocks, only {self.get_num_free_blocks()} free")
+        blocks = self.blocks
+        remove_leaf = self.prefix_cache.remove_leaf if self.prefix_cache is not None else None
         out = []
         for _ in range(n):
-            if self._free_uncached:
-                bid, _ = self._free_uncached.popitem(last=False)
+            if unc:
+                block = blocks[unc.popitem(last=False)[0]]
             else:
-                bid = self._pop_evictable()
-                self._evict(self.blocks[bid])
-            block = self.blocks[bid]
+                fc = self._free_cached
+                bid, _ = fc.popitem(last=False)
+                block = blocks[bid]
+                node = block.node
+                if node is None:
+                    self.num_evictions += 1
+                    del self.cached[block.block_hash]
+                    block.block_hash = None
+                elif not node.children:
+                    # The usual case: the least recently freed block is a leaf of the tree.
+                    self.num_evictions += 1
+                    remove_leaf(node)
+                    block.node = None
+                    del self.cached[block.block_hash]
+                    block.block_hash = None
+                else:
+                    fc[bid] = None
+                    fc.move_to_end(bid, last=False)  # back at the head: scan for a leaf
+                    block = blocks[self._pop_evictable()]
+                    self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to cached blocks a request reuses (removing them from the free queue)."""
+        fc = self._free_cached
         for b in blocks:
             if b.ref_cnt == 0:
-                self._free_cached.pop(b.block_id)
+                fc.pop(b.block_id)
             b.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the order given; blocks reaching 0 become free."""
+        null, fc, fu = self.null_block, self._free_cached, self._free_uncached
         for b in blocks:
-            if b is self.null_block:
+            if b is null:
                 continue
-            if b.ref_cnt <= 0:
+            n = b.ref_cnt
+            if n <= 0:
                 raise RuntimeError(f"double free of block {b.block_id}")
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
+            b.ref_cnt = n - 1
+            if n == 1:
                 if b.block_hash is not None:
-                    self._free_cached[b.block_id] = None
+                    fc[b.block_id] = None
                 else:
-                    self._free_uncached[b.block_id] = None
+                    fu[b.block_id] = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
         """Register ``block`` as holding the KV of ``block_hash``. Returns False if already cached."""
@@ -130,7 +153,11 @@ class BlockPool:
         if block.block_hash is None:
             return
         self.num_evictions += 1
-        if block.node is None:
+        node = block.node
+        if node is None or not node.children:
+            if node is not None:
+                self.prefix_cache.remove_leaf(node)
+                block.node = None
             del self.cached[block.block_hash]
             block.block_hash = None
             return

@@ -11,13 +11,16 @@ inside a block, the matched tokens' KV is copied into the request's first new bl
 (copy-on-write). ``allocate_slots`` queues ``(src_block, dst_block, num_tokens)`` copies
 that the scheduler hands to the model runner (``SchedulerOutput.kv_copies``), which runs
 them before the forward.
+
+Per step, a running request costs one dict probe and two comparisons here; the tree is
+touched only when one of its blocks becomes full (``_ReqBlocks.cache_at``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import logging
+import sys
+from typing import Optional
 
 from kvserve.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.core.prefix_cache import PrefixCache, PrefixMatch
@@ -29,6 +32,26 @@ logger = logging.getLogger("kvserve")
 def hash_block_tokens(parent_hash: Optional[int], tokens: tuple[int, ...], salt: Optional[str]) -> int:
     """Chained 64-bit hash naming one full block (tokens and everything before them)."""
     return hash((parent_hash, tokens, salt))
+
+
+_NEVER = sys.maxsize
+
+
+class _ReqBlocks:
+    """One request's blocks, their ids (for ``get_block_ids``) and how many are registered.
+
+    ``cache_at`` is the token count at which its next block becomes full and is registered
+    (``(num_cached + 1) * block_size``; never with caching off), so the per-step check is one
+    comparison.
+    """
+
+    __slots__ = ("blocks", "ids", "num_cached", "cache_at")
+
+    def __init__(self, cache_at: int) -> None:
+        self.blocks: list[KVCacheBlock] = []
+        self.ids: list[int] = []
+        self.num_cached = 0  # leading full blocks already offered to the tree
+        self.cache_at = cache_at
 
 
 class KVCacheManager:
@@ -48,23 +71,20 @@ class KVCacheManager:
         self.step = 0  # scheduler steps begun (a block's KV is readable from the next step on)
         self.pending_copies: list[tuple[int, int, int]] = []  # (src, dst, num_tokens) this step
         self._warned_short = False
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}  # full blocks of a request already registered
+        self._reqs: dict[str, _ReqBlocks] = {}
         # Prefix cache counters, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
-    # ---- hashing ------------------------------------------------------------------
-    def _update_block_hashes(self, request: Request, num_tokens: int) -> list[int]:
-        """Extend ``request.block_hashes`` to cover the full blocks among the first ``num_tokens``."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        salt = getattr(request, "cache_salt", None)
-        toks = request.all_token_ids
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tuple(toks[i * bs : (i + 1) * bs]), salt))
-        return hashes
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Request id -> its blocks (a new dict; the lists are the live ones)."""
+        return {rid: st.blocks for rid, st in self._reqs.items()}
+
+    @property
+    def num_cached_blocks(self) -> dict[str, int]:
+        """Request id -> its leading full blocks already registered (non-zero entries only)."""
+        return {rid: st.num_cached for rid, st in self._reqs.items() if st.num_cached}
 
     # ---- scheduler API ------------------------------------------------------------
     def begin_step(self) -> None:
@@ -90,9 +110,9 @@ class KVCacheManager:
             self._warned_short = True
             logger.warning("prefix caching cannot apply to a 1-token prompt (its last token is "
                            "always computed); logged once")
-        # At most num_tokens - 1 tokens may come from the cache.
-        hashes = self._update_block_hashes(request, request.num_tokens)
-        m = self.tree.match(request.all_token_ids, hashes, getattr(request, "cache_salt", None),
+        # At most num_tokens - 1 tokens may come from the cache. The walk hashes the blocks it
+        # reaches (request.block_hashes); the rest are hashed when they are registered.
+        m = self.tree.match(request.all_token_ids, request.block_hashes, getattr(request, "cache_salt", None),
                             request.num_tokens - 1, self.step)
         return m, len(m) * self.block_size + (m.partial.num_tokens if m.partial else 0)
 
@@ -108,21 +128,44 @@ class KVCacheManager:
         request being admitted (its ``num_computed_tokens`` still excludes them).
         Returns the newly allocated blocks, or None (and changes nothing) if the pool is short.
         """
+        bs = self.block_size
+        st = self._reqs.get(request.request_id)
+        if new_computed_blocks is None and st is not None:
+            # A running request (decode or the next prefill chunk): the hot path.
+            total = request.num_computed_tokens + num_new_tokens
+            num_needed = -(-total // bs) - len(st.blocks)
+            if num_needed <= 0:
+                new_blocks = []
+            elif num_needed > self.pool.get_num_free_blocks():
+                if not st.blocks:
+                    del self._reqs[request.request_id]
+                return None
+            else:
+                new_blocks = self.pool.allocate(num_needed)
+                st.blocks.extend(new_blocks)
+                st.ids.extend([b.block_id for b in new_blocks])
+            if total >= st.cache_at and request.num_tokens >= st.cache_at:
+                self._cache_full_blocks(request, st, total)
+            return new_blocks
+
         partial = getattr(new_computed_blocks, "partial", None)
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if st is None:
+            st = _ReqBlocks(bs if self.enable_caching else _NEVER)
+        blocks = st.blocks
         num_partial = partial.num_tokens if partial else 0
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_partial
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs + num_partial
         total = num_computed + num_new_tokens
-        num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = -(-total // bs) - len(blocks) - len(new_computed_blocks)
         # Hits sitting in the free queue stop being free once referenced; a free copy source
         # is held for the allocation too (so that it is not the block evicted for it).
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         hold_src = partial is not None and partial.block.ref_cnt == 0
         if num_needed + num_evictable_hits + hold_src > self.pool.get_num_free_blocks():
             if not blocks:
-                del self.req_to_blocks[request.request_id]
+                self._reqs.pop(request.request_id, None)
             return None
+        self._reqs[request.request_id] = st
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         if partial is not None:
@@ -133,43 +176,32 @@ class KVCacheManager:
             self.pending_copies.append((partial.block.block_id, new_blocks[0].block_id, num_partial))
             self.pool.free([partial.block])
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total)
+        st.ids.extend([b.block_id for b in new_computed_blocks])
+        st.ids.extend([b.block_id for b in new_blocks])
+        if total >= st.cache_at and request.num_tokens >= st.cache_at:
+            self._cache_full_blocks(request, st, total)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, st: _ReqBlocks, num_tokens: int) -> None:
         # Only tokens whose ids are known can be hashed (the prompt, and outputs so far).
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
+        if num_full <= st.num_cached:
             return
-        hashes = self._update_block_hashes(request, num_full * self.block_size)
-        salt = getattr(request, "cache_salt", None)
-        toks = request.all_token_ids
-        bs = self.block_size
-        for i in range(start, num_full):
-            if blocks[i].node is not None:  # a shared hit: already in the tree
-                continue
-            if i == 0:
-                parent = self.tree.root(salt, create=True)
-            else:
-                # The parent is whichever block holds h_{i-1}: this request's own, or the
-                # cached twin of a private duplicate.
-                pb = self.pool.lookup(hashes[i - 1])
-                parent = pb.node if pb is not None else None
-                if parent is None:
-                    break  # the chain above was evicted: nothing below can be found
-            self.tree.insert(parent, tuple(toks[i * bs:(i + 1) * bs]), blocks[i], hashes[i], self.step)
-        self.num_cached_blocks[request.request_id] = num_full
+        self.tree.insert_blocks(request.all_token_ids, request.block_hashes, getattr(request, "cache_salt", None),
+                                st.blocks, st.num_cached, num_full, self.step)
+        st.num_cached = num_full
+        st.cache_at = (num_full + 1) * self.block_size
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request's blocks (tail first, so leaves evict first)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self.pool.free(reversed(st.blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block ids, in order (a new list; ``[]`` for an unknown request)."""
+        st = self._reqs.get(request_id)
+        return st.ids[:] if st is not None else []
 
     @property
     def usage(self) -> float:

@@ -23,6 +23,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
@@ -131,6 +132,9 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.prefix_cache_recompute_queries = 0
         self.prefix_cache_recompute_hits = 0
+        # Running order (worst last): a C key function, as this sort runs every step.
+        self._sort_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
+                          else attrgetter("arrival_time"))
 
     # ---- requests in and out ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,9 +168,6 @@ class Scheduler:
         return bool(self.running) or len(self.waiting) > 0
 
     # ---- scheduling --------------------------------------------------------------------
-    def _sort_key(self, req: Request):
-        prio = req.priority if self.config.scheduling_policy == "priority" else 0
-        return (prio, req.arrival_time)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

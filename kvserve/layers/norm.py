@@ -33,7 +33,13 @@ class RMSNorm(nn.Module):
 
         Without ``residual`` returns the normed ``x``. With ``residual`` (same shape) returns
         ``(norm(x + residual), x + residual)``: the sum is the new residual stream.
+        On CUDA this is one Triton kernel (``kvserve.layers.fused``).
         """
+        if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
+            from kvserve.layers import fused
+
+            if fused.ENABLED:
+                return fused.rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

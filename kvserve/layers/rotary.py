@@ -103,7 +103,14 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns rotated ``(q, k)`` with the input shapes and dtypes."""
+        """Returns rotated ``(q, k)`` with the input shapes and dtypes (on CUDA: rotated in
+        place by one Triton kernel, when head_dim / 2 is a power of two)."""
+        half = self.head_dim // 2
+        if q.is_cuda and half & (half - 1) == 0 and q.stride(-1) == 1 and k.stride(-1) == 1:
+            from kvserve.layers import fused
+
+            if fused.ENABLED:
+                return fused.rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -163,6 +163,12 @@ class ModelRunner:
         """Allocate per-layer KV tensors once; zeroed so masked slots never hold NaN."""
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
+            from kvserve.layers.attention import Attention
+
+            windows = {m.sliding_window for m in self.model.modules() if isinstance(m, Attention)}
+            self.backend.warmup(self.kv_caches[0], self.config.model_config.hf_config.num_attention_heads,
+                                self.dtype, windows)
 
     # ---- prefix cache copy-on-write (before the forward) --------------------------------
     @torch.inference_mode()

@@ -7,11 +7,16 @@ earlier admission hold written KV and can be copy sources.
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.request import Request
+from kvserve.core.scheduler import Scheduler
+from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 BS = 4
@@ -228,3 +233,146 @@ def test_reset_prefix_cache_clears_the_tree():
     assert kv.pool.reset_prefix_cache()
     assert kv.tree.roots == {} and kv.pool.cached == {}
     kv.pool.check_invariants()
+
+
+# ---- host-cost paths: child index by first token, remembered walk, lazy hashing ------------------
+
+
+def test_partial_match_takes_the_longest_of_the_children_sharing_the_next_token():
+    kv = KVCacheManager(6, BS)  # 5 usable: one block per prompt below
+    prompts = ([5, 6, 7, 8], [9, 9, 9, 9], [5, 6, 9, 9], [5, 6, 7, 1], [5, 0, 0, 0])
+    first = {}
+    for toks in prompts:
+        r = req(toks)
+        admit(kv, r)
+        first[tuple(toks)] = kv.get_block_ids(r.request_id)[0]
+        kv.free(r)
+    root = kv.tree.root(None)
+    assert {n.tokens for n in root.child_nodes()} == set(first)
+    assert sorted(root.children) == [5, 9] and len(root.children[5]) == 4
+    # [5, 6, 7, 8] and [5, 6, 7, 1] share 3 tokens with the probe: the older wins the tie.
+    probe = req([5, 6, 7, 9, 4])
+    kv.begin_step()
+    m, num_hit = kv.get_computed_blocks(probe)
+    assert (list(m), num_hit, m.partial.block.block_id) == ([], 3, first[(5, 6, 7, 8)])
+    # Once it is evicted (made the least recently freed), the younger one.
+    p = kv.pool
+    for toks in prompts[1:]:
+        b = p.blocks[first[tuple(toks)]]
+        p.touch([b])
+        p.free([b])
+    (got,) = p.allocate(1)
+    assert got.block_id == first[(5, 6, 7, 8)] and got.block_hash is None
+    m, num_hit = kv.get_computed_blocks(probe)
+    assert (num_hit, m.partial.block.block_id) == (3, first[(5, 6, 7, 1)])
+    # Nothing shares the next token: no partial hit.
+    m, num_hit = kv.get_computed_blocks(req([1, 2, 3, 4, 5]))
+    assert (list(m), num_hit, m.partial) == ([], 0, None)
+    p.free([got])
+    p.check_invariants()
+
+
+def _fresh_match(kv: KVCacheManager, r: Request):
+    saved, kv.tree._memo = kv.tree._memo, None  # forget the last walk: start from the root
+    m, n = KVCacheManager.get_computed_blocks(kv, r)
+    kv.tree._memo = saved
+    return ids(m), n, (m.partial.block.block_id, m.partial.num_tokens) if m.partial else None
+
+
+def _match(kv: KVCacheManager, r: Request):
+    m, n = kv.get_computed_blocks(r)
+    return ids(m), n, (m.partial.block.block_id, m.partial.num_tokens) if m.partial else None
+
+
+def test_repeat_lookup_of_a_waiting_request_resumes_the_remembered_walk():
+    kv = KVCacheManager(8, BS)  # 7 usable
+    a = req(range(16))
+    admit(kv, a)  # blocks 1-4
+    kv.free(a)  # free cached, tail first: 4, 3, 2, 1
+    w = req(list(range(16)) + [99])  # waits: its lookup is repeated step after step
+    kv.begin_step()
+    assert _match(kv, w) == ([1, 2, 3, 4], 16, None) == _fresh_match(kv, w)
+    assert kv.tree._memo[0] is w.all_token_ids
+    # The tail leaves the tree (evicted for another request): the remembered prefix shrinks.
+    other = req(range(100, 120))  # 5 blocks: the 3 uncached, then leaves 4 and 3
+    admit(kv, other)
+    assert _match(kv, w) == ([1, 2], 8, None) == _fresh_match(kv, w)
+    # The chain grows again under block 2 (another request): the walk resumes and finds it.
+    kv.free(other)
+    b = req(list(range(12)) + [50])
+    kv.begin_step()
+    assert admit(kv, b)[:2] == ([1, 2], 8)  # block 3 of b: tokens 8-11, a new node
+    kv.begin_step()
+    got = _match(kv, w)
+    assert got == _fresh_match(kv, w) and got[1] == 12
+    # Another request's lookup in between replaces the memory; results stay the same.
+    assert _match(kv, req(range(8))) == _fresh_match(kv, req(range(8)))
+    assert _match(kv, w) == got
+    # A token appended (a preempted request's output) changes the limit: a fresh walk.
+    w.append_output_token(7)
+    assert _match(kv, w) == _fresh_match(kv, w)
+    kv.pool.check_invariants()
+
+
+def test_hashes_are_computed_once_and_lazily():
+    kv = KVCacheManager(32, BS)
+    r = req(range(18))
+    kv.begin_step()
+    kv.get_computed_blocks(r)
+    assert r.block_hashes == []  # no tree yet: nothing to walk, nothing hashed
+    assert kv.allocate_slots(r, 10) is not None  # a chunk: blocks 0-1 full and registered
+    assert len(r.block_hashes) == 2
+    r.num_computed_tokens = 10
+    assert kv.allocate_slots(r, 8) is not None
+    assert len(r.block_hashes) == 4
+    h = None
+    for i in range(4):
+        h = hash((h, tuple(range(4 * i, 4 * i + 4)), None))
+        assert r.block_hashes[i] == h and kv.pool.lookup(h).block_id == kv.get_block_ids(r.request_id)[i]
+    # get_block_ids hands out a copy.
+    got = kv.get_block_ids(r.request_id)
+    got.append(0)
+    assert kv.get_block_ids(r.request_id) == got[:-1]
+    kv.pool.check_invariants()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_remembered_walk_equals_a_fresh_walk_under_a_random_workload(seed):
+    """Every lookup the scheduler makes (blocked heads, preemptions, evictions, aborts) gives
+    what a walk from the root gives."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4])
+    cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
+                          max_model_len=64, enable_chunked_prefill=True, scheduling_policy="fcfs")
+    s = Scheduler(cfg, KVCacheManager(rng.randint(3, 12), bs))
+    kv = s.kv
+    lookup = kv.get_computed_blocks
+    num_checked = 0
+
+    def checked(r):
+        nonlocal num_checked
+        fresh = _fresh_match(kv, r)
+        m, n = lookup(r)
+        assert (ids(m), n, (m.partial.block.block_id, m.partial.num_tokens) if m.partial else None) == fresh
+        num_checked += 1
+        return m, n
+
+    kv.get_computed_blocks = checked
+    base = [rng.randrange(3) for _ in range(20)]
+    max_total = min((kv.pool.num_usable_blocks) * bs, 20)
+    for i in range(rng.randint(1, 8)):
+        plen = rng.randint(1, max_total)  # prompt + outputs - 1 must fit the pool alone
+        prompt = (base[:rng.randint(0, plen)] + [rng.randrange(3) for _ in range(plen)])[:plen]
+        s.add_request(Request(f"q{i}", prompt, SamplingParams(max_tokens=rng.randint(1, max_total - plen + 1),
+                                                              ignore_eos=True), arrival_time=float(i)))
+    for t in range(300):
+        if not s.has_unfinished_requests():
+            break
+        if t and rng.random() < 0.03 and s.requests:
+            s.finish_requests([rng.choice(sorted(s.requests))], RequestStatus.FINISHED_ABORTED)
+        sched = s.schedule()
+        s.update_from_output(sched, {r.request_id: rng.randrange(3) for (r, _), smp in
+                                     zip(sched.scheduled, sched.samples) if smp})
+        kv.pool.check_invariants()
+    assert not s.has_unfinished_requests() and num_checked > 0

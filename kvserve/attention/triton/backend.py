@@ -34,6 +34,26 @@ class TritonBackend(AttentionBackend):
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
 
+    def warmup(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
+               sliding_windows: set[int | None]) -> None:
+        """Compile, at start-up, every kernel variant a step can need: the decode kernels for
+        each split-count class (1 split takes a direct path; the reduce kernel is specialized
+        on the padded split count) and the prefill kernel, per sliding-window setting, so
+        no request waits for a compile mid-serving. Reads only the null block; stores nothing.
+        """
+        _, _, _, hkv, d = kv_cache.shape
+        dev = kv_cache.device
+        q = torch.zeros(1, num_heads, d, dtype=dtype, device=dev)
+        kv = torch.zeros(1, hkv, d, dtype=dtype, device=dev)
+        bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        lens = torch.ones(1, dtype=torch.int32, device=dev)
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        store_kv(kv, kv, kv_cache, torch.full((1,), -1, dtype=torch.long, device=dev))
+        for window in sliding_windows:
+            for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
+                decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits)
+            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window)
+
     def forward(
         self,
         query: torch.Tensor,

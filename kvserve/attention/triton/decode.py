@@ -38,7 +38,9 @@ _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
 
 
-@triton.jit
+# Ints that change from step to step are not specialized (Triton would compile a variant for
+# values equal to 1 or divisible by 16, mid-serving).
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -118,7 +120,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + prow, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh, stride_od,

@@ -76,7 +76,7 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "req_offset", "stride_bt"])  # per-step ints
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
