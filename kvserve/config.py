@@ -105,7 +105,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = _f(None, "Token budget per step (default 8192 with chunked prefill, else max_model_len).")
     enable_chunked_prefill: bool = _f(True, "Split long prefills across steps and mix them with decodes.")
     scheduling_policy: str = _f("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
-    attention_backend: Optional[str] = _f(None, "Attention backend: triton (default on CUDA) or torch_ref (default elsewhere).")
+    attention_backend: Optional[str] = _f(None, "Attention backend: triton (default on CUDA), cpu (default elsewhere: batched-matmul decode) or torch_ref (gather + SDPA; the reference).")
     enforce_eager: bool = _f(False, "Never use CUDA graphs (captured on CUDA otherwise: whole decode steps, and steps with prefill piecewise around attention).")
     async_scheduling: Optional[bool] = _f(None, "Schedule step N+1 while the device runs step N (default: on with CUDA, off on the CPU where nothing overlaps).")
     disable_log_stats: bool = _f(False, "Turn off the periodic stats log line.")
@@ -177,7 +177,7 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
             device=device,
-            attention_backend=self.attention_backend or ("triton" if device == "cuda" else "torch_ref"),
+            attention_backend=self.attention_backend or ("triton" if device == "cuda" else "cpu"),
             enforce_eager=self.enforce_eager,
             async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
             disable_log_stats=self.disable_log_stats, log_stats_interval=self.log_stats_interval,

@@ -53,7 +53,11 @@ class AttentionBackend(ABC):
 
 
 def get_attn_backend(name: str) -> AttentionBackend:
-    """Instantiate a backend by name ("torch_ref", "triton"). Raises ValueError for unknown names."""
+    """Instantiate a backend by name ("cpu", "torch_ref", "triton"). Raises ValueError for unknown names."""
+    if name == "cpu":
+        from kvserve.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "torch_ref":
         from kvserve.attention.torch_ref import TorchRefBackend
 
@@ -62,4 +66,4 @@ def get_attn_backend(name: str) -> AttentionBackend:
         from kvserve.attention.triton import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch_ref, triton")
+    raise ValueError(f"unknown attention backend {name!r}; available: cpu, torch_ref, triton")

@@ -8,7 +8,7 @@ code stays free of batching details.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -35,6 +35,9 @@ class AttentionMetadata:
         max_query_len / max_seq_len: maxima of those lists.
         num_decodes: the first ``num_decodes`` requests have query length 1 (the runner
             orders decodes first so backends can batch them).
+        backend_cache: scratch for a backend's derived tensors (gather indices, masks),
+            filled by the first layer and reused by the others. It describes this step
+            only: an object refilled for another step needs a fresh (empty) dict.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +49,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int
+    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -1,10 +1,10 @@
 """Reference attention over the paged KV cache: gather the blocks, then SDPA.
 
-Runs on any device torch runs on. It is the oracle for the Triton kernels and the
-default backend on the CPU. Decodes (query length 1) are batched into one SDPA call
-with the query heads of a KV group laid along the query axis, so GQA needs no
-repeat of K/V; prefill chunks run one request at a time with a causal mask offset by
-the cached prefix.
+Runs on any device torch runs on. It is the oracle for the Triton kernels and for the
+CPU backend (``kvserve.attention.cpu_backend``, which reuses its store and prefill).
+Decodes (query length 1) are batched into one SDPA call with the query heads of a KV
+group laid along the query axis, so GQA needs no repeat of K/V; prefill chunks run one
+request at a time with a causal mask offset by the cached prefix.
 """
 
 from __future__ import annotations
@@ -50,6 +50,48 @@ def gather_kv(
     return k, v
 
 
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Attend the non-decode requests (``meta.num_decodes`` onward), one at a time.
+
+    Each request's query rows attend causally to its cached prefix and its new tokens;
+    K/V must already be stored. Writes those rows of ``out`` (``[num_tokens, num_heads,
+    head_size]``, the query's dtype); decode rows are left untouched.
+    """
+    nd = meta.num_decodes
+    if meta.num_reqs == nd:
+        return
+    block_size = kv_cache.shape[2]
+    group = query.shape[1] // kv_cache.shape[3]
+    qsl = meta.query_start_loc.tolist()
+    for i in range(nd, meta.num_reqs):
+        start, end = qsl[i], qsl[i + 1]
+        n = end - start
+        seq_len = meta.seq_lens_cpu[i]
+        ctx = seq_len - n
+        nb = -(-seq_len // block_size)
+        k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1], nb)
+        k = k[0, :seq_len].to(query.dtype).transpose(0, 1)  # [hkv, L, d]
+        v = v[0, :seq_len].to(query.dtype).transpose(0, 1)
+        q = query[start:end].transpose(0, 1)  # [h, n, d]
+        qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
+        kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+        mask = kpos <= qpos  # [n, L]
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[start:end] = o[0].transpose(0, 1)
+
+
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
 
@@ -86,25 +128,5 @@ class TorchRefBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
             out[:nd] = o.reshape(nd, num_heads, d)
 
-        qsl = meta.query_start_loc.tolist() if meta.num_reqs > nd else None
-        for i in range(nd, meta.num_reqs):
-            start, end = qsl[i], qsl[i + 1]
-            n = end - start
-            seq_len = meta.seq_lens_cpu[i]
-            ctx = seq_len - n
-            nb = -(-seq_len // block_size)
-            k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1], nb)
-            k = k[0, :seq_len].to(query.dtype).transpose(0, 1)  # [hkv, L, d]
-            v = v[0, :seq_len].to(query.dtype).transpose(0, 1)
-            q = query[start:end].transpose(0, 1)  # [h, n, d]
-            qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
-            kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-            mask = kpos <= qpos  # [n, L]
-            if sliding_window is not None:
-                mask &= kpos > qpos - sliding_window
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
-                enable_gqa=group > 1,
-            )
-            out[start:end] = o[0].transpose(0, 1)
+        prefill_attention(query, kv_cache, meta, scale, sliding_window, out)
         return out
