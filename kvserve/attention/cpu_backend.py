@@ -163,7 +163,8 @@ class CpuBackend(AttentionBackend):
         self.exact_scores = exact_scores
         self._bufs: dict[tuple, torch.Tensor] = {}
 
-    def _buf(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+    def _buf(self, key: tuple, numel: int, dtype: torch.dtype, device: torch.device,
+             zero: bool = False) -> torch.Tensor:
         """A reused flat buffer of at least ``numel`` elements, grown (never shrunk) as needed."""
         key = (*key, dtype, device)
         buf = self._bufs.get(key)
