@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvserve.attention.backend import get_attn_backend
+from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.cpu_backend import CpuBackend
 from kvserve.attention.forward_context import AttentionMetadata
 

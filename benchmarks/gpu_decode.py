@@ -118,13 +118,20 @@ def w2_peer() -> dict:
     return dict(workload="W2", peer="transformers generate, static cache", ms_per_token=round(ms, 3))
 
 
+def _bytes_per_token(runner) -> int:
+    """KV bytes per token (this tree's KV cache spec, or the older runner attribute)."""
+    cfg = getattr(runner, "kv_cache_config", None)
+    return cfg.bytes_per_token if cfg is not None else runner.bytes_per_token
+
+
 def graph_replay_ms(runner, b: int) -> float | None:
     """Device time of the decode forward alone (the CUDA graph of batch ``b``, replayed on
     the last step's inputs; CUDA events), to split a step into kernel time and the rest."""
     gr = runner.graph_runner
-    if gr is None or b not in gr.graphs:
+    key = (b, 1) if any(isinstance(k, tuple) for k in getattr(gr, "graphs", {})) else b
+    if gr is None or key not in gr.graphs:
         return None
-    graph, _ = gr.graphs[b]
+    graph, _ = gr.graphs[key]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -149,7 +156,7 @@ def decode_steps(tmp: str, backend: str, profile_dir: str | None = None) -> list
     for b in (1, 8, 64, 256):
         times = decode_latency(llm, 1024, 24, b)
         ms = statistics.median(times[4:])
-        kv_bytes = runner.bytes_per_token * b * (1024 + 12)
+        kv_bytes = _bytes_per_token(runner) * b * (1024 + 12)
         floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S * 1e3
         out.append(dict(workload=f"decode_step_qwen3-0.6b_b{b}_ctx1k", backend=backend, ms_per_step=round(ms, 3),
                         output_tok_per_s=round(b / ms * 1e3, 1), roofline_ms=round(floor, 4),
@@ -159,16 +166,24 @@ def decode_steps(tmp: str, backend: str, profile_dir: str | None = None) -> list
         import io
         import pstats
 
-        for b in (1, 256):  # host time per step by function; the GPU wait is Event.synchronize
+        for b in (1, 256):  # host time per step by function; the GPU wait is *synchronize
             prof = cProfile.Profile()
             prof.enable()
             times = decode_latency(llm, 1024, 64, b)
             prof.disable()
+            st = pstats.Stats(prof)
+            wait = sum(v[2] for k, v in st.stats.items() if "synchronize" in k[2])
+            steps = len(times) + 1
+            host_ms = (st.total_tt - wait) / steps * 1e3
             buf = io.StringIO()
-            buf.write(f"batch {b}: median step {statistics.median(times[4:]):.3f} ms under cProfile\n")
+            buf.write(f"batch {b}: median step {statistics.median(times[4:]):.3f} ms under cProfile; "
+                      f"host (not waiting for the GPU) {host_ms:.3f} ms/step over {steps} steps\n")
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
             with open(os.path.join(profile_dir, f"decode_b{b}_profile.txt"), "w") as f:
                 f.write(buf.getvalue())
+            out.append(dict(workload=f"host_time_qwen3-0.6b_b{b}_ctx1k", backend=backend,
+                            host_ms_per_step=round(host_ms, 3), gpu_wait_ms_per_step=round(wait / steps * 1e3, 3),
+                            note="cProfile: total time minus time in *synchronize, per step"))
     del llm
     torch.cuda.empty_cache()
     return out
@@ -183,6 +198,8 @@ def main() -> None:
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--w1-sync-too", action="store_true", help="also run W1 with async scheduling off")
     ap.add_argument("--w1-profile", action="store_true", help="also run W1 under cProfile (w1_profile.txt)")
+    ap.add_argument("--step-profile", action="store_true",
+                    help="profile decode steps at batch 1 and 256: host time per step (decode_b*_profile.txt)")
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--skip-steps", action="store_true")
     a = ap.parse_args()
@@ -202,7 +219,7 @@ def main() -> None:
         if not a.skip_w2:
             emit(w2_ours(a.tmp, b))
         if not a.skip_steps:
-            for r in decode_steps(a.tmp, b, a.out if a.w1_profile else None):
+            for r in decode_steps(a.tmp, b, a.out if (a.w1_profile or a.step_profile) else None):
                 emit(r)
         if b in a.w1_backends.split(","):
             emit(w1(a.tmp, b))
@@ -212,7 +229,7 @@ def main() -> None:
                 emit(w1(a.tmp, b, profile_path=os.path.join(a.out, "w1_profile.txt")))
     print(f"\n{e['device']} torch {e['torch']} triton {e['triton']} commit {e['commit'][:10]}")
     for r in recs:
-        fig = r.get("ms_per_token") or r.get("ms_per_step") or r.get("output_tok_per_s")
+        fig = r.get("ms_per_token") or r.get("ms_per_step") or r.get("output_tok_per_s") or r.get("host_ms_per_step")
         print(f"{r['workload']:36s} {r.get('backend', r.get('peer', '')):36s} {fig!s:>10s}  roofline {r.get('roofline_fraction', '')}")
 
 

@@ -11,15 +11,13 @@ output tokens, ignore_eos):
 - ``w3``: one of 4 shared 2048-token prefixes + 128 unique tokens (W3).
 
 Defaults mirror the W3 GPU run: 512 requests, token budget 8192, max_num_seqs 256,
-block_size 16, 14043 KV blocks (24 GiB of Qwen3-0.6B bf16 KV). ``--compare-git REV`` also
-runs the three KV-cache modules as of a git revision (before/after in one interleaved run);
-``--check-git REV`` instead asserts that both schedule every step identically (outputs,
-copies, final pool and tree); ``--patch`` also runs a scheduler change recommended in the
-report (emulated here by a subclass; scheduler.py is untouched). Overheads use CPU time (``time.process_time``), which
-other jobs on a shared machine disturb less than wall time. Prints a table; ``--out``
-writes JSON.
+block_size 16, 14043 KV blocks (24 GiB of Qwen3-0.6B bf16 KV). Overheads use CPU time
+(``time.process_time``), which other jobs on a shared machine disturb less than wall time.
+Prints a table; ``--out`` writes JSON. (Its ``--compare-git`` / ``--check-git`` lockstep
+modes compared KV-cache module versions of the pre-"core seams" interface and were removed
+with it; the figures recorded with them in BENCHMARKS.md stand for that code.)
 
-    python3 benchmarks/prefix_cache_overhead.py [--repeats 5] [--compare-git HEAD] [--patch]
+    python3 benchmarks/prefix_cache_overhead.py [--repeats 5]
 """
 
 from __future__ import annotations
@@ -32,10 +30,10 @@ import random
 import statistics
 import sys
 import time
-from operator import attrgetter
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.sched_output import ModelRunnerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -57,11 +55,11 @@ def workload(name: str, n: int, seed: int = 0) -> list[list[int]]:
     raise ValueError(f"unknown workload {name!r}")
 
 
-def run_once(prompts: list[list[int]], caching: bool, ns, kv_cls=KVCacheManager, sched_cls=Scheduler) -> dict:
+def run_once(prompts: list[list[int]], caching: bool, ns) -> dict:
     """One full run to completion; host time of schedule + update, in seconds (wall, CPU)."""
     cfg = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.budget,
                           max_model_len=4096, enable_chunked_prefill=True, scheduling_policy="fcfs")
-    s = sched_cls(cfg, kv_cls(ns.num_blocks, ns.block_size, caching))
+    s = Scheduler(cfg, KVCacheManager.for_blocks(ns.num_blocks, ns.block_size, caching))
     sp = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         s.add_request(Request(f"r{i}", p, sp, arrival_time=float(i)))
@@ -75,15 +73,16 @@ def run_once(prompts: list[list[int]], caching: bool, ns, kv_cls=KVCacheManager,
         c0, t0 = cpu(), pc()
         sched = s.schedule()
         t1, c1 = pc(), cpu()
-        sampled = {r.request_id: rng.randrange(VOCAB)
-                   for (r, _), smp in zip(sched.scheduled, sched.samples) if smp}
+        # Sync scheduling: a request samples iff this schedule gave it a pending token.
+        sampled = ModelRunnerOutput({rid: [rng.randrange(VOCAB)] for rid in sched.num_scheduled_tokens
+                                     if s.requests[rid].num_pending_tokens})
         c2, t2 = cpu(), pc()
         s.update_from_output(sched, sampled)
         t3, c3 = pc(), cpu()
         dt = (t1 - t0) + (t3 - t2)
         cpu_s += (c1 - c0) + (c3 - c2)
         steps.append(dt)
-        if all(n == 1 for _, n in sched.scheduled):
+        if all(n == 1 for n in sched.num_scheduled_tokens.values()):
             decode_only.append(dt)
     return dict(total_s=sum(steps), cpu_s=cpu_s, steps=len(steps), us_per_step=1e6 * sum(steps) / len(steps),
                 median_us_per_step=1e6 * statistics.median(steps),
@@ -92,72 +91,11 @@ def run_once(prompts: list[list[int]], caching: bool, ns, kv_cls=KVCacheManager,
                 preemptions=s.num_preemptions, full_gcs=gc.get_stats()[2]["collections"] - n_gc2)
 
 
-class PatchedScheduler(Scheduler):
-    """The scheduler.py change recommended in the report, emulated: the running list is
-    sorted with a C key (``operator.attrgetter``; same order: the fcfs key ``(0, arrival)``
-    sorts like ``arrival``)."""
-
-    def __init__(self, config, kv) -> None:
-        super().__init__(config, kv)
-        self._sort_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
-                          else attrgetter("arrival_time"))
-
-
 def _git(*args: str) -> str:
     import subprocess
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
-
-
-def load_git_impl(rev: str):
-    """``KVCacheManager`` of the three KV-cache modules as of git ``rev`` (a temp package)."""
-    import importlib
-    import tempfile
-
-    pkg = "kvcore_" + "".join(c if c.isalnum() else "_" for c in rev)
-    d = tempfile.mkdtemp(prefix="kvcore-")
-    os.makedirs(os.path.join(d, pkg))
-    open(os.path.join(d, pkg, "__init__.py"), "w").close()
-    for mod in ("block_pool", "prefix_cache", "kv_cache_manager"):
-        src = _git("show", f"{rev}:kvserve/core/{mod}.py")
-        with open(os.path.join(d, pkg, mod + ".py"), "w") as f:
-            f.write(src.replace("kvserve.core.", pkg + "."))
-    sys.path.insert(0, d)
-    return importlib.import_module(pkg + ".kv_cache_manager").KVCacheManager
-
-
-def check_same(prompts: list[list[int]], ns, kv_a, kv_b) -> int:
-    """Run two KV-cache implementations in lockstep (caching on); assert every step's
-    SchedulerOutput and the final pool and tree state agree. Returns the number of steps."""
-    cfg = SchedulerConfig(max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.budget,
-                          max_model_len=4096, enable_chunked_prefill=True, scheduling_policy="fcfs")
-    ss = [Scheduler(cfg, k(ns.num_blocks, ns.block_size, True)) for k in (kv_a, kv_b)]
-    sp = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
-    for s in ss:
-        for i, p in enumerate(prompts):
-            s.add_request(Request(f"r{i}", p, sp, arrival_time=float(i)))
-
-    def sig(o):
-        return ([(r.request_id, n) for r, n in o.scheduled], o.block_ids, [r.request_id for r in o.preempted],
-                o.kv_copies, o.num_computed, o.samples)
-
-    def state(s):
-        p, kv = s.kv.pool, s.kv
-        tree = sorted((n.block.block_id, getattr(n.parent.block, "block_id", None), n.tokens) for n in kv.tree.nodes())
-        return (list(p._free_uncached), list(p._free_cached), {h: b.block_id for h, b in p.cached.items()},
-                p.num_evictions, tree, s.prefix_cache_hits, s.prefix_cache_recompute_hits, s.num_preemptions)
-
-    rng, t = random.Random(1), 0
-    while ss[0].has_unfinished_requests():
-        a, b = (s.schedule() for s in ss)
-        assert sig(a) == sig(b), f"step {t} differs"
-        toks = {r.request_id: rng.randrange(VOCAB) for (r, _), smp in zip(a.scheduled, a.samples) if smp}
-        ss[0].update_from_output(a, toks)
-        ss[1].update_from_output(b, toks)
-        t += 1
-    assert not ss[1].has_unfinished_requests() and state(ss[0]) == state(ss[1])
-    return t
 
 
 def main() -> int:
@@ -173,27 +111,9 @@ def main() -> int:
     ap.add_argument("--gpu-step-ms", type=float, default=26.7,
                     help="a realistic GPU step, for the overhead %% column (H100 W3 0%%-hits, caching "
                          "off: 20.7 s / 775 steps)")
-    ap.add_argument("--compare-git", default=None, metavar="REV",
-                    help="also run the KV-cache modules as of this git revision (e.g. HEAD), interleaved")
-    ap.add_argument("--check-git", default=None, metavar="REV",
-                    help="instead of timing: assert the working tree and REV schedule every step alike")
-    ap.add_argument("--patch", action="store_true",
-                    help="also run the scheduler change recommended in the report (PatchedScheduler)")
     ap.add_argument("--out", default=None, help="write JSON here")
     ns = ap.parse_args()
-    if ns.check_git:
-        old = load_git_impl(ns.check_git)
-        for w in ns.workloads.split(","):
-            for nb in (ns.num_blocks, ns.num_blocks // 5):  # a small pool: preemptions, evictions
-                ns_w = argparse.Namespace(**dict(vars(ns), num_blocks=nb))
-                n = check_same(workload(w, ns.requests), ns_w, old, KVCacheManager)
-                print(f"{w}: {nb} blocks, {n} steps identical to {ns.check_git}", flush=True)
-        return 0
-    impls = {"tree": (KVCacheManager, Scheduler)}
-    if ns.patch:
-        impls["tree+p"] = (KVCacheManager, PatchedScheduler)
-    if ns.compare_git:
-        impls[ns.compare_git] = (load_git_impl(ns.compare_git), Scheduler)
+    impls = {"tree": None}
     res = {}
     lines = [f"{'workload':<8} {'impl':<6} {'cache':<5} {'steps':>5} {'wall ms':>8} {'cpu ms':>7} {'us/step':>8} "
              f"{'decode us':>9} {'full gc':>7} {'hit %':>5} {'+us/step':>8} {'on/off':>7} {'of GPU step':>11}"]
@@ -201,9 +121,9 @@ def main() -> int:
         prompts = workload(w, ns.requests)
         runs = {(i, c): [] for i in impls for c in (True, False)}
         for _ in range(ns.repeats):  # interleaved: drift and neighbours hit all alike
-            for name, (kv_cls, sched_cls) in impls.items():
+            for name in impls:
                 for caching in (True, False):
-                    runs[(name, caching)].append(run_once(prompts, caching, ns, kv_cls, sched_cls))
+                    runs[(name, caching)].append(run_once(prompts, caching, ns))
         med = {k: {f: statistics.median(r[f] for r in rs) for f in rs[0]} for k, rs in runs.items()}
         res[w] = {}
         for name in impls:

@@ -1,17 +1,24 @@
-"""Engine configuration: frozen-ish dataclasses whose field docs feed ``--help``.
+"""Engine configuration, one dataclass per component; each field is documented once, here.
 
-Flag names follow vLLM (``--max-num-seqs``, ``--block-size``, ``--kv-cache-memory`` ...).
-``EngineArgs`` is the flat user-facing set; ``EngineArgs.create_engine_config()`` splits
-it into the per-component configs and validates it (ValueError on bad values).
+``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``, ``ParallelConfig``,
+``SpeculativeConfig``, ``KVTransferConfig``, ``AttentionConfig``, ``DeviceConfig`` and
+``ObservabilityConfig`` make up ``EngineConfig``. The user-facing fields carry their help
+text, choices and default in ``field(metadata=...)``; ``EngineArgs``
+(``kvserve.engine.arg_utils``) takes its defaults and ``--help`` text from them, resolves the
+"auto" values once (``EngineArgs.create_engine_config``) and the resolved ``EngineConfig``
+is what every process receives (it pickles). Field names follow vLLM.
+
+No I/O happens at import; nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9, "GB": 1e9,
           "T": 1e12, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -33,152 +40,200 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
+def parse_json_arg(value: Any, name: str) -> Optional[dict]:
+    """A JSON object given as a dict or a JSON string (CLI); None stays None. Raises ValueError."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        out = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{name} must be a JSON object, got {value!r}: {exc}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return out
+
+
+def doc(default: Any, help: str, **kw: Any) -> Any:
+    """A documented config field: ``help`` feeds ``--help``; ``choices`` are enforced by the CLI."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+def resolved(default: Any = None) -> Any:
+    """A field decided at start-up (not a user flag)."""
+    return field(default=default, metadata={"resolved": True})
+
+
+# The KV cache dtypes the engine knows ("auto" = the model dtype); see kvserve.core.kv_cache_spec.
+KV_CACHE_DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
 
 
 @dataclass
 class ModelConfig:
-    model: Optional[str]  # resolved path (HF dir or .gguf file)
-    tokenizer: Optional[str]
-    dtype: str  # resolved torch dtype name: float32 | float16 | bfloat16
-    load_format: str  # auto | safetensors | gguf | dummy
-    max_model_len: int
-    seed: int
-    hf_config: Any = None  # transformers.PretrainedConfig
-    skip_tokenizer_init: bool = False
+    """What to run: weights, tokenizer, numeric type, context length."""
+
+    model: Optional[str] = doc(None, "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.",
+                               positional=True)
+    tokenizer: Optional[str] = doc(None, "Tokenizer directory (default: the model's own).")
+    skip_tokenizer_init: bool = doc(False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
+    dtype: str = doc("auto", "Model dtype (auto: float32 on the CPU, the checkpoint's 16-bit type on a GPU).",
+                     choices=["auto", "bfloat16", "float16", "float32"])
+    load_format: str = doc("auto", "Weight format; 'dummy' makes random weights from config.json.",
+                           choices=["auto", "safetensors", "gguf", "dummy"])
+    max_model_len: Optional[int] = doc(None, "Longest prompt + output in tokens (default: the model's context "
+                                             "length, capped by the KV cache).")
+    seed: int = doc(0, "Seed for weights of dummy models and for unseeded sampling.")
+    enforce_eager: bool = doc(False, "Never use CUDA graphs (captured on CUDA otherwise: whole decode steps, and "
+                                     "steps with prefill piecewise around attention).")
+    hf_config: Any = resolved()  # transformers.PretrainedConfig
+    max_model_len_explicit: bool = resolved(False)  # the user set max_model_len (never lowered then)
 
 
 @dataclass
 class CacheConfig:
-    block_size: int
-    gpu_memory_utilization: float
-    kv_cache_memory: Optional[int]  # bytes
-    kv_cache_dtype: str
-    enable_prefix_caching: bool
-    num_gpu_blocks_override: Optional[int]
-    num_blocks: int = 0  # decided at start-up from the memory budget
+    """The paged KV cache: block size, memory budget, format, prefix caching."""
+
+    block_size: int = doc(16, "Tokens per KV cache block.")
+    gpu_memory_utilization: float = doc(0.9, "Fraction of GPU memory for weights, activations and KV cache.")
+    kv_cache_memory: Optional[int] = doc(None, "KV cache size in bytes (e.g. 2GiB); overrides "
+                                               "--gpu-memory-utilization. Default on the CPU: 1GiB.")
+    kv_cache_dtype: str = doc("auto", "KV cache storage dtype (auto = the model dtype).",
+                              choices=KV_CACHE_DTYPE_CHOICES)
+    enable_prefix_caching: bool = doc(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
+    num_gpu_blocks_override: Optional[int] = doc(None, "Force the number of KV blocks per group (testing).")
+    num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool
-    scheduling_policy: str  # fcfs | priority
-    long_prefill_token_threshold: int = 0
+    """Token budgets and policies of the phase-free scheduler."""
+
+    max_num_seqs: int = doc(256, "Most requests in one step.")
+    max_num_batched_tokens: Optional[int] = doc(None, "Token budget per step (default 8192 with chunked "
+                                                      "prefill, else max_model_len).")
+    enable_chunked_prefill: bool = doc(True, "Split long prefills across steps and mix them with decodes.")
+    scheduling_policy: str = doc("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
+    async_scheduling: Optional[bool] = doc(None, "Schedule step N+1 while the device runs step N (default: on "
+                                                 "with CUDA, off on the CPU where nothing overlaps).")
+    max_model_len: int = resolved(0)  # mirrors ModelConfig.max_model_len once resolved
+    long_prefill_token_threshold: int = resolved(0)
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over workers."""
+
+    tensor_parallel_size: int = doc(1, "Tensor-parallel ranks (1 today; more arrive with tensor parallelism).")
+    distributed_executor_backend: Optional[str] = doc(
+        None, "Executor: uni (the worker runs in the engine-core process; default for one rank) or mp (worker "
+              "processes fed each step as serialized data).", choices=["uni", "mp"])
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config`` JSON, vLLM's fields)."""
+
+    method: str = "ngram"  # a registered proposer (kvserve.spec_decode.PROPOSERS)
+    num_speculative_tokens: int = 1  # k: draft tokens verified per step (1 + k computed)
+    model: Optional[str] = None  # draft model path (draft_model / eagle)
+    prompt_lookup_min: Optional[int] = None  # n-gram sizes (ngram)
+    prompt_lookup_max: Optional[int] = None
+    extra: dict = field(default_factory=dict)  # proposer-specific keys
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """Build from vLLM's JSON keys; unknown keys go to ``extra``. Raises ValueError."""
+        d = dict(d)
+        if "method" not in d:
+            raise ValueError("--speculative-config needs a 'method'")
+        k = d.pop("num_speculative_tokens", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        known = {"method", "model", "prompt_lookup_min", "prompt_lookup_max"}
+        return cls(num_speculative_tokens=k, extra={x: d.pop(x) for x in list(d) if x not in known}, **d)
+
+
+@dataclass
+class KVTransferConfig:
+    """KV transfer between engines and tiers (``--kv-transfer-config`` JSON, vLLM's fields)."""
+
+    kv_connector: Optional[str] = None
+    kv_role: Optional[str] = None  # kv_producer | kv_consumer | kv_both
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTransferConfig":
+        unknown = set(d) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        if unknown:
+            raise ValueError(f"unknown --kv-transfer-config keys: {sorted(unknown)}")
+        if d.get("kv_role") not in (None, "kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {d.get('kv_role')!r}")
+        return cls(**d)
+
+
+@dataclass
+class AttentionConfig:
+    """Which attention implementation serves the model's layers."""
+
+    attention_backend: Optional[str] = doc(None, "Attention backend: triton (default on CUDA), cpu (default "
+                                                 "elsewhere: batched-matmul decode) or torch_ref (gather + SDPA; "
+                                                 "the reference).")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = doc("auto", "auto | cpu | cuda.")
+
+
+@dataclass
+class ObservabilityConfig:
+    disable_log_stats: bool = doc(False, "Turn off the periodic stats log line.")
+    log_stats_interval: float = doc(5.0, "Seconds between stats log lines.")
 
 
 @dataclass
 class EngineConfig:
+    """Everything an engine needs, resolved (no "auto" left). Picklable: sent to worker processes."""
+
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    device: str
-    attention_backend: str
-    enforce_eager: bool
-    disable_log_stats: bool
-    log_stats_interval: float
-    async_scheduling: bool = False
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    attention_config: AttentionConfig = field(default_factory=AttentionConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: Optional[SpeculativeConfig] = None
+    kv_transfer_config: Optional[KVTransferConfig] = None
+
+    # Shorthands for the resolved values read everywhere.
+    @property
+    def device(self) -> str:
+        return self.device_config.device
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention_config.attention_backend
+
+    @property
+    def enforce_eager(self) -> bool:
+        return self.model_config.enforce_eager
+
+    @property
+    def async_scheduling(self) -> bool:
+        return bool(self.scheduler_config.async_scheduling)
+
+    @property
+    def disable_log_stats(self) -> bool:
+        return self.observability_config.disable_log_stats
+
+    @property
+    def log_stats_interval(self) -> float:
+        return self.observability_config.log_stats_interval
 
 
-@dataclass
-class EngineArgs:
-    """Every engine flag. Field names map to ``--kebab-case`` flags (vLLM's names)."""
-
-    model: Optional[str] = _f(None, "HF model directory or .gguf file; default: the embedded SmolLM2-135M-Instruct.", positional=True)
-    tokenizer: Optional[str] = _f(None, "Tokenizer directory (default: the model's own).")
-    skip_tokenizer_init: bool = _f(False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
-    dtype: str = _f("auto", "Model dtype.", choices=["auto", "bfloat16", "float16", "float32"])
-    load_format: str = _f("auto", "Weight format; 'dummy' makes random weights from config.json.", choices=["auto", "safetensors", "gguf", "dummy"])
-    max_model_len: Optional[int] = _f(None, "Longest prompt + output in tokens (default: the model's context length, capped by the KV cache).")
-    seed: int = _f(0, "Seed for weights of dummy models and for unseeded sampling.")
-    device: str = _f("auto", "auto | cpu | cuda.")
-    block_size: int = _f(16, "Tokens per KV cache block.")
-    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory for weights, activations and KV cache.")
-    kv_cache_memory: Optional[str] = _f(None, "KV cache size in bytes (e.g. 2GiB); overrides --gpu-memory-utilization. Default on the CPU: 1GiB.")
-    kv_cache_dtype: str = _f("auto", "KV cache dtype (auto = model dtype).", choices=["auto", "bfloat16", "float16", "float32"])
-    num_gpu_blocks_override: Optional[int] = _f(None, "Force the number of KV blocks (testing).")
-    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of shared prompt prefixes.")
-    max_num_seqs: int = _f(256, "Most requests in one step.")
-    max_num_batched_tokens: Optional[int] = _f(None, "Token budget per step (default 8192 with chunked prefill, else max_model_len).")
-    enable_chunked_prefill: bool = _f(True, "Split long prefills across steps and mix them with decodes.")
-    scheduling_policy: str = _f("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
-    attention_backend: Optional[str] = _f(None, "Attention backend: triton (default on CUDA), cpu (default elsewhere: batched-matmul decode) or torch_ref (gather + SDPA; the reference).")
-    enforce_eager: bool = _f(False, "Never use CUDA graphs (captured on CUDA otherwise: whole decode steps, and steps with prefill piecewise around attention).")
-    async_scheduling: Optional[bool] = _f(None, "Schedule step N+1 while the device runs step N (default: on with CUDA, off on the CPU where nothing overlaps).")
-    disable_log_stats: bool = _f(False, "Turn off the periodic stats log line.")
-    log_stats_interval: float = _f(5.0, "Seconds between stats log lines.")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
-    def create_engine_config(self) -> EngineConfig:
-        """Resolve defaults, load the HF config, and validate. Raises ValueError / FileNotFoundError."""
-        import torch
-
-        from kvserve.model_loader import load_hf_config, resolve_model
-
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-        model_path, load_format = resolve_model(self.model, self.load_format)
-        hf_config = load_hf_config(model_path, load_format)
-        dtype = self.dtype
-        if dtype == "auto":
-            # CPU matmuls are fastest and exact in float32; on GPU use the checkpoint's 16-bit type.
-            cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
-            if device == "cpu":
-                dtype = "float32"
-            else:
-                dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
-        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_model_len = self.max_model_len or max_pos
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        mnbt = self.max_num_batched_tokens
-        if mnbt is None:
-            mnbt = 8192 if self.enable_chunked_prefill else max_model_len
-        if mnbt < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if not self.enable_chunked_prefill and mnbt < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({mnbt}) < max_model_len ({max_model_len}) needs chunked prefill"
-            )
-        model_config = ModelConfig(
-            model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init, dtype=dtype, load_format=load_format,
-            max_model_len=max_model_len, seed=self.seed, hf_config=hf_config,
-        )
-        kv_mem = parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
-        cache_config = CacheConfig(
-            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory=kv_mem,
-            kv_cache_dtype=dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
-            enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-        )
-        sched = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            scheduling_policy=self.scheduling_policy,
-        )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        return EngineConfig(
-            model_config=model_config, cache_config=cache_config, scheduler_config=sched,
-            device=device,
-            attention_backend=self.attention_backend or ("triton" if device == "cuda" else "cpu"),
-            enforce_eager=self.enforce_eager,
-            async_scheduling=(device == "cuda") if self.async_scheduling is None else self.async_scheduling,
-            disable_log_stats=self.disable_log_stats, log_stats_interval=self.log_stats_interval,
-        )
+#: The component configs whose documented fields become engine flags, in --help order.
+COMPONENT_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, AttentionConfig,
+                     DeviceConfig, ObservabilityConfig)

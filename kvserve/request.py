@@ -46,8 +46,8 @@ class Request:
             back to the host yet (0 without async scheduling, else at most 2).
         priority: lower value is served first under ``--scheduling-policy priority``.
         arrival_time: seconds (time.time()) when the request arrived.
-        generator: a torch.Generator for seeded sampling (set by the model runner).
         cache_salt: requests share prefix-cache blocks only with requests of the same salt.
+        spec_token_ids: draft tokens proposed for the next step (verified with it).
     """
 
     def __init__(
@@ -78,9 +78,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.first_scheduled_time: Optional[float] = None
         self.finished_time: Optional[float] = None
-        self.generator = None
-        # Sampled logprobs, one entry per output token: dict token_id -> (logprob, rank).
-        self.logprobs: list[dict[int, tuple[float, int]]] = []
+        self.spec_token_ids: list[int] = []
         # Block hashes of the full blocks of all_token_ids (prefix cache keys).
         self.block_hashes: list[int] = []
 

@@ -1,4 +1,4 @@
-"""Attention backend interface and the registry of backends."""
+"""The attention backend interface: capabilities, KV cache allocation, forward."""
 
 from __future__ import annotations
 
@@ -7,24 +7,38 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.core.kv_cache_spec import KVCacheSpec
 
 
 class AttentionBackend(ABC):
     """Computes attention for a flat varlen batch over a paged KV cache.
 
-    KV cache layout (per layer): ``[2, num_blocks, block_size, num_kv_heads, head_size]``;
-    index 0 holds K, 1 holds V. The cache dtype may differ from the compute dtype.
+    A backend declares which KV storage formats it reads (``supported_kv_dtypes``), and
+    allocates and interprets a layer's cache from its ``KVCacheSpec``. The default layout
+    (per layer) is ``[2, num_blocks, block_size, num_kv_heads, head_size]`` in the format's
+    torch dtype; index 0 holds K, 1 holds V. The cache dtype may differ from the compute dtype.
     """
 
     name: str = "abstract"
     # True if forward never reads device values back, so a CUDA graph can capture it.
     cuda_graph_safe: bool = False
+    #: ``--kv-cache-dtype`` values this backend reads natively.
+    supported_kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
-    @staticmethod
-    def kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def validate_spec(self, spec: KVCacheSpec) -> None:
+        """Raise ValueError (listing the choices) if this backend cannot serve ``spec``."""
+        if spec.dtype not in self.supported_kv_dtypes:
+            raise ValueError(f"attention backend {self.name!r} cannot read a {spec.dtype!r} KV cache; "
+                             f"it supports {list(self.supported_kv_dtypes)}")
+
+    def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """A zeroed cache tensor for one layer (zeros: masked slots never hold NaN)."""
+        self.validate_spec(spec)
+        dtype = getattr(torch, spec.format.torch_dtype)
+        return torch.zeros(self.kv_cache_shape(spec, num_blocks), dtype=dtype, device=device)
 
     @abstractmethod
     def forward(
@@ -50,20 +64,3 @@ class AttentionBackend(ABC):
         Returns:
             ``[num_tokens, num_heads, head_size]`` in the query's dtype.
         """
-
-
-def get_attn_backend(name: str) -> AttentionBackend:
-    """Instantiate a backend by name ("cpu", "torch_ref", "triton"). Raises ValueError for unknown names."""
-    if name == "cpu":
-        from kvserve.attention.cpu_backend import CpuBackend
-
-        return CpuBackend()
-    if name == "torch_ref":
-        from kvserve.attention.torch_ref import TorchRefBackend
-
-        return TorchRefBackend()
-    if name == "triton":
-        from kvserve.attention.triton import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: cpu, torch_ref, triton")

@@ -1,22 +1,24 @@
-"""The forward context: the only way layers see the batch's attention metadata.
+"""The forward context: the step's attention metadata, set by one owner for one forward.
 
-The model runner wraps every forward pass in ``with forward_context(meta, kv_caches):``;
-each ``Attention`` layer reads its paged KV tensor and the metadata from here, so model
-code stays free of batching details.
+The model runner (or a CUDA graph runner it owns) wraps each forward pass in
+``with forward_context(metadata):``; each ``Attention`` layer reads the metadata of its own
+KV cache group from here. The KV cache tensors and the backend are not here: each layer holds
+its own (``Attention.bind``), so two models in one process keep separate caches.
+Contexts do not nest: entering one while another is active is a bug and raises.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
 
 @dataclass
 class AttentionMetadata:
-    """Flat varlen batch description for one forward pass.
+    """Flat varlen batch description for one forward pass (one KV cache group).
 
     The batch is ``num_reqs`` requests whose new tokens are laid end to end
     (``num_tokens`` in all). Request ``i`` owns query rows
@@ -27,7 +29,7 @@ class AttentionMetadata:
 
     Attributes:
         slot_mapping: ``[num_tokens]`` int64, flat KV slot (``block_id * block_size + offset``)
-            where each new token's K and V are written.
+            where each new token's K and V are written (-1: not stored).
         block_tables: ``[num_reqs, max_blocks]`` int32 block ids per request (padded with 0).
         query_start_loc: ``[num_reqs + 1]`` int32 prefix sums of query lengths.
         seq_lens: ``[num_reqs]`` int32 total tokens per request after this step.
@@ -58,9 +60,9 @@ class AttentionMetadata:
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata | None
-    # One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_size].
-    kv_caches: list[torch.Tensor]
+    """Per KV cache group, the step's metadata (None while capturing graph pieces)."""
+
+    attn_metadata: Optional[list[AttentionMetadata]]
 
 
 _CURRENT: ForwardContext | None = None
@@ -68,16 +70,22 @@ _CURRENT: ForwardContext | None = None
 
 @contextlib.contextmanager
 def forward_context(
-    attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]
+    attn_metadata: Union[AttentionMetadata, Sequence[AttentionMetadata], None],
 ) -> Iterator[ForwardContext]:
-    """Make ``attn_metadata`` and ``kv_caches`` visible to attention layers for one forward."""
+    """Make the step's metadata (one per KV cache group, or one for a single group) visible
+    to attention layers for one forward. Raises RuntimeError if a context is active."""
     global _CURRENT
-    prev = _CURRENT
-    _CURRENT = ForwardContext(attn_metadata, kv_caches)
+    if _CURRENT is not None:
+        raise RuntimeError("forward_context is already set: contexts do not nest")
+    if isinstance(attn_metadata, AttentionMetadata):
+        attn_metadata = [attn_metadata]
+    elif attn_metadata is not None:
+        attn_metadata = list(attn_metadata)
+    _CURRENT = ForwardContext(attn_metadata)
     try:
         yield _CURRENT
     finally:
-        _CURRENT = prev
+        _CURRENT = None
 
 
 def get_forward_context() -> ForwardContext:

@@ -47,24 +47,25 @@ def run_batch(llm: Any, prompts: list[list[int]], sp: Any) -> tuple[float, list[
 def _device(engine_args: dict) -> str:
     import torch
 
-    from kvserve.bench.throughput import _device_description
+    from kvserve.bench.env import device_description
 
     device = engine_args.get("device") or "auto"
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return _device_description(device)
+    return device_description(device)
 
 
 def run_latency(ns: argparse.Namespace) -> int:
     """``kvserve bench latency``: print latency figures and optionally write JSON."""
-    from kvserve.entrypoints import cli
+    from kvserve.bench import env
+    from kvserve.engine.arg_utils import EngineArgs
     from kvserve.sampling_params import SamplingParams
 
     if ns.batch_size < 1 or ns.input_len < 1 or ns.output_len < 1 or ns.num_iters < 1 or ns.num_iters_warmup < 0:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1 "
                          "(--num-iters-warmup >= 0)")
-    engine_args = cli.engine_args_from_namespace(ns)
-    llm = cli.make_llm(engine_args)
+    engine_args = EngineArgs.from_cli_args(ns)
+    llm = env.make_llm(engine_args)
     vocab = len(llm.get_tokenizer())
     reqs = sample_random_requests(ns.batch_size, (ns.input_len, ns.input_len), (ns.output_len, ns.output_len),
                                   vocab, ns.seed or 0)
@@ -108,7 +109,7 @@ def run_latency(ns: argparse.Namespace) -> int:
 
 def register_latency(subparsers: argparse._SubParsersAction) -> None:
     """Add ``latency`` to the ``kvserve bench`` subparsers."""
-    from kvserve.entrypoints.cli import add_engine_args
+    from kvserve.engine.arg_utils import EngineArgs
 
     p = subparsers.add_parser("latency", help="Offline latency of one fixed batch (ms per token, step percentiles).",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,5 +120,5 @@ def register_latency(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--num-iters", type=int, default=5, help="Timed iterations (default: %(default)s).")
     g.add_argument("--num-iters-warmup", type=int, default=1, help="Untimed iterations first (default: %(default)s).")
     g.add_argument("--output-json", default=None, metavar="PATH", help="Write the results as JSON here.")
-    add_engine_args(p)  # brings --seed
+    EngineArgs.add_cli_args(p)  # brings --seed
     p.set_defaults(func=run_latency)

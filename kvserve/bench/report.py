@@ -167,7 +167,7 @@ def env_info(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     that is the client's, the server's is not visible over the API), host, versions and the
     kvserve git commit (``$KVSERVE_COMMIT`` where git cannot tell); ``extra`` entries are
     added last (and win)."""
-    from kvserve.bench.throughput import _git_commit, _num_cores
+    from kvserve.bench.env import device_description, git_commit, num_cores
 
     versions = {"python": platform.python_version()}
     for mod in ("httpx", "torch", "transformers"):
@@ -190,14 +190,13 @@ def env_info(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
             pass
     device = None
     if "torch" in sys.modules:  # kvserve's package import has loaded it already
-        from kvserve.bench.throughput import _device_description
 
         try:
-            device = _device_description("cuda" if sys.modules["torch"].cuda.is_available() else "cpu")
+            device = device_description("cuda" if sys.modules["torch"].cuda.is_available() else "cpu")
         except Exception:
             device = None
-    env = {"device": device, "host": platform.node(), "platform": platform.platform(), "cpu_cores": _num_cores(),
-           "versions": versions, "git_commit": _git_commit()}
+    env = {"device": device, "host": platform.node(), "platform": platform.platform(), "cpu_cores": num_cores(),
+           "versions": versions, "git_commit": git_commit()}
     env.update(extra or {})
     return env
 

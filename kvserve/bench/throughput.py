@@ -19,12 +19,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from kvserve.bench import env
 from kvserve.bench.datasets import (
     DATASETS, BenchRequest, parse_len_range, sample_humaneval_requests, sample_random_requests,
 )
@@ -119,45 +119,6 @@ def count_our_tokens(requests: list[BenchRequest], outputs: list[Any]) -> tuple[
     return n_in, n_out, warnings
 
 
-def _num_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
-
-
-def _git_commit() -> Optional[str]:
-    """``$KVSERVE_COMMIT`` if set (a copied tree may carry stale git metadata), else the
-    kvserve checkout's ``git rev-parse HEAD``, else None."""
-    if os.environ.get("KVSERVE_COMMIT"):
-        return os.environ["KVSERVE_COMMIT"]
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        if r.returncode == 0 and r.stdout.strip():
-            return r.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None
-
-
-def _device_description(device: str) -> str:
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"cpu: {name} ({_num_cores()} cores)"
-
-
 def _engine_stats(llm: Any) -> dict[str, Any]:
     stats = getattr(getattr(llm, "llm_engine", None), "stats", None)
     if stats is None:
@@ -175,7 +136,7 @@ def _engine_stats(llm: Any) -> dict[str, Any]:
 
 def register_throughput(subparsers: argparse._SubParsersAction) -> None:
     """Add ``throughput`` to the ``kvserve bench`` subparsers."""
-    from kvserve.entrypoints.cli import add_engine_args
+    from kvserve.engine.arg_utils import EngineArgs
 
     p = subparsers.add_parser(
         "throughput", help="Offline batch throughput (optionally vs HF transformers).",
@@ -198,7 +159,7 @@ def register_throughput(subparsers: argparse._SubParsersAction) -> None:
                    help="Run a 1-request warm-up generate on each engine before timing.")
     g.add_argument("--use-tqdm", action=argparse.BooleanOptionalAction, default=False,
                    help="Show our engine's progress bar while timing.")
-    add_engine_args(p)  # brings --seed (also seeds the workload)
+    EngineArgs.add_cli_args(p)  # brings --seed (also seeds the workload)
     p.set_defaults(func=run_throughput)
 
 
@@ -215,18 +176,18 @@ def run_throughput(ns: argparse.Namespace) -> int:
     """``kvserve bench throughput``: run the workload, print figures and a table, write JSON."""
     import torch
 
-    from kvserve.entrypoints import cli
+    from kvserve.engine.arg_utils import EngineArgs
     from kvserve.sampling_params import SamplingParams
 
     if ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
     parse_len_range(ns.input_len), parse_len_range(ns.output_len)  # fail fast on bad ranges
-    cores = _num_cores()
+    cores = env.num_cores()
     torch.set_num_threads(cores)
-    engine_args = cli.engine_args_from_namespace(ns)
+    engine_args = EngineArgs.from_cli_args(ns)
 
     t0 = time.perf_counter()
-    llm = cli.make_llm(engine_args)
+    llm = env.make_llm(engine_args)
     load_s = time.perf_counter() - t0
     tokenizer = llm.get_tokenizer()
     requests = build_requests(ns, tokenizer)
@@ -285,11 +246,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
         "engine_args": engine_args,
         "notes": notes,
         "env": {
-            "device": _device_description(device), "torch_threads": cores,
+            "device": env.device_description(device), "torch_threads": cores,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
-        "git_commit": _git_commit(),
+        "git_commit": env.git_commit(),
         "command": getattr(ns, "command_line", None) or " ".join(sys.argv),
     }
     print()

@@ -1,209 +1,153 @@
-"""The only door the scheduler uses into the KV cache: lookup, allocate_slots, free.
+"""The only door the scheduler uses into the KV cache: lookup, allocate_slots, rollback, free.
 
-Pure Python over block ids. Every full block of a request is named by a hash chain
-``h_i = hash((h_{i-1}, tokens of block i, salt))`` and registered in the radix tree
-(``prefix_cache.py``) as soon as the step that fills it is scheduled (its KV is written
-by that step's forward, before any later request in the same batch reads it, so ``n > 1``
-siblings admitted together already share the prompt's blocks).
+The cache is split into KV cache groups (``kv_cache_spec.KVCacheConfig``): layers with the
+same spec share one block table per request. Each group has its own block pool and radix
+tree (``SingleTypeKVCacheManager``); this class keeps them in step. A request's blocks are a
+``KVCacheBlocks``: one block list per group.
 
-Reuse is token-granular: full blocks are shared by reference; where the match ends
-inside a block, the matched tokens' KV is copied into the request's first new block
-(copy-on-write). ``allocate_slots`` queues ``(src_block, dst_block, num_tokens)`` copies
-that the scheduler hands to the model runner (``SchedulerOutput.kv_copies``), which runs
-them before the forward.
-
-Per step, a running request costs one dict probe and two comparisons here; the tree is
-touched only when one of its blocks becomes full (``_ReqBlocks.cache_at``).
+Prefix hits: every group looks the request up; the hit is the shortest of the groups'
+matches (each group's match is cut to it), so every group holds the same computed prefix.
+Allocation is all-or-nothing across groups. With one group (every model today) each call
+goes straight to that group's manager.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 from typing import Optional
 
 from kvserve.core.block_pool import BlockPool, KVCacheBlock
-from kvserve.core.prefix_cache import PrefixCache, PrefixMatch
+from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheGroup, FullAttentionSpec
+from kvserve.core.prefix_cache import PartialHit, PrefixMatch
+from kvserve.core.sched_output import BlockOp
+from kvserve.core.single_type_manager import SingleTypeKVCacheManager, hash_block_tokens
 from kvserve.request import Request
 
-logger = logging.getLogger("kvserve")
+#: Per KV cache group, a list of blocks (a ``PrefixMatch`` for lookups).
+KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 
-
-def hash_block_tokens(parent_hash: Optional[int], tokens: tuple[int, ...], salt: Optional[str]) -> int:
-    """Chained 64-bit hash naming one full block (tokens and everything before them)."""
-    return hash((parent_hash, tokens, salt))
-
-
-_NEVER = sys.maxsize
-
-
-class _ReqBlocks:
-    """One request's blocks, their ids (for ``get_block_ids``) and how many are registered.
-
-    ``cache_at`` is the token count at which its next block becomes full and is registered
-    (``(num_cached + 1) * block_size``; never with caching off), so the per-step check is one
-    comparison.
-    """
-
-    __slots__ = ("blocks", "ids", "num_cached", "cache_at")
-
-    def __init__(self, cache_at: int) -> None:
-        self.blocks: list[KVCacheBlock] = []
-        self.ids: list[int] = []
-        self.num_cached = 0  # leading full blocks already offered to the tree
-        self.cache_at = cache_at
+__all__ = ["KVCacheManager", "KVCacheBlocks", "hash_block_tokens"]
 
 
 class KVCacheManager:
-    """Maps requests to their KV blocks.
+    """Maps requests to their KV blocks in every KV cache group.
 
     Args:
-        num_blocks: blocks in the pool, null block included.
-        block_size: tokens per block.
+        kv_cache_config: the groups and their block counts.
         enable_caching: reuse full blocks of identical prefixes across requests.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        self.block_size = block_size
+    def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool = True) -> None:
+        self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.tree = PrefixCache(self.pool, block_size)
-        self.step = 0  # scheduler steps begun (a block's KV is readable from the next step on)
-        self.pending_copies: list[tuple[int, int, int]] = []  # (src, dst, num_tokens) this step
-        self._warned_short = False
-        self._reqs: dict[str, _ReqBlocks] = {}
-        # Prefix cache counters, in tokens.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.block_size = kv_cache_config.block_size
+        self.groups = [SingleTypeKVCacheManager(g.num_blocks, g.spec.block_size, enable_caching, g.group_id)
+                       for g in kv_cache_config.groups]
+        self._single = self.groups[0] if len(self.groups) == 1 else None
+
+    @classmethod
+    def for_blocks(cls, num_blocks: int, block_size: int, enable_caching: bool = True) -> "KVCacheManager":
+        """One full-attention group of ``num_blocks`` blocks (tests, toy configs)."""
+        spec = FullAttentionSpec(block_size, 1, 1, "float32", "float32")
+        return cls(KVCacheConfig([KVCacheGroup(0, [0], spec, num_blocks)]), enable_caching)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool of a single-group cache. Raises ValueError with several groups."""
+        if self._single is None:
+            raise ValueError("several KV cache groups: use groups[i].pool")
+        return self._single.pool
 
     @property
     def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
-        """Request id -> its blocks (a new dict; the lists are the live ones)."""
-        return {rid: st.blocks for rid, st in self._reqs.items()}
+        """Request id -> its blocks in group 0 (every request holds blocks in every group)."""
+        return self.groups[0].req_to_blocks
 
     @property
     def num_cached_blocks(self) -> dict[str, int]:
-        """Request id -> its leading full blocks already registered (non-zero entries only)."""
-        return {rid: st.num_cached for rid, st in self._reqs.items() if st.num_cached}
+        return self.groups[0].num_cached_blocks
 
-    # ---- scheduler API ------------------------------------------------------------
+    # ---- scheduler API ------------------------------------------------------------------
     def begin_step(self) -> None:
-        """The scheduler starts building a step: blocks registered before now hold written KV."""
-        self.step += 1
-        self.pending_copies = []
+        """The scheduler starts building a step (blocks registered before now hold written KV)."""
+        for g in self.groups:
+            g.begin_step()
 
-    def take_copies(self) -> list[tuple[int, int, int]]:
-        """This step's copy-on-write list ``(src_block, dst_block, num_tokens)``."""
-        out, self.pending_copies = self.pending_copies, []
-        return out
+    def take_block_ops(self) -> list[BlockOp]:
+        """This step's block operations, every group's, in order."""
+        if self._single is not None:
+            return self._single.take_block_ops()
+        return [op for g in self.groups for op in g.take_block_ops()]
 
-    def get_computed_blocks(self, request: Request) -> tuple[PrefixMatch, int]:
-        """Longest cached prefix of ``request``, token-granular.
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest prefix every group holds: ``(hits per group, tokens covered)``.
 
-        Returns the match (a list of full blocks, not yet referenced: pass it to
-        ``allocate_slots``; its ``partial`` names a block whose first tokens are copied) and
-        the number of tokens it covers. The last token is never counted: its logits are needed.
+        The last token is never counted (its logits are needed). Pass the hits to
+        ``allocate_slots``; nothing is referenced until then.
         """
-        if not self.enable_caching:
-            return PrefixMatch(), 0
-        if request.num_tokens < 2 and not self._warned_short:
-            self._warned_short = True
-            logger.warning("prefix caching cannot apply to a 1-token prompt (its last token is "
-                           "always computed); logged once")
-        # At most num_tokens - 1 tokens may come from the cache. The walk hashes the blocks it
-        # reaches (request.block_hashes); the rest are hashed when they are registered.
-        m = self.tree.match(request.all_token_ids, request.block_hashes, getattr(request, "cache_salt", None),
-                            request.num_tokens - 1, self.step)
-        return m, len(m) * self.block_size + (m.partial.num_tokens if m.partial else 0)
+        if self._single is not None:
+            m, n = self._single.get_computed_blocks(request)
+            return (m,), n
+        matches = [g.get_computed_blocks(request) for g in self.groups]
+        n = min(num for _, num in matches)
+        bs = self.block_size
+        out = []
+        for m, num in matches:
+            cut = PrefixMatch(m[: n // bs])
+            rem = n - len(cut) * bs
+            if rem:
+                # Keep a token-granular tail only where this group's match reaches that far.
+                if len(m) > n // bs:
+                    cut.partial = PartialHit(m[n // bs], rem)
+                elif m.partial is not None and m.partial.num_tokens >= rem:
+                    cut.partial = PartialHit(m.partial.block, rem)
+            out.append(cut)
+        if n % bs and any(c.partial is None for c in out):  # groups disagree inside a block
+            n -= n % bs
+            for c in out:
+                c.partial = None
+        return tuple(out), n
 
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
-    ) -> Optional[list[KVCacheBlock]]:
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[KVCacheBlocks] = None) -> Optional[KVCacheBlocks]:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
 
-        ``new_computed_blocks`` are prefix-cache hits found by ``get_computed_blocks`` for a
-        request being admitted (its ``num_computed_tokens`` still excludes them).
-        Returns the newly allocated blocks, or None (and changes nothing) if the pool is short.
+        ``new_computed_blocks``: prefix hits from ``get_computed_blocks`` for a request being
+        admitted (its ``num_computed_tokens`` still excludes them). Returns the newly
+        allocated blocks per group, or None (and changes nothing) if any group is short.
         """
-        bs = self.block_size
-        st = self._reqs.get(request.request_id)
-        if new_computed_blocks is None and st is not None:
-            # A running request (decode or the next prefill chunk): the hot path.
-            total = request.num_computed_tokens + num_new_tokens
-            num_needed = -(-total // bs) - len(st.blocks)
-            if num_needed <= 0:
-                new_blocks = []
-            elif num_needed > self.pool.get_num_free_blocks():
-                if not st.blocks:
-                    del self._reqs[request.request_id]
-                return None
-            else:
-                new_blocks = self.pool.allocate(num_needed)
-                st.blocks.extend(new_blocks)
-                st.ids.extend([b.block_id for b in new_blocks])
-            if total >= st.cache_at and request.num_tokens >= st.cache_at:
-                self._cache_full_blocks(request, st, total)
-            return new_blocks
-
-        partial = getattr(new_computed_blocks, "partial", None)
-        new_computed_blocks = new_computed_blocks or []
-        if st is None:
-            st = _ReqBlocks(bs if self.enable_caching else _NEVER)
-        blocks = st.blocks
-        num_partial = partial.num_tokens if partial else 0
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs + num_partial
-        total = num_computed + num_new_tokens
-        num_needed = -(-total // bs) - len(blocks) - len(new_computed_blocks)
-        # Hits sitting in the free queue stop being free once referenced; a free copy source
-        # is held for the allocation too (so that it is not the block evicted for it).
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        hold_src = partial is not None and partial.block.ref_cnt == 0
-        if num_needed + num_evictable_hits + hold_src > self.pool.get_num_free_blocks():
-            if not blocks:
-                self._reqs.pop(request.request_id, None)
+        if self._single is not None:
+            new = self._single.allocate_slots(request, num_new_tokens,
+                                              None if new_computed_blocks is None else new_computed_blocks[0])
+            return None if new is None else (new,)
+        hits = new_computed_blocks or (None,) * len(self.groups)
+        if not all(g.can_allocate(request, num_new_tokens, h) for g, h in zip(self.groups, hits)):
             return None
-        self._reqs[request.request_id] = st
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        if partial is not None:
-            self.pool.touch([partial.block])
-        new_blocks = self.pool.allocate(max(num_needed, 0))
-        if partial is not None:
-            # The copy runs before this step's forward, so the source may be reused after it.
-            self.pending_copies.append((partial.block.block_id, new_blocks[0].block_id, num_partial))
-            self.pool.free([partial.block])
-        blocks.extend(new_blocks)
-        st.ids.extend([b.block_id for b in new_computed_blocks])
-        st.ids.extend([b.block_id for b in new_blocks])
-        if total >= st.cache_at and request.num_tokens >= st.cache_at:
-            self._cache_full_blocks(request, st, total)
-        return new_blocks
+        return tuple(g.allocate_slots(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
 
-    def _cache_full_blocks(self, request: Request, st: _ReqBlocks, num_tokens: int) -> None:
-        # Only tokens whose ids are known can be hashed (the prompt, and outputs so far).
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        if num_full <= st.num_cached:
-            return
-        self.tree.insert_blocks(request.all_token_ids, request.block_hashes, getattr(request, "cache_salt", None),
-                                st.blocks, st.num_cached, num_full, self.step)
-        st.num_cached = num_full
-        st.cache_at = (num_full + 1) * self.block_size
+    def rollback(self, request: Request) -> None:
+        """Free blocks past ``ceil(num_computed_tokens / block_size)`` in every group (after
+        rejected draft tokens lowered ``num_computed_tokens``)."""
+        for g in self.groups:
+            g.rollback(request)
 
     def free(self, request: Request) -> None:
-        """Release a finished or preempted request's blocks (tail first, so leaves evict first)."""
-        st = self._reqs.pop(request.request_id, None)
-        if st is not None:
-            self.pool.free(reversed(st.blocks))
+        """Release a finished or preempted request's blocks in every group."""
+        for g in self.groups:
+            g.free(request)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids, in order (a new list; ``[]`` for an unknown request)."""
-        st = self._reqs.get(request_id)
-        return st.ids[:] if st is not None else []
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Per group, the request's block ids in order (new lists; empty for an unknown request)."""
+        return tuple(g.get_block_ids(request_id) for g in self.groups)
 
     @property
     def usage(self) -> float:
-        """Fraction of KV blocks held by live requests, in [0, 1]."""
-        return self.pool.get_usage()
+        """Fraction of KV blocks held by live requests, in [0, 1] (the fullest group's)."""
+        return max(g.usage for g in self.groups)
+
+    def check_invariants(self) -> None:
+        for g in self.groups:
+            g.pool.check_invariants()

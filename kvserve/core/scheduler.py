@@ -14,6 +14,12 @@ request whose token from step N is still on the GPU holds one *pending* output t
 (``Request.num_pending_tokens``): step N+1 computes it without the host knowing its id
 (the model runner takes it from step N's sampled tokens on the device), as in vLLM's async
 scheduling and SGLang's overlap scheduler.
+
+Speculative decoding is the same rule: a decoding request that holds draft tokens
+(``Request.spec_token_ids``, proposed by the workers) computes ``1 + k`` tokens; the step
+returns ``1 + accepted`` tokens, and ``num_computed_tokens`` (and the KV blocks past it) roll
+back over the rejected ones. The step goes to the workers as data
+(``kvserve.core.sched_output``): new requests whole, running ones as a diff.
 """
 
 from __future__ import annotations
@@ -22,45 +28,18 @@ import heapq
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner must compute this step.
-
-    Attributes:
-        scheduled: ``(request, num_new_tokens)`` pairs; request ``r`` computes tokens
-            ``r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]``.
-        block_ids: request id -> its block ids (after this step's allocation).
-        num_scheduled_tokens: sum of the ``n``.
-        preempted: requests preempted while building this step.
-        kv_copies: prefix-cache copy-on-write, ``(src_block, dst_block, num_tokens)``: the
-            model runner copies slots ``[0, num_tokens)`` of ``src_block`` into the same slots
-            of ``dst_block`` on every layer before the forward.
-        num_computed: per ``scheduled`` entry, the request's computed tokens before this
-            step: its new tokens sit at positions ``[num_computed, num_computed + n)``.
-        samples: per entry, whether this step reaches the end of the request's sequence and
-            so samples its next token.
-    """
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
-    num_scheduled_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
-    num_computed: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+#: What ``update_from_output`` reports per request that got tokens: the request, its new
+#: token ids and their logprobs (None unless asked).
+RequestUpdate = tuple[Request, list[int], Optional[list]]
 
 
 @dataclass
@@ -74,6 +53,9 @@ class SchedulerStats:
     # Lookups made when a preempted request is re-admitted (its own blocks, mostly), apart.
     prefix_cache_recompute_queries: int = 0  # tokens, cumulative
     prefix_cache_recompute_hits: int = 0  # tokens, cumulative
+    num_drafts: int = 0  # speculative decoding: verification steps with drafts, cumulative
+    num_draft_tokens: int = 0  # draft tokens verified, cumulative
+    num_accepted_tokens: int = 0  # draft tokens accepted, cumulative
 
 
 class _WaitingQueue:
@@ -132,6 +114,12 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.prefix_cache_recompute_queries = 0
         self.prefix_cache_recompute_hits = 0
+        # Speculative decoding counters (drafts verified, tokens proposed / accepted).
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # Requests the workers must drop before the next step (finished or aborted).
+        self.finished_req_ids: set[str] = set()
         # Running order (worst last): a C key function, as this sort runs every step.
         self._sort_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
                           else attrgetter("arrival_time"))
@@ -163,6 +151,7 @@ class Scheduler:
         req.finished_time = time.time()
         self.kv.free(req)
         del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -174,17 +163,34 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_pending_tokens = 0  # a token still on the GPU is appended when it arrives
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
 
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """How many of ``req``'s draft tokens fit beside its ``n`` tokens: a plain decode
+        only, within the budget, ``max_model_len`` and ``max_tokens``."""
+        k = len(req.spec_token_ids)
+        if not k or n != 1 or req.num_pending_tokens:
+            return 0
+        mt = req.sampling_params.max_tokens
+        limit = self.config.max_model_len - req.num_tokens - 1
+        if mt is not None:
+            limit = min(limit, mt - req.num_output_tokens - 1)
+        return max(min(k, budget - n, limit), 0)
+
     def schedule(self) -> SchedulerOutput:
+        """Build the next step (see ``SchedulerOutput``)."""
         cfg = self.config
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         self.kv.begin_step()
         # The worst request sits last, so a victim is never one already scheduled this step.
         self.running.sort(key=self._sort_key)
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft tokens)
+        new_blocks: dict[str, object] = {}
+        preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -197,20 +203,29 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv.allocate_slots(req, n) is None:
+            k = self._num_drafts(req, n, budget)
+            blocks = self.kv.allocate_slots(req, n + k)
+            if blocks is None and k:
+                k = 0  # drop the drafts before preempting anyone
+                blocks = self.kv.allocate_slots(req, n)
+            while blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                preempted = True
                 if victim is req:
                     break
+                blocks = self.kv.allocate_slots(req, n)
             if req.status != RequestStatus.RUNNING:
                 break
-            out.scheduled.append((req, n))
-            budget -= n
+            new_blocks[req.request_id] = blocks
+            scheduled.append((req, n, k))
+            budget -= n + k
             i += 1
+        num_cached = len(scheduled)
 
         # Admit waiting requests; none while this step had to preempt (memory is short).
-        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
@@ -218,11 +233,13 @@ class Scheduler:
                 break
             n = min(n, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
-                if hits.partial is None:
+                partial = hits[0].partial
+                if partial is None:
                     break
                 # The copy source holds one block for the allocation: try without it.
-                num_hit -= hits.partial.num_tokens
-                hits.partial = None
+                num_hit -= partial.num_tokens
+                for h in hits:
+                    h.partial = None
                 n = req.num_tokens - num_hit
                 if not cfg.enable_chunked_prefill and n > budget:
                     break
@@ -242,59 +259,100 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             self.running.append(req)
-            out.scheduled.append((req, n))
+            scheduled.append((req, n, 0))
             budget -= n
 
-        out.num_scheduled_tokens = cfg.max_num_batched_tokens - budget
-        for req, n in out.scheduled:
-            out.num_computed.append(req.num_computed_tokens)
-            req.num_computed_tokens += n
-            samples = req.num_computed_tokens == req.num_tokens + req.num_pending_tokens
-            if samples:
+        return self._make_output(out, scheduled, num_cached, new_blocks)
+
+    def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_cached: int,
+                     new_blocks: dict) -> SchedulerOutput:
+        """Advance ``num_computed_tokens`` (and pending tokens) and describe the step as data."""
+        cached = out.scheduled_cached_reqs
+        nst = out.num_scheduled_tokens
+        num_prompt = 0
+        for j, (req, n, k) in enumerate(scheduled):
+            rid = req.request_id
+            c = req.num_computed_tokens
+            if j < num_cached:
+                cached.req_ids.append(rid)
+                blocks = new_blocks[rid]
+                cached.new_block_ids.append(tuple([b.block_id for b in g] for g in blocks) if any(blocks) else None)
+                cached.num_computed_tokens.append(c)
+                cached.new_token_ids.append([])
+            else:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, req.eos_token_id,
+                    self.kv.get_block_ids(rid), c))
+            nst[rid] = n + k
+            if k:
+                out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:k]
+                self.num_drafts += 1
+                self.num_draft_tokens += k
+            req.spec_token_ids = []
+            if c < req.num_prompt_tokens or n > 1:
+                num_prompt += n
+            req.num_computed_tokens = c + n + k
+            if c + n == req.num_tokens + req.num_pending_tokens:  # reaches the end: samples
                 req.num_pending_tokens += 1
-            out.samples.append(samples)
-        out.block_ids = {r.request_id: self.kv.get_block_ids(r.request_id) for r, _ in out.scheduled}
-        out.kv_copies = self.kv.take_copies()
+        out.total_num_scheduled_tokens = sum(nst.values())
+        out.num_prompt_tokens = num_prompt
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        out.block_ops = self.kv.take_block_ops()
         return out
 
-    def update_from_output(
-        self, sched: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[Request]:
-        """Append sampled tokens and finish requests that stop.
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Append sampled tokens, roll back rejected drafts, finish requests that stop.
 
         Args:
             sched: the step's schedule (with async scheduling, a later step may already
                 have been scheduled).
-            sampled: request id -> sampled token, for the entries of ``sched.samples``.
+            output: the step's sampled tokens (and drafts for the next step).
 
         Returns:
-            Requests that received a token this step (finished ones included).
+            ``(request, new token ids, new logprobs)`` for requests that got tokens (finished
+            ones included); tokens past a stop are dropped.
         """
         now = time.time()
-        updated = []
-        for (req, _), samples in zip(sched.scheduled, sched.samples):
-            if not samples:
-                continue
+        updated: list[RequestUpdate] = []
+        spec = sched.scheduled_spec_decode_tokens
+        all_lps = output.logprobs
+        for rid, toks in output.sampled_token_ids.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # finished or aborted since: a token computed past the end is dropped
             if req.status == RequestStatus.RUNNING:
                 req.num_pending_tokens -= 1
+                drafts = spec.get(rid)
+                if drafts:
+                    accepted = len(toks) - 1
+                    self.num_accepted_tokens += accepted
+                    req.num_computed_tokens -= len(drafts) - accepted
+                    self.kv.rollback(req)
             elif req.status != RequestStatus.PREEMPTED:
-                continue  # finished or aborted since: a token computed past the end is dropped
-            tok = sampled.get(req.request_id)
-            if tok is None:
                 continue
             # A request preempted after this step was scheduled keeps the token: its KV was
             # valid, and the recompute then includes it.
-            req.append_output_token(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, tok)
+            lps = all_lps.get(rid)
+            status = None
+            for j, tok in enumerate(toks):
+                req.append_output_token(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    toks = toks[: j + 1]
+                    break
             if status is not None:
                 if req.status == RequestStatus.RUNNING:
                     self.running.remove(req)
                 else:
                     self.waiting.remove(req)
                 self._finish(req, status)
-            updated.append(req)
+            elif req.status == RequestStatus.RUNNING:
+                drafts = output.draft_token_ids.get(rid)
+                if drafts:
+                    req.spec_token_ids = list(drafts)
+            updated.append((req, toks, lps[: len(toks)] if lps is not None else None))
         return updated
 
     def _reaches_limit(self, req: Request) -> bool:
@@ -325,4 +383,6 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_recompute_queries=self.prefix_cache_recompute_queries,
             prefix_cache_recompute_hits=self.prefix_cache_recompute_hits,
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

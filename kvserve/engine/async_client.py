@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from kvserve.config import EngineArgs
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import (
     PromptType,
     log_stats_line,
@@ -32,14 +32,9 @@ from kvserve.engine.input_processor import (
 )
 from kvserve.engine.output_processor import OutputProcessor, ParentState
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
-
-
-_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
-           "abort": RequestStatus.FINISHED_ABORTED}
 
 
 class EngineDeadError(RuntimeError):
@@ -95,6 +90,7 @@ class AsyncLLM:
 
     def __init__(self, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None) -> None:
         self.engine_args = engine_args
+        self.config = None  # the resolved EngineConfig, once started
         self.stat_logger = stat_logger or StatLogger()
         self.tokenizer = None
         self.max_model_len = 0
@@ -133,10 +129,13 @@ class AsyncLLM:
 
         from kvserve.engine import ipc
         from kvserve.engine.core_proc import run_engine_core
-        from kvserve.model_loader import get_tokenizer, resolve_model
+        from kvserve.model_loader import get_tokenizer
 
         args = self.engine_args
-        self.model_path, load_format = resolve_model(args.model, args.load_format)
+        # Resolved once, here; the engine core receives the result.
+        config = await asyncio.to_thread(args.create_engine_config)
+        self.config = config
+        self.model_path, load_format = config.model_config.model, config.model_config.load_format
         in_addr, out_addr = self._addrs = ipc.make_ipc_paths()
         self._sync_ctx = zmq.Context()
         self._in_sock = self._sync_ctx.socket(zmq.PUSH)
@@ -150,8 +149,7 @@ class AsyncLLM:
         self._encoder = ipc.input_encoder()
         self._decoder = ipc.output_decoder()
         mp = multiprocessing.get_context("spawn")
-        engine_kwargs = {name: getattr(args, name) for name in EngineArgs.field_names()}
-        self.proc = mp.Process(target=run_engine_core, args=(engine_kwargs, in_addr, out_addr),
+        self.proc = mp.Process(target=run_engine_core, args=(config, in_addr, out_addr),
                                name="kvserve-engine-core", daemon=True)
         self.proc.start()
         tok_task = None
@@ -167,12 +165,7 @@ class AsyncLLM:
             raise
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.num_blocks, self.block_size = ready.num_blocks, ready.block_size
-        cfg = None
-        if self.tokenizer is None or self.tokenizer.eos_token_id is None:
-            from kvserve.model_loader import load_hf_config
-
-            cfg = await asyncio.to_thread(load_hf_config, self.model_path, load_format)
-        self.eos_token_id = resolve_eos_token_id(self.tokenizer, cfg)
+        self.eos_token_id = resolve_eos_token_id(self.tokenizer, config.model_config.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.proc.sentinel, self._on_proc_exit)
@@ -290,34 +283,16 @@ class AsyncLLM:
             return
         now = time.time()
         op = self.output_processor
-        updated: list[Request] = []
-        for o in msg.outputs:
-            entry = op.child_to_parent.get(o.request_id)
-            if entry is None:
-                continue
-            parent, seq = entry
-            if seq.finish_reason is not None:
-                continue
-            req = seq.request
-            for t in o.new_token_ids:
-                req.append_output_token(t)
-            if o.new_logprobs:
-                req.logprobs.extend(o.new_logprobs)
-            req.num_cached_tokens = o.num_cached_tokens
-            req.first_scheduled_time = o.first_scheduled_time
-            req.first_token_time = o.first_token_time
-            req.finished_time = o.finished_time
-            req.num_preemptions = o.num_preemptions
-            if o.finish_reason is not None:
-                req.status = _STATUS.get(o.finish_reason, RequestStatus.FINISHED_ABORTED)
-                req.stop_reason = o.stop_reason
+        updated = []
+        for req, num_new in op.apply_outputs(msg.outputs):
             updated.append(req)
-            if o.new_token_ids:
+            if num_new:
+                parent, seq = op.child_to_parent[req.request_id]
                 times = self._states[parent.request_id].times[seq.index]
                 if times.last_token is None:
                     self.stat_logger.on_first_token(now - req.arrival_time)
                 else:
-                    self.stat_logger.on_inter_token((now - times.last_token) / len(o.new_token_ids))
+                    self.stat_logger.on_inter_token((now - times.last_token) / num_new)
                 times.last_token = now
         parents, stopped = op.process(updated, detokenize_all=True)
         if stopped:
@@ -352,7 +327,7 @@ class AsyncLLM:
         s = msg.stats
         log_stats_line(self._log_tokens[0] / dt, self._log_tokens[1] / dt, s.num_running, s.num_waiting,
                        s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,
-                       s.prefix_cache_recompute_hits)
+                       s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
         self._log_last, self._log_tokens = now, [0, 0]
 
     # ------------------------------------------------------------------ requests

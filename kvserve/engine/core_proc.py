@@ -26,32 +26,13 @@ logger = logging.getLogger("kvserve")
 IDLE_POLL_S = 1.0
 
 
-class _Tracked:
-    __slots__ = ("request", "sent_tokens", "sent_logprobs")
-
-    def __init__(self, request) -> None:
-        self.request = request
-        self.sent_tokens = 0
-        self.sent_logprobs = 0
-
-
-def _token_output(t: _Tracked, finish_reason=None):
+def _token_output(o):
+    """``EngineCoreOutput`` -> the ipc ``TokenOutput`` with the same fields."""
     from kvserve.engine.ipc import TokenOutput
 
-    req = t.request
-    new = req.output_token_ids[t.sent_tokens:]
-    t.sent_tokens = len(req.output_token_ids)
-    lps = None
-    if req.sampling_params.logprobs is not None:
-        lps = req.logprobs[t.sent_logprobs:]
-        t.sent_logprobs = len(req.logprobs)
-    return TokenOutput(
-        request_id=req.request_id, new_token_ids=list(new), new_logprobs=lps,
-        finish_reason=finish_reason or req.finish_reason, stop_reason=req.stop_reason,
-        num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
-        first_token_time=req.first_token_time, finished_time=req.finished_time,
-        num_preemptions=req.num_preemptions,
-    )
+    return TokenOutput(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
+                       o.num_cached_tokens, o.first_scheduled_time, o.first_token_time, o.finished_time,
+                       o.num_preemptions)
 
 
 class EngineCoreProc:
@@ -78,7 +59,6 @@ class EngineCoreProc:
         self.out_sock.connect(output_addr)
         self.decoder = ipc.input_decoder()
         self.encoder = ipc.input_encoder()
-        self.tracked: dict[str, _Tracked] = {}
         #: TokenOutputs (finish_reason "abort") of AddRequests the core refused, sent next.
         self.rejected: list = []
         self.running = True
@@ -89,26 +69,20 @@ class EngineCoreProc:
 
     def _handle(self, msg) -> None:
         from kvserve.engine import ipc
-        from kvserve.request import Request
+        from kvserve.engine.core_types import EngineCoreRequest
 
         if isinstance(msg, ipc.AddRequest):
             try:
                 params = ipc.params_from_dict(msg.sampling_params)
-                req = Request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time, msg.priority,
-                              msg.eos_token_id, cache_salt=msg.cache_salt)
-                self.core.add_request(req)
+                self.core.add_request(EngineCoreRequest(
+                    msg.request_id, msg.prompt_token_ids, params, msg.arrival_time, msg.priority,
+                    msg.eos_token_id, msg.cache_salt))
             except Exception:  # one bad request must not take the engine down: abort it
                 logger.exception("engine core: rejected request %s", msg.request_id)
                 self.rejected.append(ipc.TokenOutput(request_id=msg.request_id, new_token_ids=[],
                                                      finish_reason="abort"))
-                return
-            self.tracked[req.request_id] = _Tracked(req)
         elif isinstance(msg, ipc.AbortRequests):
-            ids = [i for i in msg.request_ids if i in self.tracked]
-            if ids:
-                self.core.abort_requests(ids)
-            for i in ids:
-                self.tracked.pop(i, None)
+            self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
 
@@ -132,7 +106,8 @@ class EngineCoreProc:
 
         s = self.core.scheduler.get_stats()
         return SchedulerStatsMsg(s.num_running, s.num_waiting, float(s.kv_cache_usage), s.num_preemptions,
-                                 s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_recompute_hits)
+                                 s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_recompute_hits,
+                                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
@@ -152,18 +127,7 @@ class EngineCoreProc:
             res = self.core.step()
             stepped = True
             n_prompt, n_gen = res.num_prompt_tokens, res.num_generation_tokens
-            seen = set()
-            for req in res.updated:
-                t = self.tracked.get(req.request_id)
-                if t is None:
-                    continue
-                seen.add(req.request_id)
-                outputs.append(_token_output(t))
-                if req.is_finished:
-                    del self.tracked[req.request_id]
-            # Requests finished without a new token this step (e.g. by the scheduler).
-            for rid in [r for r, t in self.tracked.items() if t.request.is_finished and r not in seen]:
-                outputs.append(_token_output(self.tracked.pop(rid)))
+            outputs.extend(_token_output(o) for o in res.outputs)
         if stepped or handled:
             self.send(StepOutputs(outputs, self._stats(), n_prompt, n_gen, time.time()))
         return True
@@ -178,20 +142,19 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: str) -> None:
+def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned engine-core process.
 
-    Builds ``EngineCore`` from ``EngineArgs(**engine_args)``, sends ``Ready`` (or
-    ``StartupFailed`` and exits with status 1), then loops until ``Shutdown``, SIGTERM, or
-    the parent's death.
+    Builds ``EngineCore`` from the frontend's resolved ``EngineConfig`` (resolved once,
+    there), sends ``Ready`` (or ``StartupFailed`` and exits with status 1), then loops until
+    ``Shutdown``, SIGTERM, or the parent's death.
     """
     import zmq
 
-    from kvserve.config import EngineArgs
     from kvserve.engine import ipc
-    from kvserve.engine.llm import _setup_logging
+    from kvserve.logger import setup_logging
 
-    _setup_logging()
+    setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the API server, which shuts us down
 
     def _term(signum, frame):
@@ -203,9 +166,7 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     try:
         from kvserve.engine.engine_core import EngineCore
 
-        args = EngineArgs(**engine_args)
-        config = args.create_engine_config()
-        core = EngineCore(config, max_model_len_explicit=args.max_model_len is not None)
+        core = EngineCore(config)
     except Exception as exc:  # report why, then exit
         logger.exception("engine core failed to start")
         s = ctx.socket(zmq.PUSH)
@@ -223,4 +184,5 @@ def run_engine_core(engine_args: dict[str, Any], input_addr: str, output_addr: s
     try:
         proc.run()
     finally:
+        core.shutdown()
         proc.close()

@@ -1,87 +1,113 @@
 """The engine core loop: schedule -> execute -> update. Tokens in, tokens out.
 
 Knows nothing of text: tokenization, detokenization and stop strings live in the
-frontend (``LLMEngine`` offline, the API server later).
+frontend (``LLMEngine`` offline, ``AsyncLLM`` for the server). The model runs behind an
+executor (``kvserve.executor``): in this process (``uni``) or in worker processes (``mp``)
+that receive each step as data.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from typing import Optional
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.core.kv_cache_spec import KVCacheConfig, make_kv_cache_config
+from kvserve.core.sched_output import SchedulerOutput
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.executor import Executor, get_executor_class
 from kvserve.request import Request, RequestStatus
-from kvserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger("kvserve")
 
 
-@dataclass
-class StepResult:
-    """One step's outcome: requests that got a token, and tokens computed."""
+def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
+    """Size the KV cache: the workers' layer specs and memory budget -> groups and block counts.
 
-    updated: list[Request]
-    num_scheduled_tokens: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
+    Lowers ``max_model_len`` to the capacity when it was not set explicitly.
+    Raises ValueError if the cache cannot hold one request of ``max_model_len`` tokens.
+    """
+    cc, sc, mc = config.cache_config, config.scheduler_config, config.model_config
+    specs = executor.get_kv_cache_spec()
+    kv_bytes = None if cc.num_gpu_blocks_override is not None else executor.determine_available_memory()
+    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override)
+    num_blocks = min(g.num_blocks for g in kv_cfg.groups)
+    capacity = max(num_blocks - 1, 0) * cc.block_size  # block 0 is the null block
+    if capacity < sc.max_model_len:
+        if mc.max_model_len_explicit or capacity < cc.block_size:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}), "
+                f"fewer than max_model_len={sc.max_model_len}; raise --kv-cache-memory / "
+                f"--gpu-memory-utilization or lower --max-model-len"
+            )
+        logger.warning("max_model_len lowered from %d to the KV capacity %d", sc.max_model_len, capacity)
+        sc.max_model_len = mc.max_model_len = capacity
+    cc.num_blocks = num_blocks
+    bpt = kv_cfg.bytes_per_token
+    logger.info(
+        "KV cache: %d bytes/token over %d layers (%s); %d blocks x %d tokens = %d tokens (%.2f GiB); "
+        "max concurrency at max_model_len=%d: %.2fx",
+        bpt, kv_cfg.num_layers, kv_cfg.describe(), num_blocks - 1, cc.block_size, capacity,
+        kv_cfg.total_bytes / 2**30, sc.max_model_len, capacity / sc.max_model_len,
+    )
+    return kv_cfg
 
 
 class EngineCore:
-    """Owns the model runner, the KV cache manager and the scheduler.
+    """Owns the executor (and through it the model), the KV cache manager and the scheduler.
 
     Raises:
-        ValueError: if the KV cache cannot hold one request of ``max_model_len`` tokens.
+        ValueError: if the KV cache cannot hold one request of ``max_model_len`` tokens, or
+            the attention backend cannot serve the KV cache format.
     """
 
-    def __init__(self, config: EngineConfig, max_model_len_explicit: bool = False) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
-        cc, sc = config.cache_config, config.scheduler_config
-        num_blocks = self.model_runner.determine_num_blocks()
-        capacity = max(num_blocks - 1, 0) * cc.block_size  # block 0 is the null block
-        if capacity < sc.max_model_len:
-            if max_model_len_explicit or capacity < cc.block_size:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}), "
-                    f"fewer than max_model_len={sc.max_model_len}; raise --kv-cache-memory / "
-                    f"--gpu-memory-utilization or lower --max-model-len"
-                )
-            logger.warning("max_model_len lowered from %d to the KV capacity %d", sc.max_model_len, capacity)
-            sc.max_model_len = config.model_config.max_model_len = capacity
-        cc.num_blocks = num_blocks
-        self.model_runner.init_kv_cache(num_blocks)
-        self.model_runner.maybe_capture_cuda_graphs()
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.executor = get_executor_class(config.parallel_config)(config)
+        try:
+            kv_cfg = plan_kv_cache(config, self.executor)
+            self.executor.initialize_kv_cache(kv_cfg)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_config = kv_cfg
+        cc = config.cache_config
+        self.kv_cache_manager = KVCacheManager(kv_cfg, cc.enable_prefix_caching)
         hf = config.model_config.hf_config
         if cc.enable_prefix_caching and getattr(hf, "sliding_window", None):
             logger.warning(
                 "prefix caching with a sliding-window model (window %s): blocks outside the window "
                 "are kept, so reuse stays exact but saves no memory there", hf.sliding_window)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
-        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
-        bpt = self.model_runner.bytes_per_token
-        logger.info(
-            "KV cache: %d bytes/token (2 x %d layers x %d kv_heads x %d head_dim x %s), %d blocks x %d "
-            "tokens = %d tokens (%.2f GiB); max concurrency at max_model_len=%d: %.2fx",
-            bpt, self.model_runner.num_layers, self.model_runner.num_kv_heads, self.model_runner.head_dim,
-            cc.kv_cache_dtype, num_blocks - 1, cc.block_size, capacity, capacity * bpt / 2**30,
-            sc.max_model_len, capacity / sc.max_model_len,
-        )
+        self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
 
-    def add_request(self, request: Request) -> None:
+    @property
+    def model_runner(self):
+        """The in-process model runner (``uni`` executor only; None otherwise)."""
+        return getattr(self.executor, "model_runner", None)
+
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        """Queue a request. Raises ValueError for a duplicate id."""
+        if isinstance(request, EngineCoreRequest):
+            request = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                              request.arrival_time, request.priority, request.eos_token_id, request.cache_salt)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests the frontend stopped (stop strings) or aborted; frees their blocks."""
+        return self.scheduler.finish_requests(request_ids, status)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
-    def step(self) -> StepResult:
+    def step(self) -> EngineCoreOutputs:
         """Schedule, run and update one step.
 
         With async scheduling the step scheduled and launched now is N+1, and the result
@@ -93,17 +119,17 @@ class EngineCore:
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
             if sched.is_empty:
-                return StepResult([], 0, 0, 0)
-            return self._update(sched, self.model_runner.execute_model(sched))
+                return EngineCoreOutputs()
+            return self._update(sched, self.executor.execute_model(sched).get())
         prev = self._in_flight
         self._in_flight = None
         if prev is not None and self._needs_host_tokens():
             return self._update(prev[0], prev[1].get())
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            self._in_flight = (sched, self.model_runner.execute_model_async(sched))
+            self._in_flight = (sched, self.executor.execute_model(sched))
         if prev is None:
-            return StepResult([], 0, 0, 0)
+            return EngineCoreOutputs()
         return self._update(prev[0], prev[1].get())
 
     def _needs_host_tokens(self) -> bool:
@@ -115,13 +141,18 @@ class EngineCore:
                     return True
         return False
 
-    def _update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
-        num_decode = sum(1 for (r, n), c in zip(sched.scheduled, sched.num_computed)
-                         if n == 1 and c >= r.num_prompt_tokens)
-        updated = self.scheduler.update_from_output(sched, out.sampled)
-        for req in updated:
-            lp = out.logprobs.get(req.request_id)
-            if lp is not None:
-                req.logprobs.append(lp)
-        return StepResult(updated, sched.num_scheduled_tokens, sched.num_scheduled_tokens - num_decode,
-                          len(updated))
+    def _update(self, sched: SchedulerOutput, runner_out) -> EngineCoreOutputs:
+        updated = self.scheduler.update_from_output(sched, runner_out)
+        outs = EngineCoreOutputs(num_prompt_tokens=sched.num_prompt_tokens)
+        n_gen = 0
+        for req, toks, lps in updated:
+            n_gen += len(toks)
+            outs.outputs.append(EngineCoreOutput(
+                req.request_id, toks, lps if req.sampling_params.logprobs is not None else None,
+                req.finish_reason, req.stop_reason, req.num_cached_tokens, req.first_scheduled_time,
+                req.first_token_time, req.finished_time, req.num_preemptions))
+        outs.num_generation_tokens = n_gen
+        return outs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Union
 
-from kvserve.request import Request
+from kvserve.engine.core_types import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
@@ -53,7 +53,7 @@ def validate_request(
 def make_child_requests(
     request_id: str, ids: list[int], params: SamplingParams, arrival: float, priority: int,
     eos_token_id: Optional[int], cache_salt: Optional[str] = None,
-) -> list[Request]:
+) -> list[EngineCoreRequest]:
     """One engine request per completion: ``n == 1`` keeps the id, else ``"{id}#{k}"``.
 
     Seeded siblings get ``seed + k`` so that their completions differ (as vLLM does).
@@ -64,7 +64,7 @@ def make_child_requests(
         if params.n > 1 and params.seed is not None:
             cp.seed = params.seed + k
         cid = request_id if params.n == 1 else f"{request_id}#{k}"
-        children.append(Request(cid, ids, cp, arrival, priority, eos_token_id, cache_salt))
+        children.append(EngineCoreRequest(cid, list(ids), cp, arrival, priority, eos_token_id, cache_salt))
     return children
 
 
@@ -80,12 +80,18 @@ def resolve_eos_token_id(tokenizer, hf_config) -> Optional[int]:
 def log_stats_line(
     prompt_tps: float, gen_tps: float, running: int, waiting: int, kv_usage: float,
     prefix_queries: int, prefix_hits: int, preemptions: int, recompute_hits: int = 0,
+    num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_drafts: int = 0,
 ) -> None:
-    """The periodic stats line (throughputs in tokens/s; kv_usage as a 0..1 fraction)."""
+    """The periodic stats line (throughputs in tokens/s; kv_usage as a 0..1 fraction); with
+    speculative decoding also the draft acceptance rate and mean acceptance length."""
     hit = prefix_hits / prefix_queries if prefix_queries else 0.0
+    spec = ""
+    if num_draft_tokens:
+        spec = (f", Draft acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}%, "
+                f"Mean acceptance length: {1 + num_accepted_tokens / max(num_drafts, 1):.2f}")
     logger.info(
         "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-        "Preemptions: %d, Recompute prefix hits: %d tokens",
-        prompt_tps, gen_tps, running, waiting, 100 * kv_usage, 100 * hit, preemptions, recompute_hits,
+        "Preemptions: %d, Recompute prefix hits: %d tokens%s",
+        prompt_tps, gen_tps, running, waiting, 100 * kv_usage, 100 * hit, preemptions, recompute_hits, spec,
     )

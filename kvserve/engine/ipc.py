@@ -12,14 +12,13 @@ Requires ``msgspec`` and ``pyzmq`` (server-only dependencies; imported by the se
 
 from __future__ import annotations
 
-import os
-import tempfile
-import uuid
 from dataclasses import fields
 from typing import Any, Optional, Union
 
 import msgspec
 
+from kvserve.engine.ipc_paths import cleanup_ipc_paths
+from kvserve.engine.ipc_paths import make_ipc_paths as _make_paths
 from kvserve.sampling_params import SamplingParams
 
 # ----------------------------------------------------------------------------- frontend -> core
@@ -111,6 +110,9 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     prefix_cache_queries: int = 0  # tokens, cumulative
     prefix_cache_hits: int = 0  # tokens, cumulative
     prefix_cache_recompute_hits: int = 0  # tokens, cumulative; a preempted request's own recompute
+    num_drafts: int = 0  # speculative decoding, cumulative: steps that verified drafts
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # draft tokens accepted
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -153,18 +155,8 @@ def params_from_dict(d: dict[str, Any]) -> SamplingParams:
 
 def make_ipc_paths() -> tuple[str, str]:
     """Two fresh ``ipc://`` addresses (input, output) in the temp directory."""
-    base = os.path.join(tempfile.gettempdir(), f"kvserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    return f"ipc://{base}-in.sock", f"ipc://{base}-out.sock"
-
-
-def cleanup_ipc_paths(*addrs: str) -> None:
-    """Remove the socket files of ``ipc://`` addresses (missing files are fine)."""
-    for a in addrs:
-        if a.startswith("ipc://"):
-            try:
-                os.unlink(a[len("ipc://"):])
-            except OSError:
-                pass
+    a, b = _make_paths(2)
+    return a, b
 
 
 def input_encoder() -> msgspec.msgpack.Encoder:

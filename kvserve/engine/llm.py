@@ -5,24 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Optional, Sequence, Union
 
-from kvserve.config import EngineArgs
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine, PromptType
+from kvserve.logger import setup_logging
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
 
 Messages = list[dict]
-
-
-def _setup_logging() -> None:
-    root = logging.getLogger("kvserve")
-    if not root.handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
-        root.addHandler(h)
-        root.setLevel(logging.INFO)
-        root.propagate = False
 
 
 class LLM:
@@ -39,7 +30,7 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
-        _setup_logging()
+        setup_logging()
         unknown = set(engine_args) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
@@ -47,6 +38,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop worker processes (``distributed_executor_backend="mp"``); idempotent."""
+        self.llm_engine.shutdown()
 
     def _add_all(
         self,

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from kvserve.config import EngineArgs, EngineConfig
+from kvserve.config import EngineConfig
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.input_processor import (
     PromptType,
@@ -40,6 +41,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_recompute_queries: int = 0  # lookups of re-admitted preempted requests, apart
     prefix_cache_recompute_hits: int = 0
+    num_drafts: int = 0  # speculative decoding: steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed (recompute included)
     num_generation_tokens: int = 0
     num_running: int = 0
@@ -53,11 +57,11 @@ class LLMEngine:
     missing model.
     """
 
-    def __init__(self, config: EngineConfig, max_model_len_explicit: bool = False) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.model, mc.load_format, mc.tokenizer)
-        self.engine_core = EngineCore(config, max_model_len_explicit)
+        self.engine_core = EngineCore(config)
         self.vocab_size = mc.hf_config.vocab_size
         self.eos_token_id: Optional[int] = resolve_eos_token_id(self.tokenizer, mc.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -69,7 +73,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config(), max_model_len_explicit=args.max_model_len is not None)
+        return cls(args.create_engine_config())
 
     @property
     def max_model_len(self) -> int:
@@ -121,6 +125,10 @@ class LLMEngine:
             self.output_processor.abort(cid)
         self.output_processor.remove(parent)
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent)."""
+        self.engine_core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
@@ -129,9 +137,11 @@ class LLMEngine:
         """Run one engine step. Returns outputs of finished parents (and of all touched
         parents when ``stream``)."""
         res = self.engine_core.step()
-        parents, stopped = self.output_processor.process(res.updated, detokenize_all=stream)
+        op = self.output_processor
+        updated = [st for st, _ in op.apply_outputs(res.outputs)]
+        parents, stopped = op.process(updated, detokenize_all=stream)
         if stopped:
-            self.engine_core.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outs = []
         for p in parents:
             if stream or p.finished:
@@ -152,6 +162,8 @@ class LLMEngine:
         s.prefix_cache_hits = ss.prefix_cache_hits
         s.prefix_cache_recompute_queries = ss.prefix_cache_recompute_queries
         s.prefix_cache_recompute_hits = ss.prefix_cache_recompute_hits
+        s.num_drafts, s.num_draft_tokens = ss.num_drafts, ss.num_draft_tokens
+        s.num_accepted_tokens = ss.num_accepted_tokens
         s.num_running, s.num_waiting = ss.num_running, ss.num_waiting
         now = time.monotonic()
         dt = now - self._last_log
@@ -160,6 +172,7 @@ class LLMEngine:
         log_stats_line(
             (s.num_prompt_tokens - self._last_prompt) / dt, (s.num_generation_tokens - self._last_gen) / dt,
             s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-            s.num_preemptions, s.prefix_cache_recompute_hits,
+            s.num_preemptions, s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens,
+            s.num_drafts,
         )
         self._last_log, self._last_prompt, self._last_gen = now, s.num_prompt_tokens, s.num_generation_tokens

@@ -1,12 +1,66 @@
-"""Frontend side of a request: detokenization, stop strings, ``n`` fan-in, outputs."""
+"""Frontend side of a request: its own state, detokenization, stop strings, ``n`` fan-in, outputs.
+
+The frontend never holds the engine core's ``Request``: each child request has a
+``RequestState`` here, updated from the core's ``EngineCoreOutput`` deltas (new tokens,
+logprobs, finish reason, timings).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
+from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.request import Request, RequestStatus
+
+
+class RequestState:
+    """One child request as the frontend knows it (built from an ``EngineCoreRequest``)."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "output_token_ids",
+                 "logprobs", "finish_reason", "stop_reason", "num_cached_tokens", "first_scheduled_time",
+                 "first_token_time", "finished_time", "num_preemptions")
+
+    def __init__(self, req: EngineCoreRequest) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = req.prompt_token_ids
+        self.sampling_params = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, tuple[float, int]]] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[Union[int, str]] = None
+        self.num_cached_tokens = -1
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+        self.num_preemptions = 0
+
+    def apply(self, o: EngineCoreOutput) -> None:
+        """Fold one engine-core output into this state."""
+        self.output_token_ids.extend(o.new_token_ids)
+        if o.new_logprobs:
+            self.logprobs.extend(o.new_logprobs)
+        self.num_cached_tokens = o.num_cached_tokens
+        self.first_scheduled_time = o.first_scheduled_time
+        self.first_token_time = o.first_token_time
+        self.finished_time = o.finished_time
+        self.num_preemptions = o.num_preemptions
+        if o.finish_reason is not None:
+            self.finish_reason = o.finish_reason
+            self.stop_reason = o.stop_reason
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 @dataclass
@@ -14,7 +68,7 @@ class _SeqState:
     """Per-completion text state."""
 
     index: int
-    request: Request
+    request: RequestState
     text: str = ""
     stop_reason: Optional[str] = None
     finish_reason: Optional[str] = None
@@ -43,12 +97,26 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, _SeqState]] = {}
 
-    def add(self, parent: ParentState, children: list[Request]) -> None:
+    def add(self, parent: ParentState, children: list[EngineCoreRequest]) -> None:
         self.parents[parent.request_id] = parent
         for i, child in enumerate(children):
-            seq = _SeqState(i, child)
+            seq = _SeqState(i, RequestState(child))
             parent.seqs.append(seq)
             self.child_to_parent[child.request_id] = (parent, seq)
+
+    def apply_outputs(self, outputs: list[EngineCoreOutput]) -> list[tuple[RequestState, int]]:
+        """Fold engine-core outputs into the children's states; returns ``(state, number of
+        new tokens)`` for each child still open (outputs of unknown or closed children are
+        dropped)."""
+        updated = []
+        for o in outputs:
+            entry = self.child_to_parent.get(o.request_id)
+            if entry is None or entry[1].finish_reason is not None:
+                continue
+            req = entry[1].request
+            req.apply(o)
+            updated.append((req, len(o.new_token_ids)))
+        return updated
 
     def _decode(self, seq: _SeqState) -> str:
         if self.tokenizer is None:
@@ -56,7 +124,7 @@ class OutputProcessor:
         sp = seq.request.sampling_params
         return self.tokenizer.decode(seq.request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
 
-    def process(self, updated: list[Request], detokenize_all: bool) -> tuple[list[ParentState], list[str]]:
+    def process(self, updated: list[RequestState], detokenize_all: bool) -> tuple[list[ParentState], list[str]]:
         """Handle requests that got a token this step.
 
         Returns the parents touched and the child ids that hit a stop string (the caller
@@ -149,4 +217,4 @@ class OutputProcessor:
             self.child_to_parent.pop(seq.request.request_id, None)
 
 
-__all__ = ["OutputProcessor", "ParentState", "RequestStatus"]
+__all__ = ["OutputProcessor", "ParentState", "RequestState"]

@@ -7,9 +7,10 @@ Subcommands::
     kvserve bench throughput [MODEL] [workload flags] [engine flags]
     kvserve serve [MODEL] [--host H] [--port P] [--api-key KEY] [engine flags]
 
-Every subcommand that builds an engine gets every ``EngineArgs`` field as a flag, generated
-from the dataclass (``add_engine_args``): ``--kebab-case`` names, help text and choices from
-the field metadata, ``--flag/--no-flag`` for booleans, ``MODEL`` as an optional positional.
+Every subcommand that builds an engine gets every ``EngineArgs`` field as a flag, registered
+by the engine layer (``EngineArgs.add_cli_args``): ``--kebab-case`` names, help text and
+choices from the component configs' field docs, ``--flag/--no-flag`` for booleans, ``MODEL``
+as an optional positional.
 
 Adding a subcommand (e.g. ``serve``) is one function: write ``_register_serve(subparsers)``
 that adds a parser and ``set_defaults(func=...)``, and append it to ``SUBCOMMANDS``. The
@@ -24,12 +25,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import types
-import typing
-from dataclasses import MISSING, fields
 from typing import Any, Callable, Optional, Sequence
 
-from kvserve.config import EngineArgs
+from kvserve.bench import env as bench_env
+from kvserve.engine.arg_utils import EngineArgs
 
 #: Exit status for usage errors and engine errors caused by the user's input.
 EXIT_USAGE = 2
@@ -37,68 +36,14 @@ EXIT_USAGE = 2
 
 # --------------------------------------------------------------------------- engine flags
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    """Return ``(inner_type, is_optional)`` for ``Optional[X]`` / ``X | None``; else ``(tp, False)``."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def _escape(text: str) -> str:
-    """Escape ``%`` for argparse help strings (they are %-formatted)."""
-    return text.replace("%", "%%")
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per ``EngineArgs`` field to ``parser`` (in an "engine arguments" group).
-
-    * ``model`` (metadata ``positional=True``) becomes an optional positional ``MODEL``.
-    * ``foo_bar`` becomes ``--foo-bar`` with ``dest="foo_bar"`` and the dataclass default.
-    * ``bool`` fields use ``argparse.BooleanOptionalAction`` (``--flag`` / ``--no-flag``).
-    * ``Optional[int]`` / ``float`` / ``str`` fields are parsed with that type; metadata
-      ``choices`` are enforced by argparse.
-
-    Returns the parser, for chaining.
-    """
-    hints = typing.get_type_hints(EngineArgs)
-    group = parser.add_argument_group("engine arguments", "Flags of kvserve.config.EngineArgs.")
-    for f in fields(EngineArgs):
-        meta = f.metadata
-        default = f.default if f.default is not MISSING else None
-        help_text = _escape(meta.get("help", ""))
-        tp, _optional = _unwrap_optional(hints[f.name])
-        if meta.get("positional"):
-            parser.add_argument(
-                f.name, nargs="?", default=default, metavar=f.name.upper(),
-                help=help_text,
-            )
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-        if tp is bool:
-            action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            if tp in (int, float, str):
-                kwargs["type"] = tp
-            if "choices" in meta:
-                kwargs["choices"] = list(meta["choices"])
-            action = group.add_argument(flag, **kwargs)
-        if default is not None and "default" not in (action.help or "").lower():
-            action.help = (action.help or "") + " (default: %(default)s)"
-    return parser
+    """Add every engine flag (``EngineArgs.add_cli_args``); returns the parser."""
+    return EngineArgs.add_cli_args(parser)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
-    """Pick the ``EngineArgs`` fields out of a parsed namespace.
-
-    Returns a dict ``{field_name: value}`` for every EngineArgs field present in ``ns``,
-    ready for ``LLM(**engine_args)`` / ``EngineArgs(**engine_args)``. Other attributes
-    (sampling or workload flags, ``func``) are left out.
-    """
-    return {name: getattr(ns, name) for name in EngineArgs.field_names() if hasattr(ns, name)}
+    """The ``EngineArgs`` fields present in a parsed namespace (``EngineArgs.from_cli_args``)."""
+    return EngineArgs.from_cli_args(ns)
 
 
 # --------------------------------------------------------------------------- sampling flags
@@ -152,13 +97,6 @@ def sampling_params_from_namespace(ns: argparse.Namespace):
     )
 
 
-def make_llm(engine_args: dict[str, Any]):
-    """Build the offline engine: ``kvserve.LLM(**engine_args)``. Tests monkeypatch this."""
-    from kvserve import LLM
-
-    return LLM(**engine_args)
-
-
 # --------------------------------------------------------------------------- generate
 
 def _register_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -180,7 +118,7 @@ def _register_generate(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(ns: argparse.Namespace) -> int:
     """``kvserve generate``: run the prompts as one batch, print each prompt and completion."""
     sp = sampling_params_from_namespace(ns)
-    llm = make_llm(engine_args_from_namespace(ns))
+    llm = bench_env.make_llm(engine_args_from_namespace(ns))
     if ns.chat:
         convs = []
         for text in ns.prompt:
@@ -275,7 +213,7 @@ def chat_loop(llm, sampling_params, system: Optional[str], stdin=None, stdout=No
 def run_chat(ns: argparse.Namespace) -> int:
     """``kvserve chat``: build the engine and run ``chat_loop`` on stdin/stdout."""
     sp = sampling_params_from_namespace(ns)
-    llm = make_llm(engine_args_from_namespace(ns))
+    llm = bench_env.make_llm(engine_args_from_namespace(ns))
     chat_loop(llm, sp, ns.system)
     return 0
 

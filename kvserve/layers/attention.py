@@ -1,38 +1,21 @@
-"""The attention layer models call; it defers to the engine's attention backend."""
+"""The attention layer models call: q/k/v -> this layer's backend over this layer's paged cache.
+
+Each layer owns its binding: ``bind_attention(model, backend)`` gives every ``Attention``
+module of a model its backend implementation (right after the model is built), and
+``bind_kv_cache(model, caches)`` its own KV cache tensor (once the cache is allocated). The
+forward context carries only the step's metadata, so two models in one process (a target
+and a draft) hold separate caches and may use different backends.
+"""
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import get_forward_context
-
-_BACKEND: AttentionBackend | None = None
-# Set while piecewise CUDA graphs are captured: called instead of attention, it ends the
-# current graph piece (see kvserve.worker.cuda_graphs.PiecewiseCUDAGraphRunner).
-_SPLIT_HOOK = None
-
-
-def set_split_hook(hook) -> None:
-    """Route every ``Attention.forward`` to ``hook(layer, q, k, v)`` (None restores attention)."""
-    global _SPLIT_HOOK
-    _SPLIT_HOOK = hook
-
-
-def set_attn_backend(backend: AttentionBackend) -> None:
-    """Select the backend every ``Attention`` layer uses (set once by the model runner)."""
-    global _BACKEND
-    _BACKEND = backend
-
-
-def get_current_backend() -> AttentionBackend:
-    global _BACKEND
-    if _BACKEND is None:
-        from kvserve.attention.backend import get_attn_backend
-
-        _BACKEND = get_attn_backend("torch_ref")
-    return _BACKEND
 
 
 class Attention(nn.Module):
@@ -41,8 +24,15 @@ class Attention(nn.Module):
     Args:
         num_heads: query heads; num_kv_heads: KV heads (divides num_heads; GQA/MQA).
         head_size: per-head dim; scale: softmax scale.
-        layer_idx: index into the forward context's ``kv_caches``.
+        layer_idx: this layer's index among the model's attention layers.
         sliding_window: optional window in tokens (Gemma 3 local layers, Mistral).
+
+    Attributes (bound by the model runner):
+        impl: the attention backend implementation.
+        kv_cache: this layer's paged KV tensor (layout from the backend).
+        kv_cache_group_id: which KV cache group's metadata (block table) it reads.
+        split_hook: while piecewise CUDA graphs are captured, called instead of attention
+            (``hook(layer, q, k, v) -> o``) to end the current graph piece.
     """
 
     def __init__(
@@ -63,20 +53,46 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.impl: Optional[AttentionBackend] = None
+        self.kv_cache: Optional[torch.Tensor] = None
+        self.kv_cache_group_id = 0
+        self.split_hook: Optional[Callable] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads * head_size]``, k/v ``[T, num_kv_heads * head_size]`` -> ``[T, num_heads * head_size]``."""
-        if _SPLIT_HOOK is not None:
-            return _SPLIT_HOOK(self, q, k, v)
-        ctx = get_forward_context()
+        if self.split_hook is not None:
+            return self.split_hook(self, q, k, v)
+        meta = get_forward_context().attn_metadata[self.kv_cache_group_id]
         t = q.shape[0]
-        out = get_current_backend().forward(
+        out = self.impl.forward(
             q.view(t, self.num_heads, self.head_size),
             k.view(t, self.num_kv_heads, self.head_size),
             v.view(t, self.num_kv_heads, self.head_size),
-            ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata,
+            self.kv_cache,
+            meta,
             self.scale,
             self.sliding_window,
         )
         return out.reshape(t, self.num_heads * self.head_size)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's ``Attention`` modules, ordered by ``layer_idx``."""
+    return sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
+
+
+def bind_attention(model: nn.Module, backend: AttentionBackend) -> None:
+    """Give every attention layer of ``model`` the backend ``backend``."""
+    for layer in attention_layers(model):
+        layer.impl = backend
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: dict[int, torch.Tensor],
+                  layer_group: Optional[dict[int, int]] = None) -> None:
+    """Give each attention layer its KV tensor (``kv_caches[layer_idx]``) and KV cache group.
+
+    Raises KeyError when a layer has no tensor.
+    """
+    for layer in attention_layers(model):
+        layer.kv_cache = kv_caches[layer.layer_idx]
+        layer.kv_cache_group_id = (layer_group or {}).get(layer.layer_idx, 0)

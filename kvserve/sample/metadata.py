@@ -9,12 +9,23 @@ can skip the matching work.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request (the worker's ``CachedRequestState``)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: Optional[int]
+    generator: Optional[torch.Generator]
+
 
 # Temperatures below this are greedy (same threshold as ``SamplingParams.greedy``).
 GREEDY_EPS = 1e-5
@@ -93,7 +104,7 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> Tensor:
     return _to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
 
 
-def get_generator(request: Request, device: torch.device) -> torch.Generator:
+def get_generator(request: "SamplingRequest", device: torch.device) -> torch.Generator:
     """The request's own RNG: created lazily on ``request.generator``, seeded with
     ``sampling_params.seed``, on ``device``."""
     g = request.generator
@@ -105,7 +116,7 @@ def get_generator(request: Request, device: torch.device) -> torch.Generator:
 
 
 def build_sampling_metadata(
-    requests: list[Request], vocab_size: int, device: torch.device | str
+    requests: list["SamplingRequest"], vocab_size: int, device: torch.device | str
 ) -> SamplingMetadata:
     """Collect the batch's sampling parameters into device tensors (see ``SamplingMetadata``).
 

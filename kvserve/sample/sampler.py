@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvserve.request import Request
-from kvserve.sample.metadata import SamplingMetadata, build_sampling_metadata
+from kvserve.sample.metadata import SamplingMetadata, SamplingRequest, build_sampling_metadata
 
 _NEG_INF = float("-inf")
 
@@ -169,7 +168,7 @@ def exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> T
 class Sampler:
     """Samples one token per row, batched on the logits' device (CPU or CUDA)."""
 
-    def __call__(self, logits: Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: Tensor, requests: list[SamplingRequest]) -> SamplerOutput:
         """Sample the next token of each request.
 
         Args:
@@ -185,7 +184,7 @@ class Sampler:
         _, packed, md = self.launch(logits, requests)
         return self.unpack(packed.tolist(), md)
 
-    def launch(self, logits: Tensor, requests: list[Request]) -> tuple[Tensor, Tensor, SamplingMetadata]:
+    def launch(self, logits: Tensor, requests: list[SamplingRequest]) -> tuple[Tensor, Tensor, SamplingMetadata]:
         """The device part of ``__call__``, with no host sync.
 
         Returns ``(sampled, packed, md)``: sampled ids long ``[B]`` on the device, the tensor

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps, one per padded batch size.
+"""CUDA graphs: whole decode steps per padded batch size, and piecewise graphs for prefill.
 
 A decode step of a small model is bound by host time: hundreds of kernel launches from
 Python. Capturing the forward once per padded batch size and replaying it turns those
@@ -51,105 +51,144 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     """Captures ``model(input_ids, positions)`` for decode batches and replays it.
 
+    A graph is captured per padded batch size and query length ``q``: ``q = 1`` for plain
+    decodes (the decode kernel), and ``q = 1 + k`` with speculative decoding, where each
+    request verifies up to ``k`` drafts; a request with fewer tokens is padded to ``q`` with
+    rows that store nothing (slot -1) and come after its real ones, so causal attention
+    keeps them out of the real rows.
+
     Args:
-        model: the causal LM (``forward(input_ids [T], positions [T]) -> hidden [T, H]``).
-        kv_caches: per-layer KV tensors (captured by address; never reallocated).
+        model: the causal LM (``forward(input_ids [T], positions [T]) -> hidden [T, H]``),
+            its attention layers bound to their caches (captured by address).
         max_num_seqs: largest batch to capture.
-        max_blocks_per_seq: block-table columns (``ceil(max_model_len / block_size)``).
+        max_blocks_per_group: per KV cache group, the block-table columns.
         max_model_len: the ``max_seq_len`` the graphs are captured with (it fixes the
             decode kernel's split count; each request still walks only its own keys).
+        block_size: tokens per block.
+        device: the CUDA device.
+        max_query_len: largest ``q`` (``1 + num_speculative_tokens``).
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int,
-                 max_blocks_per_seq: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, model, max_num_seqs: int, max_blocks_per_group: list[int], max_model_len: int,
+                 block_size: int, device: torch.device, max_query_len: int = 1) -> None:
         self.model = model
-        self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_model_len = max_model_len
-        dev = kv_caches[0].device
+        dev = device
         n = max_num_seqs
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=dev)
+        t = n * max_query_len
+        self.query_lens = [1] if max_query_len == 1 else [1, max_query_len]
+        self.input_ids = torch.zeros(t, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.long, device=dev)
+        self.slot_mappings = [torch.full((t,), -1, dtype=torch.long, device=dev) for _ in max_blocks_per_group]
+        self.block_tables = [torch.zeros((n, w), dtype=torch.int32, device=dev) for w in max_blocks_per_group]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.query_start_locs = {q: torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
+                                 for q in self.query_lens}
         self.sizes = capture_sizes(max_num_seqs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
-            query_lens_cpu=[1] * bs, seq_lens_cpu=[self.max_model_len] * bs,
-            max_query_len=1, max_seq_len=self.max_model_len, num_decodes=bs,
-        )
+    def _meta(self, bs: int, q: int) -> list[AttentionMetadata]:
+        return [AttentionMetadata(
+            slot_mapping=sm[: bs * q], block_tables=bt[:bs], query_start_loc=self.query_start_locs[q][: bs + 1],
+            seq_lens=self.seq_lens[:bs], query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs,
+            max_query_len=q, max_seq_len=self.max_model_len, num_decodes=bs if q == 1 else 0,
+        ) for sm, bt in zip(self.slot_mappings, self.block_tables)]
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first so smaller graphs reuse its memory pool."""
+        """Capture every (size, q), largest first so smaller graphs reuse its memory pool."""
         t0 = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
-        for bs in reversed(self.sizes):
-            meta = self._meta(bs)
-            with forward_context(meta, self.kv_caches):
-                self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up: compiles kernels
+        for q in reversed(self.query_lens):
+            self.seq_lens.fill_(q)
+            for bs in reversed(self.sizes):
+                t = bs * q
+                with forward_context(self._meta(bs, q)):
+                    self.model(self.input_ids[:t], self.positions[:t])  # warm-up: compiles kernels
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model(self.input_ids[:bs], self.positions[:bs])
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = (graph, out)
+                with forward_context(self._meta(bs, q)), torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model(self.input_ids[:t], self.positions[:t])
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(bs, q)] = (graph, out)
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - t0,
+        logger.info("captured %d CUDA graphs (decode batch sizes %d..%d, query lengths %s) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], self.query_lens, time.perf_counter() - t0,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
-    def can_run(self, num_reqs: int) -> bool:
-        return num_reqs <= self.sizes[-1]
+    def _query_len(self, inp) -> int | None:
+        """The captured q that serves this batch, or None."""
+        if len(inp.query_lens) > self.sizes[-1] or (inp.query_lens - inp.num_drafts != 1).any():
+            return None  # too many requests, or some request computes prefill tokens
+        qmax = int(inp.query_lens.max())
+        q = next((x for x in self.query_lens if x >= qmax), None)
+        return q
 
-    def run(self, token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            block_table: np.ndarray, seq_lens: np.ndarray,
-            pending: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None) -> torch.Tensor:
+    def can_run(self, inp) -> bool:
+        """Whether a step (``BatchInputs``) is all decodes / draft verifications that fit."""
+        return self._query_len(inp) is not None
+
+    def run(self, inp, pending: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None):
         """Replay the graph of the smallest captured size >= the batch.
 
-        Args (host numpy, one row per decode request): token ids, positions, slots and
-        seq_lens ``[R]``, ``block_table [R, nb]``; ``pending = (rows, src, sampled)``: rows
-        whose token id is ``sampled[src]`` on the device (the previous step's output).
-        All inputs travel in one pinned host->device copy.
-        Returns hidden states ``[R, hidden]`` (a view into the graph's output buffer).
+        Args:
+            inp: the step's ``BatchInputs`` (``can_run`` must hold).
+            pending: ``(token indices, rows, sampled)``: tokens whose id is ``sampled[row]``
+                on the device (the previous step's output).
+
+        All inputs travel in one pinned host->device copy. Returns ``(hidden [bs * q, H]`` (a
+        view into the graph's output buffer)``, row_start [R])``: request ``i``'s rows begin at
+        ``row_start[i]``.
         """
-        r = len(token_ids)
+        q = self._query_len(inp)
+        r = len(inp.query_lens)
         bs = self.sizes[bisect.bisect_left(self.sizes, r)]
-        nb = block_table.shape[1]
+        t = bs * q
+        ng = len(inp.block_tables)
+        widths = [bt.shape[1] for bt in inp.block_tables]
+        # Where each real token goes: request i's j-th token at row i * q + j.
+        if q == 1:
+            dst = np.arange(r)
+        else:
+            req_idx = np.repeat(np.arange(r), inp.query_lens)
+            dst = req_idx * q + np.arange(len(req_idx)) - inp.query_start_loc[:-1][req_idx]
         k = 0 if pending is None else len(pending[0])
-        # ids | positions | slots | seq_lens | block table | pending rows | pending src.
-        # Padding rows: no store (slot -1), one key from the null block.
-        buf = np.zeros(4 * bs + bs * nb + 2 * k, dtype=np.int64)
-        buf[:r] = token_ids
-        buf[bs:bs + r] = positions
-        buf[2 * bs + r:3 * bs] = -1
-        buf[2 * bs:2 * bs + r] = slots
-        buf[3 * bs:4 * bs] = 1
-        buf[3 * bs:3 * bs + r] = seq_lens
-        buf[4 * bs:4 * bs + r * nb] = block_table.ravel()
+        # ids | positions | slots per group | seq_lens | block tables per group | pending dst | pending src.
+        sizes = [t, t] + [t] * ng + [bs] + [bs * w for w in widths] + [k, k]
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        buf = np.zeros(int(offs[-1]), dtype=np.int64)
+        buf[offs[0] + dst] = inp.token_ids
+        buf[offs[1] + dst] = inp.positions
+        for g in range(ng):
+            sl = buf[offs[2 + g]:offs[3 + g]]
+            sl[:] = -1
+            sl[dst] = inp.slot_mappings[g]
+        seq = buf[offs[2 + ng]:offs[3 + ng]]
+        seq[:] = q
+        seq[:r] = inp.ctx_lens + q
+        for g in range(ng):
+            o = offs[3 + ng + g]
+            buf[o:o + r * widths[g]] = inp.block_tables[g].ravel()
         if k:
-            buf[4 * bs + bs * nb:4 * bs + bs * nb + k] = pending[0]
-            buf[4 * bs + bs * nb + k:] = pending[1]
+            buf[offs[-3]:offs[-2]] = dst[pending[0]]
+            buf[offs[-2]:offs[-1]] = pending[1]
         dev = to_device(buf, self.input_ids.device)
-        self.input_ids[:bs].copy_(dev[:bs])
-        self.positions[:bs].copy_(dev[bs:2 * bs])
-        self.slot_mapping[:bs].copy_(dev[2 * bs:3 * bs])
-        self.seq_lens[:bs].copy_(dev[3 * bs:4 * bs])
-        self.block_tables[:bs, :nb].copy_(dev[4 * bs:4 * bs + bs * nb].view(bs, nb))
+        self.input_ids[:t].copy_(dev[offs[0]:offs[1]])
+        self.positions[:t].copy_(dev[offs[1]:offs[2]])
+        for g in range(ng):
+            self.slot_mappings[g][:t].copy_(dev[offs[2 + g]:offs[3 + g]])
+            w = widths[g]
+            self.block_tables[g][:bs, :w].copy_(dev[offs[3 + ng + g]:offs[4 + ng + g]].view(bs, w))
+        self.seq_lens[:bs].copy_(dev[offs[2 + ng]:offs[3 + ng]])
         if k:
-            tail = dev[4 * bs + bs * nb:]
+            tail = dev[offs[-3]:]
             self.input_ids.index_copy_(0, tail[:k], pending[2].index_select(0, tail[k:]))
-        graph, out = self.graphs[bs]
+        graph, out = self.graphs[(bs, q)]
         graph.replay()
-        return out[:r]
+        return out[:t], np.arange(r) * q
 
 
 def piecewise_sizes(max_num_tokens: int) -> list[int]:
@@ -181,15 +220,15 @@ class PiecewiseCUDAGraphRunner:
     (nothing is stored) and which no request owns (their outputs are ignored).
 
     Args:
-        model: the causal LM (``forward(input_ids [T], positions [T]) -> hidden [T, H]``).
-        kv_caches: per-layer KV tensors.
+        model: the causal LM (``forward(input_ids [T], positions [T]) -> hidden [T, H]``),
+            its attention layers bound to their caches.
         max_num_tokens: the largest step to capture (``max_num_batched_tokens``).
+        device: the CUDA device.
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], max_num_tokens: int) -> None:
+    def __init__(self, model, max_num_tokens: int, device: torch.device) -> None:
         self.model = model
-        self.kv_caches = kv_caches
-        dev = kv_caches[0].device
+        dev = device
         self.max_num_tokens = max_num_tokens
         self.sizes = piecewise_sizes(max_num_tokens)
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=dev)
@@ -223,15 +262,18 @@ class PiecewiseCUDAGraphRunner:
         return self._buf("o", q)[:t]
 
     def _forward_split(self, t: int) -> None:
-        from kvserve.layers.attention import set_split_hook
+        from kvserve.layers.attention import attention_layers
 
-        set_split_hook(self._split)
+        layers = attention_layers(self.model)
+        for layer in layers:  # this model's layers only: another model in the process is untouched
+            layer.split_hook = self._split
         try:
-            with forward_context(None, self.kv_caches):
+            with forward_context(None):
                 out = self.model(self.input_ids[:t], self.positions[:t])
             self._buf("hidden", out)[:t].copy_(out)
         finally:
-            set_split_hook(None)
+            for layer in layers:
+                layer.split_hook = None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -270,13 +312,13 @@ class PiecewiseCUDAGraphRunner:
         i = bisect.bisect_left(self.sizes, num_tokens)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: list[AttentionMetadata]) -> torch.Tensor:
         """Replay the pieces of the padded size, attention eager in between.
 
         Args:
             input_ids, positions: ``[T]`` int64 on the device.
-            meta: the step's metadata; ``slot_mapping`` must already be padded with -1 to
-                ``padded_size(T)`` rows.
+            meta: the step's metadata per KV cache group; each ``slot_mapping`` must already be
+                padded with -1 to ``padded_size(T)`` rows.
         Returns hidden states ``[T, hidden]`` (a view into a static buffer).
         """
         t = input_ids.shape[0]
@@ -285,7 +327,7 @@ class PiecewiseCUDAGraphRunner:
         self.positions[:t].copy_(positions, non_blocking=True)
         q, k, v, o = (self.bufs[n][:tp] for n in "qkvo")
         pieces = self.graphs[tp]
-        with forward_context(meta, self.kv_caches):
+        with forward_context(meta):
             for graph, layer in zip(pieces, self.layers):
                 graph.replay()
                 o.copy_(layer.forward(q, k, v))

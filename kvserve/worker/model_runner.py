@@ -1,31 +1,39 @@
-"""Applies a SchedulerOutput: builds flat varlen inputs, runs the model, samples.
+"""Applies a ``SchedulerOutput``: builds flat varlen inputs, runs the model, samples.
 
-Makes no policy: which requests run and how many tokens each computes was decided by
-the scheduler. Owns the model, the per-layer paged KV tensors and the sampler.
+Makes no policy: which requests run and how many tokens each computes was decided by the
+scheduler. It holds the model (each attention layer bound to its backend and its own KV
+tensor), the persistent input batch (``input_batch.py``), the sampler, the CUDA graph
+runners and, with speculative decoding, the proposer. A step's diff is applied to the input
+batch, block operations run, the inputs are built with numpy over the batch rows, the
+forward runs eagerly or through CUDA graphs, and the sampled tokens travel back in one
+non-blocking copy (``runner_output.py``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 
-from kvserve.attention.backend import get_attn_backend
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler import SchedulerOutput
-from kvserve.layers.attention import set_attn_backend
+from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from kvserve.core.sched_output import BlockOp, SchedulerOutput
+from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_cache
 from kvserve.model_loader import get_model
+from kvserve.sample.metadata import GREEDY_EPS
 from kvserve.sample.sampler import Sampler
 from kvserve.worker.cuda_graphs import to_device
+from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
+from kvserve.worker.memory import available_kv_bytes
+from kvserve.worker.runner_output import AsyncModelRunnerOutput, copy_to_host
 
 logger = logging.getLogger("kvserve")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -35,34 +43,31 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass
-class ModelRunnerOutput:
-    """Sampled tokens (request id -> token id) and, where asked, their logprobs."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
-
-
 class ModelRunner:
-    """Loads the model on ``config.device`` and executes scheduled steps."""
+    """Loads the model on ``config.device`` and executes scheduled steps.
+
+    Raises ValueError when the attention backend cannot serve the KV cache format.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
         mc = config.model_config
-        hf = mc.hf_config
         self.dtype = torch_dtype(mc.dtype)
-        self.kv_dtype = torch_dtype(config.cache_config.kv_cache_dtype)
         self.block_size = config.cache_config.block_size
-        self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.backend = get_attn_backend(config.attention_backend)
-        set_attn_backend(self.backend)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.device)
+        bind_attention(self.model, self.backend)
+        for spec in set(self.get_kv_cache_spec().values()):
+            self.backend.validate_spec(spec)
         self.sampler = Sampler()
-        self.kv_caches: list[torch.Tensor] = []
+        self.proposer = None  # set by the worker with speculative decoding
+        spec_cfg = config.speculative_config
+        self.max_query_len_decode = 1 + (spec_cfg.num_speculative_tokens if spec_cfg else 0)
+        self.kv_caches: dict[int, torch.Tensor] = {}
+        self.kv_cache_config: Optional[KVCacheConfig] = None
+        self.input_batch: Optional[InputBatch] = None
         self.graph_runner = None  # set by maybe_capture_cuda_graphs: decode-only steps
         self.piecewise_runner = None  # ... and steps with prefill tokens
         # The last step's sampled ids on the device, and request id -> row (async scheduling).
@@ -70,154 +75,91 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
 
     # ---- KV cache ---------------------------------------------------------------------
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
-    def determine_num_blocks(self) -> int:
-        """KV blocks that fit the memory budget (``--kv-cache-memory`` or GPU profiling)."""
+    def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
+        """Per attention layer, the spec of its cache. Every layer keeps its full history
+        (sliding-window layers mask by position)."""
         cc = self.config.cache_config
-        if cc.num_gpu_blocks_override is not None:
-            return cc.num_gpu_blocks_override
-        block_bytes = self.bytes_per_token * self.block_size
-        if cc.kv_cache_memory is not None:
-            kv_bytes = cc.kv_cache_memory
-        elif self.device.type == "cuda":
-            kv_bytes = self._profile_gpu_kv_bytes()
-        else:
-            kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(int(kv_bytes // block_bytes), 0)
+        return {layer.layer_idx: FullAttentionSpec(self.block_size, layer.num_kv_heads, layer.head_size,
+                                                   cc.kv_cache_dtype, self.config.model_config.dtype)
+                for layer in attention_layers(self.model)}
 
-    @torch.inference_mode()
-    def _profile_gpu_kv_bytes(self) -> int:
-        """Run the largest step once with a throwaway cache to measure peak activations."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache (``--kv-cache-memory``, the CPU default, or a GPU profile)."""
+        return available_kv_bytes(self)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate each layer's cache (its group's block count), bind it, build the input
+        batch, compile kernels and capture CUDA graphs."""
+        self.kv_cache_config = kv_cache_config
+        specs = self.get_kv_cache_spec()
+        for g in kv_cache_config.groups:
+            for layer in g.layer_indices:
+                self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
+        bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group())
         sc = self.config.scheduler_config
-        t = min(sc.max_num_batched_tokens, sc.max_model_len * sc.max_num_seqs)
-        nb = -(-t // self.block_size) + 1
-        scratch = [torch.zeros(self.backend.kv_cache_shape(nb, self.block_size, self.num_kv_heads, self.head_dim),
-                               dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
-        base = torch.cuda.memory_allocated()
-        # One request per max_model_len tokens.
-        lens = [min(sc.max_model_len, t - s) for s in range(0, t, sc.max_model_len)]
-        meta, ids, pos = self._dummy_batch(lens)
-        with forward_context(meta, scratch):
-            hidden = self.model(ids, pos)
-        n_logits = min(sc.max_num_seqs, t)
-        self.model.compute_logits(hidden[:n_logits]).softmax(-1)
-        torch.cuda.synchronize()
-        peak_act = torch.cuda.max_memory_allocated() - base
-        del scratch, hidden
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        budget = total * self.config.cache_config.gpu_memory_utilization
-        used_now = total - free
-        graph_bytes = self._estimate_graph_bytes(peak_act)
-        kv_bytes = int(budget - used_now - peak_act - graph_bytes)
-        logger.info(
-            "memory: total %.2f GiB x %.2f = %.2f GiB budget; in use %.2f GiB (weights, context); "
-            "peak activations %.2f GiB; CUDA graphs (estimate) %.2f GiB; KV cache %.2f GiB",
-            total / 2**30, self.config.cache_config.gpu_memory_utilization, budget / 2**30,
-            used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, kv_bytes / 2**30,
-        )
-        return max(kv_bytes, 0)
-
-    def _estimate_graph_bytes(self, peak_act: int) -> int:
-        """Memory CUDA graphs keep beyond the profiled activation peak (0 if none are captured).
-
-        The piecewise graphs' pool holds the activations of the largest token count (measured
-        at about 3x ``peak_act``, the eager peak, which is reserved apart); on top come their
-        static q/k/v/o/hidden buffers, and the decode graphs' own pool and outputs.
-        """
-        if self.config.enforce_eager or not self.backend.cuda_graph_safe:
-            return 0
-        hf = self.config.model_config.hf_config
-        sc = self.config.scheduler_config
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        q = hf.num_attention_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        static = sc.max_num_batched_tokens * (2 * q + 2 * kv + hf.hidden_size) * itemsize
-        per_row = 4 * hf.hidden_size + 2 * q + 2 * kv + 3 * hf.intermediate_size
-        decode = sc.max_num_seqs * per_row * itemsize * 2  # pool peak + outputs of every size
-        # Measured on an H100 (Qwen3-0.6B and Llama-3.1-8B shapes, 8192 tokens): the piecewise
-        # pool ends near 3x the eager activation peak, i.e. 2x beyond what is already reserved.
-        return static + decode + 2 * peak_act + (64 << 20)  # plus graph objects, workspaces
-
-    def _dummy_batch(self, lens: list[int]):
-        bs = self.block_size
-        blocks_per = [-(-n // bs) for n in lens]
-        bt = np.zeros((len(lens), max(blocks_per)), dtype=np.int32)
-        nxt = 1
-        for i, nb in enumerate(blocks_per):
-            bt[i, :nb] = np.arange(nxt, nxt + nb)
-            nxt += nb
-        t = sum(lens)
-        ids = torch.randint(0, 100, (t,), device=self.device)
-        meta, pos = self._build_metadata(bt, [0] * len(lens), lens)
-        return meta, ids, pos
-
-    def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate per-layer KV tensors once; zeroed so masked slots never hold NaN."""
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.block_size,
+                                      [g.spec.max_blocks_per_request(sc.max_model_len) for g in kv_cache_config.groups])
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
-            from kvserve.layers.attention import Attention
+            layers = attention_layers(self.model)
+            self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, self.dtype,
+                                {layer.sliding_window for layer in layers})
+        self.maybe_capture_cuda_graphs()
 
-            windows = {m.sliding_window for m in self.model.modules() if isinstance(m, Attention)}
-            self.backend.warmup(self.kv_caches[0], self.config.model_config.hf_config.num_attention_heads,
-                                self.dtype, windows)
-
-    # ---- prefix cache copy-on-write (before the forward) --------------------------------
+    # ---- block operations (before the forward) -------------------------------------------
     @torch.inference_mode()
-    def copy_kv_slots(self, copies: list[tuple[int, int, int]]) -> None:
-        """For each ``(src_block, dst_block, n)``, copy slots ``[0, n)`` of ``src_block`` into
-        the same slots of ``dst_block``, K and V, on every layer (one index copy per layer)."""
-        if not copies:
+    def run_block_ops(self, ops: list[BlockOp]) -> None:
+        """Copy-on-write: for each op, copy slots ``[0, n)`` of block ``src`` into the same
+        slots of block ``dst``, K and V, in every layer of the op's group."""
+        if not ops:
             return
         bs = self.block_size
-        src = [s * bs + j for s, _, n in copies for j in range(n)]
-        dst = [d * bs + j for _, d, n in copies for j in range(n)]
-        src_t = to_device(src, self.device, torch.long)
-        dst_t = to_device(dst, self.device, torch.long)
-        for cache in self.kv_caches:  # (2, num_blocks, block_size, kv_heads, head_dim)
-            if cache.element_size() == 1:  # fp8: copy the bytes
-                cache = cache.view(torch.uint8)
-            flat = cache.flatten(1, 2)
-            flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
+        for gid in sorted({op.group_id for op in ops}):
+            mine = [op for op in ops if op.group_id == gid]
+            if any(op.op != "copy" for op in mine):
+                raise ValueError(f"unknown block op in {mine}")
+            src = [op.src * bs + j for op in mine for j in range(op.num_tokens)]
+            dst = [op.dst * bs + j for op in mine for j in range(op.num_tokens)]
+            src_t = to_device(src, self.device, torch.long)
+            dst_t = to_device(dst, self.device, torch.long)
+            for layer in self.kv_cache_config.groups[gid].layer_indices:
+                cache = self.kv_caches[layer]  # (2, num_blocks, block_size, kv_heads, head_dim)
+                if cache.element_size() == 1:  # fp8: copy the bytes
+                    cache = cache.view(torch.uint8)
+                flat = cache.flatten(1, 2)
+                flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
 
-    # ---- one step ----------------------------------------------------------------------
-    def _flat_arrays(self, block_table: np.ndarray, ctx_lens: list[int], query_lens: list[int]):
-        """Host arrays of a flat varlen batch: query lens, prefix sums, positions, slots, seq lens."""
-        q = np.asarray(query_lens, dtype=np.int64)
-        ctx = np.asarray(ctx_lens, dtype=np.int64)
+    # ---- metadata ------------------------------------------------------------------------
+    def _metadata(self, inp: BatchInputs, pad_to: int | None = None) -> list[AttentionMetadata]:
+        dev = self.device
+        q, seq_lens = inp.query_lens, inp.seq_lens
+        qsl = to_device(inp.query_start_loc.astype(np.int32), dev)
+        sl = to_device(seq_lens.astype(np.int32), dev)
+        metas = []
+        for bt, slots in zip(inp.block_tables, inp.slot_mappings):
+            if pad_to is not None and pad_to > len(slots):  # padding rows store nothing
+                slots = np.concatenate([slots, np.full(pad_to - len(slots), -1, dtype=np.int64)])
+            metas.append(AttentionMetadata(
+                slot_mapping=to_device(slots, dev), block_tables=to_device(bt, dev), query_start_loc=qsl,
+                seq_lens=sl, query_lens_cpu=q.tolist(), seq_lens_cpu=seq_lens.tolist(),
+                max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()), num_decodes=inp.num_decodes,
+            ))
+        return metas
+
+    def build_dummy_metadata(self, block_table: np.ndarray, lens: list[int]):
+        """Metadata for a prefill of ``lens`` tokens per row over ``block_table`` (one group);
+        returns ``(metadata list, positions)``."""
+        q = np.asarray(lens, dtype=np.int64)
         qsl = np.zeros(len(q) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         req_idx = np.repeat(np.arange(len(q)), q)
-        positions = np.arange(int(qsl[-1])) - qsl[:-1][req_idx] + ctx[req_idx]
-        slots = block_table[req_idx, positions // self.block_size].astype(np.int64) * self.block_size \
-            + positions % self.block_size
-        return q, qsl, positions, slots, ctx + q
+        pos = np.arange(int(qsl[-1])) - qsl[:-1][req_idx]
+        bs = self.block_size
+        slots = block_table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        inp = BatchInputs([], q, np.zeros_like(q), q, qsl, pos, pos, np.zeros(0, np.int64), [], [block_table],
+                          [slots], int(np.count_nonzero(q == 1)), np.zeros_like(q), np.zeros(len(q), bool))
+        return self._metadata(inp), to_device(pos, self.device)
 
-    def _build_metadata(self, block_table: np.ndarray, ctx_lens: list[int], query_lens: list[int],
-                        pad_to: int | None = None):
-        q, qsl, positions, slots, seq_lens = self._flat_arrays(block_table, ctx_lens, query_lens)
-        if pad_to is not None and pad_to > len(slots):  # padding rows store nothing
-            slots = np.concatenate([slots, np.full(pad_to - len(slots), -1, dtype=np.int64)])
-        num_decodes = 0
-        while num_decodes < len(q) and q[num_decodes] == 1:
-            num_decodes += 1
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, dev), block_tables=to_device(block_table, dev),
-            query_start_loc=to_device(qsl.astype(np.int32), dev), seq_lens=to_device(seq_lens.astype(np.int32), dev),
-            query_lens_cpu=q.tolist(), seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()), num_decodes=num_decodes,
-        )
-        return meta, to_device(positions, dev)
-
+    # ---- CUDA graphs ---------------------------------------------------------------------
     def maybe_capture_cuda_graphs(self) -> None:
         """On CUDA unless ``--enforce-eager`` or the backend can't be captured: whole-model graphs
         for decode-only steps and piecewise graphs, attention eager, for steps with prefill."""
@@ -226,123 +168,111 @@ class ModelRunner:
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
 
         sc = self.config.scheduler_config
-        self.piecewise_runner = PiecewiseCUDAGraphRunner(self.model, self.kv_caches, sc.max_num_batched_tokens)
+        self.piecewise_runner = PiecewiseCUDAGraphRunner(self.model, sc.max_num_batched_tokens, self.device)
         self.piecewise_runner.capture()
-        self.graph_runner = CUDAGraphRunner(
-            self.model, self.kv_caches, sc.max_num_seqs, -(-sc.max_model_len // self.block_size),
-            sc.max_model_len, self.block_size,
-        )
+        widths = [g.spec.max_blocks_per_request(sc.max_model_len) for g in self.kv_cache_config.groups]
+        self.graph_runner = CUDAGraphRunner(self.model, sc.max_num_seqs, widths, sc.max_model_len,
+                                            self.block_size, self.device, self.max_query_len_decode)
         self.graph_runner.capture()
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the scheduled tokens and sample where a request reached its last token."""
+    # ---- one step ----------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput):
+        """Compute the scheduled tokens and sample; returns the ``ModelRunnerOutput``."""
         return self.execute_model_async(sched).get()
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput) -> "AsyncModelRunnerOutput":
-        """Launch a step; the sampled tokens come back through ``.get()``.
+    def execute_model_async(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Apply the step's diff, launch the step; its tokens come back through ``.get()``.
 
         A decode whose input token is still pending (async scheduling: sampled by the
         previous step, not yet seen by the host) reads it from that step's sampled-token
         tensor on the device. Raises RuntimeError if such a token is not from the previous step.
         """
+        batch = self.input_batch
+        batch.apply(sched)
         if sched.is_empty:
-            return AsyncModelRunnerOutput([], None, None, None, self.sampler)
-        self.copy_kv_slots(sched.kv_copies)
-        # Decodes (1 token) first so the backend can batch them.
-        items = sorted(zip(sched.scheduled, sched.num_computed, sched.samples), key=lambda x: x[0][1] != 1)
-        reqs = [r for (r, _), _, _ in items]
-        query_lens = [n for (_, n), _, _ in items]
-        ctx_lens = [c for _, c, _ in items]
-        block_ids = [sched.block_ids[r.request_id] for r in reqs]
-        bt = _block_table(block_ids)
-        token_ids: list[int] = []
-        pending_dst: list[int] = []
-        pending_src: list[int] = []
-        for r, c, n in zip(reqs, ctx_lens, query_lens):
-            if c + n <= r.num_tokens:
-                token_ids.extend(r.all_token_ids[c : c + n])
-                continue
-            row = self._last_rows.get(r.request_id)
-            if n != 1 or c != r.num_tokens or row is None:
-                raise RuntimeError(f"{r}: token {c} is neither known nor sampled by the previous step")
-            pending_dst.append(len(token_ids))
-            pending_src.append(row)
-            token_ids.append(0)
+            return AsyncModelRunnerOutput([], None, None, None, None, self)
+        self.run_block_ops(sched.block_ops)
+        inp = batch.prepare(sched)
+        pending = None
+        if len(inp.pending_idx):
+            rows = self._last_rows
+            src = [rows.get(r, -1) for r in inp.pending_req]
+            if -1 in src or self._last_sampled is None:
+                raise RuntimeError(f"{inp.pending_req[src.index(-1)]}: pending token not sampled by the previous step")
+            pending = (inp.pending_idx, np.asarray(src), self._last_sampled)
         gr, pw = self.graph_runner, self.piecewise_runner
-        decode_only = query_lens[-1] == 1
-        if gr is not None and decode_only and gr.can_run(len(reqs)):
-            _, _, positions, slots, seq_lens = self._flat_arrays(bt, ctx_lens, query_lens)
-            pending = (np.asarray(pending_dst), np.asarray(pending_src), self._last_sampled) if pending_dst else None
-            hidden = gr.run(np.asarray(token_ids, dtype=np.int64), positions, slots, bt, seq_lens, pending)
-            return self._sample(reqs, items, query_lens, hidden)
-        input_ids = to_device(token_ids, self.device, torch.long)
-        if pending_dst:
-            dst = to_device(pending_dst, self.device, torch.long)
-            src = to_device(pending_src, self.device, torch.long)
+        num_reqs = len(inp.req_ids)
+        drafts = sched.scheduled_spec_decode_tokens
+        if gr is not None and gr.can_run(inp):
+            hidden, row_start = gr.run(inp, pending)
+            return self._sample(inp, hidden, row_start, drafts)
+        input_ids = to_device(inp.token_ids, self.device, torch.long)
+        if pending is not None:
+            dst = to_device(pending[0], self.device, torch.long)
+            src = to_device(pending[1], self.device, torch.long)
             input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, src))
-        tp = pw.padded_size(len(token_ids)) if pw is not None else None
+        positions = to_device(inp.positions, self.device)
+        tp = pw.padded_size(len(inp.token_ids)) if pw is not None else None
         if tp is not None:
-            meta, positions = self._build_metadata(bt, ctx_lens, query_lens, pad_to=tp)
-            hidden = pw.run(input_ids, positions, meta)
+            hidden = pw.run(input_ids, positions, self._metadata(inp, pad_to=tp))
         else:
-            meta, positions = self._build_metadata(bt, ctx_lens, query_lens)
-            with forward_context(meta, self.kv_caches):
+            with forward_context(self._metadata(inp)):
                 hidden = self.model(input_ids, positions)
-        return self._sample(reqs, items, query_lens, hidden)
+        return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts)
 
-    def _sample(self, reqs, items, query_lens, hidden: torch.Tensor) -> "AsyncModelRunnerOutput":
-        rows = [i for i, (_, _, smp) in enumerate(items) if smp]
-        if not rows:
+    def _spec_ok(self, st: CachedRequestState) -> bool:
+        """Whether drafts may be verified for ``st`` here: greedy, no penalties or logprobs,
+        past min_tokens (so every position samples the same way)."""
+        sp = st.sampling_params
+        return (sp.temperature < GREEDY_EPS and sp.logprobs is None and sp.repetition_penalty == 1.0
+                and not sp.frequency_penalty and not sp.presence_penalty
+                and len(st.output_token_ids) >= sp.min_tokens)
+
+    def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
+                drafts: dict[str, list[int]]) -> AsyncModelRunnerOutput:
+        """Logits where requests sample (the last row; the last ``1 + k`` rows with drafts),
+        the sampler for plain rows, the greedy argmax for draft rows, one copy to the host."""
+        states = self.input_batch.states
+        ends = row_start + inp.query_lens - 1
+        plain = [i for i in np.flatnonzero(inp.samples) if not inp.num_drafts[i]]
+        spec = [i for i in np.flatnonzero(inp.samples) if inp.num_drafts[i]]
+        if not plain and not spec:
             self._last_rows = {}
-            return AsyncModelRunnerOutput([], None, None, None, self.sampler)
-        if len(rows) == len(reqs) and query_lens[-1] == 1:  # all decodes sample: every row
+            return AsyncModelRunnerOutput([], None, None, None, None, self)
+        rows = [int(ends[i]) for i in plain]
+        for i in spec:
+            k = int(inp.num_drafts[i])
+            rows.extend(range(int(ends[i]) - k, int(ends[i]) + 1))
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
             logits = self.model.compute_logits(hidden)
         else:
-            ends = np.cumsum(query_lens) - 1
-            logits = self.model.compute_logits(hidden[to_device(ends[rows], self.device)])
-        sample_reqs = [reqs[i] for i in rows]
-        sampled, packed, md = self.sampler.launch(logits, sample_reqs)
+            logits = self.model.compute_logits(hidden[to_device(np.asarray(rows), self.device)])
+        packed = md = sampled = None
+        plain_ids = [inp.req_ids[i] for i in plain]
+        if plain:
+            reqs = [states[r] for r in plain_ids]
+            sampled, packed, md = self.sampler.launch(logits[: len(plain)], reqs)
+        spec_out = None
+        targets = None
+        if spec:
+            for i in spec:
+                if not self._spec_ok(states[inp.req_ids[i]]):
+                    raise RuntimeError(f"request {inp.req_ids[i]!r} got drafts it cannot verify greedily")
+            targets = logits[len(plain):].argmax(dim=-1)
+        (packed, targets), event = copy_to_host([packed, targets])
+        if spec:
+            spec_out = ([inp.req_ids[i] for i in spec], [drafts[inp.req_ids[i]] for i in spec], targets)
         self._last_sampled = sampled
-        self._last_rows = {r.request_id: i for i, r in enumerate(sample_reqs)}
-        event = None
-        if packed.is_cuda:  # copy to pinned memory without blocking; .get() waits for it
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            packed = host
-        return AsyncModelRunnerOutput([r.request_id for r in sample_reqs], packed, md, event, self.sampler)
+        self._last_rows = {r: j for j, r in enumerate(plain_ids)}
+        return AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self)
 
-
-def _block_table(block_ids: list[list[int]]) -> np.ndarray:
-    """Ragged block-id lists -> ``[R, max_len]`` int32, zero-padded (no per-row Python copies)."""
-    lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
-    flat = np.fromiter(itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(lens.sum()))
-    bt = np.zeros((len(block_ids), int(lens.max())), dtype=np.int32)
-    bt[np.arange(bt.shape[1]) < lens[:, None]] = flat
-    return bt
-
-
-class AsyncModelRunnerOutput:
-    """A launched step's sampled tokens; ``get()`` waits for their copy to the host."""
-
-    def __init__(self, req_ids: list[str], packed, md, event, sampler: Sampler) -> None:
-        self.req_ids = req_ids
-        self._packed = packed
-        self._md = md
-        self._event = event
-        self._sampler = sampler
-
-    def get(self) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
-        if not self.req_ids:
-            return out
-        if self._event is not None:
-            self._event.synchronize()
-        s = self._sampler.unpack(self._packed.tolist(), self._md)
-        for rid, tok, lp in zip(self.req_ids, s.sampled_token_ids, s.logprobs):
-            out.sampled[rid] = tok
-            if lp is not None:
-                out.logprobs[rid] = lp
-        return out
+    # ---- speculative decoding ------------------------------------------------------------
+    def propose(self, req_ids: list[str]) -> dict[str, list[int]]:
+        """Drafts for the next step from the proposer, for requests that can verify them."""
+        states = self.input_batch.states
+        eligible = [states[r] for r in req_ids if r in states and self._spec_ok(states[r])]
+        if not eligible:
+            return {}
+        drafts = self.proposer.propose(eligible, self.input_batch)
+        return {st.req_id: d for st, d in zip(eligible, drafts) if d}

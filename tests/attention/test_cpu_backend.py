@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvserve.attention.backend import get_attn_backend
+from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.cpu_backend import CpuBackend
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.torch_ref import TorchRefBackend
@@ -182,7 +182,7 @@ def test_registry_and_errors():
 
 
 def test_default_backend_on_cpu(tiny_llama):
-    from kvserve.config import EngineArgs
+    from kvserve.engine.arg_utils import EngineArgs
 
     assert EngineArgs(model=tiny_llama, device="cpu").create_engine_config().attention_backend == "cpu"
     cfg = EngineArgs(model=tiny_llama, device="cpu", attention_backend="torch_ref").create_engine_config()

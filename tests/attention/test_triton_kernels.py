@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from kvserve.attention.backend import get_attn_backend
+from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.triton import (

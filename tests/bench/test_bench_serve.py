@@ -418,16 +418,16 @@ def test_interrupted_sweep_keeps_finished_rates(srv, tmp_path, monkeypatch):
 
 
 def test_git_commit_falls_back_to_env(monkeypatch):
-    from kvserve.bench import throughput
+    from kvserve.bench import env as bench_env
 
     def no_git(*a, **k):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(throughput.subprocess, "run", no_git)
+    monkeypatch.setattr(bench_env.subprocess, "run", no_git)
     monkeypatch.setenv("KVSERVE_COMMIT", "abc123")
-    assert throughput._git_commit() == "abc123"
+    assert bench_env.git_commit() == "abc123"
     monkeypatch.delenv("KVSERVE_COMMIT")
-    assert throughput._git_commit() is None
+    assert bench_env.git_commit() is None
     env = report.env_info()
     assert "triton" in env["versions"] or pytest.importorskip("triton") is None
 
@@ -529,7 +529,9 @@ class _FakeEngine:
 
 def test_bench_latency_fake_llm(monkeypatch, tmp_path, capsys):
     llm = SimpleNamespace(llm_engine=_FakeEngine(), get_tokenizer=lambda: list(range(500)))
-    monkeypatch.setattr(cli, "make_llm", lambda engine_args: llm)
+    from kvserve.bench import env as bench_env
+
+    monkeypatch.setattr(bench_env, "make_llm", lambda engine_args: llm)
     out = tmp_path / "lat.json"
     assert cli.main(["bench", "latency", "--batch-size", "3", "--input-len", "5", "--output-len", "4",
                      "--num-iters", "2", "--num-iters-warmup", "1", "--output-json", str(out)]) == 0

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.single_type_manager import SingleTypeKVCacheManager as KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 

@@ -14,8 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.single_type_manager import SingleTypeKVCacheManager as KVCacheManager
+from kvserve.core.kv_cache_manager import KVCacheManager as FullKVCacheManager
 from kvserve.core.scheduler import Scheduler
+from sched_view import schedule as _schedule
+from sched_view import update as _update
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -29,6 +32,11 @@ def req(tokens, salt=None) -> Request:
 
 def ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
+
+
+def copies(kv) -> list[tuple[int, int, int]]:
+    """This step's copy-on-write ops as ``(src, dst, num_tokens)``."""
+    return [(op.src, op.dst, op.num_tokens) for op in kv.take_block_ops()]
 
 
 def refs(kv: KVCacheManager) -> dict[int, int]:
@@ -52,7 +60,7 @@ def admit(kv: KVCacheManager, r: Request):
     assert new is not None
     r.num_computed_tokens = r.num_tokens
     kv.pool.check_invariants()
-    return ids(hits), num_hit, ids(new), kv.take_copies()
+    return ids(hits), num_hit, ids(new), copies(kv)
 
 
 def test_token_granular_hit_inside_a_block_copies_the_matched_slots():
@@ -131,7 +139,7 @@ def test_same_step_blocks_are_shared_but_never_copied():
         hits, num_hit = kv.get_computed_blocks(r)
         assert kv.allocate_slots(r, r.num_tokens - num_hit, hits) is not None
         r.num_computed_tokens = r.num_tokens
-    assert kv.take_copies() == []
+    assert copies(kv) == []
     assert kv.get_block_ids(a.request_id) == [1, 2]
     assert kv.get_block_ids(b.request_id) == [1, 3]  # block 1 shared, block 2 not copied
     assert b.num_computed_tokens == 8
@@ -345,8 +353,8 @@ def test_remembered_walk_equals_a_fresh_walk_under_a_random_workload(seed):
     bs = rng.choice([1, 2, 4])
     cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 24),
                           max_model_len=64, enable_chunked_prefill=True, scheduling_policy="fcfs")
-    s = Scheduler(cfg, KVCacheManager(rng.randint(3, 12), bs))
-    kv = s.kv
+    s = Scheduler(cfg, FullKVCacheManager.for_blocks(rng.randint(3, 12), bs))
+    kv = s.kv.groups[0]
     lookup = kv.get_computed_blocks
     num_checked = 0
 
@@ -371,8 +379,8 @@ def test_remembered_walk_equals_a_fresh_walk_under_a_random_workload(seed):
             break
         if t and rng.random() < 0.03 and s.requests:
             s.finish_requests([rng.choice(sorted(s.requests))], RequestStatus.FINISHED_ABORTED)
-        sched = s.schedule()
-        s.update_from_output(sched, {r.request_id: rng.randrange(3) for (r, _), smp in
-                                     zip(sched.scheduled, sched.samples) if smp})
+        sched = _schedule(s)
+        _update(s, sched, {r.request_id: rng.randrange(3) for (r, _), smp in
+                           zip(sched.scheduled, sched.samples) if smp})
         kv.pool.check_invariants()
     assert not s.has_unfinished_requests() and num_checked > 0

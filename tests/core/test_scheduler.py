@@ -15,7 +15,10 @@ from hypothesis import strategies as st
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.scheduler import Scheduler, SchedulerOutput
+from kvserve.core.scheduler import Scheduler
+from sched_view import StepView
+from sched_view import schedule as _schedule
+from sched_view import update as _update
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -28,7 +31,7 @@ def make(num_blocks=64, block_size=4, max_num_seqs=16, budget=32, max_model_len=
         max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
         enable_chunked_prefill=chunked, scheduling_policy=policy,
     )
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, caching))
+    return Scheduler(cfg, KVCacheManager.for_blocks(num_blocks, block_size, caching))
 
 
 def mkreq(rid, prompt, max_tokens=4, priority=0, eos=None, arrival=None, **sp) -> Request:
@@ -43,22 +46,22 @@ def default_token(r: Request) -> int:
     return 1000 + r.num_output_tokens
 
 
-def step(s: Scheduler, token=default_token) -> SchedulerOutput:
-    sched = s.schedule()
+def step(s: Scheduler, token=default_token) -> StepView:
+    sched = _schedule(s)
     assert sched.num_scheduled_tokens == sum(n for _, n in sched.scheduled)
     assert sched.num_scheduled_tokens <= s.config.max_num_batched_tokens
     assert len(sched.scheduled) <= s.config.max_num_seqs
     sampled = {r.request_id: token(r) for (r, _), smp in zip(sched.scheduled, sched.samples) if smp}
-    s.update_from_output(sched, sampled)
+    _update(s, sched, sampled)
     s.kv.pool.check_invariants()
     return sched
 
 
-def pairs(sched: SchedulerOutput) -> list[tuple[str, int]]:
+def pairs(sched: StepView) -> list[tuple[str, int]]:
     return [(r.request_id, n) for r, n in sched.scheduled]
 
 
-def run_to_end(s: Scheduler, token=default_token, max_steps=500) -> list[SchedulerOutput]:
+def run_to_end(s: Scheduler, token=default_token, max_steps=500) -> list[StepView]:
     out = []
     while s.has_unfinished_requests():
         out.append(step(s, token))
@@ -418,9 +421,9 @@ def test_update_returns_requests_that_got_a_token():
     b = mkreq("b", range(10, 16), max_tokens=2)  # needs two chunks
     s.add_request(a)
     s.add_request(b)
-    sched = s.schedule()
+    sched = _schedule(s)
     assert pairs(sched) == [("a", 2), ("b", 2)]
-    got = s.update_from_output(sched, {"a": 3})
+    got = _update(s, sched, {"a": 3})
     assert got == [a] and a.is_finished and b.num_output_tokens == 0
 
 
@@ -436,14 +439,14 @@ def test_abort_running_and_waiting(policy):
     for r in (a, b, c):
         s.add_request(r)
     step(s)
-    assert a.status == RequestStatus.RUNNING and s.kv.get_block_ids("a") == [1, 2]
+    assert a.status == RequestStatus.RUNNING and s.kv.get_block_ids("a")[0] == [1, 2]
     done = s.finish_requests(["a", "b", "nope"], RequestStatus.FINISHED_ABORTED)
     assert done == [a, b]
     for r in (a, b):
         assert r.status == RequestStatus.FINISHED_ABORTED and r.finish_reason == "abort"
         assert r.finished_time is not None
     assert s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED) == []
-    assert s.kv.get_block_ids("a") == []
+    assert s.kv.get_block_ids("a")[0] == []
     assert s.kv.pool.get_num_free_blocks() == s.kv.pool.num_usable_blocks
     assert list(s.waiting) == [c] and s.running == []
     assert set(s.requests) == {"c"}
@@ -459,9 +462,9 @@ def test_abort_between_schedule_and_update():
     b = mkreq("b", range(10, 16), max_tokens=5)
     s.add_request(a)
     s.add_request(b)
-    sched = s.schedule()
+    sched = _schedule(s)
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    got = s.update_from_output(sched, {"a": 1, "b": 2})
+    got = _update(s, sched, {"a": 1, "b": 2})
     assert got == [b]
     assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
     assert b.output_token_ids == [2]
@@ -494,7 +497,7 @@ def _check_blocks(s: Scheduler) -> None:
     assert set(kv.req_to_blocks) == {r.request_id for r in s.running}
     users = Counter()
     for r in s.running:
-        blocks = kv.get_block_ids(r.request_id)
+        blocks = kv.get_block_ids(r.request_id)[0]
         assert 0 not in blocks and len(set(blocks)) == len(blocks)
         assert len(blocks) == -(-r.num_computed_tokens // kv.block_size)
         users.update(blocks)
@@ -559,7 +562,7 @@ def test_random_workload(data):
         _check_blocks(s)
 
         before_running = list(s.running)
-        sched = s.schedule()
+        sched = _schedule(s)
         scheduled = [r for r, _ in sched.scheduled]
         ns = [n for _, n in sched.scheduled]
         assert len(set(map(id, scheduled))) == len(scheduled)
@@ -590,7 +593,7 @@ def test_random_workload(data):
 
         # "Forward": read the KV of already-computed positions, then write this step's.
         for (r, n), c in zip(sched.scheduled, sched.num_computed):
-            blocks = s.kv.get_block_ids(r.request_id)
+            blocks = s.kv.get_block_ids(r.request_id)[0]
             toks = r.all_token_ids
             for p in range(c):
                 assert content[(blocks[p // bs], p % bs)] == tuple(toks[: p + 1]), (r, p)
@@ -602,7 +605,7 @@ def test_random_workload(data):
                 aborted.update(x.request_id for x in s.finish_requests([sp["rid"]], RequestStatus.FINISHED_ABORTED))
         sampled = {r.request_id: 1000 + r.num_tokens % 3
                    for (r, _), smp in zip(sched.scheduled, sched.samples) if smp}
-        s.update_from_output(sched, sampled)
+        _update(s, sched, sampled)
         _check_blocks(s)
         t += 1
 

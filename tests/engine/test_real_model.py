@@ -131,12 +131,12 @@ def test_shared_prefix_token_granular_hits_match_caching_off(llm, prompt_ids):
     ]
     mr = llm.llm_engine.engine_core.model_runner
     copies = []
-    orig = mr.copy_kv_slots
-    mr.copy_kv_slots = lambda c: (copies.extend(c), orig(c))
+    orig = mr.run_block_ops
+    mr.run_block_ops = lambda ops: (copies.extend((o.src, o.dst, o.num_tokens) for o in ops), orig(ops))
     try:
         outs = llm.generate(prompts, SHORT, use_tqdm=False, cache_salt=salt)
     finally:
-        del mr.copy_kv_slots
+        del mr.run_block_ops
     assert [o.num_cached_tokens for o in outs[:2]] == [149, 37]
     assert outs[2].num_cached_tokens >= 150 and outs[3].num_cached_tokens == 19
     assert sorted(n for _, _, n in copies)[:3] == [3, 5, 5]

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.bench import datasets, hf_peer, throughput
+from kvserve.bench import env as bench_env
 from kvserve.bench.datasets import BenchRequest
-from kvserve.config import EngineArgs
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.entrypoints import cli
 
 ENGINE_SUBCOMMANDS = [["generate", "--prompt", "hi"], ["chat"], ["bench", "throughput"]]
@@ -168,7 +169,7 @@ def fake_llm(monkeypatch):
         made.append(llm)
         return llm
 
-    monkeypatch.setattr(cli, "make_llm", make)
+    monkeypatch.setattr(bench_env, "make_llm", make)
     return made
 
 
@@ -208,7 +209,7 @@ def test_engine_error_is_one_line_exit_2(monkeypatch, capsys):
     def boom(engine_args):
         raise ValueError("max_num_seqs must be >= 1\nsecond line")
 
-    monkeypatch.setattr(cli, "make_llm", boom)
+    monkeypatch.setattr(bench_env, "make_llm", boom)
     assert cli.main(["generate", "--prompt", "x", "--max-num-seqs", "0"]) == 2
     err = capsys.readouterr().err
     assert err == "error: max_num_seqs must be >= 1\n"

@@ -10,7 +10,9 @@ import torch
 import transformers
 
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.registry import get_attn_backend
 from kvserve.config import ModelConfig
+from kvserve.layers.attention import bind_attention, bind_kv_cache
 from kvserve.model_loader import get_model, get_tokenizer, load_hf_config, resolve_model
 from kvserve.model_loader.default_model import default_model_path
 
@@ -34,6 +36,8 @@ def _prefill_logits(model, cfg, ids):
     n = len(ids)
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = [torch.zeros(2, 4, 16, cfg.num_key_value_heads, d) for _ in range(cfg.num_hidden_layers)]
+    bind_attention(model, get_attn_backend("torch_ref"))
+    bind_kv_cache(model, dict(enumerate(kv)))
     table = [2, 0, 3, 1]
     slots = [table[i // 16] * 16 + i % 16 for i in range(n)]
     meta = AttentionMetadata(
@@ -41,7 +45,7 @@ def _prefill_logits(model, cfg, ids):
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
         query_lens_cpu=[n], seq_lens_cpu=[n], max_query_len=n, max_seq_len=n, num_decodes=0,
     )
-    with torch.no_grad(), forward_context(meta, kv):
+    with torch.no_grad(), forward_context(meta):
         return model.compute_logits(model(ids, torch.arange(n)))
 
 

@@ -11,7 +11,9 @@ import torch
 import transformers
 
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.registry import get_attn_backend
 from kvserve.config import ModelConfig
+from kvserve.layers.attention import bind_attention, bind_kv_cache
 from kvserve.model_loader import get_model, load_hf_config
 
 BLOCK = 4
@@ -89,6 +91,8 @@ def test_prefill_and_decode_match_hf(case, tmp_path):
     hkv = cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = [torch.zeros(2, NUM_BLOCKS, BLOCK, hkv, d) for _ in range(cfg.num_hidden_layers)]
+    bind_attention(ours, get_attn_backend("torch_ref"))
+    bind_kv_cache(ours, dict(enumerate(kv)))
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     tables = [perm[:3], perm[3:5]]  # 12 and 8 token capacity: room for one decode each
 
@@ -96,14 +100,14 @@ def test_prefill_and_decode_match_hf(case, tmp_path):
         ids = torch.cat(prompts)
         pos = torch.cat([torch.arange(len(p)) for p in prompts])
         meta = _metadata([11, 7], [11, 7], tables)
-        with forward_context(meta, kv):
+        with forward_context(meta):
             logits = ours.compute_logits(ours(ids, pos))
         assert logits.dtype == torch.float32 and logits.shape == (18, 128)
         ref = torch.cat([hf(p[None]).logits[0] for p in prompts])
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
         meta = _metadata([12, 8], [1, 1], tables)
-        with forward_context(meta, kv):
+        with forward_context(meta):
             logits = ours.compute_logits(ours(torch.cat(nxt), torch.tensor([11, 7])))
         ref = torch.cat([hf(torch.cat([p, n])[None]).logits[0, -1:] for p, n in zip(prompts, nxt)])
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

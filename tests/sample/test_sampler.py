@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from kvserve.request import Request
+from kvserve.worker.input_batch import CachedRequestState
 from kvserve.sample import Sampler, apply_penalties, apply_top_k_top_p
 from kvserve.sample import build_sampling_metadata, token_counts
 from kvserve.sampling_params import SamplingParams
@@ -17,13 +17,11 @@ V = 50
 _counter = 0
 
 
-def make_req(prompt=(1, 2, 3), output=(), eos=None, **sp) -> Request:
+def make_req(prompt=(1, 2, 3), output=(), eos=None, **sp) -> CachedRequestState:
+    """A request as the worker holds it (what the sampler reads)."""
     global _counter
     _counter += 1
-    r = Request(f"r{_counter}", list(prompt), SamplingParams(**sp), eos_token_id=eos)
-    for t in output:
-        r.append_output_token(t)
-    return r
+    return CachedRequestState(f"r{_counter}", list(prompt), list(output), SamplingParams(**sp), eos, row=0)
 
 
 def rand_logits(b, seed=0, scale=3.0):
@@ -100,7 +98,7 @@ def test_seeded_request_independent_of_batch():
     alone = []
     for s in range(steps):
         tok = sampler(logits_seq[s][:1], [alone_req]).sampled_token_ids[0]
-        alone_req.append_output_token(tok)
+        alone_req.output_token_ids.append(tok)
         alone.append(tok)
 
     # batched with unseeded, other-seeded and greedy requests; the seeded one is row 2
@@ -113,9 +111,9 @@ def test_seeded_request_independent_of_batch():
         lg = torch.cat([lg[1:3], lg[:1], lg[3:5]])  # target's row moves to position 2
         out = sampler(lg, [others[0], others[1], target, others[2], others[3]])
         tok = out.sampled_token_ids[2]
-        target.append_output_token(tok)
+        target.output_token_ids.append(tok)
         for i, r in enumerate(others):
-            r.append_output_token(out.sampled_token_ids[[0, 1, 3, 4][i]])
+            r.output_token_ids.append(out.sampled_token_ids[[0, 1, 3, 4][i]])
         batched.append(tok)
     assert batched == alone
     assert len(set(alone)) > 1
@@ -381,7 +379,7 @@ def test_cuda_matches_semantics():
     logits = rand_logits(4).cuda()
     reqs = [make_req(temperature=0.0, logprobs=2), make_req(seed=3, top_k=5), make_req(top_p=0.5), make_req()]
     for r in reqs:
-        r.append_output_token(1)
+        r.output_token_ids.append(1)
     reqs.append(make_req(output=[1], repetition_penalty=1.3, min_tokens=3, eos=2, logprobs=1))
     logits = torch.cat([logits, rand_logits(1, seed=9).cuda()])
     sampler(logits, reqs)  # warm-up (allocations, generator creation)

@@ -1,22 +1,29 @@
-"""ModelRunner.copy_kv_slots: the prefix cache's copy-on-write, on every layer's cache."""
+"""ModelRunner.run_block_ops: the prefix cache's copy-on-write, on every layer of the op's group."""
 
 from __future__ import annotations
 
 import torch
 
+from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from kvserve.core.sched_output import BlockOp
 from kvserve.worker.model_runner import ModelRunner
 
 
-def test_copy_kv_slots_copies_only_the_named_slots_on_every_layer():
+def test_copy_ops_copy_only_the_named_slots_of_their_group():
     mr = ModelRunner.__new__(ModelRunner)  # no model needed
     mr.block_size, mr.device = 4, torch.device("cpu")
     shape = (2, 6, 4, 3, 5)  # (K/V, blocks, block_size, kv_heads, head_dim)
-    mr.kv_caches = [torch.randn(shape) for _ in range(3)]
-    before = [c.clone() for c in mr.kv_caches]
-    mr.copy_kv_slots([(2, 4, 3), (1, 5, 1)])
-    for c, b in zip(mr.kv_caches, before):
-        want = b.clone()
-        want[:, 4, :3] = b[:, 2, :3]
-        want[:, 5, :1] = b[:, 1, :1]
-        assert torch.equal(c, want)
-    mr.copy_kv_slots([])  # no-op
+    spec = FullAttentionSpec(4, 3, 5, "float32", "float32")
+    mr.kv_cache_config = KVCacheConfig([KVCacheGroup(0, [0, 2], spec, 6), KVCacheGroup(1, [1], spec, 6)])
+    mr.kv_caches = {i: torch.randn(shape) for i in range(3)}
+    before = {i: c.clone() for i, c in mr.kv_caches.items()}
+    mr.run_block_ops([BlockOp("copy", 0, 2, 4, 3), BlockOp("copy", 0, 1, 5, 1), BlockOp("copy", 1, 3, 0, 2)])
+    for i in (0, 2):
+        want = before[i].clone()
+        want[:, 4, :3] = before[i][:, 2, :3]
+        want[:, 5, :1] = before[i][:, 1, :1]
+        assert torch.equal(mr.kv_caches[i], want)
+    want = before[1].clone()
+    want[:, 0, :2] = before[1][:, 3, :2]
+    assert torch.equal(mr.kv_caches[1], want)
+    mr.run_block_ops([])  # no-op

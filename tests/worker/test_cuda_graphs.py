@@ -58,3 +58,51 @@ def test_graph_replay_matches_eager(tmp_path, budget):
         assert (runner.graph_runner is None) == eager and (runner.piecewise_runner is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_multi_token_graphs_match_eager(tmp_path):
+    """Decode graphs of query length 1 + k (verification steps of a scripted proposer that is
+    right, then wrong) give the plain eager tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvserve import LLM, SamplingParams
+    from kvserve.spec_decode import Proposer, register_proposer
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 9, 17, 40)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = dict(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+                  max_num_seqs=8, kv_cache_memory="64MiB", disable_log_stats=True)
+    ref = [o.outputs[0].token_ids for o in LLM(enforce_eager=True, **common).generate(prompts, sp, use_tqdm=False)]
+    script = {tuple(p): r for p, r in zip(prompts, ref)}
+
+    class Scripted(Proposer):
+        def propose(self, requests, batch):
+            out = []
+            for st in requests:
+                n = len(st.output_token_ids)
+                d = list(script[tuple(st.prompt_token_ids)][n:n + self.num_speculative_tokens])
+                if len(d) >= 2 and n % 2:
+                    d[1] = (d[1] + 1) % 512
+                out.append(d)
+            return out
+
+    register_proposer("scripted_gpu", Scripted)
+    llm = LLM(enforce_eager=False, speculative_config={"method": "scripted_gpu", "num_speculative_tokens": 3},
+              **common)
+    gr = llm.llm_engine.engine_core.model_runner.graph_runner
+    assert gr is not None and any(q == 4 for (_, q) in gr.graphs)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    assert llm.llm_engine.engine_core.scheduler.num_accepted_tokens > 0

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.triton.kv_load import kv_row_offsets, load_k_tile, load_v_tile
+
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
 
@@ -87,12 +89,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head_off
-        k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd,
-                    mask=n_mask[None, :], other=0.0).to(in_dtype)  # [D, BLOCK_N]
-        if WIDEN:
-            k = k.to(tl.float32)
+        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
+        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype)
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -100,10 +98,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd,
-                    mask=n_mask[:, None], other=0.0).to(in_dtype)  # [BLOCK_N, D]
-        if WIDEN:
-            v = v.to(tl.float32)
+        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.triton.kv_load import kv_row_offsets, load_k_tile, load_v_tile
+
 _LOG2E = 1.4426950408889634
 
 
@@ -39,22 +41,10 @@ def _attend_block(
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     pos = n0 + offs_n
-    if MASKED:
-        n_mask = pos < kv_hi
-        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-    row_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head_off
-    k_ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
-    v_ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
-    if MASKED:
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0).to(in_dtype)  # [D, BLOCK_N]
-    else:
-        k = tl.load(k_ptrs).to(in_dtype)
-    if WIDEN:
-        k = k.to(tl.float32)
+    n_mask = pos < kv_hi
+    row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
+    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype)  # [D, BLOCK_N]
     qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
     if MASKED:
         valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -66,12 +56,7 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0).to(in_dtype)  # [BLOCK_N, D]
-    else:
-        v = tl.load(v_ptrs).to(in_dtype)
-    if WIDEN:
-        v = v.to(tl.float32)
+    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype)  # [BLOCK_N, D]
     acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 

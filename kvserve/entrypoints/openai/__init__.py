@@ -11,7 +11,7 @@ import argparse
 
 def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand: server flags plus every engine flag."""
-    from kvserve.entrypoints.cli import add_engine_args
+    from kvserve.engine.arg_utils import EngineArgs
 
     p = subparsers.add_parser(
         "serve", help="Serve the model over an OpenAI-compatible HTTP API.",
@@ -45,7 +45,7 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     g.add_argument("--protect-metrics", action="store_true",
                    help="/metrics needs the API key too (default: /metrics, /health, /ping and /version "
                         "are open; every other route needs it when --api-key is set).")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
     return p
 

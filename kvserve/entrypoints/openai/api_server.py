@@ -316,13 +316,12 @@ def default_model_name(model: Optional[str]) -> str:
 
 async def serve_async(ns: argparse.Namespace) -> None:
     """Start the engine, then serve until SIGTERM/SIGINT; then drain and stop the engine."""
-    from kvserve.config import EngineArgs
-    from kvserve.entrypoints.cli import engine_args_from_namespace
+    from kvserve.engine.arg_utils import EngineArgs
     from kvserve.metrics.prometheus import PrometheusStatLogger
 
     names = ns.served_model_name or [default_model_name(ns.model)]
     stat_logger = PrometheusStatLogger(names[0])
-    engine_args = EngineArgs(**engine_args_from_namespace(ns))
+    engine_args = EngineArgs(**EngineArgs.from_cli_args(ns))
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger)
     engine_died = False
     try:
@@ -362,9 +361,9 @@ async def serve_async(ns: argparse.Namespace) -> None:
 
 def run_server(ns: argparse.Namespace) -> int:
     """``kvserve serve``. Returns 0 after a clean shutdown, 1 if the engine core died."""
-    from kvserve.engine.llm import _setup_logging
+    from kvserve.logger import setup_logging
 
-    _setup_logging()
+    setup_logging()
     try:
         asyncio.run(serve_async(ns))
     except KeyboardInterrupt:

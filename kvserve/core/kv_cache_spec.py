@@ -1,0 +1,218 @@
+"""KV cache specs: the format of each layer's paged KV cache, and the groups layers form.
+
+A ``KVCacheSpec`` describes one layer's cache: block size, KV heads, head size, the storage
+format (``dtype``: bytes per element, scale layout) and the compute dtype, and its attention
+type (full, or a sliding window). Layers with equal specs form a ``KVCacheGroup``: one block
+table per request per group, one block pool per group. ``KVCacheConfig`` is the whole
+cache: its groups and how many blocks each holds. Pool sizing, the start-up capacity line,
+the memory profile and graph sizing read ``page_size_bytes`` from here; nothing else
+recomputes bytes per token.
+
+Pure Python (no torch): the scheduler process reads these too. The layout is vLLM v1's
+``kv_cache_interface`` idea in our own shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A KV storage format.
+
+    Attributes:
+        name: the ``--kv-cache-dtype`` value.
+        bits: bits per stored K or V element.
+        torch_dtype: name of the torch dtype the cache tensor is allocated in.
+        scale_bytes_per_token_head: bytes of scales stored per token and KV head, K and V
+            together (0: no scales).
+    """
+
+    name: str
+    bits: int
+    torch_dtype: str
+    scale_bytes_per_token_head: int = 0
+
+
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f for f in (
+        KVFormat("float32", 32, "float32"),
+        KVFormat("bfloat16", 16, "bfloat16"),
+        KVFormat("float16", 16, "float16"),
+    )
+}
+
+
+def get_kv_format(name: str) -> KVFormat:
+    """The format of ``--kv-cache-dtype name``. Raises ValueError listing the choices."""
+    fmt = KV_FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {sorted(KV_FORMATS)} or auto")
+    return fmt
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's paged KV cache format.
+
+    Attributes:
+        block_size: tokens per block.
+        num_kv_heads: KV heads of the layer (on this rank).
+        head_size: per-head dim.
+        dtype: storage format name (a key of ``KV_FORMATS``).
+        compute_dtype: dtype attention computes in (the model dtype).
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    compute_dtype: str
+
+    @property
+    def format(self) -> KVFormat:
+        return get_kv_format(self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer: K and V of ``block_size`` tokens, plus scales."""
+        f = self.format
+        per_token = 2 * self.num_kv_heads * self.head_size * f.bits // 8
+        per_token += self.num_kv_heads * f.scale_bytes_per_token_head
+        return self.block_size * per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in this layer's cache (scales included)."""
+        return self.page_size_bytes // self.block_size
+
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        """Most blocks one request can hold at once in this layer."""
+        return -(-max_model_len // self.block_size)
+
+    @property
+    def type_name(self) -> str:
+        return "full_attention"
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """A layer that attends to every earlier token (it may still mask by a window: such a
+    layer keeps its whole history in this spec)."""
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """A layer that attends to the last ``sliding_window`` tokens only; blocks entirely outside
+    the window can return to the pool."""
+
+    sliding_window: int = 0
+
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        # The window spans at most ceil(window / block_size) + 1 blocks once unaligned.
+        return min(-(-max_model_len // self.block_size), -(-self.sliding_window // self.block_size) + 1)
+
+    @property
+    def type_name(self) -> str:
+        return f"sliding_window({self.sliding_window})"
+
+
+@dataclass
+class KVCacheGroup:
+    """Layers that share one block table per request (equal specs).
+
+    Attributes:
+        group_id: index in ``KVCacheConfig.groups``.
+        layer_indices: the model's attention layers in this group.
+        spec: their common spec.
+        num_blocks: blocks in this group's pool (null block included).
+    """
+
+    group_id: int
+    layer_indices: list[int]
+    spec: KVCacheSpec
+    num_blocks: int = 0
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block id in this group: one page in each of its layers."""
+        return len(self.layer_indices) * self.spec.page_size_bytes
+
+
+@dataclass
+class KVCacheConfig:
+    """The whole KV cache: groups of layers and their pools."""
+
+    groups: list[KVCacheGroup] = field(default_factory=list)
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].spec.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_indices) for g in self.groups)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block id in every group together (the unit the budget is split in)."""
+        return sum(g.page_size_bytes for g in self.groups)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs across all layers when every layer keeps it."""
+        return sum(len(g.layer_indices) * g.spec.bytes_per_token for g in self.groups)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(g.num_blocks * g.page_size_bytes for g in self.groups)
+
+    def layer_group(self) -> dict[int, int]:
+        """Layer index -> group id."""
+        return {layer: g.group_id for g in self.groups for layer in g.layer_indices}
+
+    def describe(self) -> str:
+        """One line per group for the start-up log."""
+        return "; ".join(
+            f"group {g.group_id}: {len(g.layer_indices)} layers {g.spec.type_name} {g.spec.dtype} "
+            f"{g.spec.num_kv_heads}x{g.spec.head_size}, {g.spec.page_size_bytes} B/page, {g.num_blocks} blocks"
+            for g in self.groups)
+
+
+def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
+    """Group layers with equal specs, in order of first appearance.
+
+    Raises ValueError when the specs disagree on block size (one block size per engine).
+    """
+    groups: list[KVCacheGroup] = []
+    by_spec: dict[KVCacheSpec, KVCacheGroup] = {}
+    for layer in sorted(layer_specs):
+        spec = layer_specs[layer]
+        g = by_spec.get(spec)
+        if g is None:
+            g = by_spec[spec] = KVCacheGroup(len(groups), [], spec)
+            groups.append(g)
+        g.layer_indices.append(layer)
+    if len({g.spec.block_size for g in groups}) > 1:
+        raise ValueError("all KV cache groups must use one block size")
+    return groups
+
+
+def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional[int],
+                         num_blocks_override: Optional[int] = None) -> KVCacheConfig:
+    """Split a byte budget into blocks: every group gets the same number of block ids.
+
+    Args:
+        layer_specs: per attention layer, its spec.
+        kv_bytes: the budget in bytes (ignored when ``num_blocks_override`` is set).
+        num_blocks_override: force this many blocks per group (null block included).
+    """
+    cfg = KVCacheConfig(group_layers(layer_specs))
+    if not cfg.groups:
+        raise ValueError("the model has no attention layers")
+    n = num_blocks_override if num_blocks_override is not None else max(int(kv_bytes // cfg.bytes_per_block), 0)
+    for g in cfg.groups:
+        g.num_blocks = n
+    return cfg

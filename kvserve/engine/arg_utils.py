@@ -1,0 +1,228 @@
+"""``EngineArgs``: the flat set of engine flags, and their command-line registration.
+
+Each field takes its default, help text and choices from the component config that owns it
+(``kvserve.config``), so a flag is documented once. ``create_engine_config`` resolves the
+"auto" values (device, dtype, context length, backend ...) and validates everything once;
+the resulting ``EngineConfig`` is what the engine core and its workers receive.
+
+The CLI (``kvserve generate|chat|serve|bench``) registers these flags through
+``EngineArgs.add_cli_args`` and reads them back with ``EngineArgs.from_cli_args``: the
+entrypoints import this module, never the other way round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Optional
+
+from kvserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_json_arg,
+    parse_size,
+)
+
+
+def _from(cfg_cls: type, name: str) -> Any:
+    """A field with the default and metadata (help, choices) of ``cfg_cls.name``."""
+    f = cfg_cls.__dataclass_fields__[name]
+    return field(default=f.default, metadata=dict(f.metadata, owner=cfg_cls.__name__))
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine flag. Field names map to ``--kebab-case`` flags (vLLM's names)."""
+
+    # ModelConfig
+    model: Optional[str] = _from(ModelConfig, "model")
+    tokenizer: Optional[str] = _from(ModelConfig, "tokenizer")
+    skip_tokenizer_init: bool = _from(ModelConfig, "skip_tokenizer_init")
+    dtype: str = _from(ModelConfig, "dtype")
+    load_format: str = _from(ModelConfig, "load_format")
+    max_model_len: Optional[int] = _from(ModelConfig, "max_model_len")
+    seed: int = _from(ModelConfig, "seed")
+    enforce_eager: bool = _from(ModelConfig, "enforce_eager")
+    # DeviceConfig
+    device: str = _from(DeviceConfig, "device")
+    # CacheConfig (kv_cache_memory is a size string here: "2GiB")
+    block_size: int = _from(CacheConfig, "block_size")
+    gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
+    kv_cache_memory: Optional[str] = _from(CacheConfig, "kv_cache_memory")
+    kv_cache_dtype: str = _from(CacheConfig, "kv_cache_dtype")
+    num_gpu_blocks_override: Optional[int] = _from(CacheConfig, "num_gpu_blocks_override")
+    enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
+    # SchedulerConfig
+    max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
+    enable_chunked_prefill: bool = _from(SchedulerConfig, "enable_chunked_prefill")
+    scheduling_policy: str = _from(SchedulerConfig, "scheduling_policy")
+    async_scheduling: Optional[bool] = _from(SchedulerConfig, "async_scheduling")
+    # AttentionConfig
+    attention_backend: Optional[str] = _from(AttentionConfig, "attention_backend")
+    # ParallelConfig
+    tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
+    distributed_executor_backend: Optional[str] = _from(ParallelConfig, "distributed_executor_backend")
+    # JSON-valued configs (vLLM's flags)
+    speculative_config: Optional[str] = _arg(
+        None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
+    kv_transfer_config: Optional[str] = _arg(
+        None, 'KV transfer as JSON: {"kv_connector": ..., "kv_role": "kv_producer|kv_consumer|kv_both"}.')
+    # ObservabilityConfig
+    disable_log_stats: bool = _from(ObservabilityConfig, "disable_log_stats")
+    log_stats_interval: float = _from(ObservabilityConfig, "log_stats_interval")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    # ---- command line ------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field to ``parser`` (in an "engine arguments" group).
+
+        ``model`` becomes an optional positional ``MODEL``; ``foo_bar`` becomes ``--foo-bar``
+        with the field's default; booleans get ``--flag/--no-flag``; ``choices`` are enforced.
+        """
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine arguments", "Flags of kvserve.engine.arg_utils.EngineArgs.")
+        for f in fields(cls):
+            meta = f.metadata
+            default = f.default if f.default is not MISSING else None
+            help_text = meta.get("help", "").replace("%", "%%")
+            tp = _unwrap_optional(hints[f.name])
+            if meta.get("positional"):
+                parser.add_argument(f.name, nargs="?", default=default, metavar=f.name.upper(), help=help_text)
+                continue
+            kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
+            flag = "--" + f.name.replace("_", "-")
+            if tp is bool:
+                action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+            else:
+                if tp in (int, float, str):
+                    kwargs["type"] = tp
+                if "choices" in meta:
+                    kwargs["choices"] = list(meta["choices"])
+                action = group.add_argument(flag, **kwargs)
+            if default is not None and "default" not in (action.help or "").lower():
+                action.help = (action.help or "") + " (default: %(default)s)"
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> dict[str, Any]:
+        """The fields present in a parsed namespace, as ``{name: value}`` (for ``LLM(**d)``)."""
+        return {name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)}
+
+    # ---- resolution --------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve defaults, load the HF config, and validate.
+
+        Raises:
+            ValueError: a bad value (the message names the flag); FileNotFoundError: no model.
+        """
+        import torch
+
+        from kvserve.model_loader import load_hf_config, resolve_model
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+        model_path, load_format = resolve_model(self.model, self.load_format)
+        hf_config = load_hf_config(model_path, load_format)
+        dtype = self.dtype
+        if dtype == "auto":
+            # CPU matmuls are fastest and exact in float32; on GPU use the checkpoint's 16-bit type.
+            cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
+            if device == "cpu":
+                dtype = "float32"
+            else:
+                dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or max_pos
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        mnbt = self.max_num_batched_tokens
+        if mnbt is None:
+            mnbt = 8192 if self.enable_chunked_prefill else max_model_len
+        if mnbt < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not self.enable_chunked_prefill and mnbt < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({mnbt}) < max_model_len ({max_model_len}) needs chunked prefill")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
+        executor = self.distributed_executor_backend or "uni"
+        if executor not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be uni or mp, got {executor!r}")
+        spec = parse_json_arg(self.speculative_config, "--speculative-config")
+        spec_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
+        if spec_config is not None:
+            from kvserve.spec_decode import get_proposer_class
+
+            get_proposer_class(spec_config.method)  # ValueError for an unknown method
+        kvt = parse_json_arg(self.kv_transfer_config, "--kv-transfer-config")
+        async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
+        if spec_config is not None:
+            async_sched = False  # drafts of step N are needed to schedule step N+1
+
+        model_config = ModelConfig(
+            model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
+            dtype=dtype, load_format=load_format, max_model_len=max_model_len, seed=self.seed,
+            enforce_eager=self.enforce_eager, hf_config=hf_config,
+            max_model_len_explicit=self.max_model_len is not None,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None,
+            kv_cache_dtype=dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        sched = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill, scheduling_policy=self.scheduling_policy,
+            async_scheduling=async_sched,
+        )
+        return EngineConfig(
+            model_config=model_config, cache_config=cache_config, scheduler_config=sched,
+            parallel_config=ParallelConfig(self.tensor_parallel_size, executor),
+            attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu")),
+            device_config=DeviceConfig(device),
+            observability_config=ObservabilityConfig(self.disable_log_stats, self.log_stats_interval),
+            speculative_config=spec_config,
+            kv_transfer_config=KVTransferConfig.from_dict(kvt) if kvt is not None else None,
+        )
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    """``Optional[X]`` / ``X | None`` -> ``X``; anything else unchanged."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp

@@ -1,0 +1,74 @@
+"""What crosses the line between a frontend and the engine core, as plain data.
+
+The frontend (offline ``LLMEngine`` or the server's ``AsyncLLM``) sends
+``EngineCoreRequest``s and receives ``EngineCoreOutputs`` per step; it keeps its own
+per-request state (text, stop strings, ``n`` fan-in) and never sees the scheduler's
+``Request``. Over the process boundary ``kvserve.engine.ipc`` carries the same fields as
+msgspec structs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """One (child) request for the engine core.
+
+    Attributes:
+        request_id: unique id (children of an ``n > 1`` request are ``"{id}#{k}"``).
+        prompt_token_ids: the prompt, never empty.
+        sampling_params: its own copy (``n == 1``).
+        arrival_time: seconds since the epoch.
+        priority: lower is served first under the priority policy.
+        eos_token_id: the tokenizer's EOS id (None: none).
+        cache_salt: prefix-cache namespace.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    eos_token_id: Optional[int] = None
+    cache_salt: Optional[str] = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request in one step.
+
+    Attributes:
+        request_id: the (child) request id.
+        new_token_ids: tokens since the previous output (one per step; more with speculation).
+        new_logprobs: per new token ``{token_id: (logprob, 1-based rank)}``, if asked.
+        finish_reason: "stop" | "length" | "abort" once finished, else None.
+        stop_reason: the stop token id that ended it, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
+        first_scheduled_time / first_token_time / finished_time: engine-side timestamps (s).
+        num_preemptions: how often it was preempted so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[dict[int, tuple[float, int]]]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    num_cached_tokens: int = -1
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's outputs and the tokens it computed."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0

@@ -1,0 +1,266 @@
+"""``mp``: worker processes that receive each step as serialized data.
+
+The executor binds one zmq PUSH socket per worker (``ipc://`` on this host) and one PULL
+socket for replies. A message is a pickled tuple: ``("call", method, args)`` for set-up
+calls (every rank replies ``("result", rank, value)``), ``("step", SchedulerOutput)`` for a
+step (rank 0 replies ``("step", rank, ModelRunnerOutput)``), ``("shutdown",)``. A worker
+launches step N+1 before it sends step N's result when N+1 is already queued, so async
+scheduling overlaps host and device work as it does in-process. A worker that fails
+replies ``("error", rank, text)`` and exits; a worker that dies is noticed within a second
+and every wait then raises ``RuntimeError`` (the engine never hangs on a dead worker).
+Workers exit when the engine-core process dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import traceback
+from typing import Any, Optional
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.executor.abstract import Executor
+
+logger = logging.getLogger("kvserve")
+
+#: Seconds between liveness checks while waiting.
+POLL_S = 1.0
+#: Seconds a worker gets to load its model and report ready.
+STARTUP_TIMEOUT_S = 900.0
+
+
+class _StepFuture:
+    __slots__ = ("executor", "result", "done")
+
+    def __init__(self, executor: "MultiprocExecutor") -> None:
+        self.executor = executor
+        self.result: Optional[ModelRunnerOutput] = None
+        self.done = False
+
+    def get(self) -> ModelRunnerOutput:
+        while not self.done:
+            self.executor._receive_step()
+        return self.result
+
+
+class MultiprocExecutor(Executor):
+    """``world_size`` worker processes (spawned), one per rank."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        import zmq
+
+        from kvserve.engine.ipc_paths import make_ipc_paths
+
+        self.world_size = config.parallel_config.world_size
+        self._ctx = zmq.Context()
+        base = make_ipc_paths(self.world_size + 1)
+        self._addrs = base
+        self._in_socks = []
+        for addr in base[:-1]:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.bind(addr)
+            self._in_socks.append(s)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(base[-1])
+        self._pending: collections.deque[_StepFuture] = collections.deque()
+        self._closed = False
+        self.failed: Optional[str] = None
+        mp = multiprocessing.get_context("spawn")
+        self.procs = [mp.Process(target=run_worker, args=(config, rank, base[rank], base[-1]),
+                                 name=f"kvserve-worker-{rank}", daemon=True) for rank in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+        try:
+            self._gather("ready", timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- messaging ---------------------------------------------------------------------
+    def _send_all(self, msg: tuple, block: bool = True) -> None:
+        """Send ``msg`` to every rank. A PUSH socket whose worker is gone blocks forever, so
+        wait for it in slices and raise RuntimeError when a worker died (or drop the message
+        when ``block`` is false)."""
+        import zmq
+
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for s in self._in_socks:
+            while True:
+                try:
+                    s.send(data, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if not block:
+                        break
+                    if not s.poll(int(POLL_S * 1000), zmq.POLLOUT):
+                        self._check_alive()
+
+    def _recv(self, timeout: Optional[float] = None) -> tuple:
+        """The next reply; raises RuntimeError when a worker died or failed."""
+        if self.failed:
+            raise RuntimeError(self.failed)
+        waited = 0.0
+        while not self._out.poll(int(POLL_S * 1000)):
+            self._check_alive()
+            waited += POLL_S
+            if timeout is not None and waited >= timeout:
+                self.failed = f"workers did not answer within {timeout:.0f} s"
+                raise RuntimeError(self.failed)
+        msg = pickle.loads(self._out.recv())
+        if msg[0] == "error":
+            self.failed = f"worker {msg[1]} failed: {msg[2]}"
+            raise _worker_error(msg[2], self.failed)
+        return msg
+
+    def _check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            self.failed = f"worker process {dead[0].name} died (exit code {dead[0].exitcode})"
+            raise RuntimeError(self.failed)
+
+    def _gather(self, kind: str, timeout: Optional[float] = None) -> list[Any]:
+        """One ``kind`` reply per rank, in rank order."""
+        got: dict[int, Any] = {}
+        while len(got) < self.world_size:
+            msg = self._recv(timeout)
+            if msg[0] != kind:
+                raise RuntimeError(f"unexpected worker message {msg[0]!r} while waiting for {kind!r}")
+            got[msg[1]] = msg[2] if len(msg) > 2 else None
+        return [got[r] for r in range(self.world_size)]
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        if self._pending:
+            raise RuntimeError("set-up call while steps are in flight")
+        self._send_all(("call", method, args))
+        return self._gather("result")
+
+    def _receive_step(self) -> None:
+        msg = self._recv()
+        if msg[0] != "step":
+            raise RuntimeError(f"unexpected worker message {msg[0]!r} while waiting for a step")
+        fut = self._pending.popleft()
+        fut.result, fut.done = msg[2], True
+
+    # ---- Executor ----------------------------------------------------------------------
+    def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
+        return self._call("get_kv_cache_spec")[0]
+
+    def determine_available_memory(self) -> int:
+        return min(self._call("determine_available_memory"))
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self._call("initialize_kv_cache", kv_cache_config)
+
+    def execute_model(self, sched: SchedulerOutput) -> _StepFuture:
+        fut = _StepFuture(self)
+        self._send_all(("step", sched))
+        self._pending.append(fut)
+        return fut
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._send_all(("shutdown",), block=False)
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        for s in self._in_socks:
+            s.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        from kvserve.engine.ipc_paths import cleanup_ipc_paths
+
+        cleanup_ipc_paths(*self._addrs)
+
+
+def _worker_error(text: str, message: str) -> Exception:
+    """Re-raise a worker's start-up ValueError / FileNotFoundError as itself."""
+    for cls in (ValueError, FileNotFoundError):
+        if text.startswith(cls.__name__ + ":"):
+            return cls(text.split(":", 1)[1].strip())
+    return RuntimeError(message)
+
+
+def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> None:
+    """Entry point of a worker process: build the ``Worker``, then serve calls and steps."""
+    import zmq
+
+    from kvserve.logger import setup_logging
+
+    setup_logging()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(in_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(out_addr)
+    ppid = os.getppid()
+
+    def send(msg: tuple) -> None:
+        out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    def fail(exc: BaseException) -> None:
+        logger.error("worker %d failed:\n%s", rank, traceback.format_exc())
+        send(("error", rank, f"{type(exc).__name__}: {exc}"))
+
+    try:
+        from kvserve.worker.worker import Worker
+
+        worker = Worker(config, rank)
+    except BaseException as exc:
+        fail(exc)
+        return _close(inp, out, ctx)
+    send(("ready", rank))
+    pending = None  # a launched step whose result is not sent yet
+
+    def flush() -> None:
+        result = pending.get()
+        if rank == 0:  # the other ranks finish their steps but send nothing back
+            send(("step", rank, result))
+
+    try:
+        while True:
+            if pending is not None and not inp.poll(0):
+                flush()
+                pending = None
+                continue
+            if not inp.poll(int(POLL_S * 1000)):
+                if os.getppid() != ppid:
+                    return  # the engine core died
+                continue
+            msg = pickle.loads(inp.recv())
+            if msg[0] == "step":
+                handle = worker.execute_model(msg[1])
+                if pending is not None:
+                    flush()
+                pending = handle
+            elif msg[0] == "call":
+                if pending is not None:
+                    flush()
+                    pending = None
+                send(("result", rank, getattr(worker, msg[1])(*msg[2])))
+            elif msg[0] == "shutdown":
+                return
+    except BaseException as exc:
+        fail(exc)
+    finally:
+        _close(inp, out, ctx)
+
+
+def _close(inp, out, ctx) -> None:
+    inp.close(linger=0)
+    out.close()
+    ctx.term()

@@ -1,0 +1,109 @@
+"""How many bytes the KV cache gets: ``--kv-cache-memory``, the CPU default, or a GPU profile.
+
+On a GPU the largest step runs once over a throwaway cache to measure the activation
+peak; the budget is ``total x gpu_memory_utilization`` minus what is in use (weights), that
+peak, and what CUDA graphs will keep (an estimate measured on H100 shapes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kvserve.attention.forward_context import forward_context
+from kvserve.core.kv_cache_spec import KVCacheSpec
+from kvserve.layers.attention import attention_layers
+
+logger = logging.getLogger("kvserve")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def available_kv_bytes(runner) -> int:
+    """KV cache bytes for ``runner`` (a ``ModelRunner`` with its model loaded)."""
+    cc = runner.config.cache_config
+    if cc.kv_cache_memory is not None:
+        return cc.kv_cache_memory
+    if runner.device.type == "cuda":
+        return _profile_gpu_kv_bytes(runner)
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+@torch.inference_mode()
+def _profile_gpu_kv_bytes(runner) -> int:
+    """Run the largest step once with a throwaway cache to measure peak activations."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cfg = runner.config
+    sc = cfg.scheduler_config
+    bs = runner.block_size
+    t = min(sc.max_num_batched_tokens, sc.max_model_len * sc.max_num_seqs)
+    nb = -(-t // bs) + 1
+    specs: dict[int, KVCacheSpec] = runner.get_kv_cache_spec()
+    layers = attention_layers(runner.model)
+    saved = [(layer.kv_cache, layer.kv_cache_group_id) for layer in layers]
+    for layer in layers:
+        layer.kv_cache = runner.backend.allocate_kv_cache(specs[layer.layer_idx], nb, runner.device)
+        layer.kv_cache_group_id = 0
+    base = torch.cuda.memory_allocated()
+    try:
+        # One request per max_model_len tokens, over consecutive blocks.
+        lens = [min(sc.max_model_len, t - s) for s in range(0, t, sc.max_model_len)]
+        blocks_per = [-(-n // bs) for n in lens]
+        bt = np.zeros((len(lens), max(blocks_per)), dtype=np.int32)
+        nxt = 1
+        for i, n in enumerate(blocks_per):
+            bt[i, :n] = np.arange(nxt, nxt + n)
+            nxt += n
+        meta, pos = runner.build_dummy_metadata(bt, lens)
+        ids = torch.randint(0, 100, (sum(lens),), device=runner.device)
+        with forward_context(meta):
+            hidden = runner.model(ids, pos)
+        n_logits = min(sc.max_num_seqs, t)
+        runner.model.compute_logits(hidden[:n_logits]).softmax(-1)
+        torch.cuda.synchronize()
+        peak_act = torch.cuda.max_memory_allocated() - base
+        del hidden
+    finally:
+        for layer, (cache, gid) in zip(layers, saved):
+            layer.kv_cache, layer.kv_cache_group_id = cache, gid
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    budget = total * cfg.cache_config.gpu_memory_utilization
+    used_now = total - free
+    graph_bytes = estimate_graph_bytes(runner, peak_act)
+    kv_bytes = int(budget - used_now - peak_act - graph_bytes)
+    logger.info(
+        "memory: total %.2f GiB x %.2f = %.2f GiB budget; in use %.2f GiB (weights, context); "
+        "peak activations %.2f GiB; CUDA graphs (estimate) %.2f GiB; KV cache %.2f GiB",
+        total / 2**30, cfg.cache_config.gpu_memory_utilization, budget / 2**30,
+        used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, kv_bytes / 2**30,
+    )
+    return max(kv_bytes, 0)
+
+
+def estimate_graph_bytes(runner, peak_act: int) -> int:
+    """Memory CUDA graphs keep beyond the profiled activation peak (0 if none are captured).
+
+    The piecewise graphs' pool holds the activations of the largest token count (measured
+    at about 3x ``peak_act``, the eager peak, which is reserved apart); on top come their
+    static q/k/v/o/hidden buffers, and the decode graphs' own pool and outputs.
+    """
+    cfg = runner.config
+    if cfg.enforce_eager or not runner.backend.cuda_graph_safe:
+        return 0
+    hf = cfg.model_config.hf_config
+    sc = cfg.scheduler_config
+    itemsize = torch.empty((), dtype=runner.dtype).element_size()
+    layer = attention_layers(runner.model)[0]
+    q = layer.num_heads * layer.head_size
+    kv = layer.num_kv_heads * layer.head_size
+    static = sc.max_num_batched_tokens * (2 * q + 2 * kv + hf.hidden_size) * itemsize
+    per_row = 4 * hf.hidden_size + 2 * q + 2 * kv + 3 * hf.intermediate_size
+    rows = sc.max_num_seqs * runner.max_query_len_decode
+    decode = rows * per_row * itemsize * 2  # pool peak + outputs of every size
+    # Measured on an H100 (Qwen3-0.6B and Llama-3.1-8B shapes, 8192 tokens): the piecewise
+    # pool ends near 3x the eager activation peak, i.e. 2x beyond what is already reserved.
+    return static + decode + 2 * peak_act + (64 << 20)  # plus graph objects, workspaces

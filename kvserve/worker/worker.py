@@ -1,0 +1,55 @@
+"""A worker: one device, one model runner; what an executor drives (in-process or as a process).
+
+Every call takes plain data (``EngineConfig``, ``KVCacheConfig``, ``SchedulerOutput``) and
+returns plain data, so the same worker serves the in-process executor and worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from kvserve.core.sched_output import SchedulerOutput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.runner_output import AsyncModelRunnerOutput
+
+logger = logging.getLogger("kvserve")
+
+
+class Worker:
+    """Loads the model for ``rank`` and executes steps.
+
+    Args:
+        config: the resolved engine config.
+        rank: this worker's rank (0 with one worker).
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        if config.device == "cuda":
+            torch.cuda.set_device(rank)
+        self.model_runner = ModelRunner(config)
+        spec = config.speculative_config
+        if spec is not None:
+            from kvserve.spec_decode import get_proposer_class
+
+            self.model_runner.proposer = get_proposer_class(spec.method)(config)
+
+    def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
+        """Per attention layer, its KV cache spec."""
+        return self.model_runner.get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        """Bytes this worker can give the KV cache."""
+        return self.model_runner.determine_available_memory()
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch a step; ``.get()`` on the result waits for its tokens."""
+        return self.model_runner.execute_model_async(sched)
