@@ -27,14 +27,9 @@ def test_piecewise_sizes_cover_every_token_count():
     assert piecewise_sizes(16) == [16]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("budget", [512, 24])
-def test_graph_replay_matches_eager(tmp_path, budget):
-    """Decode graphs and piecewise graphs (steps with prefill; budget 24 forces chunked
-    prefill mixed with decodes) give the eager tokens."""
+def _random_llama(path) -> None:
+    """A 2-layer random Llama (vocab 512, GQA 8:2) saved as a HF directory at ``path``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from kvserve import LLM, SamplingParams
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -45,7 +40,17 @@ def test_graph_replay_matches_eager(tmp_path, budget):
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [512, 24])
+def test_graph_replay_matches_eager(tmp_path, budget):
+    """Decode graphs and piecewise graphs (steps with prefill; budget 24 forces chunked
+    prefill mixed with decodes) give the eager tokens."""
+    from kvserve import LLM, SamplingParams
+
+    _random_llama(tmp_path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 9, 16, 33, 70)]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -64,21 +69,10 @@ def test_graph_replay_matches_eager(tmp_path, budget):
 def test_multi_token_graphs_match_eager(tmp_path):
     """Decode graphs of query length 1 + k (verification steps of a scripted proposer that is
     right, then wrong) give the plain eager tokens."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from kvserve import LLM, SamplingParams
     from kvserve.spec_decode import Proposer, register_proposer
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    model.save_pretrained(tmp_path)
+    _random_llama(tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 9, 17, 40)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
