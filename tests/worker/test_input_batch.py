@@ -65,7 +65,7 @@ def test_input_batch_equals_rebuild_under_random_workload(seed):
         prompt = (base[:rng.randint(0, plen)] + [rng.randrange(4) for _ in range(plen)])[:plen]
         arrivals.append((rng.randint(0, 15), Request(f"q{i}", prompt, SamplingParams(
             max_tokens=rng.randint(1, max_len - plen), ignore_eos=True), arrival_time=float(i))))
-    checked = 0
+    checked = aborted = 0
     for t in range(400):
         for at, r in arrivals:
             if at == t:
@@ -74,6 +74,7 @@ def test_input_batch_equals_rebuild_under_random_workload(seed):
             break
         if rng.random() < 0.03 and s.requests:
             s.finish_requests([rng.choice(sorted(s.requests))], RequestStatus.FINISHED_ABORTED)
+            aborted += 1
         out = s.schedule()
         wire = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
         batch.apply(wire)
@@ -115,7 +116,8 @@ def test_input_batch_equals_rebuild_under_random_workload(seed):
         for r in s.running:
             assert len(s.kv.get_block_ids(r.request_id)[0]) == -(-r.num_computed_tokens // bs)
         s.kv.check_invariants()
-    assert not s.has_unfinished_requests() and checked > 0
+    assert not s.has_unfinished_requests()
+    assert checked > 0 or aborted == len(arrivals)  # nothing to check only if every request was aborted first
     assert s.kv.pool.get_num_free_blocks() == s.kv.pool.num_usable_blocks
 
 
