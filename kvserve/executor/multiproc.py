@@ -74,8 +74,9 @@ class MultiprocExecutor(Executor):
         self._pending: collections.deque[_StepFuture] = collections.deque()
         self._closed = False
         self.failed: Optional[str] = None
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         mp = multiprocessing.get_context("spawn")
-        self.procs = [mp.Process(target=run_worker, args=(config, rank, base[rank], base[-1]),
+        self.procs = [mp.Process(target=run_worker, args=(config, rank, base[rank], base[-1], init_method),
                                  name=f"kvserve-worker-{rank}", daemon=True) for rank in range(self.world_size)]
         for p in self.procs:
             p.start()
@@ -193,7 +194,17 @@ def _worker_error(text: str, message: str) -> Exception:
     return RuntimeError(message)
 
 
-def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> None:
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for the tensor-parallel rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str, init_method: Optional[str] = None
+               ) -> None:
     """Entry point of a worker process: build the ``Worker``, then serve calls and steps."""
     import zmq
 
@@ -219,7 +230,7 @@ def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> 
     try:
         from kvserve.worker.worker import Worker
 
-        worker = Worker(config, rank)
+        worker = Worker(config, rank, init_method)
     except BaseException as exc:
         fail(exc)
         return _close(inp, out, ctx)
