@@ -123,7 +123,8 @@ class ParallelConfig:
     """How the model is spread over workers."""
 
     tensor_parallel_size: int = doc(1, "Tensor-parallel ranks: attention heads, MLP and vocabulary split over "
-                                       "this many workers (one GPU each; gloo processes on the CPU).")
+                                       "this many workers (one GPU each; gloo processes on the CPU).",
+                                    aliases=["-tp"])
     distributed_executor_backend: Optional[str] = doc(
         None, "Executor: uni (the worker runs in the engine-core process; default for one rank), mp (one worker "
               "process per rank on this machine, fed each step as serialized data; default for several ranks) "

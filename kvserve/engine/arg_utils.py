@@ -109,15 +109,15 @@ class EngineArgs:
                 parser.add_argument(f.name, nargs="?", default=default, metavar=f.name.upper(), help=help_text)
                 continue
             kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
             if tp is bool:
-                action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+                action = group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             else:
                 if tp in (int, float, str):
                     kwargs["type"] = tp
                 if "choices" in meta:
                     kwargs["choices"] = list(meta["choices"])
-                action = group.add_argument(flag, **kwargs)
+                action = group.add_argument(*flags, **kwargs)
             if default is not None and "default" not in (action.help or "").lower():
                 action.help = (action.help or "") + " (default: %(default)s)"
         return parser
