@@ -122,10 +122,14 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model is spread over workers."""
 
-    tensor_parallel_size: int = doc(1, "Tensor-parallel ranks (1 today; more arrive with tensor parallelism).")
+    tensor_parallel_size: int = doc(1, "Tensor-parallel ranks: attention heads, MLP and vocabulary split over "
+                                       "this many workers (one GPU each; gloo processes on the CPU).",
+                                    aliases=["-tp"])
     distributed_executor_backend: Optional[str] = doc(
-        None, "Executor: uni (the worker runs in the engine-core process; default for one rank) or mp (worker "
-              "processes fed each step as serialized data).", choices=["uni", "mp"])
+        None, "Executor: uni (the worker runs in the engine-core process; default for one rank), mp (one worker "
+              "process per rank on this machine, fed each step as serialized data; default for several ranks) "
+              "or ray (one Ray actor per rank, on the nodes of a Ray cluster: RAY_ADDRESS or a local one).",
+        choices=["uni", "mp", "ray"])
 
     @property
     def world_size(self) -> int:

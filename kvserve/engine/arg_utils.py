@@ -109,15 +109,15 @@ class EngineArgs:
                 parser.add_argument(f.name, nargs="?", default=default, metavar=f.name.upper(), help=help_text)
                 continue
             kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
             if tp is bool:
-                action = group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+                action = group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
             else:
                 if tp in (int, float, str):
                     kwargs["type"] = tp
                 if "choices" in meta:
                     kwargs["choices"] = list(meta["choices"])
-                action = group.add_argument(flag, **kwargs)
+                action = group.add_argument(*flags, **kwargs)
             if default is not None and "default" not in (action.help or "").lower():
                 action.help = (action.help or "") + " (default: %(default)s)"
         return parser
@@ -173,11 +173,13 @@ class EngineArgs:
                 f"max_num_batched_tokens ({mnbt}) < max_model_len ({max_model_len}) needs chunked prefill")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is not supported yet (only 1)")
-        executor = self.distributed_executor_backend or "uni"
-        if executor not in ("uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be uni or mp, got {executor!r}")
+        tp = self.tensor_parallel_size
+        check_tensor_parallel(hf_config, tp, device)
+        executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        if executor not in ("uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be uni, mp or ray, got {executor!r}")
+        if executor == "uni" and tp > 1:
+            raise ValueError("tensor_parallel_size > 1 needs one process per rank: use the mp or ray executor")
         spec = parse_json_arg(self.speculative_config, "--speculative-config")
         spec_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
         if spec_config is not None:
@@ -216,6 +218,29 @@ class EngineArgs:
             speculative_config=spec_config,
             kv_transfer_config=KVTransferConfig.from_dict(kvt) if kvt is not None else None,
         )
+
+
+def check_tensor_parallel(hf_config: Any, tp: int, device: str) -> None:
+    """Raise ValueError when ``tp`` ranks cannot split this model (heads, KV heads, MLP width)
+    or exceed the visible GPUs."""
+    from kvserve.distributed import kv_head_range
+
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    heads = hf_config.num_attention_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {heads} attention heads")
+    kv_head_range(getattr(hf_config, "num_key_value_heads", None) or heads, tp, 0)
+    inter = getattr(hf_config, "intermediate_size", 0)
+    if inter % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size {inter}")
+    if device == "cuda":
+        import torch
+
+        if tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {tp} > {torch.cuda.device_count()} visible GPUs")
 
 
 def _unwrap_optional(tp: Any) -> Any:

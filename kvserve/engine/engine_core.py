@@ -46,11 +46,15 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
         sc.max_model_len = mc.max_model_len = capacity
     cc.num_blocks = num_blocks
     bpt = kv_cfg.bytes_per_token
+    pc = config.parallel_config
+    layout = "" if pc.world_size == 1 else (
+        f" per rank; tensor_parallel_size={pc.tensor_parallel_size} ({pc.distributed_executor_backend} executor), "
+        f"each rank holds its share of the KV heads")
     logger.info(
-        "KV cache: %d bytes/token over %d layers (%s); %d blocks x %d tokens = %d tokens (%.2f GiB); "
+        "KV cache: %d bytes/token over %d layers (%s); %d blocks x %d tokens = %d tokens (%.2f GiB)%s; "
         "max concurrency at max_model_len=%d: %.2fx",
         bpt, kv_cfg.num_layers, kv_cfg.describe(), num_blocks - 1, cc.block_size, capacity,
-        kv_cfg.total_bytes / 2**30, sc.max_model_len, capacity / sc.max_model_len,
+        kv_cfg.total_bytes / 2**30, layout, sc.max_model_len, capacity / sc.max_model_len,
     )
     return kv_cfg
 

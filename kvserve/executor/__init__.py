@@ -2,9 +2,8 @@
 
 - ``uni`` (``UniProcExecutor``): one worker in the engine-core process.
 - ``mp`` (``MultiprocExecutor``): worker processes fed each step as serialized data over a
-  local channel; results come back the same way.
-
-Tensor parallelism and Ray plug in here as further executors.
+  local channel; results come back the same way (the default for several ranks).
+- ``ray`` (``RayExecutor``): one Ray actor per rank, on the nodes of a Ray cluster.
 """
 
 from __future__ import annotations
@@ -24,7 +23,11 @@ def get_executor_class(parallel_config: ParallelConfig) -> type[Executor]:
         from kvserve.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor
-    raise ValueError(f"unknown distributed_executor_backend {backend!r}; choose uni or mp")
+    if backend == "ray":
+        from kvserve.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    raise ValueError(f"unknown distributed_executor_backend {backend!r}; choose uni, mp or ray")
 
 
 __all__ = ["Executor", "get_executor_class"]

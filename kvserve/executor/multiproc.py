@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing
 import os
 import pickle
 import signal
@@ -74,12 +73,10 @@ class MultiprocExecutor(Executor):
         self._pending: collections.deque[_StepFuture] = collections.deque()
         self._closed = False
         self.failed: Optional[str] = None
-        mp = multiprocessing.get_context("spawn")
-        self.procs = [mp.Process(target=run_worker, args=(config, rank, base[rank], base[-1]),
-                                 name=f"kvserve-worker-{rank}", daemon=True) for rank in range(self.world_size)]
-        for p in self.procs:
-            p.start()
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.procs = [WorkerProcess(rank, base[rank], base[-1]) for rank in range(self.world_size)]
         try:
+            self._send_all(("init", config, init_method))
             self._gather("ready", timeout=STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -193,8 +190,55 @@ def _worker_error(text: str, message: str) -> Exception:
     return RuntimeError(message)
 
 
-def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> None:
-    """Entry point of a worker process: build the ``Worker``, then serve calls and steps."""
+class WorkerProcess:
+    """One worker as a plain child process (``python -c ...``): unlike ``multiprocessing``, it
+    may be started from the server's daemonic engine-core process. The config arrives as
+    the first message on its input socket."""
+
+    def __init__(self, rank: int, in_addr: str, out_addr: str) -> None:
+        import subprocess
+        import sys
+
+        self.name = f"kvserve-worker-{rank}"
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        code = "import sys; from kvserve.executor.multiproc import run_worker; run_worker(*sys.argv[1:])"
+        self._p = subprocess.Popen([sys.executable, "-c", code, str(rank), in_addr, out_addr], env=env)
+        self.pid = self._p.pid
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self._p.poll()
+
+    def is_alive(self) -> bool:
+        return self._p.poll() is None
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        import subprocess
+
+        try:
+            self._p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._p.terminate()
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for the tensor-parallel rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(rank: str, in_addr: str, out_addr: str) -> None:
+    """Entry point of a worker process: receive ``("init", config, init_method)``, build the
+    ``Worker``, then serve calls and steps."""
     import zmq
 
     from kvserve.logger import setup_logging
@@ -208,6 +252,7 @@ def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> 
     out.setsockopt(zmq.LINGER, 5000)
     out.connect(out_addr)
     ppid = os.getppid()
+    rank = int(rank)
 
     def send(msg: tuple) -> None:
         out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
@@ -219,7 +264,11 @@ def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> 
     try:
         from kvserve.worker.worker import Worker
 
-        worker = Worker(config, rank)
+        while not inp.poll(int(POLL_S * 1000)):
+            if os.getppid() != ppid:
+                return _close(inp, out, ctx)
+        kind, config, init_method = pickle.loads(inp.recv())
+        worker = Worker(config, rank, init_method)
     except BaseException as exc:
         fail(exc)
         return _close(inp, out, ctx)

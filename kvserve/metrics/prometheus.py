@@ -95,6 +95,17 @@ class PrometheusStatLogger(StatLogger):
         self.rejected = counter("num_requests_rejected", "Requests rejected with 429 (queue full).")
         self._rejected_seen = 0
 
+    def set_engine_info(self, config: Any, num_blocks: int) -> None:
+        """``kvserve:engine_config_info`` (value 1, as vLLM's ``cache_config_info``): the KV
+        layout and the parallel layout as labels, from the resolved ``EngineConfig``."""
+        pc, cc = config.parallel_config, config.cache_config
+        labels = {"model_name": self.model_name, "block_size": str(cc.block_size),
+                  "num_gpu_blocks": str(num_blocks), "kv_cache_dtype": str(cc.kv_cache_dtype),
+                  "tensor_parallel_size": str(pc.tensor_parallel_size),
+                  "distributed_executor_backend": str(pc.distributed_executor_backend or "uni")}
+        Gauge("kvserve:engine_config_info", "Engine layout (labels); num_gpu_blocks is per rank.",
+              list(labels), registry=self.registry).labels(**labels).set(1)
+
     def attach_frontend(self, admitted, rejected, unfinished) -> None:
         """Callables read at every ``render()``: admitted sequences, rejections so far, and
         requests the engine client still tracks."""

@@ -13,8 +13,11 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from kvserve.distributed import get_tp_size, kv_head_range
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
+from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                   VocabParallelEmbedding, parallel_logits)
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, get_rope_params
 
@@ -38,14 +41,18 @@ def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        tp = get_tp_size()
+        total_heads = cfg.num_attention_heads
+        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = _head_dim(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv, bias, dtype)
+        # This rank's heads (all of them with one rank).
+        self.num_heads = total_heads // tp
+        self.num_kv_heads = kv_head_range(total_kv, tp, 0)[1]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, bias=False, dtype=dtype)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype)
@@ -71,8 +78,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = cfg.intermediate_size
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias, dtype=dtype)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
         self.rotary_emb = RotaryEmbedding(_head_dim(cfg), max_pos, get_rope_params(cfg))
         self.layers = nn.ModuleList(
@@ -118,6 +125,12 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+
+def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)
 
 
 # HF checkpoint name suffix -> (our packed param, shard index within it).
@@ -145,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: ``[T]`` int64 -> final-normed hidden ``[T, hidden]`` in the model dtype.
@@ -156,26 +169,21 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
-
-    def _split_sizes(self, packed: str) -> list[int]:
-        if packed == "qkv_proj":
-            a = self.model.layers[0].self_attn
-            return [a.q_size, a.kv_size, a.kv_size]
-        inter = self.config.intermediate_size
-        return [inter, inter]
+        return parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (e.g. ``model.layers.0.self_attn.q_proj.weight``) into the model.
 
-        q/k/v and gate/up are packed into ``qkv_proj`` / ``gate_up_proj``. ``rotary_emb.inv_freq``
-        is ignored, and so is ``lm_head.weight`` when embeddings are tied.
+        q/k/v and gate/up are packed into ``qkv_proj`` / ``gate_up_proj``; under tensor
+        parallelism each layer's ``weight_loader`` keeps this rank's slice of the full tensor.
+        ``rotary_emb.inv_freq`` is ignored, and so is ``lm_head.weight`` when embeddings are tied.
 
         Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
         """
         params = dict(self.named_parameters())
+        owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in self.named_modules()
+                  for pn, _ in m.named_parameters(recurse=False)}
         # Each packed param must receive all of its shards; count them.
         expected: dict[str, int] = {}
         for name in params:
@@ -194,16 +202,18 @@ class LlamaForCausalLM(nn.Module):
                 target = f"{m.group(1)}.{packed}.{m.group(3)}"
                 if target not in params:
                     raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
-                sizes = self._split_sizes(packed)
-                dst = params[target].narrow(0, sum(sizes[:shard]), sizes[shard])
             else:
                 target, shard = name, 0
                 if target not in params:
                     raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
-                dst = params[target]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            load = getattr(owners[target], "weight_loader", None)
+            try:
+                if load is not None:
+                    load(params[target], tensor, shard)
+                else:
+                    _check_copy(params[target], tensor)
+            except ValueError as e:
+                raise ValueError(f"{name!r}: {e}") from None
             seen.setdefault(target, set()).add(shard)
         missing = [n for n in params if len(seen.get(n, ())) < expected.get(n, 1)]
         if missing:

@@ -7,6 +7,8 @@ returns plain data, so the same worker serves the in-process executor and worker
 from __future__ import annotations
 
 import logging
+import os
+from typing import Optional
 
 import torch
 
@@ -25,13 +27,22 @@ class Worker:
     Args:
         config: the resolved engine config.
         rank: this worker's rank (0 with one worker).
+        distributed_init_method: the tensor-parallel rendezvous (``tcp://host:port``); needed
+            when ``config.parallel_config.world_size > 1``.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: Optional[str] = None) -> None:
         self.config = config
         self.rank = rank
+        world = config.parallel_config.world_size
         if config.device == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if world > 1:
+            from kvserve.distributed import init_distributed
+
+            if config.device == "cpu":  # ranks share the cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            init_distributed(rank, world, distributed_init_method, "nccl" if config.device == "cuda" else "gloo")
         self.model_runner = ModelRunner(config)
         spec = config.speculative_config
         if spec is not None:

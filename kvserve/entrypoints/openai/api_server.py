@@ -323,6 +323,7 @@ async def serve_async(ns: argparse.Namespace) -> None:
     stat_logger = PrometheusStatLogger(names[0])
     engine_args = EngineArgs(**EngineArgs.from_cli_args(ns))
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger)
+    stat_logger.set_engine_info(engine.config, engine.num_blocks)
     engine_died = False
     try:
         app = build_app(engine, names, ns.api_key or os.environ.get("KVSERVE_API_KEY"), stat_logger,

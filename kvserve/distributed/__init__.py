@@ -1,0 +1,14 @@
+"""Tensor-parallel process group and its collectives (``torch.distributed``)."""
+
+from kvserve.distributed.parallel_state import (
+    destroy_distributed,
+    get_tp_rank,
+    get_tp_size,
+    init_distributed,
+    kv_head_range,
+    tp_all_gather,
+    tp_all_reduce,
+)
+
+__all__ = ["destroy_distributed", "get_tp_rank", "get_tp_size", "init_distributed", "kv_head_range",
+           "tp_all_gather", "tp_all_reduce"]

@@ -1,0 +1,74 @@
+"""The tensor-parallel group of this process: rank, size and the two collectives the model uses.
+
+One group per process (every rank of a model runs in its own process, as in vLLM and
+Megatron-LM, arXiv:1909.08053). Without ``init_distributed`` the size is 1 and the
+collectives are identities, so single-process engines never touch ``torch.distributed``.
+Backends: NCCL on CUDA, gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_RANK = 0
+_SIZE = 1
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
+    """Join the tensor-parallel group (``init_method`` e.g. ``tcp://127.0.0.1:29500``).
+
+    Raises RuntimeError when the rendezvous fails (``torch.distributed`` times out).
+    """
+    global _RANK, _SIZE
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    _RANK, _SIZE = rank, world_size
+
+
+def destroy_distributed() -> None:
+    """Leave the group (idempotent)."""
+    global _RANK, _SIZE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _RANK, _SIZE = 0, 1
+
+
+def get_tp_rank() -> int:
+    return _RANK
+
+
+def get_tp_size() -> int:
+    return _SIZE
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns ``x``."""
+    if _SIZE > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (same shape on all) along ``dim``, in rank order."""
+    if _SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """``(first, count)`` of the KV heads rank ``rank`` holds: a contiguous ``num_kv_heads /
+    tp_size`` of them, or one head replicated on ``tp_size / num_kv_heads`` ranks when there
+    are fewer KV heads than ranks. Raises ValueError when neither divides the other."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} must divide the {num_kv_heads} KV heads "
+                             f"(or be a multiple of them)")
+        n = num_kv_heads // tp_size
+        return rank * n, n
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp_size} must be a multiple of the {num_kv_heads} KV heads "
+                         f"(or divide them)")
+    return rank // (tp_size // num_kv_heads), 1
