@@ -75,8 +75,6 @@ def validate_rope_params(params: dict, head_dim: int) -> None:
         for key in ("short_factor", "long_factor"):
             if len(params[key]) != head_dim // 2:
                 raise ValueError(f"longrope {key} has {len(params[key])} entries, expected head_dim/2 = {head_dim // 2}")
-    if rope_type in ("yarn", "longrope") and params.get("original_max_position_embeddings") is None:
-        raise ValueError(f"rope_type {rope_type!r} needs original_max_position_embeddings")
 
 
 def _base_exponents(head_dim: int) -> torch.Tensor:
@@ -90,7 +88,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _yarn(params: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     base = float(params["rope_theta"])
-    orig = params["original_max_position_embeddings"]
+    orig = params.get("original_max_position_embeddings") or max_position_embeddings
     factor = params.get("factor") or max_position_embeddings / orig
     attn = params.get("attention_factor")
     if attn is None:
@@ -158,7 +156,7 @@ def rope_inv_freq(
     if rope_type == "yarn":
         return _yarn(params, head_dim, max_position_embeddings)
     if rope_type == "longrope":
-        orig = params["original_max_position_embeddings"]
+        orig = params.get("original_max_position_embeddings") or max_position_embeddings
         factor = params.get("factor") or max_position_embeddings / orig
         attn = params.get("attention_factor")
         if attn is None:

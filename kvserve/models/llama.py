@@ -24,6 +24,15 @@ def _head_dim(cfg: Any) -> int:
 
 
 def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    window = _sliding_window_in_use(cfg, layer_idx)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if window is not None and max_pos is not None and window > max_pos:
+        raise ValueError(f"sliding_window {window} is larger than the model's context ({max_pos} tokens): "
+                         "a broken config")
+    return window
+
+
+def _sliding_window_in_use(cfg: Any, layer_idx: int) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None

@@ -42,3 +42,14 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architectures {archs}; supported: {', '.join(_MODELS)}"
     )
+
+
+def validate_model_config(hf_config: Any, max_model_len: int) -> None:
+    """Build the model for ``hf_config`` on the meta device (no memory) so that every config
+    error the model raises (unsupported architecture, rope type, window) is a ValueError at
+    start-up, before weights load or worker processes start."""
+    import torch
+
+    cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        cls(hf_config, torch.float32, max_model_len=max_model_len)
