@@ -81,6 +81,11 @@ class ModelConfig:
                            choices=["auto", "safetensors", "gguf", "dummy"])
     max_model_len: Optional[int] = doc(None, "Longest prompt + output in tokens (default: the model's context "
                                              "length, capped by the KV cache).")
+    rope_scaling: Optional[dict] = doc(
+        None, 'RoPE scaling as JSON, replacing the config\'s: {"rope_type": "linear|dynamic|yarn|longrope|llama3", '
+              '"factor": 4.0, ...} (the type\'s HF keys). Needed for --max-model-len beyond the native context; '
+              'on Gemma 3 it scales the global layers.')
+    rope_theta: Optional[float] = doc(None, "RoPE base frequency, replacing the config's (Gemma 3: global layers).")
     seed: int = doc(0, "Seed for weights of dummy models and for unseeded sampling.")
     enforce_eager: bool = doc(False, "Never use CUDA graphs (captured on CUDA otherwise: whole decode steps, and "
                                      "steps with prefill piecewise around attention).")

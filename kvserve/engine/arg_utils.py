@@ -55,6 +55,8 @@ class EngineArgs:
     dtype: str = _from(ModelConfig, "dtype")
     load_format: str = _from(ModelConfig, "load_format")
     max_model_len: Optional[int] = _from(ModelConfig, "max_model_len")
+    rope_scaling: Optional[str] = _from(ModelConfig, "rope_scaling")  # JSON text or a dict
+    rope_theta: Optional[float] = _from(ModelConfig, "rope_theta")
     seed: int = _from(ModelConfig, "seed")
     enforce_eager: bool = _from(ModelConfig, "enforce_eager")
     # DeviceConfig
@@ -153,10 +155,8 @@ class EngineArgs:
                 dtype = "float32"
             else:
                 dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
-        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_model_len = self.max_model_len or max_pos
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
+        max_model_len = resolve_max_model_len(hf_config, self.max_model_len, rope_scaling, self.rope_theta)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -194,6 +194,7 @@ class EngineArgs:
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
             dtype=dtype, load_format=load_format, max_model_len=max_model_len, seed=self.seed,
+            rope_scaling=rope_scaling, rope_theta=self.rope_theta,
             enforce_eager=self.enforce_eager, hf_config=hf_config,
             max_model_len_explicit=self.max_model_len is not None,
         )
@@ -241,6 +242,56 @@ def check_tensor_parallel(hf_config: Any, tp: int, device: str) -> None:
 
         if tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {tp} > {torch.cuda.device_count()} visible GPUs")
+
+
+ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def resolve_max_model_len(hf_config: Any, max_model_len: Optional[int], rope_scaling: Optional[dict],
+                          rope_theta: Optional[float]) -> int:
+    """Apply ``--rope-scaling`` / ``--rope-theta`` to ``hf_config`` and decide the context length.
+
+    The default is the model's context (``max_position_embeddings``), or the scaled one when
+    ``--rope-scaling`` stretches it (linear / dynamic / yarn: ``factor`` x the original).
+    A ``--max-model-len`` beyond what the rope covers is refused unless the rope is scaled
+    (or ``KVSERVE_ALLOW_LONG_MAX_MODEL_LEN=1``, then with a warning); beyond the scaled length
+    it is allowed with a warning. The model is then built on the meta device so config errors
+    (unsupported rope type, bad window) surface here.
+
+    Raises ValueError naming the flag.
+    """
+    import logging
+    import os
+
+    from kvserve.layers.rope_scaling import apply_rope_overrides, layer_rope_dicts, scaled_context_length
+    from kvserve.models.registry import validate_model_config
+
+    logger = logging.getLogger("kvserve")
+    if rope_theta is not None and not rope_theta > 0:
+        raise ValueError(f"--rope-theta must be > 0, got {rope_theta}")
+    try:
+        apply_rope_overrides(hf_config, rope_scaling, rope_theta)
+    except ValueError as exc:
+        raise ValueError(f"--rope-scaling/--rope-theta: {exc}") from None
+    max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+    dicts = layer_rope_dicts(hf_config)
+    params = dicts.get("full_attention") or dicts["default"]
+    scaled = params["rope_type"] != "default"
+    covered = scaled_context_length(params, max_pos)
+    if max_model_len is None:
+        max_model_len = covered if rope_scaling is not None else max_pos
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if max_model_len > covered:
+        if not scaled and os.environ.get(ALLOW_LONG_ENV) != "1":
+            raise ValueError(
+                f"--max-model-len {max_model_len} is longer than the model's context ({max_pos} tokens) and its "
+                f"rope is not scaled: pass --rope-scaling (e.g. '{{\"rope_type\": \"dynamic\", \"factor\": "
+                f"{-(-max_model_len // max_pos)}.0}}') or set {ALLOW_LONG_ENV}=1 to run unscaled anyway")
+        logger.warning("max_model_len %d is beyond the %d tokens the model's rope (%s) covers; quality may drop",
+                       max_model_len, covered, params["rope_type"])
+    validate_model_config(hf_config, max_model_len)
+    return max_model_len
 
 
 def _unwrap_optional(tp: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterator, Optional, Sequence, Union
 
 from kvserve.engine.arg_utils import EngineArgs
@@ -118,10 +119,22 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
-    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+    def check_chat_template(self) -> None:
+        """Raise ValueError unless the tokenizer has a chat template (base models, such as the
+        packaged Gemma 3 270M, have none: they continue plain text via ``generate``)."""
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (the engine was started with skip_tokenizer_init)")
         if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
+            name = os.path.basename(self.llm_engine.config.model_config.model or "") or "this model"
+            raise ValueError(
+                f"{name} has no chat template (a base model, not an instruction-tuned one): chat is not "
+                "available; use LLM.generate / `kvserve generate` / /v1/completions with plain text prompts, "
+                "or pass a --tokenizer that has a chat template")
+
+    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        self.check_chat_template()
+        tok = self.get_tokenizer()
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

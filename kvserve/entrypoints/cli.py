@@ -214,6 +214,7 @@ def run_chat(ns: argparse.Namespace) -> int:
     """``kvserve chat``: build the engine and run ``chat_loop`` on stdin/stdout."""
     sp = sampling_params_from_namespace(ns)
     llm = bench_env.make_llm(engine_args_from_namespace(ns))
+    llm.check_chat_template()  # a base model fails here, before reading any input
     chat_loop(llm, sp, ns.system)
     return 0
 

@@ -18,3 +18,21 @@ class SiluAndMul(nn.Module):
                 return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(gate) * up`` for ``x = [gate | up]`` of shape ``[T, 2*I]`` -> ``[T, I]``.
+
+    Args:
+        approximate: ``"tanh"`` (Gemma's ``gelu_pytorch_tanh``) or ``"none"`` (exact erf GELU).
+    """
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

@@ -44,3 +44,26 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in float32, then cast.
+
+    The weight is zero-centred (HF checkpoints store ``w``; GGUF files store ``1 + w``, which the
+    loader undoes). Unlike Llama's norm the scale multiplies before the cast back to the input
+    dtype (as transformers' Gemma 3).
+
+    Args:
+        hidden_size: size of the normalized (last) dim; eps: variance epsilon.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., hidden]`` -> normed, same shape and dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

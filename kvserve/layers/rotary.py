@@ -1,67 +1,55 @@
-"""Rotary position embedding (neox / rotate_half style, as HF Llama) on flat q/k."""
+"""Rotary position embedding (neox / rotate_half style, as HF Llama) on flat q/k; scaling types
+in ``kvserve.layers.rope_scaling``."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from kvserve.layers.rope_scaling import layer_rope_dicts, rope_inv_freq
 
-def get_rope_params(config: Any) -> dict:
+
+def get_rope_params(config: Any, layer_type: str | None = None) -> dict:
     """Rope settings of an HF config as one dict with ``rope_theta`` and ``rope_type``.
 
     Reads transformers-5 ``config.rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``.
+    ``layer_type`` picks one dict on models with a rope per layer type (Gemma 3:
+    ``full_attention`` / ``sliding_attention``). Raises KeyError for a layer type the config lacks.
     """
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        out = dict(params)
-    else:
-        out = dict(getattr(config, "rope_scaling", None) or {})
-        out["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
-    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
-    return out
-
-
-def compute_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` float32 for rope types default, linear and llama3.
-
-    Raises ValueError for any other rope type.
-    """
-    base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(params["factor"])
-    if rope_type == "llama3":
-        factor = params["factor"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        old_len = params["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    dicts = layer_rope_dicts(config)
+    if layer_type is None or "default" in dicts:
+        return dicts.get("default") or dicts["full_attention"]
+    return dicts[layer_type]
 
 
 class RotaryEmbedding(nn.Module):
     """Applies rope to flat ``q [T, Hq*D]`` and ``k [T, Hk*D]`` given ``positions [T]`` int64.
 
-    cos/sin are precomputed in float32 for positions ``< max_position`` and cast to the
-    input dtype on use, matching HF numerics.
+    cos/sin are precomputed in float32 for positions ``< max(max_position, max_model_len)``
+    (times the scaling type's attention factor: yarn, longrope) and cast to the input dtype
+    on use, matching HF numerics.
+
+    Args:
+        head_dim: rotary dim; max_position: the config's ``max_position_embeddings``.
+        rope_params: one rope dict (``rope_theta``, ``rope_type``, the type's keys).
+        max_model_len: the engine's context length (sizes the cache; picks dynamic's /
+            longrope's setting), None = ``max_position``.
+
+    Raises ValueError for an unsupported rope type or missing keys.
     """
 
-    def __init__(self, head_dim: int, max_position: int, rope_params: dict) -> None:
+    def __init__(self, head_dim: int, max_position: int, rope_params: dict,
+                 max_model_len: Optional[int] = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.max_position = max_position
+        self.config_max_position = max_position
+        self.max_model_len = max_model_len
+        self.max_position = max(max_position, max_model_len or 0)
         self.rope_params = dict(rope_params)
+        # Validate now (ValueError at model build, not at the first forward).
+        self.inv_freq, self.attention_factor = rope_inv_freq(self.rope_params, head_dim, max_position, max_model_len)
         self.register_buffer("cos_cache", torch.empty(0), persistent=False)
         self.register_buffer("sin_cache", torch.empty(0), persistent=False)
         self.build_cache()
@@ -78,13 +66,16 @@ class RotaryEmbedding(nn.Module):
             self.cos_cache = torch.empty(shape, device=device)
             self.sin_cache = torch.empty(shape, device=device)
             return
-        inv_freq = compute_inv_freq(self.rope_params, self.head_dim)
+        inv_freq = self.inv_freq
         # Same op order as HF (position * inv_freq in float32) so cos/sin match bit for bit.
         pos = torch.arange(self.max_position, dtype=torch.int64, device="cpu").float()
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache = emb.cos().to(device)
-        self.sin_cache = emb.sin().to(device)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos_cache = cos.to(device)
+        self.sin_cache = sin.to(device)
 
     def _apply(self, fn, recurse=True):
         # Keep the caches float32 when the module is cast with .to(dtype)/.half().

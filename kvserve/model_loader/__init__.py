@@ -14,6 +14,8 @@ from torch import nn
 
 from kvserve.model_loader.default_model import default_model_path
 from kvserve.model_loader.dummy_loader import init_dummy_weights
+from kvserve.model_loader.gemma3_package import MODEL_ALIAS as GEMMA3_ALIAS
+from kvserve.model_loader.gemma3_package import gemma3_270m_path
 from kvserve.model_loader.gguf_loader import iterate_gguf, load_gguf_config
 from kvserve.model_loader.hf_loader import iterate_safetensors
 
@@ -26,6 +28,7 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -37,10 +40,10 @@ def _single_gguf_in(directory: str) -> str | None:
 def resolve_model(model: str | None, load_format: str) -> tuple[str, str]:
     """Resolve a user model argument to ``(path, load_format)``.
 
-    ``model``: None (the embedded SmolLM2-135M-Instruct GGUF), a ``.gguf`` file, an HF
-    directory with ``config.json`` or, for ``dummy``, a ``config.json`` file (its
-    directory is returned). ``load_format``: auto | safetensors | gguf | dummy; the
-    returned one is never ``auto``. A ``.gguf`` path may also be used with ``dummy``.
+    ``model``: None (the embedded SmolLM2-135M-Instruct GGUF), ``gemma3-270m`` (the packaged
+    Gemma 3 270M GGUF, assembled once into the cache), a ``.gguf`` file, an HF directory with
+    ``config.json`` or, for ``dummy``, a ``config.json`` file (its directory is returned).
+    ``load_format``: auto | safetensors | gguf | dummy; the returned one is never ``auto``. A ``.gguf`` path may also be used with ``dummy``.
 
     Raises FileNotFoundError for a missing path (no hub lookups are made) or a missing
     default package, ValueError for a format that does not fit the path.
@@ -51,6 +54,9 @@ def resolve_model(model: str | None, load_format: str) -> tuple[str, str]:
         path = default_model_path()
         return path, "dummy" if load_format == "dummy" else _check(path, "gguf", load_format)
     path = os.path.abspath(os.path.expanduser(model))
+    if model == GEMMA3_ALIAS and not os.path.exists(path):
+        path = gemma3_270m_path()
+        return path, "dummy" if load_format == "dummy" else _check(path, "gguf", load_format)
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"model path {model!r} does not exist; kvserve only loads local HF directories "
@@ -123,7 +129,7 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     hf_config = model_config.hf_config or load_hf_config(model_config.model, model_config.load_format)
     cls = get_model_class(hf_config)
     with torch.device("meta"):
-        model = cls(hf_config, dtype)
+        model = cls(hf_config, dtype, max_model_len=model_config.max_model_len)
     model = model.to_empty(device=device)
     _rebuild_buffers(model)  # meta construction left non-persistent buffers empty
     fmt = model_config.load_format

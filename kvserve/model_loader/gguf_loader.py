@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import shutil
 from typing import Any, Iterator
 
 import torch
@@ -22,6 +24,13 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 (sandwich norms): llama.cpp's names for its four per-layer norms.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = {"rope_freqs.weight"}  # llama3 rope factors; we recompute them from the config
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -30,16 +39,23 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 def open_gguf(path: str) -> Any:
     """Parse ``path`` with ``gguf.GGUFReader`` (memory-mapped).
 
+    The last two readers are kept (keyed by path, size and mtime): parsing a 262k-token
+    vocabulary takes ~10 s on one core and the config and the weights both need the reader.
     Raises ValueError("<path> is not a valid GGUF file ...: <reason>") when the header or the
     metadata cannot be parsed or tensor data runs past the end of the file (truncation).
     """
+    st = os.stat(path)
+    return _open_gguf(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> Any:
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path)
     except Exception as e:  # the reader raises assorted errors on bad bytes
         raise ValueError(f"{path} is not a valid GGUF file (corrupt or truncated?): {e}") from e
-    size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ValueError(
@@ -57,25 +73,60 @@ def gguf_architecture(reader: Any) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+def cache_dir() -> str:
+    """kvserve's cache directory: ``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``."""
+    return os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
+
+
+def _config_cache_path(path: str) -> str:
+    import hashlib
+
+    import transformers
+
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(cache_dir(), "gguf-configs", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
 def load_gguf_config(path: str) -> Any:
-    """``transformers`` config built from the GGUF metadata. Raises ValueError on a bad file."""
+    """``transformers`` config built from the GGUF metadata. Raises ValueError on a bad file.
+
+    The config is cached under ``cache_dir()/gguf-configs`` keyed by the file's path, size,
+    mtime and the transformers version: transformers re-parses the whole file (vocabulary
+    included, ~10 s for a 262k-token one) to build it. Only files that parsed are cached.
+    """
     from transformers import AutoConfig
 
+    cached = _config_cache_path(path)
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        try:
+            return AutoConfig.from_pretrained(cached)
+        except Exception:  # an unreadable cache entry: rebuild it below
+            pass
     open_gguf(path)  # validate first so corrupt files give a clear ValueError
     d, name = os.path.split(os.path.abspath(path))
-    return AutoConfig.from_pretrained(d, gguf_file=name)
+    config = AutoConfig.from_pretrained(d, gguf_file=name)
+    tmp = f"{cached}.{os.getpid()}.tmp"
+    try:  # write then rename: concurrent start-ups never read half a file
+        config.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError:  # a read-only cache, or another process won the rename: only costs time
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """Map a llama.cpp tensor name to the HF checkpoint name; None for tensors we skip.
 
+    ``arch`` is the file's ``general.architecture`` (``gemma3`` names its norms differently).
     Raises ValueError on names we do not know.
     """
     if name in _IGNORED:
         return None
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _BLK_RE.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     base, _, suffix = name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
@@ -97,21 +148,27 @@ def reverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF name, float32 CPU tensor)`` for every GGUF tensor, dequantized.
 
-    For ``llama``-architecture files Q and K are un-permuted like transformers does, so
-    the tensors equal those of ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``.
+    For ``llama``-architecture files Q and K are un-permuted, and for ``gemma3`` files the
+    ``+1`` llama.cpp bakes into Gemma's zero-centred norm weights is subtracted, like
+    transformers does, so the tensors equal those of
+    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``.
     Raises ValueError on a corrupt file or an unknown tensor name.
     """
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
-    permute = gguf_architecture(reader) == "llama"
+    arch = gguf_architecture(reader)
+    permute = arch == "llama"
+    gemma = arch == "gemma3"
     n_heads = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, arch)
         if name is None:
             continue
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        if gemma and name.endswith("norm.weight"):
+            w = w - 1
         if permute and ".self_attn.q_proj." in name:
             w = reverse_permute(w, n_heads)
         elif permute and ".self_attn.k_proj." in name:

@@ -27,6 +27,15 @@ def _head_dim(cfg: Any) -> int:
 
 
 def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    window = _sliding_window_in_use(cfg, layer_idx)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if window is not None and max_pos is not None and window > max_pos:
+        raise ValueError(f"sliding_window {window} is larger than the model's context ({max_pos} tokens): "
+                         "a broken config")
+    return window
+
+
+def _sliding_window_in_use(cfg: Any, layer_idx: int) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
@@ -108,11 +117,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
-        self.rotary_emb = RotaryEmbedding(_head_dim(cfg), max_pos, get_rope_params(cfg))
+        self.rotary_emb = RotaryEmbedding(_head_dim(cfg), max_pos, get_rope_params(cfg), max_model_len)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary_emb, dtype) for i in range(cfg.num_hidden_layers)
         )
@@ -147,13 +156,14 @@ class LlamaForCausalLM(nn.Module):
     Args:
         hf_config: a transformers config of one of those model types.
         dtype: parameter dtype (the rotary cos/sin cache stays float32).
+        max_model_len: the engine's context length (rope cache size, dynamic/longrope choice).
     """
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(hf_config, dtype)
+        self.model = LlamaModel(hf_config, dtype, max_model_len)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -13,10 +14,12 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -39,3 +42,14 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architectures {archs}; supported: {', '.join(_MODELS)}"
     )
+
+
+def validate_model_config(hf_config: Any, max_model_len: int) -> None:
+    """Build the model for ``hf_config`` on the meta device (no memory) so that every config
+    error the model raises (unsupported architecture, rope type, window) is a ValueError at
+    start-up, before weights load or worker processes start."""
+    import torch
+
+    cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        cls(hf_config, torch.float32, max_model_len=max_model_len)
