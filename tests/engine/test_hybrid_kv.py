@@ -73,7 +73,7 @@ def _prompts(lens, seed=1):
 
 def _run_checked(llm, prompts, params):
     """Generate step by step; after every step each running request holds at most
-    ceil(window / block_size) + 1 blocks in every window group. Returns the token ids."""
+    ceil(window / block_size) + 1 blocks in every window group. Returns the CompletionOutputs."""
     eng = llm.llm_engine
     core = eng.engine_core
     kv = core.kv_cache_manager
@@ -83,7 +83,7 @@ def _run_checked(llm, prompts, params):
     results, worst = {}, 0
     while eng.has_unfinished_requests():
         for out in eng.step():
-            results[out.request_id] = out.outputs[0].token_ids
+            results[out.request_id] = out.outputs[0]
         for req in core.scheduler.running:
             live = kv.num_live_blocks(req.request_id)
             for gid in window_gids:
@@ -108,31 +108,35 @@ def test_window_models_equal_transformers_batched_and_chunked(model_dir, backend
     if kind == "qwen2":
         assert len(kv_cfg.groups) == 2 and windows[0].layer_indices == [2, 3]
     outs = _run_checked(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    assert outs == ref
+    assert [o.token_ids for o in outs] == ref
     llm.shutdown()
 
 
 def test_prefix_hits_equal_no_caching(model_dir):
-    """Multi-turn-like prompts (each extends the last one's prompt by more than a window):
-    hits on the hybrid cache give the outputs of a run without caching, and they do hit."""
+    """A multi-turn chat (each turn's prompt is the last prompt, its answer and a short new
+    message): hits on the hybrid cache reach up to the new message, and give the outputs
+    (tokens and their logprobs) of a run without caching."""
     kind, path, _ = model_dir
-    base = _prompts([40])[0]
-    turns = [base[:n] + t for n, t in zip([12, 24, 36, 40, 40], _prompts([3, 5, 7, 9, 13], seed=2))]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    messages = _prompts([10, 3, 2, 3, 1], seed=2)
     outs = {}
     for caching in (False, True):
         llm = _llm(path, enable_prefix_caching=caching, kv_cache_memory="2MiB")
-        got = []
-        for p in turns:  # one after another, so each turn can hit the previous turns' blocks
-            got += _run_checked(llm, [p], params)
+        got, prompt, queried = [], [], 0
+        for msg in messages:  # one turn after another: each can hit the previous turns' blocks
+            prompt = prompt + msg
+            got += _run_checked(llm, [prompt], params)
+            queried += len(prompt)
+            prompt = prompt + got[-1].token_ids
         outs[caching] = got
-        sched = llm.llm_engine.engine_core.scheduler
-        if caching:
-            assert sched.prefix_cache_hits >= 3 * 12, sched.prefix_cache_hits
-        else:
-            assert sched.prefix_cache_hits == 0
+        hits = llm.llm_engine.engine_core.scheduler.prefix_cache_hits
+        # Every later turn hits all full blocks of the previous prompt + answer.
+        assert hits >= (queried - 10 - 4 * 4 * 2) if caching else hits == 0, (hits, queried)
         llm.shutdown()
-    assert outs[True] == outs[False]
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    # Logprobs too: a hit missing a block inside the window would read the null block.
+    assert [o.cumulative_logprob for o in outs[True]] == pytest.approx([o.cumulative_logprob for o in outs[False]],
+                                                                       abs=1e-4)
 
 
 def test_hybrid_off_keeps_everything_and_agrees(model_dir):
