@@ -105,6 +105,10 @@ class CacheConfig:
                               choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = doc(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
     num_gpu_blocks_override: Optional[int] = doc(None, "Force the number of KV blocks per group (testing).")
+    disable_hybrid_kv_cache_manager: bool = doc(
+        False, "Keep every layer's whole KV history, sliding-window layers included (they then mask by "
+               "position); by default window layers form their own KV cache groups whose blocks outside "
+               "the window are freed.")
     num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget
 
 

@@ -13,6 +13,10 @@ cut into chunks of about ``chunk_tokens`` padded KV rows. Per chunk and layer:
 3. mask (padding, sliding window), softmax in float32, one ``bmm`` against V; the
    diagonal ``[Hkv, G, D]`` blocks of the ``[H, Hkv * D]`` product are the output.
 
+With a sliding window, each row's gather starts at the block of its first visible key
+(``seq_len - window``), so a window layer reads at most ``ceil(window / block_size) + 1``
+blocks per row however long the sequence (blocks below it may be freed: null entries).
+
 The block-diagonal form multiplies ``Hkv - 1`` zero blocks per row, so with many KV
 heads (``_GROUPED_FROM_KV_HEADS``; float32 or exact scores) K/V are transposed to
 ``[rows, Hkv, L, D]`` instead and each group's ``G`` heads meet their own head only.
@@ -94,15 +98,25 @@ class _DecodePlan:
     views: dict = field(default_factory=dict)  # layout key -> (q input, sorted output, chunk views)
 
 
-def _build_plan(meta: AttentionMetadata, block_size: int, chunk_tokens: int) -> _DecodePlan:
+def _build_plan(meta: AttentionMetadata, block_size: int, chunk_tokens: int,
+                window: int | None = None) -> _DecodePlan:
     nd = meta.num_decodes
     lens = meta.seq_lens_cpu[:nd]
-    order_py = sorted(range(nd), key=lambda i: -lens[i])  # longest first: a chunk's first row sets L
+    # With a sliding window a row starts at the block of its first visible key: blocks
+    # below it are never gathered, and lengths / masks count from that block.
+    lo = [max(n - window, 0) // block_size for n in lens] if window is not None else [0] * nd
+    rel = [n - b * block_size for n, b in zip(lens, lo)]
+    order_py = sorted(range(nd), key=lambda i: -rel[i])  # longest first: a chunk's first row sets L
     identity = order_py == list(range(nd))
     device = meta.block_tables.device
     order = None if identity else torch.tensor(order_py, dtype=torch.int64, device=device)
     bt = meta.block_tables[:nd] if identity else meta.block_tables.index_select(0, order)
-    slens = [lens[i] for i in order_py]
+    if any(lo):
+        width = -(-rel[order_py[0]] // block_size)
+        cols = torch.tensor([lo[i] for i in order_py], dtype=torch.int64, device=device).unsqueeze(1)
+        cols = (cols + torch.arange(width, device=device)).clamp_(max=bt.shape[1] - 1)
+        bt = bt.gather(1, cols)
+    slens = [rel[i] for i in order_py]
     slens_t = torch.tensor(slens, dtype=torch.int64, device=device)
     chunks = []
     i = 0
@@ -193,10 +207,11 @@ class CpuBackend(AttentionBackend):
         out = torch.empty_like(query)
         if meta.num_decodes > 0:
             block_size = kv_cache.shape[2]
-            plan_key = ("cpu_decode", block_size, self.chunk_tokens)
+            plan_key = ("cpu_decode", block_size, self.chunk_tokens, sliding_window)
             plan = meta.backend_cache.get(plan_key)
             if plan is None:
-                plan = meta.backend_cache[plan_key] = _build_plan(meta, block_size, self.chunk_tokens)
+                plan = meta.backend_cache[plan_key] = _build_plan(meta, block_size, self.chunk_tokens,
+                                                                  sliding_window)
             self._decode(query, kv_cache, plan, meta.num_decodes, scale, sliding_window, out)
         prefill_attention(query, kv_cache, meta, scale, sliding_window, out)
         return out

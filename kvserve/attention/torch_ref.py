@@ -50,6 +50,25 @@ def gather_kv(
     return k, v
 
 
+def window_block_tables(block_tables: torch.Tensor, seq_lens: list[int], first_pos: list[int],
+                        block_size: int) -> tuple[torch.Tensor, list[int], int]:
+    """Per row, the block-table columns from the block holding ``first_pos[i]`` (the first key
+    any of its queries sees) up to its last token: blocks below a sliding window are never read.
+
+    Returns ``(tables [R, nb], first block index per row, nb)``; columns past a row's last
+    block repeat its table's last column (masked by position).
+    """
+    lo = [max(p, 0) // block_size for p in first_pos]
+    nb = max(-(-n // block_size) - b for n, b in zip(seq_lens, lo))
+    nb = max(nb, 1)
+    if not any(lo):
+        return block_tables[:, :nb], lo, nb
+    dev = block_tables.device
+    cols = torch.tensor(lo, dtype=torch.int64, device=dev).unsqueeze(1) + torch.arange(nb, device=dev)
+    cols.clamp_(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, cols), lo, nb
+
+
 def prefill_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -75,13 +94,17 @@ def prefill_attention(
         n = end - start
         seq_len = meta.seq_lens_cpu[i]
         ctx = seq_len - n
-        nb = -(-seq_len // block_size)
-        k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1], nb)
-        k = k[0, :seq_len].to(query.dtype).transpose(0, 1)  # [hkv, L, d]
-        v = v[0, :seq_len].to(query.dtype).transpose(0, 1)
+        lo = 0
+        if sliding_window is not None:  # keys below the first query's window are never read
+            lo = max(ctx - sliding_window + 1, 0) // block_size
+        nb = -(-seq_len // block_size) - lo
+        k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1, lo:], nb)
+        k0 = lo * block_size
+        k = k[0, : seq_len - k0].to(query.dtype).transpose(0, 1)  # [hkv, L, d]
+        v = v[0, : seq_len - k0].to(query.dtype).transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [h, n, d]
         qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
-        kpos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+        kpos = torch.arange(k0, seq_len, device=query.device).unsqueeze(0)
         mask = kpos <= qpos  # [n, L]
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
@@ -114,17 +137,23 @@ class TorchRefBackend(AttentionBackend):
         nd = meta.num_decodes
 
         if nd > 0:
-            max_len = max(meta.seq_lens_cpu[:nd])
-            nb = -(-max_len // block_size)
-            k, v = gather_kv(kv_cache, meta.block_tables[:nd], nb)  # [nd, L, hkv, d]
+            lens = meta.seq_lens_cpu[:nd]
+            if sliding_window is not None:  # only the blocks of each row's window
+                tables, lo, nb = window_block_tables(meta.block_tables[:nd], lens,
+                                                     [n - sliding_window for n in lens], block_size)
+            else:
+                tables, lo, nb = meta.block_tables[:nd], [0] * nd, -(-max(lens) // block_size)
+            k, v = gather_kv(kv_cache, tables, nb)  # [nd, L, hkv, d]
             k = k.to(query.dtype).transpose(1, 2)  # [nd, hkv, L, d]
             v = v.to(query.dtype).transpose(1, 2)
             q = query[:nd].view(nd, hkv, group, d)  # a KV group's heads as query rows
-            pos = torch.arange(nb * block_size, device=query.device)
+            pos = torch.arange(nb * block_size, device=query.device).unsqueeze(0)
+            if any(lo):
+                pos = pos + torch.tensor(lo, device=query.device).unsqueeze(1) * block_size
             seq_lens = meta.seq_lens[:nd].to(query.device).unsqueeze(1)
-            mask = pos.unsqueeze(0) < seq_lens  # [nd, L]
+            mask = pos < seq_lens  # [nd, L]
             if sliding_window is not None:
-                mask &= pos.unsqueeze(0) > seq_lens - 1 - sliding_window
+                mask &= pos > seq_lens - 1 - sliding_window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
             out[:nd] = o.reshape(nd, num_heads, d)
 

@@ -108,8 +108,10 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to cached blocks a request reuses (removing them from the free queue)."""
-        fc = self._free_cached
+        fc, null = self._free_cached, self.null_block
         for b in blocks:
+            if b is null:  # a sliding-window hit's placeholder
+                continue
             if b.ref_cnt == 0:
                 fc.pop(b.block_id)
             b.ref_cnt += 1

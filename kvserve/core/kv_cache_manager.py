@@ -5,10 +5,17 @@ same spec share one block table per request. Each group has its own block pool a
 tree (``SingleTypeKVCacheManager``); this class keeps them in step. A request's blocks are a
 ``KVCacheBlocks``: one block list per group.
 
-Prefix hits: every group looks the request up; the hit is the shortest of the groups'
-matches (each group's match is cut to it), so every group holds the same computed prefix.
-Allocation is all-or-nothing across groups. With one group (every model today) each call
-goes straight to that group's manager.
+Sliding-window groups (``SlidingWindowSpec``) are served by ``SlidingWindowManager``: their
+blocks below the window are freed as requests advance (``remove_skipped_blocks``), so a
+window group holds ``ceil(window / block_size) + 1`` blocks per request between steps.
+
+Prefix hits: every group holds the same computed prefix. Full-attention groups look the
+request up left to right and the shortest match wins (each is cut to it). Window groups then
+look right to left from that point for the longest hit whose last window is cached; the
+shortest of theirs is the hit and the other groups are cut to it (repeated until every
+window group agrees, as a window group's hit at a shorter point is not implied by its hit at
+a longer one). A hybrid hit is block-granular. Allocation is all-or-nothing across groups.
+With one group each call goes straight to that group's manager.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from __future__ import annotations
 from typing import Optional
 
 from kvserve.core.block_pool import BlockPool, KVCacheBlock
-from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheGroup, FullAttentionSpec
+from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheGroup, FullAttentionSpec, SlidingWindowSpec
 from kvserve.core.prefix_cache import PartialHit, PrefixMatch
 from kvserve.core.sched_output import BlockOp
 from kvserve.core.single_type_manager import SingleTypeKVCacheManager, hash_block_tokens
+from kvserve.core.sliding_window_manager import SlidingWindowManager
 from kvserve.request import Request
 
 #: Per KV cache group, a list of blocks (a ``PrefixMatch`` for lookups).
@@ -40,9 +48,19 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         self.block_size = kv_cache_config.block_size
-        self.groups = [SingleTypeKVCacheManager(g.num_blocks, g.spec.block_size, enable_caching, g.group_id)
-                       for g in kv_cache_config.groups]
+        self.groups: list[SingleTypeKVCacheManager] = [
+            SlidingWindowManager(g.num_blocks, g.spec.block_size, g.spec.sliding_window, enable_caching, g.group_id)
+            if isinstance(g.spec, SlidingWindowSpec)
+            else SingleTypeKVCacheManager(g.num_blocks, g.spec.block_size, enable_caching, g.group_id)
+            for g in kv_cache_config.groups]
         self._single = self.groups[0] if len(self.groups) == 1 else None
+        self.window_groups = [g for g in self.groups if isinstance(g, SlidingWindowManager)]
+        self.full_groups = [g for g in self.groups if not isinstance(g, SlidingWindowManager)]
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some group frees blocks outside a sliding window."""
+        return bool(self.window_groups)
 
     @classmethod
     def for_blocks(cls, num_blocks: int, block_size: int, enable_caching: bool = True) -> "KVCacheManager":
@@ -91,6 +109,8 @@ class KVCacheManager:
         if self._single is not None:
             m, n = self._single.get_computed_blocks(request)
             return (m,), n
+        if self.window_groups:
+            return self._hybrid_computed_blocks(request)
         matches = [g.get_computed_blocks(request) for g in self.groups]
         n = min(num for _, num in matches)
         bs = self.block_size
@@ -110,6 +130,24 @@ class KVCacheManager:
             for c in out:
                 c.partial = None
         return tuple(out), n
+
+    def _hybrid_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Full groups left to right, then window groups right to left from that point,
+        until every group agrees (block-granular)."""
+        if not self.enable_caching:
+            return tuple(PrefixMatch() for _ in self.groups), 0
+        bs = self.block_size
+        full = [g.get_computed_blocks(request)[0] for g in self.full_groups]
+        k = min(len(m) for m in full) if full else (request.num_tokens - 1) // bs
+        while True:
+            wins = [g.find_longest_hit(request, k) for g in self.window_groups]
+            k2 = min(len(w) for w in wins)
+            if k2 == k and all(len(w) == k for w in wins):
+                break
+            k = k2
+        by_id = {g.group_id: PrefixMatch(m[:k]) for g, m in zip(self.full_groups, full)}
+        by_id.update((g.group_id, w) for g, w in zip(self.window_groups, wins))
+        return tuple(by_id[g.group_id] for g in self.groups), k * bs
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[KVCacheBlocks] = None) -> Optional[KVCacheBlocks]:
@@ -133,6 +171,18 @@ class KVCacheManager:
         rejected draft tokens lowered ``num_computed_tokens``)."""
         for g in self.groups:
             g.rollback(request)
+
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: Optional[int] = None) -> None:
+        """Free the request's blocks that no query from ``num_computed_tokens`` (default: the
+        request's) on can read, in every sliding-window group."""
+        for g in self.window_groups:
+            g.remove_skipped_blocks(request, num_computed_tokens)
+
+    def num_live_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Per group, the blocks the request holds now (freed window entries excluded)."""
+        null = [g.pool.null_block for g in self.groups]
+        return tuple(sum(b is not nb for b in g.req_to_blocks.get(request_id, ()))
+                     for g, nb in zip(self.groups, null))
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request's blocks in every group."""

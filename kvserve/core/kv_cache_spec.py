@@ -201,18 +201,70 @@ def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
 
 
 def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional[int],
-                         num_blocks_override: Optional[int] = None) -> KVCacheConfig:
-    """Split a byte budget into blocks: every group gets the same number of block ids.
+                         num_blocks_override: Optional[int] = None,
+                         max_model_len: Optional[int] = None) -> KVCacheConfig:
+    """Split a byte budget into blocks per KV cache group.
+
+    One group takes the whole budget. Several groups (a hybrid model: full-attention and
+    sliding-window layers) get blocks in proportion to what one request of
+    ``max_model_len`` tokens holds in each (``max_blocks_per_request``): a window group
+    needs ``ceil(window / block_size) + 1`` blocks per request however long it is, so the
+    budget buys ``kv_bytes / bytes_per_request(max_model_len)`` such requests instead of
+    ``kv_bytes / (bytes_per_token * max_model_len)``. Without ``max_model_len`` every group
+    gets the same number of blocks.
 
     Args:
         layer_specs: per attention layer, its spec.
         kv_bytes: the budget in bytes (ignored when ``num_blocks_override`` is set).
         num_blocks_override: force this many blocks per group (null block included).
+        max_model_len: the request length the split is planned for.
+
+    Raises ValueError when there is no attention layer.
     """
     cfg = KVCacheConfig(group_layers(layer_specs))
     if not cfg.groups:
         raise ValueError("the model has no attention layers")
-    n = num_blocks_override if num_blocks_override is not None else max(int(kv_bytes // cfg.bytes_per_block), 0)
-    for g in cfg.groups:
-        g.num_blocks = n
+    if num_blocks_override is not None:
+        for g in cfg.groups:
+            g.num_blocks = num_blocks_override
+        return cfg
+    budget = max(int(kv_bytes), 0)
+    if len(cfg.groups) == 1 or max_model_len is None:
+        n = budget // cfg.bytes_per_block
+        for g in cfg.groups:
+            g.num_blocks = n
+        return cfg
+    # Each group keeps its null block; the rest is split by per-request need.
+    budget = max(budget - cfg.bytes_per_block, 0)
+    need = [g.spec.max_blocks_per_request(max_model_len) for g in cfg.groups]
+    per_request = sum(n * g.page_size_bytes for n, g in zip(need, cfg.groups))
+    for n, g in zip(need, cfg.groups):
+        g.num_blocks = budget * n // per_request + 1
     return cfg
+
+
+def bytes_per_request(cfg: KVCacheConfig, max_model_len: int, hybrid: bool = True) -> int:
+    """Bytes one request of ``max_model_len`` tokens holds at most, over all groups; with
+    ``hybrid=False``, as if every layer kept its whole history."""
+    if not hybrid:
+        return cfg.bytes_per_token * max_model_len
+    return sum(g.spec.max_blocks_per_request(max_model_len) * g.page_size_bytes for g in cfg.groups)
+
+
+def max_concurrency(cfg: KVCacheConfig, max_model_len: int) -> float:
+    """How many requests of ``max_model_len`` tokens the groups' pools hold at once (the
+    scarcest group decides; null blocks excluded)."""
+    return min((g.num_blocks - 1) / g.spec.max_blocks_per_request(max_model_len) for g in cfg.groups)
+
+
+def max_request_tokens(cfg: KVCacheConfig) -> Optional[int]:
+    """Longest request the cache can hold alone (None: unbounded, every group is a window
+    group whose pool holds a whole window)."""
+    best = None
+    for g in cfg.groups:
+        usable = max(g.num_blocks - 1, 0)
+        if isinstance(g.spec, SlidingWindowSpec) and usable >= g.spec.max_blocks_per_request(1 << 62):
+            continue
+        tokens = usable * g.spec.block_size
+        best = tokens if best is None else min(best, tokens)
+    return best

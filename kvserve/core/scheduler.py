@@ -353,7 +353,21 @@ class Scheduler:
                 if drafts:
                     req.spec_token_ids = list(drafts)
             updated.append((req, toks, lps[: len(toks)] if lps is not None else None))
+        if self.kv.has_sliding_window:
+            self._free_outside_window(sched)
         return updated
+
+    def _free_outside_window(self, sched: SchedulerOutput) -> None:
+        """The step's queries have run: free window-group blocks none of the request's later
+        queries can read (up to the step's end; with async scheduling the next step was
+        scheduled from that same point, so it reads none of them either)."""
+        start = dict(zip(sched.scheduled_cached_reqs.req_ids, sched.scheduled_cached_reqs.num_computed_tokens))
+        for new in sched.scheduled_new_reqs:
+            start[new.req_id] = new.num_computed_tokens
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self.kv.remove_skipped_blocks(req, min(start[rid] + n, req.num_computed_tokens))
 
     def _reaches_limit(self, req: Request) -> bool:
         """Whether the tokens already sampled (pending included) end the request by length."""

@@ -47,13 +47,14 @@ class _ReqBlocks:
     comparison.
     """
 
-    __slots__ = ("blocks", "ids", "num_cached", "cache_at")
+    __slots__ = ("blocks", "ids", "num_cached", "cache_at", "num_skipped")
 
     def __init__(self, cache_at: int) -> None:
         self.blocks: list[KVCacheBlock] = []
         self.ids: list[int] = []
         self.num_cached = 0  # leading full blocks already offered to the tree
         self.cache_at = cache_at
+        self.num_skipped = 0  # sliding window: leading entries already swapped for the null block
 
 
 class SingleTypeKVCacheManager:

@@ -68,6 +68,7 @@ class EngineArgs:
     kv_cache_dtype: str = _from(CacheConfig, "kv_cache_dtype")
     num_gpu_blocks_override: Optional[int] = _from(CacheConfig, "num_gpu_blocks_override")
     enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
+    disable_hybrid_kv_cache_manager: bool = _from(CacheConfig, "disable_hybrid_kv_cache_manager")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
@@ -204,6 +205,7 @@ class EngineArgs:
             kv_cache_dtype=dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,

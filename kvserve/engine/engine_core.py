@@ -13,7 +13,9 @@ from typing import Optional
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.kv_cache_spec import KVCacheConfig, make_kv_cache_config
+from kvserve.core.kv_cache_spec import (
+    KVCacheConfig, bytes_per_request, make_kv_cache_config, max_concurrency, max_request_tokens,
+)
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -32,10 +34,10 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     cc, sc, mc = config.cache_config, config.scheduler_config, config.model_config
     specs = executor.get_kv_cache_spec()
     kv_bytes = None if cc.num_gpu_blocks_override is not None else executor.determine_available_memory()
-    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override)
+    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override, sc.max_model_len)
     num_blocks = min(g.num_blocks for g in kv_cfg.groups)
-    capacity = max(num_blocks - 1, 0) * cc.block_size  # block 0 is the null block
-    if capacity < sc.max_model_len:
+    capacity = max_request_tokens(kv_cfg)  # None: window groups only, any length fits
+    if capacity is not None and capacity < sc.max_model_len:
         if mc.max_model_len_explicit or capacity < cc.block_size:
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}), "
@@ -45,16 +47,18 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
         logger.warning("max_model_len lowered from %d to the KV capacity %d", sc.max_model_len, capacity)
         sc.max_model_len = mc.max_model_len = capacity
     cc.num_blocks = num_blocks
-    bpt = kv_cfg.bytes_per_token
+    max_len = sc.max_model_len
+    flat = kv_cfg.total_bytes / bytes_per_request(kv_cfg, max_len, hybrid=False)
     pc = config.parallel_config
     layout = "" if pc.world_size == 1 else (
         f" per rank; tensor_parallel_size={pc.tensor_parallel_size} ({pc.distributed_executor_backend} executor), "
         f"each rank holds its share of the KV heads")
     logger.info(
-        "KV cache: %d bytes/token over %d layers (%s); %d blocks x %d tokens = %d tokens (%.2f GiB)%s; "
-        "max concurrency at max_model_len=%d: %.2fx",
-        bpt, kv_cfg.num_layers, kv_cfg.describe(), num_blocks - 1, cc.block_size, capacity,
-        kv_cfg.total_bytes / 2**30, layout, sc.max_model_len, capacity / sc.max_model_len,
+        "KV cache: %d bytes/token over %d layers (%s); %s tokens per request at most (%.2f GiB)%s; "
+        "max concurrency at max_model_len=%d: %.2fx (%.2fx without the sliding-window savings)",
+        kv_cfg.bytes_per_token, kv_cfg.num_layers, kv_cfg.describe(),
+        "unbounded" if capacity is None else capacity, kv_cfg.total_bytes / 2**30, layout, max_len,
+        max_concurrency(kv_cfg, max_len), flat,
     )
     return kv_cfg
 
@@ -80,10 +84,11 @@ class EngineCore:
         cc = config.cache_config
         self.kv_cache_manager = KVCacheManager(kv_cfg, cc.enable_prefix_caching)
         hf = config.model_config.hf_config
-        if cc.enable_prefix_caching and getattr(hf, "sliding_window", None):
+        if cc.disable_hybrid_kv_cache_manager and getattr(hf, "sliding_window", None):
             logger.warning(
-                "prefix caching with a sliding-window model (window %s): blocks outside the window "
-                "are kept, so reuse stays exact but saves no memory there", hf.sliding_window)
+                "--disable-hybrid-kv-cache-manager with a sliding-window model (window %s): blocks "
+                "outside the window are kept, so attention stays exact but saves no memory there",
+                hf.sliding_window)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.

@@ -124,11 +124,15 @@ class InputBatch:
         max_model_len: longest sequence (token row width).
         block_size: tokens per KV block.
         max_blocks_per_group: per KV cache group, the block-table width.
+        sliding_windows: per KV cache group, its window (None: full attention). Entries of a
+            window group below the window of a row's first new token are given as the null
+            block 0: the scheduler may have freed (and reused) those blocks.
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int,
-                 max_blocks_per_group: list[int]) -> None:
+                 max_blocks_per_group: list[int], sliding_windows: Optional[list[Optional[int]]] = None) -> None:
         self.block_size = block_size
+        self.sliding_windows = list(sliding_windows or [None] * len(max_blocks_per_group))
         self.max_model_len = max_model_len
         n = max(max_num_reqs, 1)
         self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int64)
@@ -280,12 +284,16 @@ class InputBatch:
         bs = self.block_size
         blk, off = positions // bs, positions % bs
         block_tables, slots = [], []
-        for bt in self.block_tables:
+        for bt, window in zip(self.block_tables, self.sliding_windows):
             nb = bt.num_blocks[rows]
             width = max(int(nb.max()), 1)
             tbl = bt.table[rows, :width]
             if (nb < width).any():  # columns past a row's blocks: the null block 0
                 tbl[np.arange(width) >= nb[:, None]] = 0
+            if window is not None:  # columns below the window: the null block 0
+                skip = np.maximum(ctx - window + 1, 0) // bs
+                if skip.any():
+                    tbl[np.arange(width) < skip[:, None]] = 0
             block_tables.append(tbl)
             slots.append(tbl[req_idx, blk].astype(np.int64) * bs + off)
         num_decodes = int(np.count_nonzero(q == 1))

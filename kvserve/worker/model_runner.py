@@ -20,7 +20,7 @@ import torch
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
 from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
-from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from kvserve.core.sched_output import BlockOp, SchedulerOutput
 from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_cache
 from kvserve.model_loader import get_model
@@ -76,12 +76,27 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
-        """Per attention layer, the spec of its cache. Every layer keeps its full history
-        (sliding-window layers mask by position)."""
+        """Per attention layer, the spec of its cache: ``SlidingWindowSpec`` for a layer with
+        a window shorter than ``max_model_len`` (its blocks outside the window are freed),
+        ``FullAttentionSpec`` otherwise, or for every layer with
+        ``--disable-hybrid-kv-cache-manager`` (window layers then mask by position only).
+
+        Raises ValueError for a window below 1.
+        """
         cc = self.config.cache_config
-        return {layer.layer_idx: FullAttentionSpec(self.block_size, layer.num_kv_heads, layer.head_size,
-                                                   cc.kv_cache_dtype, self.config.model_config.dtype)
-                for layer in attention_layers(self.model)}
+        max_len = self.config.scheduler_config.max_model_len
+        specs: dict[int, KVCacheSpec] = {}
+        for layer in attention_layers(self.model):
+            w = layer.sliding_window
+            if w is not None and w < 1:
+                raise ValueError(f"layer {layer.layer_idx}: sliding_window must be >= 1, got {w}")
+            args = (self.block_size, layer.num_kv_heads, layer.head_size, cc.kv_cache_dtype,
+                    self.config.model_config.dtype)
+            if w is not None and w < max_len and not cc.disable_hybrid_kv_cache_manager:
+                specs[layer.layer_idx] = SlidingWindowSpec(*args, sliding_window=w)
+            else:
+                specs[layer.layer_idx] = FullAttentionSpec(*args)
+        return specs
 
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache (``--kv-cache-memory``, the CPU default, or a GPU profile)."""
@@ -97,8 +112,11 @@ class ModelRunner:
                 self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group())
         sc = self.config.scheduler_config
+        # Block tables keep their logical layout in window groups too (freed entries: null).
+        width = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.block_size,
-                                      [g.spec.max_blocks_per_request(sc.max_model_len) for g in kv_cache_config.groups])
+                                      [width] * len(kv_cache_config.groups),
+                                      [getattr(g.spec, "sliding_window", None) for g in kv_cache_config.groups])
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
             layers = attention_layers(self.model)
             self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, self.dtype,
@@ -170,7 +188,7 @@ class ModelRunner:
         sc = self.config.scheduler_config
         self.piecewise_runner = PiecewiseCUDAGraphRunner(self.model, sc.max_num_batched_tokens, self.device)
         self.piecewise_runner.capture()
-        widths = [g.spec.max_blocks_per_request(sc.max_model_len) for g in self.kv_cache_config.groups]
+        widths = [-(-sc.max_model_len // self.block_size)] * len(self.kv_cache_config.groups)
         self.graph_runner = CUDAGraphRunner(self.model, sc.max_num_seqs, widths, sc.max_model_len,
                                             self.block_size, self.device, self.max_query_len_decode)
         self.graph_runner.capture()

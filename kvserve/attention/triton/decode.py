@@ -214,8 +214,9 @@ def decode_attention(
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
     block_n, num_warps, num_stages = _config(d, query.dtype, interpret)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_decodes, hkv, max_seq_len, _num_sms(query.device), block_n)
+    if num_splits is None:  # a window layer reads at most `window` keys per request
+        span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+        num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
     if num_splits > 1:
