@@ -8,11 +8,13 @@ that receive each step as data.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_capacity import LOSSY_KV_FORMATS
 from kvserve.core.kv_cache_spec import KVCacheConfig, make_kv_cache_config
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
@@ -46,12 +48,18 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
         sc.max_model_len = mc.max_model_len = capacity
     cc.num_blocks = num_blocks
     bpt = kv_cfg.bytes_per_token
+    # What the format buys: tokens per byte relative to an unquantized cache in the model dtype.
+    ref_bpt = sum(len(g.layer_indices) * dataclasses.replace(g.spec, dtype=mc.dtype).bytes_per_token
+                  for g in kv_cfg.groups)
     logger.info(
         "KV cache: %d bytes/token over %d layers (%s); %d blocks x %d tokens = %d tokens (%.2f GiB); "
-        "max concurrency at max_model_len=%d: %.2fx",
+        "max concurrency at max_model_len=%d: %.2fx; %s KV: %.2fx the tokens of a %s KV cache",
         bpt, kv_cfg.num_layers, kv_cfg.describe(), num_blocks - 1, cc.block_size, capacity,
         kv_cfg.total_bytes / 2**30, sc.max_model_len, capacity / sc.max_model_len,
+        cc.kv_cache_dtype, ref_bpt / bpt, mc.dtype,
     )
+    if cc.kv_cache_dtype in LOSSY_KV_FORMATS:
+        logger.warning("--kv-cache-dtype %s: %s", cc.kv_cache_dtype, LOSSY_KV_FORMATS[cc.kv_cache_dtype])
     return kv_cfg
 
 
