@@ -155,10 +155,13 @@ class EngineCore:
         n_gen = 0
         for req, toks, lps in updated:
             n_gen += len(toks)
+            plps = None
+            if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                plps, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True  # the first token has none
             outs.outputs.append(EngineCoreOutput(
                 req.request_id, toks, lps if req.sampling_params.logprobs is not None else None,
                 req.finish_reason, req.stop_reason, req.num_cached_tokens, req.first_scheduled_time,
-                req.first_token_time, req.finished_time, req.num_preemptions))
+                req.first_token_time, req.finished_time, req.num_preemptions, plps))
         outs.num_generation_tokens = n_gen
         return outs
 
