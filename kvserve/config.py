@@ -64,7 +64,8 @@ def resolved(default: Any = None) -> Any:
 
 
 # The KV cache dtypes the engine knows ("auto" = the model dtype); see kvserve.core.kv_cache_spec.
-KV_CACHE_DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32"]
+KV_CACHE_DTYPE_CHOICES = ["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
+                          "int2"]
 
 
 @dataclass
@@ -101,7 +102,9 @@ class CacheConfig:
     gpu_memory_utilization: float = doc(0.9, "Fraction of GPU memory for weights, activations and KV cache.")
     kv_cache_memory: Optional[int] = doc(None, "KV cache size in bytes (e.g. 2GiB); overrides "
                                                "--gpu-memory-utilization. Default on the CPU: 1GiB.")
-    kv_cache_dtype: str = doc("auto", "KV cache storage dtype (auto = the model dtype).",
+    kv_cache_dtype: str = doc("auto", "KV cache storage dtype (auto = the model dtype). fp8 (= fp8_e4m3), "
+                                      "fp8_e5m2 and int8 store a per-token-per-head scale; int4/int2 a per-token-"
+                                      "per-head scale and minimum (README: which to pick).",
                               choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = doc(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
     num_gpu_blocks_override: Optional[int] = doc(None, "Force the number of KV blocks per group (testing).")

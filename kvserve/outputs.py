@@ -54,7 +54,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A prompt and its completions."""
+    """A prompt and its completions.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): per prompt token
+    ``{token_id: (logprob, rank)}`` (the prompt token itself and the top alternatives; None
+    for the first token), as vLLM returns it.
+    """
 
     request_id: str
     prompt: Optional[str]

@@ -79,6 +79,9 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.spec_token_ids: list[int] = []
+        # Prompt logprobs gathered so far (entry j: prompt token j + 1), and whether sent.
+        self.prompt_logprobs: list[dict[int, tuple[float, int]]] = []
+        self.prompt_logprobs_sent = False
         # Block hashes of the full blocks of all_token_ids (prefix cache keys).
         self.block_hashes: list[int] = []
 

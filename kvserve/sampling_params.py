@@ -31,6 +31,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         logprobs: if set, return the top-``logprobs`` log-probabilities per sampled token
             (plus the sampled token's own).
+        prompt_logprobs: if set, return per prompt token its log-probability given the tokens
+            before it, plus the top-``prompt_logprobs`` alternatives (vLLM's field; the first
+            prompt token has none). Such a request never reuses cached prefix blocks (every
+            prompt position's logits are computed).
         skip_special_tokens: drop special tokens from the detokenized text.
     """
 
@@ -49,6 +53,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     # Filled by the engine (not by users): eos ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -90,6 +95,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):

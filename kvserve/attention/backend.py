@@ -15,15 +15,18 @@ class AttentionBackend(ABC):
 
     A backend declares which KV storage formats it reads (``supported_kv_dtypes``), and
     allocates and interprets a layer's cache from its ``KVCacheSpec``. The default layout
-    (per layer) is ``[2, num_blocks, block_size, num_kv_heads, head_size]`` in the format's
-    torch dtype; index 0 holds K, 1 holds V. The cache dtype may differ from the compute dtype.
+    (per layer) is ``[2, num_blocks, block_size, num_kv_heads, row]`` in the format's
+    torch dtype; index 0 holds K, 1 holds V; ``row`` is ``head_size`` for unquantized formats
+    and the codes plus their scales for quantized ones (``KVFormat.row_elems``,
+    ``kvserve/attention/kv_quant.py``). The cache dtype may differ from the compute dtype.
     """
 
     name: str = "abstract"
     # True if forward never reads device values back, so a CUDA graph can capture it.
     cuda_graph_safe: bool = False
     #: ``--kv-cache-dtype`` values this backend reads natively.
-    supported_kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    supported_kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8",
+                                            "int4", "int2")
 
     def validate_spec(self, spec: KVCacheSpec) -> None:
         """Raise ValueError (listing the choices) if this backend cannot serve ``spec``."""
@@ -32,7 +35,7 @@ class AttentionBackend(ABC):
                              f"it supports {list(self.supported_kv_dtypes)}")
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.format.row_elems(spec.head_size))
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
         """A zeroed cache tensor for one layer (zeros: masked slots never hold NaN)."""

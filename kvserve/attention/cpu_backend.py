@@ -50,6 +50,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_quant import cache_format, dequantize
 from kvserve.attention.torch_ref import prefill_attention, store_kv
 
 # Padded KV rows per chunk: a chunk's K and V (1.5 MB each at 3 KV heads x 64 dims in
@@ -219,16 +220,16 @@ class CpuBackend(AttentionBackend):
     def _views(self, plan: _DecodePlan, nd: int, query: torch.Tensor, kv_cache: torch.Tensor, bdiag: bool):
         """The per-layer query input, the sorted output and per-chunk buffer views for one
         layout; made once per step and reused by every layer."""
-        _, _, bs, hkv, d = kv_cache.shape
-        h = query.shape[1]
+        _, _, bs, hkv, rw = kv_cache.shape
+        h, d = query.shape[1], query.shape[2]
         g = h // hkv
         dtype, dev = query.dtype, query.device
-        # index_select has no float8 kernel: gather fp8 caches as bytes, then cast.
+        # index_select has no float8 kernel: gather 1-byte caches as bytes, then cast / dequantize.
         gdtype = torch.uint8 if kv_cache.element_size() == 1 else kv_cache.dtype
         cast, split = kv_cache.dtype != dtype, self.exact_scores and dtype != torch.float32
-        row = bs * hkv * d
+        row = bs * hkv * rw
         tok_max = max((c.end - c.start) * c.num_blocks * bs for c in plan.chunks)
-        kvg_buf = self._buf(("kvg",), 2 * tok_max * hkv * d, gdtype, dev)
+        kvg_buf = self._buf(("kvg",), 2 * tok_max * hkv * rw, gdtype, dev)
         kvc_buf = self._buf(("kvc",), 2 * tok_max * hkv * d, dtype, dev) if cast else None
         s_bufs = [self._buf((n,), tok_max * h, t, dev) if split or n == "s" else None
                   for n, t in (("s", dtype), ("s_lo", dtype), ("s32", torch.float32))]
@@ -249,8 +250,8 @@ class CpuBackend(AttentionBackend):
         for c in plan.chunks:
             r, length = c.end - c.start, c.num_blocks * bs
             n = r * length * hkv * d
-            kvg = kvg_buf[: 2 * n].view(2, r * c.num_blocks, row)
-            kv_cast = None if kvc_buf is None else kvc_buf[: 2 * n].view(2, r * c.num_blocks, row)
+            kvg = kvg_buf[: 2 * r * length * hkv * rw].view(2, r * c.num_blocks, row)
+            kv_cast = None if kvc_buf is None else kvc_buf[: 2 * n].view(2, r * c.num_blocks, bs * hkv * d)
             kv = kvg if kv_cast is None else kv_cast
             k, v = kv[0].view(r, length, hkv * d), kv[1].view(r, length, hkv * d)
             s_shape = (r, h, length) if bdiag else (r * hkv, g, length)
@@ -271,19 +272,20 @@ class CpuBackend(AttentionBackend):
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, nd: int,
                 scale: float, window: int | None, out: torch.Tensor) -> None:
-        _, nblocks, bs, hkv, d = kv_cache.shape
-        h = query.shape[1]
+        _, nblocks, bs, hkv, rw = kv_cache.shape
+        h, d = query.shape[1], query.shape[2]
         g = h // hkv
+        fmt = cache_format(kv_cache, d)
         bdiag = self.block_diagonal
         if bdiag is None:
             one_gemm = query.dtype != torch.float32 and not self.exact_scores
             bdiag = hkv < _GROUPED_FROM_KV_HEADS or one_gemm
-        vkey = (query.dtype, kv_cache.dtype, query.device, hkv, g, d, bdiag)
+        vkey = (query.dtype, kv_cache.dtype, query.device, hkv, g, d, rw, bdiag)
         views = plan.views.get(vkey)
         if views is None:
             views = plan.views[vkey] = self._views(plan, nd, query, kv_cache, bdiag)
         qin, o_sorted, per_chunk = views
-        cache = kv_cache.view(2, nblocks, bs * hkv * d)
+        cache = kv_cache.view(2, nblocks, bs * hkv * rw)
         if kv_cache.element_size() == 1:
             cache = cache.view(torch.uint8)
         q = query[:nd] if plan.order is None else query.index_select(0, plan.order)
@@ -293,7 +295,10 @@ class CpuBackend(AttentionBackend):
             qin.copy_(q)
         for c, cv in zip(plan.chunks, per_chunk):
             torch.index_select(cache, 1, c.block_idx, out=cv.kvg)  # K and V in one call
-            if cv.kv_cast is not None:
+            if fmt.quantized:  # dequantize the chunk's rows into the compute-dtype buffer
+                rows = cv.kvg.view(kv_cache.dtype).view(2, -1, hkv, rw)
+                cv.kv_cast.view(2, -1, hkv, d).copy_(dequantize(rows, d, query.dtype, fmt))
+            elif cv.kv_cast is not None:
                 cv.kv_cast.copy_(cv.kvg.view(kv_cache.dtype))
             if cv.transposes is not None:
                 for dst, src in cv.transposes:

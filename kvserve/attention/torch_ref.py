@@ -14,20 +14,23 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_quant import cache_format, dequantize, quantize
 
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots.
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots,
+    quantized to the cache's format (``kv_quant.quantize``).
 
     ``slot_mapping``: ``[num_tokens]`` int64 flat slot ids; negative ids are skipped (padding).
     """
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
-    k_flat = kv_cache[0].view(num_blocks * block_size, hkv, d)
-    v_flat = kv_cache[1].view(num_blocks * block_size, hkv, d)
-    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-    if kv_cache.element_size() == 1:  # fp8: index_copy_ has no float8 kernel; copy the bytes
+    _, num_blocks, block_size, hkv, row = kv_cache.shape
+    fmt = cache_format(kv_cache, key.shape[-1])
+    k_flat = kv_cache[0].view(num_blocks * block_size, hkv, row)
+    v_flat = kv_cache[1].view(num_blocks * block_size, hkv, row)
+    key, value = quantize(key, fmt), quantize(value, fmt)
+    if kv_cache.element_size() == 1:  # index_copy_ has no float8 kernel; copy the bytes
         k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     k_flat.index_copy_(0, slot_mapping, key)
@@ -39,14 +42,16 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the first ``num_blocks`` blocks of each row of ``block_tables``.
 
-    Returns K and V of shape ``[num_reqs, num_blocks * block_size, num_kv_heads, head_size]``.
+    Returns K and V rows of shape ``[num_reqs, num_blocks * block_size, num_kv_heads, row]``
+    in the cache dtype (``dequantize`` turns them into values).
     """
     r = block_tables.shape[0]
-    _, _, bs, hkv, d = kv_cache.shape
+    _, _, bs, hkv, row = kv_cache.shape
     idx = block_tables[:, :num_blocks].reshape(-1).long()
+    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # no float8 index_select
     # index_select copies whole blocks; several times faster than advanced indexing on the CPU.
-    k = kv_cache[0].index_select(0, idx).view(r, num_blocks * bs, hkv, d)
-    v = kv_cache[1].index_select(0, idx).view(r, num_blocks * bs, hkv, d)
+    k = cache[0].index_select(0, idx).view(r, num_blocks * bs, hkv, row).view(kv_cache.dtype)
+    v = cache[1].index_select(0, idx).view(r, num_blocks * bs, hkv, row).view(kv_cache.dtype)
     return k, v
 
 
@@ -88,6 +93,8 @@ def prefill_attention(
         return
     block_size = kv_cache.shape[2]
     group = query.shape[1] // kv_cache.shape[3]
+    d = query.shape[2]
+    fmt = cache_format(kv_cache, d)
     qsl = meta.query_start_loc.tolist()
     for i in range(nd, meta.num_reqs):
         start, end = qsl[i], qsl[i + 1]
@@ -100,8 +107,8 @@ def prefill_attention(
         nb = -(-seq_len // block_size) - lo
         k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1, lo:], nb)
         k0 = lo * block_size
-        k = k[0, : seq_len - k0].to(query.dtype).transpose(0, 1)  # [hkv, L, d]
-        v = v[0, : seq_len - k0].to(query.dtype).transpose(0, 1)
+        k = dequantize(k[0, : seq_len - k0], d, query.dtype, fmt).transpose(0, 1)  # [hkv, L, d]
+        v = dequantize(v[0, : seq_len - k0], d, query.dtype, fmt).transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [h, n, d]
         qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
         kpos = torch.arange(k0, seq_len, device=query.device).unsqueeze(0)
@@ -144,8 +151,8 @@ class TorchRefBackend(AttentionBackend):
             else:
                 tables, lo, nb = meta.block_tables[:nd], [0] * nd, -(-max(lens) // block_size)
             k, v = gather_kv(kv_cache, tables, nb)  # [nd, L, hkv, d]
-            k = k.to(query.dtype).transpose(1, 2)  # [nd, hkv, L, d]
-            v = v.to(query.dtype).transpose(1, 2)
+            k = dequantize(k, d, query.dtype).transpose(1, 2)  # [nd, hkv, L, d]
+            v = dequantize(v, d, query.dtype).transpose(1, 2)
             q = query[:nd].view(nd, hkv, group, d)  # a KV group's heads as query rows
             pos = torch.arange(nb * block_size, device=query.device).unsqueeze(0)
             if any(lo):

@@ -22,18 +22,36 @@ from typing import Optional
 class KVFormat:
     """A KV storage format.
 
+    Quantized formats store each (token, KV head) row of K (and of V) as the packed codes
+    followed by their scales, in one row of ``row_elems(head_size)`` one-byte elements; the
+    scales travel with the token (store, copy-on-write, prefix sharing need no extra
+    tensor). See ``kvserve/attention/kv_quant.py`` for the scheme.
+
     Attributes:
         name: the ``--kv-cache-dtype`` value.
         bits: bits per stored K or V element.
         torch_dtype: name of the torch dtype the cache tensor is allocated in.
         scale_bytes_per_token_head: bytes of scales stored per token and KV head, K and V
             together (0: no scales).
+        asymmetric: codes are unsigned with a per-row minimum (``x = q * scale + min``);
+            otherwise symmetric (``x = q * scale``).
     """
 
     name: str
     bits: int
     torch_dtype: str
     scale_bytes_per_token_head: int = 0
+    asymmetric: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_bytes_per_token_head > 0
+
+    def row_elems(self, head_size: int) -> int:
+        """Elements of one (token, KV head) row of K or of V in the cache tensor's dtype."""
+        if not self.quantized:
+            return head_size
+        return head_size * self.bits // 8 + self.scale_bytes_per_token_head // 2
 
 
 KV_FORMATS: dict[str, KVFormat] = {
@@ -41,15 +59,26 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("float32", 32, "float32"),
         KVFormat("bfloat16", 16, "bfloat16"),
         KVFormat("float16", 16, "float16"),
+        # Per-token-per-head symmetric scale (fp16) after each row: x = code * scale.
+        KVFormat("fp8_e4m3", 8, "float8_e4m3fn", 4),
+        KVFormat("fp8_e5m2", 8, "float8_e5m2", 4),
+        KVFormat("int8", 8, "int8", 4),
+        # Per-token-per-head asymmetric (fp16 scale + fp16 min): x = code * scale + min.
+        KVFormat("int4", 4, "uint8", 8, asymmetric=True),
+        KVFormat("int2", 2, "uint8", 8, asymmetric=True),
     )
 }
+
+#: ``--kv-cache-dtype`` aliases (vLLM: ``fp8`` means e4m3).
+KV_FORMAT_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 
 
 def get_kv_format(name: str) -> KVFormat:
     """The format of ``--kv-cache-dtype name``. Raises ValueError listing the choices."""
-    fmt = KV_FORMATS.get(name)
+    fmt = KV_FORMATS.get(KV_FORMAT_ALIASES.get(name, name))
     if fmt is None:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {sorted(KV_FORMATS)} or auto")
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of "
+                         f"{sorted(KV_FORMATS) + sorted(KV_FORMAT_ALIASES)} or auto")
     return fmt
 
 

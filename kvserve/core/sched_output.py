@@ -127,11 +127,15 @@ class ModelRunnerOutput:
             ``1 + accepted drafts`` when drafts were verified); only requests that sampled.
         logprobs: request id -> per new token ``{token_id: (logprob, rank)}`` (if asked).
         draft_token_ids: request id -> draft tokens proposed for the next step.
+        prompt_logprobs: request id -> ``(start, entries)`` for requests that asked for prompt
+            logprobs and computed prompt positions ``start, start + 1, ...`` this step:
+            ``entries[j]`` is ``{token_id: (logprob, rank)}`` for prompt token ``start + 1 + j``.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

@@ -34,6 +34,7 @@ from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.prefix_cache import PrefixMatch
 from kvserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kvserve.request import Request, RequestStatus
 
@@ -228,6 +229,8 @@ class Scheduler:
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None and num_hit:
+                hits, num_hit = tuple(PrefixMatch() for _ in hits), 0  # every prompt position's logits
             n = req.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and n > budget:
                 break
@@ -316,6 +319,11 @@ class Scheduler:
         updated: list[RequestUpdate] = []
         spec = sched.scheduled_spec_decode_tokens
         all_lps = output.logprobs
+        for rid, (start, entries) in output.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            have = len(req.prompt_logprobs) if req is not None else -1
+            if start <= have < start + len(entries):  # chunks in order; a recompute adds nothing new
+                req.prompt_logprobs.extend(entries[have - start:])
         for rid, toks in output.sampled_token_ids.items():
             req = self.requests.get(rid)
             if req is None:

@@ -32,6 +32,7 @@ from kvserve.config import (
     parse_json_arg,
     parse_size,
 )
+from kvserve.core.kv_cache_spec import get_kv_format
 
 
 def _from(cfg_cls: type, name: str) -> Any:
@@ -202,7 +203,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory=parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None,
-            kv_cache_dtype=dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            kv_cache_dtype=dtype if self.kv_cache_dtype == "auto" else get_kv_format(self.kv_cache_dtype).name,
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,

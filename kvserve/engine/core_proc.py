@@ -32,7 +32,7 @@ def _token_output(o):
 
     return TokenOutput(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
                        o.num_cached_tokens, o.first_scheduled_time, o.first_token_time, o.finished_time,
-                       o.num_preemptions)
+                       o.num_preemptions, o.prompt_logprobs)
 
 
 class EngineCoreProc:

@@ -51,6 +51,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
         first_scheduled_time / first_token_time / finished_time: engine-side timestamps (s).
         num_preemptions: how often it was preempted so far.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, in the request's first output:
+            per prompt token ``{token_id: (logprob, rank)}`` (None for the first token).
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class EngineCoreOutput:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
 
 
 @dataclass

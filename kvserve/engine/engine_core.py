@@ -8,11 +8,13 @@ that receive each step as data.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.kv_capacity import LOSSY_KV_FORMATS
 from kvserve.core.kv_cache_spec import (
     KVCacheConfig, bytes_per_request, make_kv_cache_config, max_concurrency, max_request_tokens,
 )
@@ -53,13 +55,19 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     layout = "" if pc.world_size == 1 else (
         f" per rank; tensor_parallel_size={pc.tensor_parallel_size} ({pc.distributed_executor_backend} executor), "
         f"each rank holds its share of the KV heads")
+    # What the format buys: tokens per byte relative to an unquantized cache in the model dtype.
+    ref_bpt = sum(len(g.layer_indices) * dataclasses.replace(g.spec, dtype=mc.dtype).bytes_per_token
+                  for g in kv_cfg.groups)
     logger.info(
         "KV cache: %d bytes/token over %d layers (%s); %s tokens per request at most (%.2f GiB)%s; "
-        "max concurrency at max_model_len=%d: %.2fx (%.2fx without the sliding-window savings)",
+        "max concurrency at max_model_len=%d: %.2fx (%.2fx without the sliding-window savings); "
+        "%s KV: %.2fx the tokens of a %s KV cache",
         kv_cfg.bytes_per_token, kv_cfg.num_layers, kv_cfg.describe(),
         "unbounded" if capacity is None else capacity, kv_cfg.total_bytes / 2**30, layout, max_len,
-        max_concurrency(kv_cfg, max_len), flat,
+        max_concurrency(kv_cfg, max_len), flat, cc.kv_cache_dtype, ref_bpt / kv_cfg.bytes_per_token, mc.dtype,
     )
+    if cc.kv_cache_dtype in LOSSY_KV_FORMATS:
+        logger.warning("--kv-cache-dtype %s: %s", cc.kv_cache_dtype, LOSSY_KV_FORMATS[cc.kv_cache_dtype])
     return kv_cfg
 
 
@@ -156,10 +164,13 @@ class EngineCore:
         n_gen = 0
         for req, toks, lps in updated:
             n_gen += len(toks)
+            plps = None
+            if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                plps, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True  # the first token has none
             outs.outputs.append(EngineCoreOutput(
                 req.request_id, toks, lps if req.sampling_params.logprobs is not None else None,
                 req.finish_reason, req.stop_reason, req.num_cached_tokens, req.first_scheduled_time,
-                req.first_token_time, req.finished_time, req.num_preemptions))
+                req.first_token_time, req.finished_time, req.num_preemptions, plps))
         outs.num_generation_tokens = n_gen
         return outs
 

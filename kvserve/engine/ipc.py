@@ -86,6 +86,8 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
         first_scheduled_time / first_token_time / finished_time: engine-side timestamps.
         num_preemptions: how often the request was preempted so far.
+        prompt_logprobs: per prompt token ``{token_id: (logprob, rank)}`` (None for the first),
+            in the first message of a request that asked for them.
     """
 
     request_id: str
@@ -98,6 +100,7 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
 
 
 class SchedulerStatsMsg(msgspec.Struct, array_like=True):

@@ -19,7 +19,7 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "output_token_ids",
                  "logprobs", "finish_reason", "stop_reason", "num_cached_tokens", "first_scheduled_time",
-                 "first_token_time", "finished_time", "num_preemptions")
+                 "first_token_time", "finished_time", "num_preemptions", "prompt_logprobs")
 
     def __init__(self, req: EngineCoreRequest) -> None:
         self.request_id = req.request_id
@@ -35,6 +35,7 @@ class RequestState:
         self.first_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.num_preemptions = 0
+        self.prompt_logprobs: Optional[list] = None
 
     def apply(self, o: EngineCoreOutput) -> None:
         """Fold one engine-core output into this state."""
@@ -46,6 +47,8 @@ class RequestState:
         self.first_token_time = o.first_token_time
         self.finished_time = o.finished_time
         self.num_preemptions = o.num_preemptions
+        if o.prompt_logprobs is not None:
+            self.prompt_logprobs = o.prompt_logprobs
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason
             self.stop_reason = o.stop_reason
@@ -208,7 +211,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=outs, finished=parent.finished, metrics=metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=max(first.num_cached_tokens, 0), prompt_logprobs=first.prompt_logprobs,
         )
 
     def remove(self, parent: ParentState) -> None:

@@ -23,6 +23,7 @@ as one line ``error: ...`` on stderr and the process exits with status 2, no tra
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -239,6 +240,54 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     register_serve_parser(subparsers)
 
 
+# --------------------------------------------------------------------------- plan-kv
+
+def _register_plan_kv(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan-kv", help="KV cache capacity per --kv-cache-dtype for a model and a memory budget.",
+        description="Bytes per token (2 * layers * kv_heads * head_dim * bytes + scales), tokens and maximum "
+                    "concurrency at --max-model-len for each KV dtype, from the model's config (no weights load).",
+    )
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF directory / GGUF file (default: the embedded SmolLM2-135M-Instruct).")
+    p.add_argument("--max-model-len", type=int, required=True, help="Tokens per request (prompt + output).")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GiB",
+                   help="Memory given to the KV cache, in GiB.")
+    p.add_argument("--kv-cache-dtype", action="append", default=None, metavar="D",
+                   help="Only these dtypes (repeatable; default: all).")
+    p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+    p.add_argument("--reference", default="bfloat16", help="The dtype the ratios are relative to.")
+    p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    p.set_defaults(func=run_plan_kv)
+
+
+def run_plan_kv(ns: argparse.Namespace) -> int:
+    """``kvserve plan-kv``: the capacity table (ValueError for bad sizes or unknown dtypes)."""
+    import json
+
+    from kvserve.core.kv_capacity import format_plan, plan_kv, rows_as_dicts
+    from kvserve.core.kv_cache_spec import get_kv_format
+    from kvserve.model_loader import load_hf_config, resolve_model
+
+    path, fmt = resolve_model(ns.model, "auto")
+    cfg = load_hf_config(path, fmt)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtypes = [get_kv_format(d).name for d in ns.kv_cache_dtype] if ns.kv_cache_dtype else None
+    rows = plan_kv(cfg.num_hidden_layers, kv_heads, head_dim, int(ns.gpu_memory * 2**30), ns.max_model_len,
+                   ns.block_size, dtypes, get_kv_format(ns.reference).name)
+    if ns.json:
+        print(json.dumps({"model": path, "num_layers": cfg.num_hidden_layers, "num_kv_heads": kv_heads,
+                          "head_dim": head_dim, "gpu_memory_gib": ns.gpu_memory, "max_model_len": ns.max_model_len,
+                          "rows": rows_as_dicts(rows)}, indent=2))
+    else:
+        print(f"{os.path.basename(path)}: {cfg.num_hidden_layers} layers x {kv_heads} KV heads x {head_dim}, "
+              f"{ns.gpu_memory:g} GiB of KV, max_model_len {ns.max_model_len}")
+        print(format_plan(rows, get_kv_format(ns.reference).name))
+    return 0
+
+
 # --------------------------------------------------------------------------- main
 
 #: One registration function per subcommand; each adds its parser and sets ``func``.
@@ -247,6 +296,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_chat,
     _register_bench,
     _register_serve,
+    _register_plan_kv,
 ]
 
 

@@ -252,12 +252,13 @@ class ModelRunner:
         """Logits where requests sample (the last row; the last ``1 + k`` rows with drafts),
         the sampler for plain rows, the greedy argmax for draft rows, one copy to the host."""
         states = self.input_batch.states
+        prompt_lps = self._prompt_logprobs(inp, hidden, row_start)
         ends = row_start + inp.query_lens - 1
         plain = [i for i in np.flatnonzero(inp.samples) if not inp.num_drafts[i]]
         spec = [i for i in np.flatnonzero(inp.samples) if inp.num_drafts[i]]
         if not plain and not spec:
             self._last_rows = {}
-            return AsyncModelRunnerOutput([], None, None, None, None, self)
+            return AsyncModelRunnerOutput([], None, None, None, None, self, prompt_lps)
         rows = [int(ends[i]) for i in plain]
         for i in spec:
             k = int(inp.num_drafts[i])
@@ -283,7 +284,38 @@ class ModelRunner:
             spec_out = ([inp.req_ids[i] for i in spec], [drafts[inp.req_ids[i]] for i in spec], targets)
         self._last_sampled = sampled
         self._last_rows = {r: j for j, r in enumerate(plain_ids)}
-        return AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self)
+        return AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self, prompt_lps)
+
+    def _prompt_logprobs(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> dict:
+        """For requests with ``prompt_logprobs`` computing prompt positions this step: per
+        request ``(start position, [{token_id: (logprob, rank)}, ...])`` for the prompt tokens
+        after those positions (the prompt token first, then the top ``prompt_logprobs``).
+        Reads back to the host (these steps do not overlap the next one)."""
+        states = self.input_batch.states
+        out = {}
+        for i, rid in enumerate(inp.req_ids):
+            st = states[rid]
+            k = st.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(inp.seq_lens[i] - inp.query_lens[i])
+            m = min(int(inp.query_lens[i]), len(st.prompt_token_ids) - 1 - start)
+            if m <= 0:
+                continue
+            rows = torch.arange(int(row_start[i]), int(row_start[i]) + m, device=hidden.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            target = torch.tensor(st.prompt_token_ids[start + 1:start + 1 + m], device=lp.device)
+            tlp = lp.gather(1, target[:, None])
+            rank = (lp > tlp).sum(-1) + 1
+            top_lp, top_id = lp.topk(k, dim=-1) if k else (lp[:, :0], target[:, None][:, :0])
+            entries = []
+            for t, v, r, tv, ti in zip(target.tolist(), tlp[:, 0].tolist(), rank.tolist(), top_lp.tolist(),
+                                       top_id.tolist()):
+                e = {a: (b, j + 1) for j, (a, b) in enumerate(zip(ti, tv))}
+                e[t] = (v, r)
+                entries.append(e)
+            out[rid] = (start, entries)
+        return out
 
     # ---- speculative decoding ------------------------------------------------------------
     def propose(self, req_ids: list[str]) -> dict[str, list[int]]:

@@ -40,9 +40,11 @@ class AsyncModelRunnerOutput:
             verified drafts, or None.
         event: CUDA event recorded after the copies were issued (None on the CPU).
         runner: the model runner (its sampler, input batch and proposer).
+        prompt_logprobs: ``ModelRunnerOutput.prompt_logprobs`` of this step (host data).
     """
 
-    def __init__(self, req_ids: list[str], packed, md, spec, event, runner) -> None:
+    def __init__(self, req_ids: list[str], packed, md, spec, event, runner, prompt_logprobs=None) -> None:
+        self._prompt_logprobs = prompt_logprobs or {}
         self.req_ids = req_ids
         self._packed = packed
         self._md = md
@@ -51,7 +53,7 @@ class AsyncModelRunnerOutput:
         self._runner = runner
 
     def get(self) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
+        out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs)
         if self._event is not None:
             self._event.synchronize()
         runner = self._runner

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import kv_row_offsets, load_k_tile, load_v_tile
+from kvserve.attention.triton.kv_load import kernel_cache_args, kv_row_offsets, load_k_tile, load_v_tile
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -53,7 +53,7 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -90,7 +90,7 @@ def _decode_split_kernel(
         pos = n0 + offs_n
         n_mask = pos < end
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
-        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype)
+        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,7 +98,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype)
+        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -208,7 +208,8 @@ def decode_attention(
         return out
     _, num_heads, d = query.shape
     _, _, block_size, hkv, dk = kv_cache.shape
-    assert dk == d and num_heads % hkv == 0
+    assert num_heads % hkv == 0
+    kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)  # bytes + format code when quantized
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
@@ -239,7 +240,7 @@ def decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-        WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda",
+        WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -5,7 +5,10 @@ blocks; a token's flat slot is ``block_id * block_size + offset``. This kernel s
 ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into
 ``kv_cache[0|1][block_id, offset]`` at the slots of ``slot_mapping``; a negative slot
 (padding, e.g. for CUDA-graph batches) is skipped. The values are cast to the cache dtype
-on store (fp32/bf16/fp16 -> any cache dtype, the hook for an FP8 KV cache).
+on store (fp32/bf16/fp16 -> any cache dtype), or quantized for the quantized formats
+(``KV_FMT`` > 0): per (token, head) row, the scale (and minimum) is computed in registers
+and written after the codes, as ``kvserve/attention/kv_quant.py`` describes (the same
+arithmetic, so the cache holds the bytes the torch reference would write).
 
 Grid: ``(num_tokens,)``; each program moves one token's ``[num_kv_heads, head_size]`` tile
 for K and for V.
@@ -17,6 +20,63 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.kv_quant import MIN_SCALE, QMAX
+from kvserve.attention.triton.kv_load import kernel_cache_args
+
+_QMAX_BY_CODE = {1: QMAX["fp8_e4m3"], 2: QMAX["fp8_e5m2"], 3: QMAX["int8"], 4: 15.0, 5: 3.0}
+
+
+@triton.jit
+def _quant_store(x, cache_ptr, row, mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, QMAX: tl.constexpr,
+                 MIN_SCALE: tl.constexpr):
+    """Quantize rows ``x [BLOCK_H, HEAD_DIM]`` and write codes + scales at row starts ``row``
+    ([BLOCK_H] element offsets; the cache is bytes)."""
+    xf = x.to(tl.float32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m2 = mask[:, None] & (offs_d[None, :] >= 0)
+    if KV_FMT >= 4:
+        BITS: tl.constexpr = 4 if KV_FMT == 4 else 2
+        PER: tl.constexpr = 8 // BITS
+        mn = tl.min(xf, 1)
+        mx = tl.max(xf, 1)
+        scale = tl.maximum((mx - mn) / QMAX, MIN_SCALE).to(tl.float16)
+        zero = mn.to(tl.float16)
+        y = (xf - zero.to(tl.float32)[:, None]) / scale.to(tl.float32)[:, None]
+        q = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), QMAX).to(tl.int32)
+        q3 = tl.reshape(q, [x.shape[0], HEAD_DIM // PER, PER])
+        shifts = tl.arange(0, PER) * BITS
+        packed = tl.sum(q3 << shifts[None, None, :], 2).to(tl.uint8)
+        offs_c = tl.arange(0, HEAD_DIM // PER)
+        tl.store(cache_ptr + row[:, None] + offs_c[None, :], packed, mask=mask[:, None] & (offs_c[None, :] >= 0))
+        sp = (cache_ptr + row + HEAD_DIM // PER).to(tl.pointer_type(tl.float16))
+        tl.store(sp, scale, mask=mask)
+        tl.store(sp + 1, zero, mask=mask)
+    else:
+        amax = tl.max(tl.abs(xf), 1)
+        scale = tl.maximum(amax / QMAX, MIN_SCALE).to(tl.float16)
+        y = xf / scale.to(tl.float32)[:, None]
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if KV_FMT <= 2:
+            # Round to the fp8 grid in fp32 first (half away from zero): the conversion is then
+            # exact, so the interpreter's fp8 cast (wrong when rounding carries into the
+            # exponent) and the GPU's agree.
+            MANT: tl.constexpr = 3 if KV_FMT == 1 else 2
+            MIN_EXP: tl.constexpr = -6 if KV_FMT == 1 else -14
+            e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1e-30))), MIN_EXP)
+            ulp = tl.exp2(e - MANT)
+            a = tl.floor(tl.abs(y) / ulp + 0.5) * ulp
+            y = tl.minimum(tl.where(y < 0, -a, a), QMAX)
+            y = tl.maximum(y, -QMAX)
+            if KV_FMT == 1:
+                codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                codes = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            codes = tl.floor(y + 0.5).to(tl.int8).to(tl.uint8, bitcast=True)
+        tl.store(cache_ptr + row[:, None] + offs_d[None, :], codes, mask=m2)
+        sp = (cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float16))
+        tl.store(sp, scale, mask=mask)
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -25,7 +85,8 @@ def _store_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_co, stride_ch, stride_cd,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_FMT: tl.constexpr = 0, QMAX: tl.constexpr = 1.0,
+    MIN_SCALE: tl.constexpr = 1.0,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -36,13 +97,19 @@ def _store_kv_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & valid
-    dst = blk * stride_cb + off * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
                 mask=mask, other=0.0)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask, other=0.0)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_FMT > 0:
+        row = blk * stride_cb + off * stride_co + offs_h * stride_ch
+        hmask = (offs_h < NUM_KV_HEADS) & valid
+        _quant_store(k, k_cache_ptr, row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
+        _quant_store(v, v_cache_ptr, row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
+    else:
+        dst = blk * stride_cb + off * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
@@ -52,16 +119,18 @@ def store_kv(
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``, any float dtype, any strides.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``; the K and V halves
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, row]`` (``row``: see
+            ``KVFormat.row_elems``; quantized on store); the K and V halves
             must share strides (true for any slice of a contiguous tensor).
         slot_mapping: ``[num_tokens]`` int64 (int32 works too) flat slot ids; ``< 0`` = skip.
     """
     num_tokens, hkv, d = key.shape
     assert value.shape == key.shape and slot_mapping.shape[0] >= num_tokens
-    assert kv_cache.shape[3] == hkv and kv_cache.shape[4] == d
+    assert kv_cache.shape[3] == hkv
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     if num_tokens == 0:
         return
+    kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)
     block_size = kv_cache.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
@@ -71,5 +140,6 @@ def store_kv(
         value.stride(0), value.stride(1), value.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD_DIM=d, BLOCK_SIZE=block_size,
+        KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE,
         num_warps=4 if hkv * d >= 1024 else 2,
     )

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import kv_row_offsets, load_k_tile, load_v_tile
+from kvserve.attention.triton.kv_load import kernel_cache_args, kv_row_offsets, load_k_tile, load_v_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -36,7 +36,7 @@ def _attend_block(
     stride_cb, stride_co, stride_cd, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
-    in_dtype: tl.constexpr,
+    in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full)."""
@@ -44,7 +44,7 @@ def _attend_block(
     pos = n0 + offs_n
     n_mask = pos < kv_hi
     row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
-    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype)  # [D, BLOCK_N]
+    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)  # [D, BLOCK_N]
     qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
     if MASKED:
         valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -56,7 +56,7 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype)  # [BLOCK_N, D]
+    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)  # [BLOCK_N, D]
     acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -72,7 +72,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -118,12 +118,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
     for n0 in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, qk_scale,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -180,7 +180,8 @@ def prefill_attention(
         return out
     _, num_heads, d = query.shape
     _, _, block_size, hkv, dk = kv_cache.shape
-    assert dk == d and num_heads % hkv == 0
+    assert num_heads % hkv == 0
+    kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)  # bytes + format code when quantized
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
@@ -205,7 +206,7 @@ def prefill_attention(
         BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=bn,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
-        WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda",
+        WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,0 +1,77 @@
+"""What each KV storage format buys: bytes per token, tokens and concurrency for a budget.
+
+Used by the start-up capacity line (``engine_core.plan_kv_cache``) and by
+``kvserve plan-kv``. Bytes per token follow the usual formula
+``2 * layers * kv_heads * head_dim * bytes_per_element`` plus the quantized formats' scale
+bytes (``KVFormat.scale_bytes_per_token_head`` per layer and KV head); the page size of
+``KVCacheSpec`` is the one source of truth and this module only multiplies it out.
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvserve.core.kv_cache_spec import KV_FORMATS, FullAttentionSpec
+
+#: Formats known to lose accuracy, with the reason shown at start-up (README: which to pick).
+LOSSY_KV_FORMATS: dict[str, str] = {
+    "int2": "2-bit KV codes (per-token scales) change greedy outputs within a few tokens on small models; "
+            "check `kvserve bench accuracy` for your model before serving with it",
+    "fp8_e5m2": "e5m2 keeps 2 mantissa bits: fp8_e4m3 (the `fp8` default) is more accurate with per-token scales",
+    "int4": "4-bit KV codes (per-token scales) raise perplexity by a few percent; fp8/int8 are near-lossless",
+}
+
+
+@dataclass
+class KVPlanRow:
+    """One format's capacity for a model shape and a byte budget."""
+
+    kv_cache_dtype: str
+    bytes_per_token: int  # all layers, K and V, scales included
+    scale_bytes_per_token: int  # the scales' share of bytes_per_token
+    tokens: int  # whole blocks that fit the budget, times block_size
+    max_concurrency: float  # tokens / max_model_len
+    vs_reference: float  # tokens relative to the reference dtype
+
+
+def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, max_model_len: int,
+            block_size: int = 16, dtypes: list[str] | None = None, reference: str = "bfloat16") -> list[KVPlanRow]:
+    """Capacity rows for ``dtypes`` (default: every format), all layers full attention.
+
+    Raises ValueError for an unknown dtype or non-positive sizes.
+    """
+    if min(num_layers, num_kv_heads, head_dim, block_size, max_model_len) <= 0 or budget_bytes < 0:
+        raise ValueError("layers, kv heads, head dim, block size and max_model_len must be positive")
+    dtypes = list(dtypes or KV_FORMATS)
+
+    def tokens(name: str) -> tuple[int, int]:
+        spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, name, reference)
+        page = spec.page_size_bytes * num_layers
+        return (budget_bytes // page) * block_size, spec.bytes_per_token * num_layers
+
+    ref_tokens, _ = tokens(reference)
+    rows = []
+    for name in dtypes:
+        fmt = KV_FORMATS.get(name)
+        if fmt is None:
+            raise ValueError(f"unknown kv_cache_dtype {name!r}; choose from {sorted(KV_FORMATS)}")
+        tok, bpt = tokens(name)
+        rows.append(KVPlanRow(name, bpt, num_layers * num_kv_heads * fmt.scale_bytes_per_token_head, tok,
+                              tok / max_model_len, tok / ref_tokens if ref_tokens else float("inf")))
+    return rows
+
+
+def format_plan(rows: list[KVPlanRow], reference: str = "bfloat16") -> str:
+    """A fixed-width table of ``rows``."""
+    head = f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'of which scales':>16}{'tokens':>12}" \
+           f"{'max concurrency':>17}{'vs ' + reference:>13}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r.kv_cache_dtype:<15}{r.bytes_per_token:>12}{r.scale_bytes_per_token:>16}{r.tokens:>12}"
+                     f"{r.max_concurrency:>16.2f}x{r.vs_reference:>12.2f}x")
+    return "\n".join(lines)
+
+
+def rows_as_dicts(rows: list[KVPlanRow]) -> list[dict]:
+    return [asdict(r) for r in rows]

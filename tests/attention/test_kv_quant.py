@@ -1,0 +1,160 @@
+"""Quantized KV formats: round-trip error bounds (known answers), the row layout, and the
+cpu backend against torch_ref (the oracle) on every format: GQA, ragged lengths across block
+boundaries, mixed decode + prefill, prefix hits into quantized blocks, copy-on-write."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvserve.attention.cpu_backend import CpuBackend
+from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_quant import MIN_SCALE, cache_format, dequantize, quantize
+from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.core.kv_cache_spec import KV_FORMATS, FullAttentionSpec, get_kv_format
+
+QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
+ALL = ["float32", "bfloat16", "float16"] + QUANT
+# Worst-case |x - dq(q(x))| / max|x| per row: half a code step of the format
+# (fp8: half an ulp at the top binade, relative 2^-4 (e4m3) / 2^-3 (e5m2); int8: 0.5/127;
+# int4/int2: half of range/(2^b - 1), range <= 2 max|x|), plus fp16 scale rounding.
+ROW_REL_BOUND = {"fp8_e4m3": 2 ** -4 + 1e-3, "fp8_e5m2": 2 ** -3 + 1e-3, "int8": 0.5 / 127 + 1e-3,
+                 "int4": 1 / 15 + 2e-3, "int2": 1 / 3 + 2e-3}
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_round_trip_error_bound(name):
+    fmt = get_kv_format(name)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 64, generator=gen) * torch.rand(64, 3, 1, generator=gen) * 10
+    rows = quantize(x, fmt)
+    assert rows.shape == (64, 3, fmt.row_elems(64)) and rows.dtype == getattr(torch, fmt.torch_dtype)
+    assert cache_format(rows, 64) is fmt
+    y = dequantize(rows, 64, torch.float32)
+    err = (x - y).abs().amax(-1) / x.abs().amax(-1)
+    assert err.max() <= ROW_REL_BOUND[name]
+    # not just bounded: a typical element's error is well under the worst case
+    assert ((x - y).abs() / x.abs().amax(-1, keepdim=True)).mean() < ROW_REL_BOUND[name] / 2
+
+
+def test_known_answers():
+    x = torch.tensor([[0.0, 1.0, -2.0, 4.0] * 4])  # one row, D = 16, max |x| = 4
+    # int8: scale 4/127, codes round(x * 127 / 4); stored scale is float16.
+    r = quantize(x, KV_FORMATS["int8"])
+    s = torch.tensor(4 / 127, dtype=torch.float16)
+    assert r[0, :4].tolist() == [0, 32, -64, 127]  # 31.75 -> 32, -63.5 -> -64 (half up)
+    assert r[0, 16:].contiguous().view(torch.uint8).view(torch.float16).item() == s.item()
+    # int4: min -2, max 4, scale 6/15 = 0.4: codes (x + 2) / 0.4 = 5, 7.5 -> 8, 0, 15.
+    r = quantize(x, KV_FORMATS["int4"])
+    assert r.shape == (1, 8 + 4)
+    assert r[0, :2].tolist() == [5 | (8 << 4), 0 | (15 << 4)]
+    y = dequantize(r, 16, torch.float32)
+    assert torch.allclose(y[0, :4], torch.tensor([0.0, 1.2, -2.0, 4.0]), atol=2e-3)
+    # int2: scale 2: codes 1, 1.5 -> 2, 0, 3 packed in one byte.
+    r = quantize(x, KV_FORMATS["int2"])
+    assert r[0, 0].item() == 1 | (2 << 2) | (0 << 4) | (3 << 6)
+    # fp8: 4 -> 448 exactly at the top of e4m3; zeros stay zero.
+    r = quantize(x, KV_FORMATS["fp8_e4m3"])
+    assert r[0, :4].float().tolist() == [0.0, 112.0, -224.0, 448.0]
+    # a constant row: the scale floors at MIN_SCALE, no NaN.
+    z = dequantize(quantize(torch.full((1, 16), 3.0), KV_FORMATS["int2"]), 16, torch.float32)
+    assert torch.isfinite(z).all() and torch.allclose(z, torch.full((1, 16), 3.0), atol=MIN_SCALE * 3)
+
+
+def test_page_size_and_capacity_exact():
+    """Bytes per block (scales included) and the capacity ratios vs bfloat16 (SmolLM2: 3 KV
+    heads x 64, block 16): the block count a budget buys scales as the spec says."""
+    pages = {n: FullAttentionSpec(16, 3, 64, n, "bfloat16").page_size_bytes for n in ALL}
+    assert pages == {"float32": 24576, "bfloat16": 12288, "float16": 12288, "fp8_e4m3": 6336, "fp8_e5m2": 6336,
+                     "int8": 6336, "int4": 3456, "int2": 1920}
+    budget = 30 * 12288 * 16  # bytes
+    blocks = {n: budget // p for n, p in pages.items()}
+    assert blocks["bfloat16"] == 480 and blocks["int8"] == 930 and blocks["int4"] == 1706 and blocks["int2"] == 3072
+    assert blocks["int8"] / blocks["bfloat16"] >= 1.9
+    assert blocks["int4"] / blocks["bfloat16"] >= 3.5
+    assert blocks["int2"] / blocks["bfloat16"] >= 6
+    assert get_kv_format("fp8") is KV_FORMATS["fp8_e4m3"]
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int3'.*fp8_e5m2.*int2"):
+        get_kv_format("int3")
+
+
+def _meta(reqs, block_size, bt):
+    slots, qsl = [], [0]
+    for i, (c, n) in enumerate(reqs):
+        slots += [int(bt[i, p // block_size]) * block_size + p % block_size for p in range(c, c + n)]
+        qsl.append(qsl[-1] + n)
+    qlens, slens = [n for _, n in reqs], [c + n for c, n in reqs]
+    nd = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=bt.clone(),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(slens, dtype=torch.int32),
+        query_lens_cpu=qlens, seq_lens_cpu=slens, max_query_len=max(qlens), max_seq_len=max(slens),
+        num_decodes=nd)
+
+
+def _quant_cache(num_blocks, bs, hkv, d, name, gen):
+    fmt = get_kv_format(name)
+    vals = torch.randn(2, num_blocks, bs, hkv, d, generator=gen)
+    return quantize(vals, fmt)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_cpu_backend_matches_torch_ref(name):
+    """Ragged decodes + chunked prefills over a quantized paged prefix, GQA 6:2, block 4."""
+    gen = torch.Generator().manual_seed(1)
+    bs, h, hkv, d = 4, 6, 2, 32
+    reqs = [(13, 1), (4, 1), (0, 1), (7, 5), (0, 9)]  # (cached, new): decodes first
+    nbs = [-(-(c + n) // bs) for c, n in reqs]
+    num_blocks = sum(nbs) + 2
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
+    o = 0
+    for i, nb in enumerate(nbs):
+        bt[i, :nb] = torch.tensor(perm[o:o + nb])
+        o += nb
+    meta = _meta(reqs, bs, bt)
+    t = sum(n for _, n in reqs)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = _quant_cache(num_blocks, bs, hkv, d, name, gen)
+        q = torch.randn(t, h, d, generator=gen).to(dtype) * 2
+        k, v = torch.randn(t, hkv, d, generator=gen).to(dtype), torch.randn(t, hkv, d, generator=gen).to(dtype)
+        c_ref, c_cpu = cache.clone(), cache.clone()
+        ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+        out = CpuBackend().forward(q, k, v, c_cpu, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+        assert torch.equal(c_cpu.view(torch.uint8), c_ref.view(torch.uint8))
+        tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(out, ref, **tol)
+        # The oracle itself: dense attention over dequantized K/V equals torch_ref.
+        kd = dequantize(c_ref[0], d, torch.float32)
+        vd = dequantize(c_ref[1], d, torch.float32)
+        i, (cached, new) = 3, reqs[3]
+        L = cached + new
+        kk = kd[bt[i, :nbs[i]].long()].reshape(-1, hkv, d)[:L].transpose(0, 1).repeat_interleave(h // hkv, 0)
+        vv = vd[bt[i, :nbs[i]].long()].reshape(-1, hkv, d)[:L].transpose(0, 1).repeat_interleave(h // hkv, 0)
+        qq = q[meta.query_start_loc[i]:meta.query_start_loc[i + 1]].float().transpose(0, 1)
+        mask = torch.arange(L)[None, :] <= torch.arange(cached, L)[:, None]
+        dense = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=d ** -0.5)
+        torch.testing.assert_close(ref[meta.query_start_loc[i]:meta.query_start_loc[i + 1]].float(),
+                                   dense.transpose(0, 1), **(tol if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_prefix_hit_and_copy_on_write_carry_scales(name):
+    """A request reusing another's quantized blocks (prefix hit) and a copy-on-write copy of a
+    partial block (bytes incl. scales) attend exactly as the original request does."""
+    gen = torch.Generator().manual_seed(2)
+    bs, h, hkv, d = 4, 4, 2, 16
+    cache = _quant_cache(8, bs, hkv, d, name, gen)
+    # Request A: 10 tokens in blocks 1, 2, 3 (last partial, 2 slots). Request B shares blocks 1, 2
+    # and a copy of block 3's first 2 slots in block 5 (copy-on-write), then both decode 1 token.
+    flat = cache.view(torch.uint8).flatten(1, 2)
+    flat[:, 5 * bs:5 * bs + 2] = flat[:, 3 * bs:3 * bs + 2]
+    q = torch.randn(2, h, d, generator=gen)
+    k, v = torch.randn(1, hkv, d, generator=gen).expand(2, hkv, d), torch.randn(1, hkv, d, generator=gen).expand(2, hkv, d)
+    bt = torch.tensor([[1, 2, 3], [1, 2, 5]], dtype=torch.int32)
+    meta = _meta([(10, 1), (10, 1)], bs, bt)
+    for be in (TorchRefBackend(), CpuBackend()):
+        out = be.forward(torch.cat([q[:1], q[:1]]), k, v, cache.clone(), dataclasses.replace(meta, backend_cache={}), 0.25)
+        torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)

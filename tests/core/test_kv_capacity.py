@@ -1,0 +1,39 @@
+"""Capacity per KV format (exact numbers) and `kvserve plan-kv`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.core.kv_capacity import format_plan, plan_kv
+
+
+def test_plan_kv_llama8b_shape_exact():
+    """Llama-3.1-8B shape (32 layers x 8 KV heads x 128), 10 GiB, 8K context, block 16."""
+    rows = {r.kv_cache_dtype: r for r in plan_kv(32, 8, 128, 10 * 2**30, 8192)}
+    # 2 * 32 * 8 * 128 * 2 bytes = 131072 B/token in bf16; scales: 32 * 8 * 4 (fp8/int8), 32 * 8 * 8 (int4/2).
+    assert rows["bfloat16"].bytes_per_token == 131072
+    assert rows["fp8_e4m3"].bytes_per_token == 65536 + 1024 and rows["fp8_e4m3"].scale_bytes_per_token == 1024
+    assert rows["int4"].bytes_per_token == 32768 + 2048
+    assert rows["int2"].bytes_per_token == 16384 + 2048
+    assert rows["bfloat16"].tokens == 81920  # 10 GiB / (131072 * 16) = 5120 blocks
+    assert rows["int8"].tokens == (10 * 2**30 // (66560 * 16)) * 16
+    assert rows["bfloat16"].max_concurrency == 10.0
+    assert rows["fp8_e4m3"].vs_reference >= 1.9 and rows["int4"].vs_reference >= 3.5
+    assert rows["int2"].vs_reference >= 6.0
+    assert "int2" in format_plan(list(rows.values()))
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int3'"):
+        plan_kv(32, 8, 128, 2**30, 8192, dtypes=["int3"])
+
+
+def test_plan_kv_cli(capsys):
+    from kvserve.entrypoints.cli import main
+
+    assert main(["plan-kv", "--max-model-len", "2048", "--gpu-memory", "1", "--kv-cache-dtype", "fp8",
+                 "--kv-cache-dtype", "bfloat16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["num_layers"], out["num_kv_heads"], out["head_dim"]) == (30, 3, 64)  # SmolLM2-135M
+    rows = {r["kv_cache_dtype"]: r for r in out["rows"]}
+    assert rows["fp8_e4m3"]["bytes_per_token"] == 2 * 30 * 3 * 64 + 30 * 3 * 4
+    assert rows["bfloat16"]["tokens"] == (2**30 // (23040 * 16)) * 16
