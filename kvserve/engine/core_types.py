@@ -51,6 +51,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
         first_scheduled_time / first_token_time / finished_time: engine-side timestamps (s).
         num_preemptions: how often it was preempted so far.
+        num_draft_tokens / num_accepted_tokens: speculative decoding, draft tokens verified /
+            accepted for this request so far.
     """
 
     request_id: str
@@ -63,6 +65,8 @@ class EngineCoreOutput:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -86,6 +86,7 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
         first_scheduled_time / first_token_time / finished_time: engine-side timestamps.
         num_preemptions: how often the request was preempted so far.
+        num_draft_tokens / num_accepted_tokens: speculative decoding, per request so far.
     """
 
     request_id: str
@@ -98,6 +99,8 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SchedulerStatsMsg(msgspec.Struct, array_like=True):
@@ -113,6 +116,7 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     num_drafts: int = 0  # speculative decoding, cumulative: steps that verified drafts
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted
+    num_accepted_tokens_per_pos: list[int] = []  # accepted drafts at each draft position
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

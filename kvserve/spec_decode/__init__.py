@@ -13,7 +13,9 @@ import importlib
 from kvserve.spec_decode.proposer import Proposer
 
 #: method name -> "module:Class"; ``register_proposer`` adds more.
-PROPOSERS: dict[str, str] = {}
+PROPOSERS: dict[str, str] = {
+    "ngram": "kvserve.spec_decode.ngram:NgramProposer",
+}
 
 
 def register_proposer(name: str, target: str | type) -> None:
