@@ -160,6 +160,9 @@ class SpeculativeConfig:
     dynamic_max_batch: int = 32  # running requests from which speculation turns off (hysteresis below)
     dynamic_min_acceptance: float = 0.3  # acceptance rate under which k shrinks
     extra: dict = field(default_factory=dict)  # proposer-specific keys
+    draft_model_path: Optional[str] = resolved()  # ``model`` resolved to a file / directory
+    draft_load_format: Optional[str] = resolved()
+    draft_hf_config: Any = resolved()
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":

@@ -164,3 +164,35 @@ def test_spec_metrics_in_prometheus():
                  'kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0',
                  'kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0']:
         assert line in text, line
+
+
+@pytest.mark.slow
+def test_draft_model_equal_to_target_accepts_everything(llm, prompts, smollm2_path):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
+    spec = LLM(kv_cache_memory="64MiB", max_model_len=256, disable_log_stats=True, max_num_batched_tokens=64,
+               speculative_config={"method": "draft_model", "model": smollm2_path, "num_speculative_tokens": 3,
+                                   "draft_num_blocks": 40})
+    outs = spec.generate(prompts[:4], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    st = spec.llm_engine.stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
+    proposer = spec.llm_engine.engine_core.model_runner.proposer
+    # Finished requests reach the worker with the next step: states of the last round remain
+    # until then; every block is either free or held by one of them.
+    assert len(proposer.free_blocks) + sum(len(s.blocks) for s in proposer.states.values()) == 39
+    spec.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert set(proposer.states) <= {o.request_id for o in outs} | {str(len(outs))}
+    assert len(proposer.free_blocks) + sum(len(s.blocks) for s in proposer.states.values()) == 39
+    assert len(proposer.states) <= 1
+    assert spec.llm_engine.engine_core.kv_cache_manager.usage == 0.0
+    spec.shutdown()
+
+
+def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": tiny_model})
+    with pytest.raises(ValueError, match="needs 'model'"):
+        LLM(disable_log_stats=True, speculative_config={"method": "draft_model"})
+    with pytest.raises(FileNotFoundError):
+        LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": "/nonexistent/x.gguf"})
