@@ -148,16 +148,37 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+#: Largest ``num_speculative_tokens`` accepted (each step computes ``1 + k`` tokens per request).
+MAX_SPECULATIVE_TOKENS = 16
+#: Methods built in (``kvserve.spec_decode`` registers them); others: registered names or "module:Class".
+SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")
+
+
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (``--speculative-config`` JSON, vLLM's fields)."""
+    """Speculative decoding (``--speculative-config`` JSON, vLLM's fields).
+
+    Keys: ``method`` (ngram | draft_model | eagle | eagle3 | a registered proposer),
+    ``num_speculative_tokens`` (k, 1..16), ``model`` (draft model / EAGLE head path; needed by
+    draft_model and eagle*), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram sizes;
+    defaults 2 and 5), ``dynamic`` (adapt k to batch size and acceptance; default true),
+    ``dynamic_max_batch`` (batch size from which speculation turns off; default 32),
+    ``dynamic_min_acceptance`` (acceptance rate below which k shrinks; default 0.3);
+    other keys go to ``extra``.
+    """
 
     method: str = "ngram"  # a registered proposer (kvserve.spec_decode.PROPOSERS)
     num_speculative_tokens: int = 1  # k: draft tokens verified per step (1 + k computed)
     model: Optional[str] = None  # draft model path (draft_model / eagle)
     prompt_lookup_min: Optional[int] = None  # n-gram sizes (ngram)
     prompt_lookup_max: Optional[int] = None
+    dynamic: bool = True  # adapt k (and on/off) to the batch size and the measured acceptance
+    dynamic_max_batch: int = 32  # running requests from which speculation turns off (hysteresis below)
+    dynamic_min_acceptance: float = 0.3  # acceptance rate under which k shrinks
     extra: dict = field(default_factory=dict)  # proposer-specific keys
+    draft_model_path: Optional[str] = resolved()  # ``model`` resolved to a file / directory
+    draft_load_format: Optional[str] = resolved()
+    draft_hf_config: Any = resolved()
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
@@ -165,11 +186,38 @@ class SpeculativeConfig:
         d = dict(d)
         if "method" not in d:
             raise ValueError("--speculative-config needs a 'method'")
+        if not isinstance(d["method"], str):
+            raise ValueError(f"speculative method must be a string, got {d['method']!r}")
         k = d.pop("num_speculative_tokens", 1)
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        known = {"method", "model", "prompt_lookup_min", "prompt_lookup_max"}
-        return cls(num_speculative_tokens=k, extra={x: d.pop(x) for x in list(d) if x not in known}, **d)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {k!r}")
+        known = {"method", "model", "prompt_lookup_min", "prompt_lookup_max", "dynamic", "dynamic_max_batch",
+                 "dynamic_min_acceptance"}
+        cfg = cls(num_speculative_tokens=k, extra={x: d.pop(x) for x in list(d) if x not in known}, **d)
+        if cfg.method in SPEC_METHODS_WITH_MODEL and not cfg.model:
+            raise ValueError(f"speculative method {cfg.method!r} needs 'model' (a path)")
+        if cfg.method == "ngram":
+            lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                    raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if lo is None and hi is None:
+                lo, hi = 2, 5
+            elif lo is None:
+                lo = min(2, hi)
+            elif hi is None:
+                hi = max(5, lo)
+            if lo > hi:
+                raise ValueError(f"prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+            cfg.prompt_lookup_min, cfg.prompt_lookup_max = lo, hi
+        if not isinstance(cfg.dynamic, bool):
+            raise ValueError(f"dynamic must be true or false, got {cfg.dynamic!r}")
+        if not isinstance(cfg.dynamic_max_batch, int) or cfg.dynamic_max_batch < 1:
+            raise ValueError(f"dynamic_max_batch must be an integer >= 1, got {cfg.dynamic_max_batch!r}")
+        if not isinstance(cfg.dynamic_min_acceptance, (int, float)) or not 0 <= cfg.dynamic_min_acceptance < 1:
+            raise ValueError(f"dynamic_min_acceptance must be in [0, 1), got {cfg.dynamic_min_acceptance!r}")
+        return cfg
 
 
 @dataclass

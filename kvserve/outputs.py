@@ -45,6 +45,13 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for this request
+    num_accepted_tokens: int = 0  # ... and accepted
+
+    @property
+    def spec_acceptance_rate(self) -> Optional[float]:
+        """Accepted / verified draft tokens (None without drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def ttft(self) -> Optional[float]:

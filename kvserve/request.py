@@ -74,6 +74,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens this request verified / accepted (cumulative).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (first schedule)
         self.first_token_time: Optional[float] = None
         self.first_scheduled_time: Optional[float] = None

@@ -28,7 +28,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable, Optional
 
@@ -57,6 +57,8 @@ class SchedulerStats:
     num_drafts: int = 0  # speculative decoding: verification steps with drafts, cumulative
     num_draft_tokens: int = 0  # draft tokens verified, cumulative
     num_accepted_tokens: int = 0  # draft tokens accepted, cumulative
+    num_accepted_tokens_per_pos: list = field(default_factory=list)  # per draft position, cumulative
+    num_speculative_tokens: int = 0  # k the dynamic policy allows now (0: off)
 
 
 class _WaitingQueue:
@@ -102,9 +104,11 @@ class Scheduler:
     Args:
         config: budgets and policy.
         kv_cache_manager: block accounting (shared with nothing else).
+        speculative_config: with speculative decoding, its config (k, dynamic policy).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 speculative_config=None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.waiting = _WaitingQueue(config.scheduling_policy)
@@ -119,6 +123,15 @@ class Scheduler:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        sc = speculative_config
+        k_max = sc.num_speculative_tokens if sc is not None else 0
+        self.num_accepted_tokens_per_pos = [0] * k_max
+        self.spec_policy = None
+        if sc is not None and sc.dynamic:
+            from kvserve.spec_decode.dynamic import DynamicSpeculation
+
+            self.spec_policy = DynamicSpeculation(k_max, sc.dynamic_max_batch, sc.dynamic_min_acceptance)
+        self._k_cap = k_max  # drafts per request allowed this step
         # Requests the workers must drop before the next step (finished or aborted).
         self.finished_req_ids: set[str] = set()
         # Running order (worst last): a C key function, as this sort runs every step.
@@ -172,7 +185,7 @@ class Scheduler:
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """How many of ``req``'s draft tokens fit beside its ``n`` tokens: a plain decode
         only, within the budget, ``max_model_len`` and ``max_tokens``."""
-        k = len(req.spec_token_ids)
+        k = min(len(req.spec_token_ids), self._k_cap)
         if not k or n != 1 or req.num_pending_tokens:
             return 0
         mt = req.sampling_params.max_tokens
@@ -187,6 +200,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         self.kv.begin_step()
+        if self.spec_policy is not None:
+            self._k_cap = self.spec_policy.num_speculative_tokens(len(self.running))
         # The worst request sits last, so a victim is never one already scheduled this step.
         self.running.sort(key=self._sort_key)
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft tokens)
@@ -334,6 +349,12 @@ class Scheduler:
                 if drafts:
                     accepted = len(toks) - 1
                     self.num_accepted_tokens += accepted
+                    for j in range(accepted):
+                        self.num_accepted_tokens_per_pos[j] += 1
+                    req.num_draft_tokens += len(drafts)
+                    req.num_accepted_tokens += accepted
+                    if self.spec_policy is not None:
+                        self.spec_policy.observe(len(drafts), accepted)
                     req.num_computed_tokens -= len(drafts) - accepted
                     self.kv.rollback(req)
             elif req.status != RequestStatus.PREEMPTED:
@@ -407,4 +428,6 @@ class Scheduler:
             prefix_cache_recompute_hits=self.prefix_cache_recompute_hits,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
+            num_speculative_tokens=self._k_cap,
         )

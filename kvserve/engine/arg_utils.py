@@ -188,6 +188,8 @@ class EngineArgs:
             from kvserve.spec_decode import get_proposer_class
 
             get_proposer_class(spec_config.method)  # ValueError for an unknown method
+            if spec_config.model is not None and spec_config.method in ("draft_model", "eagle", "eagle3"):
+                _resolve_draft(spec_config, hf_config)
         kvt = parse_json_arg(self.kv_transfer_config, "--kv-transfer-config")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
         if spec_config is not None:
@@ -295,6 +297,20 @@ def resolve_max_model_len(hf_config: Any, max_model_len: Optional[int], rope_sca
                        max_model_len, covered, params["rope_type"])
     validate_model_config(hf_config, max_model_len)
     return max_model_len
+
+
+def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> None:
+    """Resolve the draft model / EAGLE head path and check its vocabulary matches the
+    target's. Raises ValueError / FileNotFoundError."""
+    from kvserve.model_loader import load_hf_config, resolve_model
+
+    path, fmt = resolve_model(spec_config.model, spec_config.extra.get("load_format", "auto"))
+    hf = load_hf_config(path, fmt)
+    v_draft, v_target = getattr(hf, "vocab_size", None), getattr(target_hf_config, "vocab_size", None)
+    if v_draft != v_target:
+        raise ValueError(f"speculative model {spec_config.model!r} has vocab_size {v_draft}, the target has "
+                         f"{v_target}: a draft must share the target's vocabulary")
+    spec_config.draft_model_path, spec_config.draft_load_format, spec_config.draft_hf_config = path, fmt, hf
 
 
 def _unwrap_optional(tp: Any) -> Any:

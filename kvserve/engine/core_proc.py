@@ -32,7 +32,7 @@ def _token_output(o):
 
     return TokenOutput(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
                        o.num_cached_tokens, o.first_scheduled_time, o.first_token_time, o.finished_time,
-                       o.num_preemptions, o.prompt_logprobs)
+                       o.num_preemptions, o.prompt_logprobs, o.num_draft_tokens, o.num_accepted_tokens)
 
 
 class EngineCoreProc:
@@ -107,7 +107,8 @@ class EngineCoreProc:
         s = self.core.scheduler.get_stats()
         return SchedulerStatsMsg(s.num_running, s.num_waiting, float(s.kv_cache_usage), s.num_preemptions,
                                  s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_recompute_hits,
-                                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+                                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                 list(s.num_accepted_tokens_per_pos))
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""

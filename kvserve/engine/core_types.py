@@ -53,6 +53,8 @@ class EngineCoreOutput:
         num_preemptions: how often it was preempted so far.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs``, in the request's first output:
             per prompt token ``{token_id: (logprob, rank)}`` (None for the first token).
+        num_draft_tokens / num_accepted_tokens: speculative decoding, draft tokens verified /
+            accepted for this request so far.
     """
 
     request_id: str
@@ -66,6 +68,8 @@ class EngineCoreOutput:
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

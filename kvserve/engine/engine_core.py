@@ -97,7 +97,7 @@ class EngineCore:
                 "--disable-hybrid-kv-cache-manager with a sliding-window model (window %s): blocks "
                 "outside the window are kept, so attention stays exact but saves no memory there",
                 hf.sliding_window)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.speculative_config)
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
@@ -170,7 +170,8 @@ class EngineCore:
             outs.outputs.append(EngineCoreOutput(
                 req.request_id, toks, lps if req.sampling_params.logprobs is not None else None,
                 req.finish_reason, req.stop_reason, req.num_cached_tokens, req.first_scheduled_time,
-                req.first_token_time, req.finished_time, req.num_preemptions, plps))
+                req.first_token_time, req.finished_time, req.num_preemptions, plps, req.num_draft_tokens,
+                req.num_accepted_tokens))
         outs.num_generation_tokens = n_gen
         return outs
 

@@ -88,6 +88,7 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         num_preemptions: how often the request was preempted so far.
         prompt_logprobs: per prompt token ``{token_id: (logprob, rank)}`` (None for the first),
             in the first message of a request that asked for them.
+        num_draft_tokens / num_accepted_tokens: speculative decoding, per request so far.
     """
 
     request_id: str
@@ -101,6 +102,8 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SchedulerStatsMsg(msgspec.Struct, array_like=True):
@@ -116,6 +119,7 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     num_drafts: int = 0  # speculative decoding, cumulative: steps that verified drafts
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted
+    num_accepted_tokens_per_pos: list[int] = []  # accepted drafts at each draft position
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

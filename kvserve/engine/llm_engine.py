@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.config import EngineConfig
@@ -44,6 +44,7 @@ class EngineStats:
     num_drafts: int = 0  # speculative decoding: steps that verified drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt tokens computed (recompute included)
     num_generation_tokens: int = 0
     num_running: int = 0
@@ -164,6 +165,7 @@ class LLMEngine:
         s.prefix_cache_recompute_hits = ss.prefix_cache_recompute_hits
         s.num_drafts, s.num_draft_tokens = ss.num_drafts, ss.num_draft_tokens
         s.num_accepted_tokens = ss.num_accepted_tokens
+        s.num_accepted_tokens_per_pos = ss.num_accepted_tokens_per_pos
         s.num_running, s.num_waiting = ss.num_running, ss.num_waiting
         now = time.monotonic()
         dt = now - self._last_log

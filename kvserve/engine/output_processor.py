@@ -19,7 +19,8 @@ class RequestState:
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "output_token_ids",
                  "logprobs", "finish_reason", "stop_reason", "num_cached_tokens", "first_scheduled_time",
-                 "first_token_time", "finished_time", "num_preemptions", "prompt_logprobs")
+                 "first_token_time", "finished_time", "num_preemptions", "prompt_logprobs",
+                 "num_draft_tokens", "num_accepted_tokens")
 
     def __init__(self, req: EngineCoreRequest) -> None:
         self.request_id = req.request_id
@@ -36,6 +37,8 @@ class RequestState:
         self.finished_time: Optional[float] = None
         self.num_preemptions = 0
         self.prompt_logprobs: Optional[list] = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def apply(self, o: EngineCoreOutput) -> None:
         """Fold one engine-core output into this state."""
@@ -49,6 +52,8 @@ class RequestState:
         self.num_preemptions = o.num_preemptions
         if o.prompt_logprobs is not None:
             self.prompt_logprobs = o.prompt_logprobs
+        self.num_draft_tokens = o.num_draft_tokens
+        self.num_accepted_tokens = o.num_accepted_tokens
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason
             self.stop_reason = o.stop_reason
@@ -207,6 +212,8 @@ class OutputProcessor:
             first_token_time=min(ftt) if ftt else None,
             finished_time=max(fin) if parent.finished and fin else None,
             num_preemptions=sum(s.request.num_preemptions for s in parent.seqs),
+            num_draft_tokens=sum(s.request.num_draft_tokens for s in parent.seqs),
+            num_accepted_tokens=sum(s.request.num_accepted_tokens for s in parent.seqs),
         )
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,

@@ -19,6 +19,10 @@ Exposed families (counters get the ``_total`` suffix in the text format):
   (engine sequences the server admitted and still serves), ``kvserve:frontend_unfinished_requests``
   (requests the engine client still tracks); counter ``kvserve:num_requests_rejected_total``
   (429s from the ``--max-waiting-requests`` bound)
+* speculative decoding counters (vLLM's names): ``kvserve:spec_decode_num_drafts`` (request
+  verification steps with drafts), ``kvserve:spec_decode_num_draft_tokens``,
+  ``kvserve:spec_decode_num_accepted_tokens``, ``kvserve:spec_decode_num_accepted_tokens_per_pos``
+  (label ``position``, 0-based draft position); mean acceptance length = 1 + accepted / drafts
 * the API process's own ``process_*`` metrics (``process_resident_memory_bytes``, ...),
   when the ``registry`` is private (the default)
 """
@@ -86,7 +90,14 @@ class PrometheusStatLogger(StatLogger):
         self.gen_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = Counter("kvserve:request_success", "Completions finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
-        self._last = {"q": 0, "h": 0, "p": 0, "rh": 0}
+        self.spec_drafts = counter("spec_decode_num_drafts", "Request steps that verified draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position (0-based).",
+                                             ["model_name", "position"], registry=r)
+        self._last = {"q": 0, "h": 0, "p": 0, "rh": 0, "sd": 0, "sdt": 0, "sa": 0}
+        self._last_per_pos: list[int] = []
         self._frontend: Optional[tuple] = None
         self.admitted = gauge("num_requests_admitted", "Engine sequences admitted by the API server, "
                                                        "not finished yet.")
@@ -125,6 +136,16 @@ class PrometheusStatLogger(StatLogger):
         self._inc_cumulative("h", self.pc_hits, stats.prefix_cache_hits)
         self._inc_cumulative("rh", self.pc_recompute_hits, getattr(stats, "prefix_cache_recompute_hits", 0))
         self._inc_cumulative("p", self.preemptions, stats.num_preemptions)
+        self._inc_cumulative("sd", self.spec_drafts, getattr(stats, "num_drafts", 0))
+        self._inc_cumulative("sdt", self.spec_draft_tokens, getattr(stats, "num_draft_tokens", 0))
+        self._inc_cumulative("sa", self.spec_accepted, getattr(stats, "num_accepted_tokens", 0))
+        per_pos = list(getattr(stats, "num_accepted_tokens_per_pos", None) or [])
+        if len(self._last_per_pos) < len(per_pos):
+            self._last_per_pos += [0] * (len(per_pos) - len(self._last_per_pos))
+        for j, v in enumerate(per_pos):
+            if v > self._last_per_pos[j]:
+                self.spec_accepted_per_pos.labels(self.model_name, str(j)).inc(v - self._last_per_pos[j])
+                self._last_per_pos[j] = v
         if num_prompt_tokens > 0:
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens > 0:

@@ -13,7 +13,10 @@ import importlib
 from kvserve.spec_decode.proposer import Proposer
 
 #: method name -> "module:Class"; ``register_proposer`` adds more.
-PROPOSERS: dict[str, str] = {}
+PROPOSERS: dict[str, str] = {
+    "ngram": "kvserve.spec_decode.ngram:NgramProposer",
+    "draft_model": "kvserve.spec_decode.draft_model:DraftModelProposer",
+}
 
 
 def register_proposer(name: str, target: str | type) -> None:

@@ -18,6 +18,9 @@ class Proposer(ABC):
         self.config = config
         self.num_speculative_tokens = config.speculative_config.num_speculative_tokens
 
+    def remove_requests(self, req_ids) -> None:
+        """Forget finished or preempted requests (free what the proposer holds for them)."""
+
     @abstractmethod
     def propose(self, requests: list, batch) -> list[list[int]]:
         """Drafts for each request (at most ``num_speculative_tokens``; ``[]``: none).

@@ -77,7 +77,8 @@ class CUDAGraphRunner:
         dev = device
         n = max_num_seqs
         t = n * max_query_len
-        self.query_lens = [1] if max_query_len == 1 else [1, max_query_len]
+        # Several q so a step whose k was lowered (dynamic speculation) pads to near its size.
+        self.query_lens = sorted({q for q in (1, 2, 3, 5, 9) if q < max_query_len} | {max_query_len})
         self.input_ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t, dtype=torch.long, device=dev)
         self.slot_mappings = [torch.full((t,), -1, dtype=torch.long, device=dev) for _ in max_blocks_per_group]

@@ -24,8 +24,8 @@ from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCache
 from kvserve.core.sched_output import BlockOp, SchedulerOutput
 from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_cache
 from kvserve.model_loader import get_model
-from kvserve.sample.metadata import GREEDY_EPS
 from kvserve.sample.sampler import Sampler
+from kvserve.spec_decode.rejection_sampler import draft_positions
 from kvserve.worker.cuda_graphs import to_device
 from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
 from kvserve.worker.memory import available_kv_bytes
@@ -208,6 +208,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.apply(sched)
+        if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
+            self.proposer.remove_requests(list(sched.finished_req_ids) + list(sched.preempted_req_ids))
         if sched.is_empty:
             return AsyncModelRunnerOutput([], None, None, None, None, self)
         self.run_block_ops(sched.block_ops)
@@ -239,18 +241,16 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts)
 
-    def _spec_ok(self, st: CachedRequestState) -> bool:
-        """Whether drafts may be verified for ``st`` here: greedy, no penalties or logprobs,
-        past min_tokens (so every position samples the same way)."""
-        sp = st.sampling_params
-        return (sp.temperature < GREEDY_EPS and sp.logprobs is None and sp.repetition_penalty == 1.0
-                and not sp.frequency_penalty and not sp.presence_penalty
-                and len(st.output_token_ids) >= sp.min_tokens)
-
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
                 drafts: dict[str, list[int]]) -> AsyncModelRunnerOutput:
         """Logits where requests sample (the last row; the last ``1 + k`` rows with drafts),
-        the sampler for plain rows, the greedy argmax for draft rows, one copy to the host."""
+        one sampler launch over all of them, one copy to the host.
+
+        A request with ``k`` drafts samples each of its ``1 + k`` positions as if the drafts
+        before it had been accepted (penalties, min_tokens and logprobs see those tokens);
+        ``runner_output`` then keeps the drafts up to the first one that differs from the
+        sample there, plus that sample (see ``kvserve.spec_decode.rejection_sampler``).
+        """
         states = self.input_batch.states
         prompt_lps = self._prompt_logprobs(inp, hidden, row_start)
         ends = row_start + inp.query_lens - 1
@@ -267,21 +267,18 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         else:
             logits = self.model.compute_logits(hidden[to_device(np.asarray(rows), self.device)])
-        packed = md = sampled = None
         plain_ids = [inp.req_ids[i] for i in plain]
-        if plain:
-            reqs = [states[r] for r in plain_ids]
-            sampled, packed, md = self.sampler.launch(logits[: len(plain)], reqs)
+        reqs = [states[r] for r in plain_ids]
         spec_out = None
-        targets = None
         if spec:
-            for i in spec:
-                if not self._spec_ok(states[inp.req_ids[i]]):
-                    raise RuntimeError(f"request {inp.req_ids[i]!r} got drafts it cannot verify greedily")
-            targets = logits[len(plain):].argmax(dim=-1)
-        (packed, targets), event = copy_to_host([packed, targets])
-        if spec:
-            spec_out = ([inp.req_ids[i] for i in spec], [drafts[inp.req_ids[i]] for i in spec], targets)
+            spec_ids = [inp.req_ids[i] for i in spec]
+            spec_drafts = [drafts[r] for r in spec_ids]
+            reqs.extend(draft_positions([states[r] for r in spec_ids], spec_drafts, self.device))
+            # Seeded requests replay their RNG once the accepted count is known.
+            saved = {r: states[r].generator.get_state() for r in spec_ids if states[r].generator is not None}
+            spec_out = (spec_ids, spec_drafts, saved, logits.shape[-1])
+        sampled, packed, md = self.sampler.launch(logits, reqs)
+        (packed,), event = copy_to_host([packed])
         self._last_sampled = sampled
         self._last_rows = {r: j for j, r in enumerate(plain_ids)}
         return AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self, prompt_lps)
@@ -319,9 +316,9 @@ class ModelRunner:
 
     # ---- speculative decoding ------------------------------------------------------------
     def propose(self, req_ids: list[str]) -> dict[str, list[int]]:
-        """Drafts for the next step from the proposer, for requests that can verify them."""
+        """Drafts for the next step from the proposer (every sampling setting can verify them)."""
         states = self.input_batch.states
-        eligible = [states[r] for r in req_ids if r in states and self._spec_ok(states[r])]
+        eligible = [states[r] for r in req_ids if r in states]
         if not eligible:
             return {}
         drafts = self.proposer.propose(eligible, self.input_batch)

@@ -5,11 +5,12 @@ sampler's tokens (and logprobs), verifies draft tokens, appends every new token 
 worker's input batch (the worker's own record of each request), asks the proposer for the
 next drafts, and returns a ``ModelRunnerOutput``.
 
-Draft verification here is greedy: the target's argmax at each of a request's ``1 + k``
-positions is computed on the device; drafts are accepted while they equal it, and the
-target's token at the first mismatch (or after the last draft) is appended, so the output
-is exactly what plain greedy decoding gives (Leviathan et al., arXiv:2211.17192, at
-temperature 0). Requests that sample at temperature > 0 are never given drafts here.
+Drafts are verified by ``kvserve.spec_decode.rejection_sampler.verify``: each of a
+request's ``1 + k`` positions was sampled as if the drafts before it were accepted; drafts
+are kept while they equal the samples, then the sample at the first difference is appended
+(speculative sampling with point proposals, Leviathan et al., arXiv:2211.17192; greedy
+verification at temperature 0). Outputs have the target's distribution, and seeded requests
+get the same tokens as without speculation.
 """
 
 from __future__ import annotations
@@ -19,25 +20,23 @@ from typing import Optional
 import torch
 
 from kvserve.core.sched_output import ModelRunnerOutput
+from kvserve.spec_decode.rejection_sampler import replay_generator, verify
 
 
 def verify_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     """Tokens a request gets for ``drafts`` ``[k]`` given the target's greedy choices
-    ``[k + 1]``: the longest agreeing prefix of the drafts, then the target's next token."""
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    return drafts[:a] + [targets[a]]
+    ``[k + 1]`` (``rejection_sampler.verify`` at temperature 0)."""
+    return verify(drafts, targets)
 
 
 class AsyncModelRunnerOutput:
     """A launched step; ``get()`` returns its ``ModelRunnerOutput`` (call it once).
 
     Args:
-        req_ids: requests sampled by the sampler, in its row order.
-        packed / md: the sampler's packed device result and metadata (None when none).
-        spec: ``(req_ids, drafts, argmax [sum(1 + k)] long device tensor)`` for requests that
-            verified drafts, or None.
+        req_ids: requests sampled without drafts: the sampler's first rows, in order.
+        packed / md: the sampler's packed result and metadata (None when nothing sampled).
+        spec: ``(req_ids, drafts, saved generator states by request id, vocab size)`` for
+            requests that verified drafts (their ``1 + k`` rows follow, in order), or None.
         event: CUDA event recorded after the copies were issued (None on the CPU).
         runner: the model runner (its sampler, input batch and proposer).
         prompt_logprobs: ``ModelRunnerOutput.prompt_logprobs`` of this step (host data).
@@ -58,19 +57,25 @@ class AsyncModelRunnerOutput:
             self._event.synchronize()
         runner = self._runner
         batch = runner.input_batch
-        if self.req_ids:
+        if self._md is not None:
             s = runner.sampler.unpack(self._packed.tolist(), self._md)
-            for rid, tok, lp in zip(self.req_ids, s.sampled_token_ids, s.logprobs):
+            ids, lps = s.sampled_token_ids, s.logprobs
+            for rid, tok, lp in zip(self.req_ids, ids, lps):
                 out.sampled_token_ids[rid] = [tok]
                 if lp is not None:
                     out.logprobs[rid] = [lp]
-        if self._spec is not None:
-            rids, drafts, targets = self._spec
-            flat = targets.tolist()
-            pos = 0
-            for rid, d in zip(rids, drafts):
-                out.sampled_token_ids[rid] = verify_greedy(d, flat[pos:pos + len(d) + 1])
-                pos += len(d) + 1
+            if self._spec is not None:
+                rids, drafts, saved, vocab = self._spec
+                pos = len(self.req_ids)
+                states = batch.states
+                for rid, d in zip(rids, drafts):
+                    toks = verify(d, ids[pos:pos + len(d) + 1])
+                    out.sampled_token_ids[rid] = toks
+                    if lps[pos] is not None:
+                        out.logprobs[rid] = lps[pos:pos + len(toks)]
+                    if rid in saved:
+                        replay_generator(states[rid].generator, saved[rid], len(toks), vocab)
+                    pos += len(d) + 1
         for rid, toks in out.sampled_token_ids.items():
             batch.append_tokens(rid, toks)
         if runner.proposer is not None and out.sampled_token_ids:
