@@ -100,6 +100,9 @@ class CacheConfig:
                               choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = doc(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
     num_gpu_blocks_override: Optional[int] = doc(None, "Force the number of KV blocks per group (testing).")
+    kv_offloading_size: Optional[float] = doc(None, "CPU tier: GiB of host memory holding KV blocks under the "
+                                                    "device prefix cache (write-through, LRU; see "
+                                                    "docs/kv-tiers.md). Off by default.")
     num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget
 
 
@@ -114,6 +117,10 @@ class SchedulerConfig:
     scheduling_policy: str = doc("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
     async_scheduling: Optional[bool] = doc(None, "Schedule step N+1 while the device runs step N (default: on "
                                                  "with CUDA, off on the CPU where nothing overlaps).")
+    preemption_mode: str = doc("recompute", "What a preempted request loses: recompute (its blocks are freed "
+                                            "and recomputed on resume) or swap (its KV goes to the CPU tier and "
+                                            "comes back; needs --kv-offloading-size).",
+                               choices=["recompute", "swap"])
     max_model_len: int = resolved(0)  # mirrors ModelConfig.max_model_len once resolved
     long_prefill_token_threshold: int = resolved(0)
 

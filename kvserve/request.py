@@ -74,6 +74,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_computed_at_preemption = 0  # KV held when last preempted (recompute accounting)
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (first schedule)
         self.first_token_time: Optional[float] = None
         self.first_scheduled_time: Optional[float] = None

@@ -66,12 +66,14 @@ class EngineArgs:
     kv_cache_dtype: str = _from(CacheConfig, "kv_cache_dtype")
     num_gpu_blocks_override: Optional[int] = _from(CacheConfig, "num_gpu_blocks_override")
     enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
+    kv_offloading_size: Optional[float] = _from(CacheConfig, "kv_offloading_size")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _from(SchedulerConfig, "enable_chunked_prefill")
     scheduling_policy: str = _from(SchedulerConfig, "scheduling_policy")
     async_scheduling: Optional[bool] = _from(SchedulerConfig, "async_scheduling")
+    preemption_mode: str = _from(SchedulerConfig, "preemption_mode")
     # AttentionConfig
     attention_backend: Optional[str] = _from(AttentionConfig, "attention_backend")
     # ParallelConfig
@@ -178,6 +180,12 @@ class EngineArgs:
         executor = self.distributed_executor_backend or "uni"
         if executor not in ("uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be uni or mp, got {executor!r}")
+        if self.kv_offloading_size is not None and not float(self.kv_offloading_size) > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.kv_offloading_size:
+            raise ValueError("--preemption-mode swap needs a CPU tier: set --kv-offloading-size GiB")
         spec = parse_json_arg(self.speculative_config, "--speculative-config")
         spec_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
         if spec_config is not None:
@@ -201,11 +209,12 @@ class EngineArgs:
             kv_cache_dtype=dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_offloading_size=float(self.kv_offloading_size) if self.kv_offloading_size is not None else None,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill, scheduling_policy=self.scheduling_policy,
-            async_scheduling=async_sched,
+            async_scheduling=async_sched, preemption_mode=self.preemption_mode,
         )
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,

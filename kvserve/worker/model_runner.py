@@ -73,6 +73,7 @@ class ModelRunner:
         # The last step's sampled ids on the device, and request id -> row (async scheduling).
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self.kv_connector = None  # worker half of a KV connector (tiers), set with the KV cache
 
     # ---- KV cache ---------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
@@ -96,6 +97,11 @@ class ModelRunner:
             for layer in g.layer_indices:
                 self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group())
+        from kvserve.kv_connector import KVConnectorRole, make_kv_connector
+
+        self.kv_connector = make_kv_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         sc = self.config.scheduler_config
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.block_size,
                                       [g.spec.max_blocks_per_request(sc.max_model_len) for g in kv_cache_config.groups])
@@ -190,6 +196,11 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.apply(sched)
+        conn = self.kv_connector
+        if conn is not None:
+            # Copy-on-write sources are untouched by loads (they load into fresh blocks).
+            conn.bind_connector_metadata(sched.kv_connector_metadata)
+            conn.start_load_kv()
         if sched.is_empty:
             return AsyncModelRunnerOutput([], None, None, None, None, self)
         self.run_block_ops(sched.block_ops)
@@ -206,6 +217,8 @@ class ModelRunner:
         drafts = sched.scheduled_spec_decode_tokens
         if gr is not None and gr.can_run(inp):
             hidden, row_start = gr.run(inp, pending)
+            if conn is not None:
+                conn.start_save_kv()
             return self._sample(inp, hidden, row_start, drafts)
         input_ids = to_device(inp.token_ids, self.device, torch.long)
         if pending is not None:
@@ -219,6 +232,8 @@ class ModelRunner:
         else:
             with forward_context(self._metadata(inp)):
                 hidden = self.model(input_ids, positions)
+        if conn is not None:
+            conn.start_save_kv()
         return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts)
 
     def _spec_ok(self, st: CachedRequestState) -> bool:

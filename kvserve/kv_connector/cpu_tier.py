@@ -1,0 +1,155 @@
+"""Worker half of the CPU tier: the host block pool and the copies to and from it.
+
+The pool holds, per layer, a tensor shaped like that layer's device cache with
+``num_host_blocks`` blocks on dim 1 (same dtype, so quantized blocks stay quantized; 1-byte
+formats are copied as bytes). Pinned on CUDA.
+
+Copies run off the decode critical path:
+
+* CPU device: saves run on one transfer thread (``index_select`` + ``index_copy_``,
+  which release the GIL) while the host samples and schedules; ``wait_for_save`` at the
+  start of the next step orders them before the next forward can overwrite a block.
+* CUDA: saves gather the blocks on a transfer stream (after the forward, by a stream
+  wait), copy them to a pinned staging buffer in one DMA and the thread scatters them into
+  the pool once the event fires. Loads gather from the pool into pinned staging, one H2D
+  copy and a scatter on the transfer stream; the compute stream waits for that stream (no
+  host sync).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("kvserve")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+class CpuTierWorker:
+    """Host pool + transfers for ``OffloadingConnector`` (worker role)."""
+
+    def __init__(self, config, kv_cache_config, num_host_blocks: int) -> None:
+        self.num_host_blocks = num_host_blocks
+        self.device = torch.device(config.device)
+        self.layers: list[int] = []
+        self.caches: list[torch.Tensor] = []
+        self.pool: list[torch.Tensor] = []
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
+        self._pending: list[Future] = []
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._lock = threading.Lock()
+        # Cumulative transfer timings (seconds) and block counts, for the benchmarks.
+        self.stats = dict(save_blocks=0, load_blocks=0, save_s=0.0, load_s=0.0)
+
+    def register_kv_caches(self, kv_caches: dict[int, torch.Tensor]) -> None:
+        """Allocate the pool after the device caches (one host tensor per layer)."""
+        pin = self.device.type == "cuda"
+        self.layers = sorted(kv_caches)
+        self.caches = [_as_bytes(kv_caches[i]) for i in self.layers]
+        for c in self.caches:
+            shape = list(c.shape)
+            shape[1] = self.num_host_blocks
+            self.pool.append(torch.zeros(shape, dtype=c.dtype, pin_memory=pin))
+        nbytes = sum(p.numel() * p.element_size() for p in self.pool)
+        logger.info("KV CPU tier: %d blocks, %.2f GiB host memory%s", self.num_host_blocks, nbytes / 2**30,
+                    " (pinned)" if pin else "")
+
+    # ---- saves ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host slots (``(block, slot)`` pairs) off the critical path."""
+        blocks = torch.tensor([b for b, _ in pairs], dtype=torch.long)
+        slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
+        if self._stream is None:
+            self._pending.append(self._exec.submit(self._save_cpu, blocks, slots))
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            idx = blocks.to(self.device, non_blocking=True)
+            staged = torch.stack([c.index_select(1, idx) for c in self.caches])
+            host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            host.copy_(staged, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+            staged.record_stream(self._stream)
+        self._pending.append(self._exec.submit(self._scatter_host, ev, host, slots, len(pairs)))
+
+    def _save_cpu(self, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for c, p in zip(self.caches, self.pool):
+                p.index_copy_(1, slots, c.index_select(1, blocks))
+        self._count("save", len(slots), time.perf_counter() - t0)
+
+    def _scatter_host(self, ev, host: torch.Tensor, slots: torch.Tensor, n: int) -> None:
+        t0 = time.perf_counter()
+        ev.synchronize()
+        with torch.inference_mode():
+            for i, p in enumerate(self.pool):
+                p.index_copy_(1, slots, host[i])
+        self._count("save", n, time.perf_counter() - t0)
+
+    def _count(self, kind: str, n: int, dt: float) -> None:
+        with self._lock:
+            self.stats[f"{kind}_blocks"] += n
+            self.stats[f"{kind}_s"] += dt
+
+    def wait_for_save(self) -> None:
+        """Wait for pending saves (host scatter included); re-raises a copy's error."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    # ---- swap-out and loads (before the forward) ---------------------------------------
+    @torch.inference_mode()
+    def swap_out_and_load(self, swap_out: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """Copy ``swap_out`` ``(block, slot)`` to the host, then ``loads`` ``(slot, block)`` to the
+        device; both land before this step's forward."""
+        if swap_out:
+            blocks = torch.tensor([b for b, _ in swap_out], dtype=torch.long)
+            slots = torch.tensor([s for _, s in swap_out], dtype=torch.long)
+            if self._stream is None:
+                self._save_cpu(blocks, slots)
+            else:
+                self.save(swap_out)
+                self.wait_for_save()
+        if not loads:
+            return
+        t0 = time.perf_counter()
+        slots = torch.tensor([s for s, _ in loads], dtype=torch.long)
+        blocks = torch.tensor([b for _, b in loads], dtype=torch.long)
+        if self._stream is None:
+            for c, p in zip(self.caches, self.pool):
+                c.index_copy_(1, blocks, p.index_select(1, slots))
+            self._count("load", len(loads), time.perf_counter() - t0)
+            return
+        first = self.pool[0]
+        shape = [len(self.pool), first.shape[0], len(loads)] + list(first.shape[2:])
+        host = torch.empty(shape, dtype=first.dtype, pin_memory=True)
+        for i, p in enumerate(self.pool):
+            torch.index_select(p, 1, slots, out=host[i])
+        cur = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            dev = host.to(self.device, non_blocking=True)
+            idx = blocks.to(self.device, non_blocking=True)
+            for i, c in enumerate(self.caches):
+                c.index_copy_(1, idx, dev[i])
+            dev.record_stream(self._stream)
+        cur.wait_stream(self._stream)
+        self._count("load", len(loads), time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        try:
+            self.wait_for_save()
+        finally:
+            self._exec.shutdown(wait=True)
