@@ -103,6 +103,11 @@ class CacheConfig:
     kv_offloading_size: Optional[float] = doc(None, "CPU tier: GiB of host memory holding KV blocks under the "
                                                     "device prefix cache (write-through, LRU; see "
                                                     "docs/kv-tiers.md). Off by default.")
+    kv_disk_path: Optional[str] = doc(None, "Disk tier under the CPU tier: an existing directory of KV block files "
+                                            "(checksummed, atomic writes; shared by engines and kept across "
+                                            "restarts). Needs --kv-offloading-size.")
+    kv_disk_size: Optional[float] = doc(None, "Disk tier budget in GiB for the files this engine writes (oldest "
+                                              "deleted first); default: no limit.")
     num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget
 
 

@@ -67,6 +67,8 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = _from(CacheConfig, "num_gpu_blocks_override")
     enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
     kv_offloading_size: Optional[float] = _from(CacheConfig, "kv_offloading_size")
+    kv_disk_path: Optional[str] = _from(CacheConfig, "kv_disk_path")
+    kv_disk_size: Optional[float] = _from(CacheConfig, "kv_disk_size")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
@@ -186,6 +188,10 @@ class EngineArgs:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.preemption_mode == "swap" and not self.kv_offloading_size:
             raise ValueError("--preemption-mode swap needs a CPU tier: set --kv-offloading-size GiB")
+        if self.kv_disk_path is not None and not self.kv_offloading_size:
+            raise ValueError("--kv-disk-path needs the CPU tier above it: set --kv-offloading-size GiB")
+        if self.kv_disk_size is not None and not float(self.kv_disk_size) > 0:
+            raise ValueError(f"kv_disk_size must be > 0 GiB, got {self.kv_disk_size}")
         spec = parse_json_arg(self.speculative_config, "--speculative-config")
         spec_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
         if spec_config is not None:
@@ -210,6 +216,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_offloading_size=float(self.kv_offloading_size) if self.kv_offloading_size is not None else None,
+            kv_disk_path=self.kv_disk_path,
+            kv_disk_size=float(self.kv_disk_size) if self.kv_disk_size is not None else None,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,

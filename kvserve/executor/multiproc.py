@@ -253,6 +253,7 @@ def run_worker(config: EngineConfig, rank: int, in_addr: str, out_addr: str) -> 
                     pending = None
                 send(("result", rank, getattr(worker, msg[1])(*msg[2])))
             elif msg[0] == "shutdown":
+                worker.shutdown()
                 return
     except BaseException as exc:
         fail(exc)

@@ -36,8 +36,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 class CpuTierWorker:
     """Host pool + transfers for ``OffloadingConnector`` (worker role)."""
 
-    def __init__(self, config, kv_cache_config, num_host_blocks: int) -> None:
+    def __init__(self, config, kv_cache_config, num_host_blocks: int, disk=None) -> None:
         self.num_host_blocks = num_host_blocks
+        self.disk = disk  # a DiskStore under the pool, or None
+        self._disk_exec = ThreadPoolExecutor(1, thread_name_prefix="kv-disk") if disk is not None else None
+        self._disk_pending: list[Future] = []
         self.device = torch.device(config.device)
         self.layers: list[int] = []
         self.caches: list[torch.Tensor] = []
@@ -59,17 +62,22 @@ class CpuTierWorker:
             shape[1] = self.num_host_blocks
             self.pool.append(torch.zeros(shape, dtype=c.dtype, pin_memory=pin))
         nbytes = sum(p.numel() * p.element_size() for p in self.pool)
+        per_block = sum(p[:, 0].numel() * p.element_size() for p in self.pool)
+        if self.disk is not None and per_block != self.disk.payload_bytes:
+            raise ValueError(f"KV disk tier: a block is {per_block} bytes in the cache tensors, "
+                             f"{self.disk.payload_bytes} in the KV cache config")
         logger.info("KV CPU tier: %d blocks, %.2f GiB host memory%s", self.num_host_blocks, nbytes / 2**30,
                     " (pinned)" if pin else "")
 
     # ---- saves ------------------------------------------------------------------------
     @torch.inference_mode()
-    def save(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host slots (``(block, slot)`` pairs) off the critical path."""
+    def save(self, pairs: list[tuple[int, int]], disk_saves: list[tuple[int, bytes]] = ()) -> None:
+        """Copy device blocks to host slots (``(block, slot)`` pairs) off the critical path,
+        then hand ``disk_saves`` ``(slot, key)`` to the disk thread."""
         blocks = torch.tensor([b for b, _ in pairs], dtype=torch.long)
         slots = torch.tensor([s for _, s in pairs], dtype=torch.long)
         if self._stream is None:
-            self._pending.append(self._exec.submit(self._save_cpu, blocks, slots))
+            self._pending.append(self._exec.submit(self._save_cpu, blocks, slots, list(disk_saves)))
             return
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
@@ -81,22 +89,60 @@ class CpuTierWorker:
             ev = torch.cuda.Event()
             ev.record(self._stream)
             staged.record_stream(self._stream)
-        self._pending.append(self._exec.submit(self._scatter_host, ev, host, slots, len(pairs)))
+        self._pending.append(self._exec.submit(self._scatter_host, ev, host, slots, len(pairs), list(disk_saves)))
 
-    def _save_cpu(self, blocks: torch.Tensor, slots: torch.Tensor) -> None:
+    def _save_cpu(self, blocks: torch.Tensor, slots: torch.Tensor, disk_saves=()) -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():
             for c, p in zip(self.caches, self.pool):
                 p.index_copy_(1, slots, c.index_select(1, blocks))
         self._count("save", len(slots), time.perf_counter() - t0)
+        self._to_disk(disk_saves)
 
-    def _scatter_host(self, ev, host: torch.Tensor, slots: torch.Tensor, n: int) -> None:
+    def _scatter_host(self, ev, host: torch.Tensor, slots: torch.Tensor, n: int, disk_saves=()) -> None:
         t0 = time.perf_counter()
         ev.synchronize()
         with torch.inference_mode():
             for i, p in enumerate(self.pool):
                 p.index_copy_(1, slots, host[i])
         self._count("save", n, time.perf_counter() - t0)
+        self._to_disk(disk_saves)
+
+    # ---- disk --------------------------------------------------------------------------
+    def slot_bytes(self, slot: int) -> bytes:
+        """One host slot's payload: its bytes in every layer, layer after layer."""
+        return b"".join(p[:, slot].contiguous().view(torch.uint8).numpy().tobytes() for p in self.pool)
+
+    def _to_disk(self, disk_saves) -> None:
+        # The bytes are taken now (the slot may be reused after this step); files are written
+        # by the disk thread, which nothing waits for.
+        if disk_saves and self.disk is not None:
+            items = [(key, self.slot_bytes(slot)) for slot, key in disk_saves]
+            self._disk_pending = [f for f in self._disk_pending if not f.done()]
+            self._disk_pending.append(self._disk_exec.submit(self._write_files, items))
+
+    def _write_files(self, items) -> None:
+        for key, payload in items:
+            self.disk.write(key, payload)
+
+    def flush_disk(self) -> None:
+        """Wait until every queued block file is written (tests, shutdown)."""
+        self.wait_for_save()
+        pending, self._disk_pending = self._disk_pending, []
+        for f in pending:
+            f.result()
+
+    @torch.inference_mode()
+    def write_slots(self, items: list[tuple[int, bytes]]) -> None:
+        """Fill host slots from verified disk payloads (before this step's loads read them)."""
+        for slot, payload in items:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            off = 0
+            for p in self.pool:
+                dst = p[:, slot]
+                n = dst.numel() * p.element_size()
+                dst.copy_(buf[off:off + n].view(p.dtype).view(dst.shape))
+                off += n
 
     def _count(self, kind: str, n: int, dt: float) -> None:
         with self._lock:
@@ -150,6 +196,8 @@ class CpuTierWorker:
 
     def shutdown(self) -> None:
         try:
-            self.wait_for_save()
+            self.flush_disk()
         finally:
             self._exec.shutdown(wait=True)
+            if self._disk_exec is not None:
+                self._disk_exec.shutdown(wait=True)

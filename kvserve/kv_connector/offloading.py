@@ -53,9 +53,11 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    disk_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, verified payload)
+    disk_saves: list[tuple[int, bytes]] = field(default_factory=list)  # (host slot, key): after its save
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.loads or self.saves)
+        return bool(self.swap_out or self.loads or self.saves or self.disk_loads or self.disk_saves)
 
 
 class _ReqState:
@@ -64,7 +66,7 @@ class _ReqState:
     def __init__(self) -> None:
         self.keys: list[bytes] = []  # content keys of its full known blocks so far
         self.num_saved = 0  # leading blocks offered to the tier
-        self.lookup: Optional[tuple[int, list[int], Optional[tuple[int, int]]]] = None
+        self.lookup: Optional[tuple] = None  # (start block, host slots, disk (key, payload)s, swap tail)
 
 
 class _SwapEntry:
@@ -98,14 +100,29 @@ class OffloadingConnector(KVConnectorBase_V1):
                              f"of {kv_cache_config.bytes_per_block} bytes")
         self.swap_mode = config.scheduler_config.preemption_mode == "swap"
         self.worker = None
-        if role == KVConnectorRole.WORKER:
-            from kvserve.kv_connector.cpu_tier import CpuTierWorker
-
-            self.worker = CpuTierWorker(config, kv_cache_config, self.num_host_blocks)
-            return
         spec = kv_cache_config.groups[0].spec
         self.fingerprint = model_fingerprint(config)
         self._kv_format = f"{spec.dtype}/{spec.num_kv_heads}x{spec.head_size}/{kv_cache_config.num_layers}"
+        cc = config.cache_config
+        self.disk = None
+        if cc.kv_disk_path:
+            from kvserve.kv_connector.disk_tier import DiskStore
+
+            self.disk = DiskStore(cc.kv_disk_path, self.fingerprint, self._kv_format, self.block_size,
+                                  kv_cache_config.bytes_per_block)
+        if role == KVConnectorRole.WORKER:
+            from kvserve.kv_connector.cpu_tier import CpuTierWorker
+
+            self.worker = CpuTierWorker(config, kv_cache_config, self.num_host_blocks, self.disk)
+            return
+        # Disk index: keys of files written by this engine or found at start-up, oldest first.
+        self.disk_index: OrderedDict[bytes, None] = OrderedDict()
+        self.disk_budget = int(cc.kv_disk_size * 2**30 // self.disk.file_bytes) if self.disk and cc.kv_disk_size \
+            else None
+        if self.disk is not None:
+            for key, _ in self.disk.scan():
+                self.disk_index[key] = None
+            logger.info("KV disk tier at %s: %d block files found", cc.kv_disk_path, len(self.disk_index))
         self._roots: dict[Optional[str], bytes] = {}
         # key -> (slot, step saved); LRU order, oldest first.
         self.index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
@@ -122,7 +139,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.bytes_per_block = kv_cache_config.bytes_per_block
         # Cumulative counters (blocks unless named tokens).
         self.stats = dict(queries=0, hit_tokens=0, blocks_stored=0, blocks_loaded=0, blocks_evicted=0,
-                          swap_out_blocks=0, swap_in_blocks=0)
+                          swap_out_blocks=0, swap_in_blocks=0, disk_hit_tokens=0, disk_blocks_stored=0,
+                          disk_blocks_loaded=0, disk_blocks_rejected=0)
 
     def bind_scheduler(self, requests: dict[str, "Request"], kv_cache_manager) -> None:
         """The scheduler's request map and KV cache manager (to read block ids at build time)."""
@@ -172,10 +190,26 @@ class OffloadingConnector(KVConnectorBase_V1):
                 if e is None or e[1] >= step:
                     break
                 slots.append(e[0])
-        num = len(slots) * bs
+        disk: list[tuple[bytes, bytes]] = []
+        end = start + len(slots)
+        if self.disk is not None and max_blocks > end:
+            keys = self._keys(request, max_blocks)
+            # Stop where the CPU tier has the key but not yet written, and keep room for slots.
+            room = self.num_host_blocks - len(self._pinned) - len(slots) - 1
+            for i in range(end, min(max_blocks, end + max(room, 0))):
+                k = keys[i]
+                if k in self.index or (k not in self.disk_index and not self.disk.exists(k)):
+                    break
+                payload = self.disk.read(k)
+                if payload is None:
+                    self.disk_index.pop(k, None)
+                    self.stats["disk_blocks_rejected"] += 1
+                    break
+                disk.append((k, payload))
+        num = (len(slots) + len(disk)) * bs
         tail = None
         sw = self._swap.get(request.request_id)
-        if sw is not None and sw.block_idx == start + len(slots) and sw.step < self.step:
+        if sw is not None and sw.block_idx == start + len(slots) + len(disk) and sw.step < self.step:
             n = min(sw.num_tokens, request.num_tokens - 1 - sw.block_idx * bs)
             if n > 0:
                 tail = (sw.slot, n)
@@ -183,14 +217,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _ReqState()
-        st.lookup = (start, slots, tail)
+        st.lookup = (start, slots, disk, tail)
         return num, False
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or st.lookup is None:
             return
-        start, slots, tail = st.lookup
+        start, slots, disk, tail = st.lookup
         st.lookup = None
         self.stats["queries"] += 1
         if num_external_tokens <= 0:
@@ -203,8 +237,18 @@ class OffloadingConnector(KVConnectorBase_V1):
             self._pinned.add(slot)
             index.move_to_end(self._owner[slot])
         self.stats["blocks_loaded"] += len(slots)
+        for j, (k, payload) in enumerate(disk):
+            slot = self._alloc_slot()  # room was kept at lookup
+            self._pinned.add(slot)
+            index[k] = (slot, self.step - 1)  # written from the payload before this step's loads
+            self._owner[slot] = k
+            self._meta.disk_loads.append((slot, payload))
+            loads.append((slot, block_ids[start + len(slots) + j]))
+        if disk:
+            self.stats["disk_blocks_loaded"] += len(disk)
+            self.stats["disk_hit_tokens"] += len(disk) * self.block_size
         if tail is not None:
-            loads.append((tail[0], block_ids[start + len(slots)]))
+            loads.append((tail[0], block_ids[start + len(slots) + len(disk)]))
             self._pinned.add(tail[0])
             self._release.append(self._swap.pop(request.request_id).slot)
             self.stats["swap_in_blocks"] += 1
@@ -250,6 +294,13 @@ class OffloadingConnector(KVConnectorBase_V1):
             self._owner[slot] = k
             saves.append((block_ids[i], slot))
             self.stats["blocks_stored"] += 1
+            if self.disk is not None and k not in self.disk_index:
+                self._meta.disk_saves.append((slot, k))
+                self.disk_index[k] = None
+                self.stats["disk_blocks_stored"] += 1
+                if self.disk_budget is not None and len(self.disk_index) > self.disk_budget:
+                    old, _ = self.disk_index.popitem(last=False)
+                    self.disk.delete(old)
         st.num_saved = full
 
     def build_connector_meta(self, scheduler_output) -> OffloadingConnectorMetadata:
@@ -299,12 +350,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         meta = self._meta
         self.worker.wait_for_save()
         if meta:
+            if meta.disk_loads:
+                self.worker.write_slots(meta.disk_loads)
             self.worker.swap_out_and_load(meta.swap_out, meta.loads)
 
     def start_save_kv(self) -> None:
         meta = self._meta
         if meta is not None and meta.saves:
-            self.worker.save(meta.saves)
+            self.worker.save(meta.saves, meta.disk_saves)
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()
