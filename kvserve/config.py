@@ -112,6 +112,14 @@ class CacheConfig:
         False, "Keep every layer's whole KV history, sliding-window layers included (they then mask by "
                "position); by default window layers form their own KV cache groups whose blocks outside "
                "the window are freed.")
+    kv_offloading_size: Optional[float] = doc(None, "CPU tier: GiB of host memory holding KV blocks under the "
+                                                    "device prefix cache (write-through, LRU; see "
+                                                    "docs/kv-tiers.md). Off by default.")
+    kv_disk_path: Optional[str] = doc(None, "Disk tier under the CPU tier: an existing directory of KV block files "
+                                            "(checksummed, atomic writes; shared by engines and kept across "
+                                            "restarts). Needs --kv-offloading-size.")
+    kv_disk_size: Optional[float] = doc(None, "Disk tier budget in GiB for the files this engine writes (oldest "
+                                              "deleted first); default: no limit.")
     num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget
 
 
@@ -126,6 +134,10 @@ class SchedulerConfig:
     scheduling_policy: str = doc("fcfs", "Which waiting request goes first.", choices=["fcfs", "priority"])
     async_scheduling: Optional[bool] = doc(None, "Schedule step N+1 while the device runs step N (default: on "
                                                  "with CUDA, off on the CPU where nothing overlaps).")
+    preemption_mode: str = doc("recompute", "What a preempted request loses: recompute (its blocks are freed "
+                                            "and recomputed on resume) or swap (its KV goes to the CPU tier and "
+                                            "comes back; needs --kv-offloading-size).",
+                               choices=["recompute", "swap"])
     max_model_len: int = resolved(0)  # mirrors ModelConfig.max_model_len once resolved
     long_prefill_token_threshold: int = resolved(0)
 

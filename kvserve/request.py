@@ -77,6 +77,7 @@ class Request:
         # Speculative decoding: draft tokens this request verified / accepted (cumulative).
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_computed_at_preemption = 0  # KV held when last preempted (recompute accounting)
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (first schedule)
         self.first_token_time: Optional[float] = None
         self.first_scheduled_time: Optional[float] = None

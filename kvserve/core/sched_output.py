@@ -101,6 +101,8 @@ class SchedulerOutput:
         block_ops: run before the forward, in order.
         num_prompt_tokens: of the scheduled tokens, how many are prompt (or recomputed
             context) rather than decode tokens (for the stats line; workers ignore it).
+        kv_connector_metadata: the KV connector's transfers for this step (plain data,
+            ``kvserve.kv_connector``), or None without a connector.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -112,6 +114,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     block_ops: list[BlockOp] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    kv_connector_metadata: Optional[object] = None
 
     @property
     def is_empty(self) -> bool:

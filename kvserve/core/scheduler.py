@@ -59,6 +59,9 @@ class SchedulerStats:
     num_accepted_tokens: int = 0  # draft tokens accepted, cumulative
     num_accepted_tokens_per_pos: list = field(default_factory=list)  # per draft position, cumulative
     num_speculative_tokens: int = 0  # k the dynamic policy allows now (0: off)
+    # Tokens computed again for preempted requests (0 under swap unless the tier evicted).
+    num_recomputed_tokens: int = 0  # cumulative
+    kv_connector_stats: Optional[dict] = None  # the KV connector's counters (tiers)
 
 
 class _WaitingQueue:
@@ -105,15 +108,22 @@ class Scheduler:
         config: budgets and policy.
         kv_cache_manager: block accounting (shared with nothing else).
         speculative_config: with speculative decoding, its config (k, dynamic policy).
+        connector: a KV connector in the scheduler role (tiers), or None. Where the device
+            prefix cache misses, it is asked for more prompt tokens; its transfers travel in
+            ``SchedulerOutput.kv_connector_metadata``.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative_config=None) -> None:
+                 speculative_config=None, connector=None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.connector = connector
+        self.num_recomputed_tokens = 0
         self.waiting = _WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        if connector is not None:
+            connector.bind_scheduler(self.requests, kv_cache_manager)
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -163,6 +173,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.finished_time = time.time()
+        if self.connector is not None:
+            self.connector.request_finished(req, [])
         self.kv.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
@@ -173,6 +185,9 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------
 
     def _preempt(self, req: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_preempted(req, self.kv.get_block_ids(req.request_id)[0])
+        req.num_computed_at_preemption = min(req.num_computed_tokens, req.num_tokens)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -225,7 +240,7 @@ class Scheduler:
                 k = 0  # drop the drafts before preempting anyone
                 blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
-                victim = self.running.pop()
+                victim = self._pick_victim(i)
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
                 preempted = True
@@ -246,11 +261,19 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             if req.sampling_params.prompt_logprobs is not None and num_hit:
                 hits, num_hit = tuple(PrefixMatch() for _ in hits), 0  # every prompt position's logits
-            n = req.num_tokens - num_hit
+            num_ext = 0  # tokens the connector (a tier) loads past the device hit
+            if self.connector is not None and req.sampling_params.prompt_logprobs is None:
+                base = num_hit - num_hit % self.kv.block_size
+                ext, _ = self.connector.get_num_new_matched_tokens(req, base)
+                if ext and base + ext > num_hit:
+                    for h in hits:
+                        h.partial = None
+                    num_hit, num_ext = base, ext
+            n = req.num_tokens - num_hit - num_ext
             if not cfg.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
+            if self.kv.allocate_slots(req, n + num_ext, hits) is None:
                 partial = hits[0].partial
                 if partial is None:
                     break
@@ -265,6 +288,10 @@ class Scheduler:
                 if self.kv.allocate_slots(req, n, hits) is None:
                     break
             self.waiting.pop()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    req, self.kv.get_block_ids(req.request_id)[0] if num_ext else [], num_ext)
+                num_hit += num_ext
             if req.num_cached_tokens < 0:  # first admission
                 req.num_cached_tokens = num_hit
                 self.prefix_cache_queries += req.num_tokens
@@ -272,6 +299,7 @@ class Scheduler:
             else:  # a preempted request's recompute, counted apart
                 self.prefix_cache_recompute_queries += req.num_tokens
                 self.prefix_cache_recompute_hits += num_hit
+                self.num_recomputed_tokens += max(req.num_computed_at_preemption - num_hit, 0)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -316,7 +344,26 @@ class Scheduler:
         out.num_prompt_tokens = num_prompt
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         out.block_ops = self.kv.take_block_ops()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _pick_victim(self, i: int) -> Request:
+        """Remove and return the request to preempt among ``running[i:]`` (not yet scheduled).
+
+        Recompute: the worst (lowest priority, then latest arrival). Swap: within the worst
+        priority, the one with the least sunk compute (fewest computed tokens; then the
+        latest arrival), as vLLM RFC #54644 argues: it costs the least to bring back.
+        """
+        if self.config.preemption_mode != "swap" or len(self.running) - i <= 1:
+            return self.running.pop()
+        cands = self.running[i:]
+        if self.config.scheduling_policy == "priority":
+            worst = max(r.priority for r in cands)
+            cands = [r for r in cands if r.priority == worst]
+        victim = min(cands, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+        self.running.remove(victim)
+        return victim
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append sampled tokens, roll back rejected drafts, finish requests that stop.
@@ -430,4 +477,6 @@ class Scheduler:
             num_accepted_tokens=self.num_accepted_tokens,
             num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
             num_speculative_tokens=self._k_cap,
+            num_recomputed_tokens=self.num_recomputed_tokens,
+            kv_connector_stats=self.connector.get_stats() if self.connector is not None else None,
         )

@@ -70,12 +70,16 @@ class EngineArgs:
     num_gpu_blocks_override: Optional[int] = _from(CacheConfig, "num_gpu_blocks_override")
     enable_prefix_caching: bool = _from(CacheConfig, "enable_prefix_caching")
     disable_hybrid_kv_cache_manager: bool = _from(CacheConfig, "disable_hybrid_kv_cache_manager")
+    kv_offloading_size: Optional[float] = _from(CacheConfig, "kv_offloading_size")
+    kv_disk_path: Optional[str] = _from(CacheConfig, "kv_disk_path")
+    kv_disk_size: Optional[float] = _from(CacheConfig, "kv_disk_size")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _from(SchedulerConfig, "enable_chunked_prefill")
     scheduling_policy: str = _from(SchedulerConfig, "scheduling_policy")
     async_scheduling: Optional[bool] = _from(SchedulerConfig, "async_scheduling")
+    preemption_mode: str = _from(SchedulerConfig, "preemption_mode")
     # AttentionConfig
     attention_backend: Optional[str] = _from(AttentionConfig, "attention_backend")
     # ParallelConfig
@@ -182,6 +186,18 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend must be uni, mp or ray, got {executor!r}")
         if executor == "uni" and tp > 1:
             raise ValueError("tensor_parallel_size > 1 needs one process per rank: use the mp or ray executor")
+        if self.kv_offloading_size is not None and not float(self.kv_offloading_size) > 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.kv_offloading_size:
+            raise ValueError("--preemption-mode swap needs a CPU tier: set --kv-offloading-size GiB")
+        if self.kv_offloading_size and tp > 1:
+            raise ValueError("--kv-offloading-size (KV tiers) is not supported with tensor_parallel_size > 1 yet")
+        if self.kv_disk_path is not None and not self.kv_offloading_size:
+            raise ValueError("--kv-disk-path needs the CPU tier above it: set --kv-offloading-size GiB")
+        if self.kv_disk_size is not None and not float(self.kv_disk_size) > 0:
+            raise ValueError(f"kv_disk_size must be > 0 GiB, got {self.kv_disk_size}")
         spec = parse_json_arg(self.speculative_config, "--speculative-config")
         spec_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
         if spec_config is not None:
@@ -209,11 +225,14 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
+            kv_offloading_size=float(self.kv_offloading_size) if self.kv_offloading_size is not None else None,
+            kv_disk_path=self.kv_disk_path,
+            kv_disk_size=float(self.kv_disk_size) if self.kv_disk_size is not None else None,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill, scheduling_policy=self.scheduling_policy,
-            async_scheduling=async_sched,
+            async_scheduling=async_sched, preemption_mode=self.preemption_mode,
         )
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,

@@ -97,7 +97,11 @@ class EngineCore:
                 "--disable-hybrid-kv-cache-manager with a sliding-window model (window %s): blocks "
                 "outside the window are kept, so attention stays exact but saves no memory there",
                 hf.sliding_window)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.speculative_config)
+        from kvserve.kv_connector import KVConnectorRole, make_kv_connector
+
+        self.kv_connector = make_kv_connector(config, KVConnectorRole.SCHEDULER, kv_cfg)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.speculative_config,
+                                   connector=self.kv_connector)
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
@@ -136,6 +140,8 @@ class EngineCore:
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
             if sched.is_empty:
+                if sched.kv_connector_metadata:  # e.g. a swap-out with nothing else to run
+                    self.executor.execute_model(sched).get()
                 return EngineCoreOutputs()
             return self._update(sched, self.executor.execute_model(sched).get())
         prev = self._in_flight
@@ -143,7 +149,9 @@ class EngineCore:
         if prev is not None and self._needs_host_tokens():
             return self._update(prev[0], prev[1].get())
         sched = self.scheduler.schedule()
-        if not sched.is_empty:
+        if sched.is_empty and sched.kv_connector_metadata:
+            self.executor.execute_model(sched).get()
+        elif not sched.is_empty:
             self._in_flight = (sched, self.executor.execute_model(sched))
         if prev is None:
             return EngineCoreOutputs()

@@ -302,6 +302,7 @@ def run_worker(rank: str, in_addr: str, out_addr: str) -> None:
                     pending = None
                 send(("result", rank, getattr(worker, msg[1])(*msg[2])))
             elif msg[0] == "shutdown":
+                worker.shutdown()
                 return
     except BaseException as exc:
         fail(exc)

@@ -31,3 +31,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> StepResult:
         return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

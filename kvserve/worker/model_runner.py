@@ -73,6 +73,7 @@ class ModelRunner:
         # The last step's sampled ids on the device, and request id -> row (async scheduling).
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self.kv_connector = None  # worker half of a KV connector (tiers), set with the KV cache
 
     # ---- KV cache ---------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
@@ -111,6 +112,11 @@ class ModelRunner:
             for layer in g.layer_indices:
                 self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group())
+        from kvserve.kv_connector import KVConnectorRole, make_kv_connector
+
+        self.kv_connector = make_kv_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
         sc = self.config.scheduler_config
         # Block tables keep their logical layout in window groups too (freed entries: null).
         width = -(-sc.max_model_len // self.block_size)
@@ -210,6 +216,11 @@ class ModelRunner:
         batch.apply(sched)
         if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
             self.proposer.remove_requests(list(sched.finished_req_ids) + list(sched.preempted_req_ids))
+        conn = self.kv_connector
+        if conn is not None:
+            # Copy-on-write sources are untouched by loads (they load into fresh blocks).
+            conn.bind_connector_metadata(sched.kv_connector_metadata)
+            conn.start_load_kv()
         if sched.is_empty:
             return AsyncModelRunnerOutput([], None, None, None, None, self)
         self.run_block_ops(sched.block_ops)
@@ -226,6 +237,8 @@ class ModelRunner:
         drafts = sched.scheduled_spec_decode_tokens
         if gr is not None and gr.can_run(inp):
             hidden, row_start = gr.run(inp, pending)
+            if conn is not None:
+                conn.start_save_kv()
             return self._sample(inp, hidden, row_start, drafts)
         input_ids = to_device(inp.token_ids, self.device, torch.long)
         if pending is not None:
@@ -239,6 +252,8 @@ class ModelRunner:
         else:
             with forward_context(self._metadata(inp)):
                 hidden = self.model(input_ids, positions)
+        if conn is not None:
+            conn.start_save_kv()
         return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,

@@ -64,3 +64,9 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch a step; ``.get()`` on the result waits for its tokens."""
         return self.model_runner.execute_model_async(sched)
+
+    def shutdown(self) -> None:
+        """Finish the KV connector's pending transfers (block files included) and stop its threads."""
+        conn = self.model_runner.kv_connector
+        if conn is not None:
+            conn.shutdown()
