@@ -254,6 +254,11 @@ def check_tensor_parallel(hf_config: Any, tp: int, device: str) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     if tp == 1:
         return
+    from kvserve.models.registry import get_model_class
+
+    cls = get_model_class(hf_config)
+    if not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size {tp})")
     heads = hf_config.num_attention_heads
     if heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {heads} attention heads")

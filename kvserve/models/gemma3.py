@@ -24,7 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.distributed import get_tp_size, kv_head_range
 from kvserve.layers.activation import GeluAndMul
+from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                   VocabParallelEmbedding)
 from kvserve.layers.attention import Attention
 from kvserve.layers.norm import GemmaRMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, get_rope_params
@@ -74,14 +77,17 @@ class Gemma3Attention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, layer_type: str, rotary: RotaryEmbedding,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        tp = get_tp_size()
+        total_heads = cfg.num_attention_heads
+        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv, bias, dtype)
+        self.num_heads = total_heads // tp  # this rank's heads
+        self.num_kv_heads = kv_head_range(total_kv, tp, 0)[1]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, bias=bias, dtype=dtype)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = [rotary]  # shared; a list keeps it out of this module's children
@@ -102,8 +108,8 @@ class Gemma3MLP(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, dtype=dtype)
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
         self.act = GeluAndMul("none" if act == "gelu" else "tanh")
 
@@ -136,7 +142,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         types = gemma3_layer_types(cfg)
         _check_config(cfg, types)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         # transformers multiplies by a float32 scalar tensor cast to the weight dtype.
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, device="cpu").to(dtype))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -180,7 +186,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

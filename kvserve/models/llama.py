@@ -159,6 +159,8 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: the engine's context length (rope cache size, dynamic/longrope choice).
     """
 
+    supports_tensor_parallel = True  # parallel linear layers, vocab-parallel embedding and head
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config = hf_config

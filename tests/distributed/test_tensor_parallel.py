@@ -89,3 +89,35 @@ def test_tp2_with_a_replicated_kv_head_equals_tp1_and_a_dead_rank_fails_fast(one
         assert time.monotonic() - t0 < 30
     finally:
         tp.shutdown()
+
+
+def test_tp2_gemma3_with_sliding_windows_equals_transformers(tmp_path):
+    """A tiny Gemma 3 (window 8, block size 4: the hybrid manager frees window blocks) at TP=2."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           max_position_embeddings=256, architectures=["Gemma3ForCausalLM"],
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path)
+    prompts = [list(range(1, 13)), [5] * 20, list(range(40, 71))]
+    want = []
+    for p in prompts:
+        x = torch.tensor([p])
+        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
+        want.append(y[0, len(p):].tolist())
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tp = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, block_size=4,
+             kv_cache_memory="8MiB", disable_log_stats=True, tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        tp.shutdown()
+    assert got == want
