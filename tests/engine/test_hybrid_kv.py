@@ -100,7 +100,10 @@ def _run_checked(llm, prompts, params):
     return [results[i] for i in ids]
 
 
-@pytest.mark.parametrize("backend,async_scheduling", [("cpu", False), ("torch_ref", False), ("cpu", True)])
+_MAIN = "triton" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend,async_scheduling", [(_MAIN, False), ("torch_ref", False), (_MAIN, True)])
 def test_window_models_equal_transformers_batched_and_chunked(model_dir, backend, async_scheduling):
     """Also with async scheduling (blocks freed after step N while step N+1 is scheduled)."""
     kind, path, hf = model_dir
