@@ -107,7 +107,8 @@ def capacity(name: str, path: str, hybrid: bool, args) -> dict:
     eng = llm.llm_engine
     core = eng.engine_core
     cfg = core.kv_cache_config
-    planned = max_concurrency(cfg, args.max_model_len)
+    sc = eng.config.scheduler_config
+    planned = max_concurrency(cfg, args.max_model_len, min(sc.max_num_batched_tokens, sc.max_model_len))
     flat = cfg.total_bytes / bytes_per_request(cfg, args.max_model_len, hybrid=False)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
