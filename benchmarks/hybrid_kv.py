@@ -11,6 +11,7 @@ Models (HF configs written here):
 Parts (``--parts``):
   * ``capacity``: the start-up plan (max concurrency at ``--max-model-len``) and a measured
     run of ``--num-requests`` long prompts: peak running requests, preemptions, tok/s.
+  * ``prefix``: multi-turn chat prefix-cache hit rate, hybrid vs full-attention cache.
   * ``decode``: median engine decode step (batch ``--decode-batch``) at 2K and 32K context.
   * ``kernel``: Triton decode kernel time of a window layer vs a full layer at 2K and 32K.
 
@@ -83,13 +84,14 @@ def model_dirs(tmp: str, smoke: bool) -> dict[str, str]:
     return out
 
 
-def _llm(path: str, hybrid: bool, args, max_model_len: int):
+def _llm(path: str, hybrid: bool, args, max_model_len: int, eager: bool = False):
     from kvserve import LLM
 
+    # Prefill-bound parts run eagerly: no start-up graph capture per engine.
     return LLM(model=path, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True,
                kv_cache_memory=args.kv_cache_memory, max_model_len=max_model_len, disable_log_stats=True,
                enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not hybrid,
-               max_num_seqs=args.max_num_seqs)
+               max_num_seqs=args.max_num_seqs, enforce_eager=eager)
 
 
 def _sync():
@@ -103,7 +105,7 @@ def capacity(name: str, path: str, hybrid: bool, args) -> dict:
     from kvserve import SamplingParams
     from kvserve.core.kv_cache_spec import bytes_per_request, max_concurrency
 
-    llm = _llm(path, hybrid, args, args.max_model_len)
+    llm = _llm(path, hybrid, args, args.max_model_len, eager=True)
     eng = llm.llm_engine
     core = eng.engine_core
     cfg = core.kv_cache_config
@@ -128,6 +130,44 @@ def capacity(name: str, path: str, hybrid: bool, args) -> dict:
                flat_max_concurrency=round(flat, 2), num_requests=args.num_requests, prompt_len=args.prompt_len,
                gen_len=args.gen_len, peak_running=peak, preemptions=core.scheduler.num_preemptions,
                seconds=round(dt, 3), tok_per_s=round(tokens / dt, 1))
+    llm.shutdown()
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rec
+
+
+def prefix_hit_rate(name: str, path: str, hybrid: bool, args) -> dict:
+    """Multi-turn chat: ``chat_convs`` conversations x ``chat_turns`` turns, each turn's prompt
+    the conversation so far plus a new ``chat_msg``-token message, ``chat_gen`` tokens out; all
+    conversations' turn t run together. Prefix-cache hit rate (tokens) and tok/s."""
+    from kvserve import SamplingParams
+
+    from kvserve import LLM
+
+    llm = LLM(model=path, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True,
+              kv_cache_memory=args.chat_kv_memory, max_model_len=args.max_model_len, disable_log_stats=True,
+              disable_hybrid_kv_cache_manager=not hybrid, max_num_seqs=args.max_num_seqs, enforce_eager=True)
+    eng = llm.llm_engine
+    sched = eng.engine_core.scheduler
+    g = torch.Generator().manual_seed(1)
+    hist = [torch.randint(3, 500, (args.chat_first,), generator=g).tolist() for _ in range(args.chat_convs)]
+    sp = SamplingParams(temperature=0, max_tokens=args.chat_gen, ignore_eos=True)
+    tokens = 0
+    _sync()
+    t0 = time.perf_counter()
+    for turn in range(args.chat_turns):
+        if turn:
+            hist = [h + torch.randint(3, 500, (args.chat_msg,), generator=g).tolist() for h in hist]
+        outs = llm.generate(hist, sp, use_tqdm=False)
+        tokens += sum(len(h) for h in hist) + args.chat_gen * len(hist)
+        hist = [h + o.outputs[0].token_ids for h, o in zip(hist, outs)]
+    _sync()
+    dt = time.perf_counter() - t0
+    rec = dict(part="prefix", model=name, hybrid=hybrid, convs=args.chat_convs, turns=args.chat_turns,
+               final_len=len(hist[0]), kv_memory=args.chat_kv_memory, queries=sched.prefix_cache_queries,
+               hits=sched.prefix_cache_hits, hit_rate=round(sched.prefix_cache_hits / sched.prefix_cache_queries, 4),
+               preemptions=sched.num_preemptions, tok_per_s=round(tokens / dt, 1))
     llm.shutdown()
     del llm
     if torch.cuda.is_available():
@@ -204,7 +244,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/kvserve-hybrid")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
-    ap.add_argument("--parts", default="capacity,decode,kernel")
+    ap.add_argument("--parts", default="capacity,prefix,decode,kernel")
     ap.add_argument("--models", default="", help="comma-separated subset of the model names")
     ap.add_argument("--tag", default="", help="suffix of the JSON file name (hybrid_kv<_tag>.json)")
     ns = ap.parse_args()
@@ -215,6 +255,8 @@ def main() -> None:
         prompt_len=480 if smoke else 32000, gen_len=8 if smoke else 32, num_requests=12 if smoke else 40,
         max_num_seqs=64, decode_batch=4 if smoke else 16, decode_steps=8 if smoke else 40,
         decode_max_len=1024 + 64 if smoke else 32768 + 64,
+        chat_convs=4 if smoke else 32, chat_turns=5 if smoke else 6, chat_first=40 if smoke else 1000,
+        chat_msg=20 if smoke else 200, chat_gen=16 if smoke else 128, chat_kv_memory="512KiB" if smoke else "1GiB",
     )
     contexts = [256, 1000] if smoke else [2048, 32000]
     os.makedirs(ns.out, exist_ok=True)
@@ -239,6 +281,12 @@ def main() -> None:
                         add(capacity(name, path, hybrid, args))
                     except Exception as e:  # one failure must not stop the others
                         add(dict(part="capacity", model=name, hybrid=hybrid, error=repr(e)[:300]))
+            if "prefix" in parts:
+                for hybrid in (True, False):
+                    try:
+                        add(prefix_hit_rate(name, path, hybrid, args))
+                    except Exception as e:
+                        add(dict(part="prefix", model=name, hybrid=hybrid, error=repr(e)[:300]))
             if "decode" in parts:
                 for ctx in contexts:
                     try:
@@ -262,6 +310,10 @@ def main() -> None:
             print(f"| capacity | {r['model']} | hybrid={r['hybrid']} | planned {r['planned_max_concurrency']}x "
                   f"(flat {r['flat_max_concurrency']}x), peak running {r['peak_running']}, "
                   f"{r['preemptions']} preemptions, {r['tok_per_s']} tok/s |")
+        elif r["part"] == "prefix":
+            print(f"| prefix | {r['model']} | hybrid={r['hybrid']} | hit rate {r['hit_rate']} over {r['convs']} chats x "
+                  f"{r['turns']} turns (to {r['final_len']} tokens), {r['preemptions']} preemptions, "
+                  f"{r['tok_per_s']} tok/s |")
         elif r["part"] == "decode":
             print(f"| decode | {r['model']} | ctx {r['context']} x {r['batch']} | {r['step_ms_median']} ms/step |")
         else:
