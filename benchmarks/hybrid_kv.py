@@ -305,14 +305,15 @@ def main() -> None:
     print("\n| part | model | setting | figure |\n|---|---|---|---|")
     for r in records:
         if "error" in r:
-            print(f"| {r['part']} | {r.get('model', '')} | {r.get('hybrid', r.get('context', ''))} | ERROR {r['error'][:80]} |")
+            setting = r.get("hybrid", r.get("context", ""))
+            print(f"| {r['part']} | {r.get('model', '')} | {setting} | ERROR {r['error'][:80]} |")
         elif r["part"] == "capacity":
             print(f"| capacity | {r['model']} | hybrid={r['hybrid']} | planned {r['planned_max_concurrency']}x "
                   f"(flat {r['flat_max_concurrency']}x), peak running {r['peak_running']}, "
                   f"{r['preemptions']} preemptions, {r['tok_per_s']} tok/s |")
         elif r["part"] == "prefix":
-            print(f"| prefix | {r['model']} | hybrid={r['hybrid']} | hit rate {r['hit_rate']} over {r['convs']} chats x "
-                  f"{r['turns']} turns (to {r['final_len']} tokens), {r['preemptions']} preemptions, "
+            print(f"| prefix | {r['model']} | hybrid={r['hybrid']} | hit rate {r['hit_rate']} over {r['convs']} "
+                  f"chats x {r['turns']} turns (to {r['final_len']} tokens), {r['preemptions']} preemptions, "
                   f"{r['tok_per_s']} tok/s |")
         elif r["part"] == "decode":
             print(f"| decode | {r['model']} | ctx {r['context']} x {r['batch']} | {r['step_ms_median']} ms/step |")

@@ -60,8 +60,8 @@ def _hf_greedy(model, prompts, n):
 
 
 def _llm(path, **kw):
-    args = dict(skip_tokenizer_init=True, dtype="float32", block_size=BS, max_num_batched_tokens=16, max_num_seqs=8,
-                max_model_len=256, disable_log_stats=True)
+    args = dict(skip_tokenizer_init=True, dtype="float32", block_size=BS, max_num_batched_tokens=16,
+                max_num_seqs=8, max_model_len=256, disable_log_stats=True)
     args.update(kw)
     return LLM(model=path, **args)
 
