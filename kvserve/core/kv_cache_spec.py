@@ -229,24 +229,45 @@ def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
     return groups
 
 
+def prefill_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
+    """Blocks of one request while it computes ``num_tokens`` tokens in one step (a window
+    group holds the window before the chunk and the chunk itself; a full group, everything)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return -(-(spec.sliding_window - 1 + num_tokens) // spec.block_size) + 1
+    return 0
+
+
+def _reserve(g: KVCacheGroup, max_model_len: int, max_num_batched_tokens: Optional[int]) -> int:
+    """Blocks a window group keeps beyond the per-request shares, so that a step's prefill
+    chunk (up to ``max_num_batched_tokens`` tokens) fits beside the window."""
+    if not isinstance(g.spec, SlidingWindowSpec):
+        return 0
+    chunk = max_num_batched_tokens or g.spec.block_size
+    return max(prefill_blocks(g.spec, chunk) - g.spec.max_blocks_per_request(max_model_len), 0)
+
+
 def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional[int],
                          num_blocks_override: Optional[int] = None,
-                         max_model_len: Optional[int] = None) -> KVCacheConfig:
+                         max_model_len: Optional[int] = None,
+                         max_num_batched_tokens: Optional[int] = None) -> KVCacheConfig:
     """Split a byte budget into blocks per KV cache group.
 
     One group takes the whole budget. Several groups (a hybrid model: full-attention and
     sliding-window layers) get blocks in proportion to what one request of
     ``max_model_len`` tokens holds in each (``max_blocks_per_request``): a window group
     needs ``ceil(window / block_size) + 1`` blocks per request however long it is, so the
-    budget buys ``kv_bytes / bytes_per_request(max_model_len)`` such requests instead of
-    ``kv_bytes / (bytes_per_token * max_model_len)``. Without ``max_model_len`` every group
-    gets the same number of blocks.
+    budget buys about ``kv_bytes / bytes_per_request(max_model_len)`` such requests instead
+    of ``kv_bytes / (bytes_per_token * max_model_len)``. A window group first keeps a
+    reserve for one step's prefill chunk of ``max_num_batched_tokens`` tokens (a chunk's
+    blocks are all held during its step). Without ``max_model_len`` every group gets the
+    same number of blocks.
 
     Args:
         layer_specs: per attention layer, its spec.
         kv_bytes: the budget in bytes (ignored when ``num_blocks_override`` is set).
         num_blocks_override: force this many blocks per group (null block included).
         max_model_len: the request length the split is planned for.
+        max_num_batched_tokens: the per-step token budget (the largest prefill chunk).
 
     Raises ValueError when there is no attention layer.
     """
@@ -263,37 +284,42 @@ def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional
         for g in cfg.groups:
             g.num_blocks = n
         return cfg
-    # Each group keeps its null block; the rest is split by per-request need.
-    budget = max(budget - cfg.bytes_per_block, 0)
+    # Each group keeps its null block and its reserve; the rest is split by per-request need.
+    reserve = [1 + _reserve(g, max_model_len, max_num_batched_tokens) for g in cfg.groups]
+    budget = max(budget - sum(r * g.page_size_bytes for r, g in zip(reserve, cfg.groups)), 0)
     need = [g.spec.max_blocks_per_request(max_model_len) for g in cfg.groups]
     per_request = sum(n * g.page_size_bytes for n, g in zip(need, cfg.groups))
-    for n, g in zip(need, cfg.groups):
-        g.num_blocks = budget * n // per_request + 1
+    for n, r, g in zip(need, reserve, cfg.groups):
+        g.num_blocks = budget * n // per_request + r
     return cfg
 
 
 def bytes_per_request(cfg: KVCacheConfig, max_model_len: int, hybrid: bool = True) -> int:
-    """Bytes one request of ``max_model_len`` tokens holds at most, over all groups; with
-    ``hybrid=False``, as if every layer kept its whole history."""
+    """Bytes one request of ``max_model_len`` tokens holds at most between steps, over all
+    groups; with ``hybrid=False``, as if every layer kept its whole history."""
     if not hybrid:
         return cfg.bytes_per_token * max_model_len
     return sum(g.spec.max_blocks_per_request(max_model_len) * g.page_size_bytes for g in cfg.groups)
 
 
-def max_concurrency(cfg: KVCacheConfig, max_model_len: int) -> float:
-    """How many requests of ``max_model_len`` tokens the groups' pools hold at once (the
-    scarcest group decides; null blocks excluded)."""
-    return min((g.num_blocks - 1) / g.spec.max_blocks_per_request(max_model_len) for g in cfg.groups)
+def max_concurrency(cfg: KVCacheConfig, max_model_len: int, max_num_batched_tokens: Optional[int] = None) -> float:
+    """How many requests of ``max_model_len`` tokens the groups' pools hold at once between
+    steps (the scarcest group decides; null blocks and prefill reserves excluded)."""
+    return min((g.num_blocks - 1 - _reserve(g, max_model_len, max_num_batched_tokens))
+               / g.spec.max_blocks_per_request(max_model_len) for g in cfg.groups)
 
 
-def max_request_tokens(cfg: KVCacheConfig) -> Optional[int]:
+def max_request_tokens(cfg: KVCacheConfig, max_num_batched_tokens: Optional[int] = None) -> Optional[int]:
     """Longest request the cache can hold alone (None: unbounded, every group is a window
-    group whose pool holds a whole window)."""
+    group whose pool holds a window plus a prefill chunk of ``max_num_batched_tokens``).
+    0 when some window group cannot hold even that."""
     best = None
     for g in cfg.groups:
         usable = max(g.num_blocks - 1, 0)
-        if isinstance(g.spec, SlidingWindowSpec) and usable >= g.spec.max_blocks_per_request(1 << 62):
-            continue
+        if isinstance(g.spec, SlidingWindowSpec):
+            if usable >= prefill_blocks(g.spec, max_num_batched_tokens or g.spec.block_size):
+                continue
+            return 0
         tokens = usable * g.spec.block_size
         best = tokens if best is None else min(best, tokens)
     return best

@@ -112,7 +112,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         new = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
         if new is not None and new_computed_blocks is not None:
             # Admission: the hit's leading null blocks are already "skipped".
-            self.remove_skipped_blocks(request, request.num_computed_tokens + len(new_computed_blocks) * self.block_size)
+            hit_end = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+            self.remove_skipped_blocks(request, hit_end)
         return new
 
     def can_allocate(self, request: Request, num_new_tokens: int,

@@ -36,9 +36,15 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     cc, sc, mc = config.cache_config, config.scheduler_config, config.model_config
     specs = executor.get_kv_cache_spec()
     kv_bytes = None if cc.num_gpu_blocks_override is not None else executor.determine_available_memory()
-    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override, sc.max_model_len)
+    mnbt = min(sc.max_num_batched_tokens, sc.max_model_len)  # the largest prefill chunk
+    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override, sc.max_model_len, mnbt)
     num_blocks = min(g.num_blocks for g in kv_cfg.groups)
-    capacity = max_request_tokens(kv_cfg)  # None: window groups only, any length fits
+    capacity = max_request_tokens(kv_cfg, mnbt)  # None: window groups only, any length fits
+    if capacity == 0:
+        raise ValueError(
+            f"a sliding-window KV cache group ({kv_cfg.describe()}) cannot hold one window plus a "
+            f"prefill chunk of max_num_batched_tokens={mnbt}; raise --kv-cache-memory or lower "
+            f"--max-num-batched-tokens")
     if capacity is not None and capacity < sc.max_model_len:
         if mc.max_model_len_explicit or capacity < cc.block_size:
             raise ValueError(
@@ -64,7 +70,7 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
         "%s KV: %.2fx the tokens of a %s KV cache",
         kv_cfg.bytes_per_token, kv_cfg.num_layers, kv_cfg.describe(),
         "unbounded" if capacity is None else capacity, kv_cfg.total_bytes / 2**30, layout, max_len,
-        max_concurrency(kv_cfg, max_len), flat, cc.kv_cache_dtype, ref_bpt / kv_cfg.bytes_per_token, mc.dtype,
+        max_concurrency(kv_cfg, max_len, mnbt), flat, cc.kv_cache_dtype, ref_bpt / kv_cfg.bytes_per_token, mc.dtype,
     )
     if cc.kv_cache_dtype in LOSSY_KV_FORMATS:
         logger.warning("--kv-cache-dtype %s: %s", cc.kv_cache_dtype, LOSSY_KV_FORMATS[cc.kv_cache_dtype])

@@ -61,7 +61,7 @@ def _hf_greedy(model, prompts, n):
 
 def _llm(path, **kw):
     args = dict(skip_tokenizer_init=True, dtype="float32", block_size=BS, max_num_batched_tokens=16,
-                max_model_len=256, disable_log_stats=True)
+                max_num_seqs=8, max_model_len=256, disable_log_stats=True)
     args.update(kw)
     return LLM(model=path, **args)
 
@@ -84,24 +84,32 @@ def _run_checked(llm, prompts, params):
     while eng.has_unfinished_requests():
         for out in eng.step():
             results[out.request_id] = out.outputs[0]
+        # With async scheduling the next step is already scheduled: its n tokens are on top.
+        in_flight = core._in_flight[0].num_scheduled_tokens if core._in_flight is not None else {}
         for req in core.scheduler.running:
             live = kv.num_live_blocks(req.request_id)
+            n = in_flight.get(req.request_id, 1)
+            b = -(-(WINDOW + n - 1) // BS) + 1
             for gid in window_gids:
                 worst = max(worst, live[gid])
-                assert live[gid] <= bound, (req.request_id, req.num_computed_tokens, live)
+                assert live[gid] <= b, (req.request_id, req.num_computed_tokens, n, live)
     for g in kv.groups:
         assert g.pool.get_num_free_blocks() == g.pool.num_usable_blocks
         g.pool.check_invariants()
-    assert not window_gids or worst == bound  # the bound is reached: blocks really are freed
+    assert not window_gids or worst >= bound  # long requests reach it: blocks really are freed
     return [results[i] for i in ids]
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch_ref"])
-def test_window_models_equal_transformers_batched_and_chunked(model_dir, backend):
+_MAIN = "triton" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend,async_scheduling", [(_MAIN, False), ("torch_ref", False), (_MAIN, True)])
+def test_window_models_equal_transformers_batched_and_chunked(model_dir, backend, async_scheduling):
+    """Also with async scheduling (blocks freed after step N while step N+1 is scheduled)."""
     kind, path, hf = model_dir
     prompts = _prompts([1, 6, 9, 17, 30, 45])
     ref = _hf_greedy(hf, prompts, 20)
-    llm = _llm(path, attention_backend=backend, kv_cache_memory="2MiB")
+    llm = _llm(path, attention_backend=backend, kv_cache_memory="2MiB", async_scheduling=async_scheduling)
     kv_cfg = llm.llm_engine.engine_core.kv_cache_config
     windows = [g for g in kv_cfg.groups if isinstance(g.spec, SlidingWindowSpec)]
     assert [len(g.layer_indices) for g in windows] == ([2] if kind == "mistral" else [2])
