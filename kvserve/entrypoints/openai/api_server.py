@@ -181,7 +181,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     """
     from kvserve import __version__
 
+    from kvserve.entrypoints.openai.json_body import MsgspecJSONRoute
+
     app = FastAPI(title="kvserve", version=__version__)
+    app.router.route_class = MsgspecJSONRoute  # request JSON parsed by msgspec (see json_body)
     state = app.state
     state.engine, state.api_key, state.stat_logger = engine, api_key, stat_logger
     state.api_key_bytes = api_key.encode() if api_key else b""

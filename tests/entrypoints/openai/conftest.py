@@ -169,7 +169,7 @@ def _wait_idle_fixture():
     return wait_idle
 
 
-@pytest.fixture(name="server_handle_cls")
+@pytest.fixture(name="server_handle_cls", scope="session")
 def _server_handle_cls():
     """The ``ServerHandle`` class, for tests that start a server of their own."""
     return ServerHandle
