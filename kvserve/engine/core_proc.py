@@ -15,8 +15,9 @@ The loop:
 Signals: the core ignores SIGTERM and SIGINT. Only its parent (the API server) decides when
 it stops, with a ``Shutdown`` message (or SIGKILL past its deadline), so a SIGTERM to the
 whole process group (systemd's ``KillMode=control-group``, ``kill -TERM -PGID``, Ctrl-C)
-drains exactly like a SIGTERM to the server's PID. If the parent dies, the core notices
-within ``HEARTBEAT_INTERVAL_S`` when idle, or after the current step when busy, and exits.
+drains exactly like a SIGTERM to the server's PID. If the parent dies, the kernel sends the
+core SIGKILL (``PR_SET_PDEATHSIG``), even while it loads the model; where that is not
+available the loop notices within ``HEARTBEAT_INTERVAL_S`` (after the current step) and exits.
 The process ends with ``os._exit`` after its clean-up, so no atexit hook or stray thread
 can keep it alive.
 """
@@ -159,6 +160,26 @@ class EngineCoreProc:
         self.ctx.term()
 
 
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    Covers what the loop's parent check cannot: a parent that dies while the model loads or
+    a step hangs. (The signal follows the parent *thread* that started us: the API server
+    starts the core from its event-loop thread, which lives as long as the server.)
+    Returns False where unsupported (not Linux); the loop's ``getppid`` check remains.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned engine-core process.
 
@@ -176,6 +197,10 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     # A group-wide SIGTERM / Ctrl-C also reaches us: the API server drains, then tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
     ctx = zmq.Context()
     enc = ipc.input_encoder()
     try:

@@ -322,6 +322,9 @@ async def serve_async(ns: argparse.Namespace) -> int:
 
     names = ns.served_model_name or [default_model_name(ns.model)]
     api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY")
+    if ns.api_key:
+        logger.warning("--api-key on the command line is readable by every local user (ps, /proc); "
+                       "set $KVSERVE_API_KEY instead")
     allowed_hosts = parse_allowed_hosts(getattr(ns, "allowed_hosts", None))
     if allowed_hosts is None:
         allowed_hosts = default_allowed_hosts(api_key, ns.host)
