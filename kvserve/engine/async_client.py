@@ -128,6 +128,7 @@ class AsyncLLM:
         self._closing = False
         self._out_task: Optional[asyncio.Task] = None
         self._stall_task: Optional[asyncio.Task] = None
+        self._refuse: Optional[BaseException] = None  # set by fail_requests
         self._addrs: tuple[str, str] = ("", "")
         self._log_interval = engine_args.log_stats_interval
         self._log_last = time.monotonic()
@@ -245,8 +246,10 @@ class AsyncLLM:
     def fail_requests(self, exc: BaseException) -> int:
         """End every in-flight ``generate`` with ``exc`` (the engine keeps running); returns how many.
 
-        Used at the shutdown deadline; their requests are aborted in the engine core.
+        Used at the shutdown deadline; their requests are aborted in the engine core, and
+        from now on ``check_alive`` (so every new ``generate``) raises ``exc`` too.
         """
+        self._refuse = exc
         n = 0
         for st in self._states.values():
             if st.error is None:
@@ -398,6 +401,8 @@ class AsyncLLM:
             raise EngineDeadError(str(self.errored))
         if self._closing:
             raise EngineDeadError("the engine is shutting down")
+        if self._refuse is not None:
+            raise type(self._refuse)(str(self._refuse))
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """``(text or None, token ids)``; see ``input_processor.tokenize_prompt``."""
