@@ -40,13 +40,13 @@ from kvserve.engine.async_client import AsyncLLM, EngineDeadError
 from kvserve.entrypoints.openai import protocol as P
 from kvserve.entrypoints.openai.hosts import default_allowed_hosts, host_allowed
 from kvserve.entrypoints.openai.lifecycle import EXIT_ENGINE_FAILED, EXIT_INTERRUPTED, EXIT_OK, GracefulServer
-from kvserve.entrypoints.openai.tokenization import DEFAULT_MAX_CONCURRENCY, TokenizerPool
 from kvserve.entrypoints.openai.serving import (
     Admission,
     APIError,
     OpenAIServingChat,
     OpenAIServingCompletion,
 )
+from kvserve.entrypoints.openai.tokenization import DEFAULT_MAX_CONCURRENCY, TokenizerPool
 
 logger = logging.getLogger("kvserve")
 
