@@ -109,8 +109,9 @@ class TokenizerPool:
     async def run(self, fn: Callable, *args, what: str = "prompt") -> Any:
         """``fn(*args)`` in the pool, at most ``max_concurrency`` at once.
 
-        ``APIError`` passes through; ``ValueError`` / ``TypeError`` and anything else the
-        tokenizer or template raises become ``APIError(400)`` naming ``what``.
+        ``APIError`` passes through; a ``ValueError`` becomes ``APIError(400)`` with its message;
+        anything else the tokenizer or template raises becomes ``APIError(400, "the tokenizer
+        rejected the {what}: ...")``. ``what`` is the ``param`` of the error.
         """
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_concurrency)
@@ -120,6 +121,8 @@ class TokenizerPool:
                 return await loop.run_in_executor(self._executor, lambda: fn(*args))
             except APIError:
                 raise
+            except ValueError as exc:  # our own checks (e.g. no tokenizer): their message as is
+                raise APIError(400, str(exc), what) from None
             except Exception as exc:  # noqa: BLE001 - tokenizer / template errors are the client's input
                 raise APIError(400, f"the tokenizer rejected the {what}: {type(exc).__name__}: {exc}",
                                what) from None
