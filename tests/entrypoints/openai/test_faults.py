@@ -30,13 +30,15 @@ def faults_server(tmp_path_factory, server_handle_cls):
                           log, api_key=None)
     try:
         h.wait_ready()
-        yield h
-    finally:
-        # Idle server: SIGTERM drains nothing and exits 0 at once.
-        t0 = time.monotonic()
+    except BaseException:
         h.stop()
-        assert h.proc.returncode == 0, h.read_log()
-        assert time.monotonic() - t0 < 5
+        raise
+    yield h
+    # Idle server: SIGTERM drains nothing and exits 0 at once.
+    t0 = time.monotonic()
+    h.stop()
+    assert h.proc.returncode == 0, h.read_log()
+    assert time.monotonic() - t0 < 5
 
 
 def _conn(server) -> http.client.HTTPConnection:
