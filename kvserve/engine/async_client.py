@@ -7,6 +7,11 @@ fan-in) and talks to an ``EngineCore`` in a child process (``core_proc``) over z
   ``"{id}#{k}"`` (seed + k), sends them, and yields ``RequestOutput``s as tokens arrive.
 * one asyncio task reads ``StepOutputs`` and wakes the per-request waiters.
 * if the child process dies, every waiter and every new call gets ``EngineDeadError`` at once.
+* stall watchdog: the core sends ``StepOutputs`` after every step and a ``Heartbeat`` every
+  0.5 s when idle; if nothing arrives for ``engine_stall_timeout`` seconds, the core is
+  declared stalled (``EngineStalledError``, an ``EngineDeadError``) exactly as if it had died.
+* per-request deadline: with ``max_request_duration`` a request still running that many
+  seconds after its arrival is aborted (finish_reason "abort", the output so far kept).
 
 Needs ``pyzmq`` and ``msgspec`` (server-only dependencies).
 """
@@ -39,6 +44,14 @@ logger = logging.getLogger("kvserve")
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone (crashed, killed) or the engine was shut down."""
+
+
+class EngineStalledError(EngineDeadError):
+    """The engine core sent nothing (no step output, no heartbeat) for ``engine_stall_timeout`` s."""
+
+
+#: Seconds between two checks of the stall watchdog.
+STALL_CHECK_INTERVAL_S = 0.25
 
 
 class StatLogger:
@@ -88,8 +101,18 @@ class AsyncLLM:
     (the exception that killed the engine, or None), ``last_stats`` (latest scheduler stats).
     """
 
-    def __init__(self, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None) -> None:
+    def __init__(self, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None, *,
+                 engine_stall_timeout: Optional[float] = None,
+                 max_request_duration: Optional[float] = None) -> None:
+        for name, v in (("engine_stall_timeout", engine_stall_timeout),
+                        ("max_request_duration", max_request_duration)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0 seconds (or None: off), got {v}")
         self.engine_args = engine_args
+        self.engine_stall_timeout = engine_stall_timeout
+        self.max_request_duration = max_request_duration
+        #: ``time.monotonic()`` of the last message from the core (any kind).
+        self.last_heard = time.monotonic()
         self.config = None  # the resolved EngineConfig, once started
         self.stat_logger = stat_logger or StatLogger()
         self.tokenizer = None
@@ -104,6 +127,8 @@ class AsyncLLM:
         self._states: dict[str, _ReqState] = {}
         self._closing = False
         self._out_task: Optional[asyncio.Task] = None
+        self._stall_task: Optional[asyncio.Task] = None
+        self._refuse: Optional[BaseException] = None  # set by fail_requests
         self._addrs: tuple[str, str] = ("", "")
         self._log_interval = engine_args.log_stats_interval
         self._log_last = time.monotonic()
@@ -112,14 +137,16 @@ class AsyncLLM:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     async def from_engine_args(cls, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None,
-                               startup_timeout: float = 900.0) -> "AsyncLLM":
+                               startup_timeout: float = 900.0, **kwargs) -> "AsyncLLM":
         """Start the engine-core process and load the tokenizer; returns when the core is ready.
+
+        ``kwargs``: ``engine_stall_timeout`` / ``max_request_duration`` (seconds, None: off).
 
         Raises:
             ValueError / FileNotFoundError: bad flags or model (from the core or the frontend).
             EngineDeadError: the core process died during start-up or did not get ready in time.
         """
-        self = cls(engine_args, stat_logger)
+        self = cls(engine_args, stat_logger, **kwargs)
         await self._start(startup_timeout)
         return self
 
@@ -169,7 +196,10 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         loop = asyncio.get_running_loop()
         loop.add_reader(self.proc.sentinel, self._on_proc_exit)
+        self.last_heard = time.monotonic()
         self._out_task = asyncio.create_task(self._output_loop(), name="kvserve-output-loop")
+        if self.engine_stall_timeout is not None:
+            self._stall_task = asyncio.create_task(self._stall_watchdog(), name="kvserve-stall-watchdog")
 
     async def _wait_ready(self, timeout: float):
         from kvserve.engine import ipc
@@ -195,6 +225,39 @@ class AsyncLLM:
             self.proc.join(0.1)
             self._fail(EngineDeadError(f"the engine core process died (exit code {self.proc.exitcode})"))
 
+    async def _stall_watchdog(self) -> None:
+        """Declare the core stalled after ``engine_stall_timeout`` s without a message."""
+        timeout = self.engine_stall_timeout
+        last_tick = time.monotonic()
+        while self.errored is None and not self._closing:
+            await asyncio.sleep(STALL_CHECK_INTERVAL_S)
+            now = time.monotonic()
+            late = now - last_tick > STALL_CHECK_INTERVAL_S + 1.0
+            last_tick = now
+            if late:  # our own loop was blocked: let the output loop read what is queued first
+                continue
+            silent = now - self.last_heard
+            if silent > timeout:
+                self._fail(EngineStalledError(
+                    f"the engine core made no progress for {silent:.1f} s (--engine-stall-timeout "
+                    f"{timeout:g}); {len(self._states)} requests were in flight"))
+                return
+
+    def fail_requests(self, exc: BaseException) -> int:
+        """End every in-flight ``generate`` with ``exc`` (the engine keeps running); returns how many.
+
+        Used at the shutdown deadline; their requests are aborted in the engine core, and
+        from now on ``check_alive`` (so every new ``generate``) raises ``exc`` too.
+        """
+        self._refuse = exc
+        n = 0
+        for st in self._states.values():
+            if st.error is None:
+                st.error = exc
+                st.event.set()
+                n += 1
+        return n
+
     def _fail(self, exc: BaseException) -> None:
         if self.errored is None:
             if not self._closing:
@@ -213,7 +276,9 @@ class AsyncLLM:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine core (Shutdown message, then SIGTERM, then SIGKILL) and close sockets.
 
-        In-flight requests get ``EngineDeadError``. Safe to call twice.
+        In-flight requests get ``EngineDeadError``. Safe to call twice. The core ignores
+        SIGTERM (it must survive a process-group SIGTERM), so past ``timeout`` it gets SIGKILL;
+        a stalled core gets SIGKILL at once.
         """
         if self._closing:
             return
@@ -225,18 +290,16 @@ class AsyncLLM:
                 asyncio.get_running_loop().remove_reader(self.proc.sentinel)
             except (ValueError, OSError, RuntimeError):
                 pass
-            if self.proc.is_alive():
+            if self.proc.is_alive() and not isinstance(self.errored, EngineStalledError):
                 self._send(ipc.Shutdown(), raise_dead=False)
                 await asyncio.to_thread(self.proc.join, timeout)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                await asyncio.to_thread(self.proc.join, 5)
             if self.proc.is_alive():
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 5)
         self._fail(EngineDeadError("the engine was shut down"))
-        if self._out_task is not None:
-            self._out_task.cancel()
+        for task in (self._out_task, self._stall_task):
+            if task is not None:
+                task.cancel()
         for name in ("_in_sock", "_out_sock"):
             sock = getattr(self, name, None)
             if sock is not None:
@@ -265,6 +328,7 @@ class AsyncLLM:
         try:
             while True:
                 frame = await self._out_sock.recv(copy=False)
+                self.last_heard = time.monotonic()
                 msg = self._decoder.decode(frame.buffer)
                 try:
                     self._process(msg)
@@ -279,7 +343,7 @@ class AsyncLLM:
     def _process(self, msg) -> None:
         from kvserve.engine.ipc import AbortRequests, StepOutputs
 
-        if not isinstance(msg, StepOutputs):
+        if not isinstance(msg, StepOutputs):  # Heartbeat: only ``last_heard`` matters
             return
         now = time.time()
         op = self.output_processor
@@ -337,6 +401,8 @@ class AsyncLLM:
             raise EngineDeadError(str(self.errored))
         if self._closing:
             raise EngineDeadError("the engine is shutting down")
+        if self._refuse is not None:
+            raise type(self._refuse)(str(self._refuse))
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """``(text or None, token ids)``; see ``input_processor.tokenize_prompt``."""
@@ -370,7 +436,9 @@ class AsyncLLM:
             cache_salt: requests share prefix-cache blocks only with requests of the same salt.
 
         The last output has ``finished=True``. Leaving the iteration early (break, cancel,
-        client disconnect) aborts the request in the engine and frees its blocks.
+        client disconnect) aborts the request in the engine and frees its blocks. Past
+        ``max_request_duration`` seconds the request is aborted: its completions end with
+        finish_reason "abort" and keep what they generated.
 
         Raises:
             ValueError: invalid prompt or parameters (nothing is queued then).
@@ -388,9 +456,21 @@ class AsyncLLM:
         st = self._add(request_id, text if text is not None else prompt_text, ids, params, priority, delta,
                        cache_salt)
         finished = False
+        deadline = None if self.max_request_duration is None else time.monotonic() + self.max_request_duration
         try:
             while True:
-                await st.event.wait()
+                if deadline is None:
+                    await st.event.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(st.event.wait(), max(deadline - time.monotonic(), 0.0))
+                    except asyncio.TimeoutError:
+                        logger.warning("request %s exceeded --max-request-duration %g s; aborted",
+                                       request_id, self.max_request_duration)
+                        deadline = None
+                        self._abort_children(st.parent)
+                        st.event.set()
+                        continue
                 st.event.clear()
                 if st.error is not None:
                     raise st.error

@@ -3,13 +3,23 @@
 Started by ``AsyncLLM`` with multiprocessing *spawn*; ``run_engine_core`` is the target.
 The loop:
 
-1. If no request is unfinished, block on the input socket (waking every second to check
-   that the parent process still lives); else poll it without blocking.
+1. If no request is unfinished, block on the input socket (waking every
+   ``HEARTBEAT_INTERVAL_S`` to send a ``Heartbeat`` and to check that the parent process
+   still lives); else poll it without blocking.
 2. Drain every queued message: ``AddRequest`` -> ``EngineCore.add_request``,
    ``AbortRequests`` -> ``EngineCore.abort_requests`` (frees blocks now), ``Shutdown``.
 3. If there is work, run one ``EngineCore.step()``.
 4. Send one ``StepOutputs`` (new tokens per request, finish reasons, timings, scheduler
    stats) whenever a step ran or messages were handled, so gauges stay fresh after aborts.
+
+Signals: the core ignores SIGTERM and SIGINT. Only its parent (the API server) decides when
+it stops, with a ``Shutdown`` message (or SIGKILL past its deadline), so a SIGTERM to the
+whole process group (systemd's ``KillMode=control-group``, ``kill -TERM -PGID``, Ctrl-C)
+drains exactly like a SIGTERM to the server's PID. If the parent dies, the kernel sends the
+core SIGKILL (``PR_SET_PDEATHSIG``), even while it loads the model; where that is not
+available the loop notices within ``HEARTBEAT_INTERVAL_S`` (after the current step) and exits.
+The process ends with ``os._exit`` after its clean-up, so no atexit hook or stray thread
+can keep it alive.
 """
 
 from __future__ import annotations
@@ -22,8 +32,10 @@ from typing import Any
 
 logger = logging.getLogger("kvserve")
 
-#: Seconds the idle loop blocks before checking that its parent still lives.
-IDLE_POLL_S = 1.0
+#: Seconds between heartbeats of an idle core; also how long the idle loop blocks before it
+#: checks that its parent still lives.
+HEARTBEAT_INTERVAL_S = 0.5
+IDLE_POLL_S = HEARTBEAT_INTERVAL_S
 
 
 def _token_output(o):
@@ -63,9 +75,12 @@ class EngineCoreProc:
         self.rejected: list = []
         self.running = True
         self._ppid = os.getppid()
+        self.num_steps = 0
+        self._last_sent = time.monotonic()
 
     def send(self, msg) -> None:
         self.out_sock.send(self.encoder.encode(msg), copy=False)
+        self._last_sent = time.monotonic()
 
     def _handle(self, msg) -> None:
         from kvserve.engine import ipc
@@ -112,7 +127,7 @@ class EngineCoreProc:
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
-        from kvserve.engine.ipc import StepOutputs
+        from kvserve.engine.ipc import Heartbeat, StepOutputs
 
         idle = not self.core.has_unfinished_requests()
         handled = self._drain(block=block and idle)
@@ -127,10 +142,13 @@ class EngineCoreProc:
         if self.core.has_unfinished_requests():
             res = self.core.step()
             stepped = True
+            self.num_steps += 1
             n_prompt, n_gen = res.num_prompt_tokens, res.num_generation_tokens
             outputs.extend(_token_output(o) for o in res.outputs)
         if stepped or handled:
             self.send(StepOutputs(outputs, self._stats(), n_prompt, n_gen, time.time()))
+        elif time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:
+            self.send(Heartbeat(time.time(), self.num_steps))
         return True
 
     def run(self) -> None:
@@ -143,12 +161,33 @@ class EngineCoreProc:
         self.ctx.term()
 
 
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    Covers what the loop's parent check cannot: a parent that dies while the model loads or
+    a step hangs. (The signal follows the parent *thread* that started us: the API server
+    starts the core from its event-loop thread, which lives as long as the server.)
+    Returns False where unsupported (not Linux); the loop's ``getppid`` check remains.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned engine-core process.
 
     Builds ``EngineCore`` from the frontend's resolved ``EngineConfig`` (resolved once,
     there), sends ``Ready`` (or ``StartupFailed`` and exits with status 1), then loops until
-    ``Shutdown``, SIGTERM, or the parent's death.
+    ``Shutdown`` or the parent's death; SIGTERM and SIGINT are ignored (see the module
+    docstring). Ends the process with ``os._exit`` (0, or 1 after an error in the loop).
     """
     import zmq
 
@@ -156,12 +195,13 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     from kvserve.logger import setup_logging
 
     setup_logging()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the API server, which shuts us down
-
-    def _term(signum, frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, _term)
+    # A group-wide SIGTERM / Ctrl-C also reaches us: the API server drains, then tells us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    set_parent_death_signal()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
     ctx = zmq.Context()
     enc = ipc.input_encoder()
     try:
@@ -182,8 +222,16 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     proc.send(ipc.Ready(cfg.scheduler_config.max_model_len, cfg.model_config.hf_config.vocab_size,
                         cfg.cache_config.num_blocks, cfg.cache_config.block_size, os.getpid()))
     logger.info("engine core ready (pid %d)", os.getpid())
+    status = 0
     try:
         proc.run()
+    except BaseException:  # noqa: BLE001 - logged; the frontend sees the exit code
+        logger.exception("engine core loop failed")
+        status = 1
     finally:
-        core.shutdown()
-        proc.close()
+        try:
+            core.shutdown()
+            proc.close()
+        finally:
+            logging.shutdown()
+            os._exit(status)

@@ -3,7 +3,10 @@
 Two one-way ZMQ PUSH/PULL channels over ``ipc://`` sockets that the frontend binds:
 
 * input  (frontend PUSH -> core PULL): ``AddRequest`` | ``AbortRequests`` | ``Shutdown``
-* output (core PUSH -> frontend PULL): ``Ready`` | ``StartupFailed`` | ``StepOutputs``
+* output (core PUSH -> frontend PULL): ``Ready`` | ``StartupFailed`` | ``StepOutputs`` | ``Heartbeat``
+
+Every reader of the output socket must accept ``Heartbeat`` (it carries no outputs: it only
+proves that the core's loop still turns; the frontend's stall watchdog times the gaps).
 
 Every message is a msgspec ``Struct`` encoded with msgpack as a tagged union, so one decoder
 per direction reads any of them. Times are seconds since the epoch (``time.time()``).
@@ -135,7 +138,19 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     timestamp: float = 0.0
 
 
-OutputMessage = Union[Ready, StartupFailed, StepOutputs]
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Sent by an idle engine core every ``core_proc.HEARTBEAT_INTERVAL_S`` seconds.
+
+    A busy core sends a ``StepOutputs`` after every step instead, so a gap longer than the
+    stall timeout means the loop is stuck (hung step, stopped process) either way.
+    ``timestamp``: the core's ``time.time()``; ``num_steps``: steps run since start.
+    """
+
+    timestamp: float = 0.0
+    num_steps: int = 0
+
+
+OutputMessage = Union[Ready, StartupFailed, StepOutputs, Heartbeat]
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -180,7 +195,7 @@ def output_decoder() -> msgspec.msgpack.Decoder:
 
 __all__ = [
     "AddRequest", "AbortRequests", "Shutdown", "Ready", "StartupFailed", "TokenOutput",
-    "SchedulerStatsMsg", "StepOutputs", "InputMessage", "OutputMessage", "params_to_dict",
+    "SchedulerStatsMsg", "StepOutputs", "Heartbeat", "InputMessage", "OutputMessage", "params_to_dict",
     "params_from_dict", "make_ipc_paths", "cleanup_ipc_paths", "input_encoder", "input_decoder",
     "output_decoder",
 ]

@@ -170,8 +170,8 @@ class MultiprocExecutor(Executor):
         self._send_all(("shutdown",), block=False)
         for p in self.procs:
             p.join(5)
-            if p.is_alive():
-                p.terminate()
+            if p.is_alive():  # workers ignore SIGTERM
+                p.kill()
                 p.join(5)
         for s in self._in_socks:
             s.close(linger=0)
@@ -244,7 +244,10 @@ def run_worker(rank: str, in_addr: str, out_addr: str) -> None:
     from kvserve.logger import setup_logging
 
     setup_logging()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    # The parent decides when workers stop: a process-group SIGTERM/SIGINT must not kill them
+    # mid-drain (the API server drains, then the engine core shuts its executor down).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)

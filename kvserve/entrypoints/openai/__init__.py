@@ -23,12 +23,33 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     g.add_argument("--host", default="127.0.0.1", help="Address to bind (default: %(default)s).")
     g.add_argument("--port", type=int, default=8000, help="Port to bind (default: %(default)s).")
     g.add_argument("--api-key", default=None,
-                   help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY, else none).")
+                   help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY, else none). "
+                        "Prefer the environment variable: a flag's value is visible to every user in `ps`.")
+    g.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
+                   help="Comma-separated Host header names the server answers ('*': any; '*.example.com': "
+                        "subdomains); others get 400 (DNS-rebinding defence; /health, /ping, /version and "
+                        "open /metrics are exempt). Default: '*' with an API key, else localhost, 127.0.0.1, "
+                        "::1 and the --host address.")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="Model name(s) clients use; the first one is reported (default: the MODEL "
                         "argument, or SmolLM2-135M-Instruct).")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="Seconds in-flight requests get to finish after SIGTERM (default: %(default)s).")
+                   help="Seconds in-flight requests get to finish after the first SIGTERM/SIGINT; then "
+                        "they end with an error (stream: error event + [DONE]; else 503) and the server "
+                        "exits within 2 s more, with status 3. A second signal skips the wait "
+                        "(default: %(default)s).")
+    g.add_argument("--engine-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="Declare the engine core hung after this many seconds without a step or heartbeat: "
+                        "/health turns 503, in-flight requests fail, and the server exits with status 1 "
+                        "(default: %(default)s; 0: off). Set it above your slowest step.")
+    g.add_argument("--max-request-duration", type=float, default=None, metavar="SECONDS",
+                   help="Abort a request this many seconds after its arrival (finish_reason 'abort', the "
+                        "text so far kept) (default: off, as vLLM).")
+    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="Cap on a chat completion's tokens when the client gives no max_tokens (default: "
+                        "the rest of the context, as vLLM; /v1/completions defaults to 16 as OpenAI).")
+    g.add_argument("--max-tokenize-concurrency", type=int, default=2, metavar="N",
+                   help="Prompts tokenized at once, in threads off the event loop (default: %(default)s).")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: %(default)s).")
@@ -51,6 +72,16 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
+    import logging
+    import os
+    import sys
+
     from kvserve.entrypoints.openai.api_server import run_server
 
-    return run_server(ns)
+    status = run_server(ns)
+    # Skip the interpreter's finalization (seconds of module and tensor teardown): the
+    # shutdown deadline must hold, and everything worth closing is closed by now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -8,12 +8,15 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /version``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 parameters (FastAPI's 422 validation errors and unparsable bodies included) and context
-overflow, 401 for a missing/wrong ``--api-key`` (every route but ``/health``, ``/ping``,
+overflow (and a ``Host`` header outside ``--allowed-hosts``), 401 for a missing/wrong
+``--api-key`` (every route but ``/health``, ``/ping``,
 ``/version`` and, unless ``--protect-metrics``, ``/metrics``), 404 for an unknown model, 413
 for a body over ``--max-request-body-bytes``, 429 (with ``Retry-After``) past
 ``--max-waiting-requests``, 503 when the engine is dead or the server is shutting down.
-If the engine-core process dies, the server answers 503 for ``ENGINE_DEAD_EXIT_DELAY_S``
-seconds, then exits with status 1 so that a supervisor restarts it.
+If the engine-core process dies or stalls (``--engine-stall-timeout``), the server answers
+503 for ``ENGINE_DEAD_EXIT_DELAY_S`` seconds, then exits with status 1 so that a supervisor
+restarts it. Shutdown (deadline, signals, exit status): ``lifecycle``; off-loop tokenization:
+``tokenization``; the ``Host`` allow-list: ``hosts``. Operator guide: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
 import time
@@ -34,12 +38,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.async_client import AsyncLLM, EngineDeadError
 from kvserve.entrypoints.openai import protocol as P
+from kvserve.entrypoints.openai.hosts import default_allowed_hosts, host_allowed
+from kvserve.entrypoints.openai.lifecycle import EXIT_ENGINE_FAILED, EXIT_INTERRUPTED, EXIT_OK, GracefulServer
 from kvserve.entrypoints.openai.serving import (
     Admission,
     APIError,
     OpenAIServingChat,
     OpenAIServingCompletion,
 )
+from kvserve.entrypoints.openai.tokenization import DEFAULT_MAX_CONCURRENCY, TokenizerPool
 
 logger = logging.getLogger("kvserve")
 
@@ -52,8 +59,11 @@ ENGINE_DEAD_EXIT_DELAY_S = 5.0
 OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 
 
-def _json_error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def _json_error(err: APIError) -> Response:
+    # ASCII JSON: a message that quotes the client's input may hold a lone surrogate, which
+    # UTF-8 cannot encode (JSONResponse would raise and drop the connection).
+    return Response(json.dumps(err.body()), status_code=err.status, headers=err.headers,
+                    media_type="application/json")
 
 
 class _BodyTooLarge(APIError):
@@ -62,8 +72,8 @@ class _BodyTooLarge(APIError):
 
 
 class _GateMiddleware:
-    """ASGI middleware: API key (deny by default), 503 while draining, body-size limit,
-    in-flight request count."""
+    """ASGI middleware: ``Host`` allow-list, 503 while draining, API key (deny by default),
+    body-size limit, in-flight request count."""
 
     def __init__(self, app, state) -> None:
         self.app, self.state = app, state
@@ -76,7 +86,9 @@ class _GateMiddleware:
         err = None
         headers = dict(scope.get("headers") or [])
         open_path = path in OPEN_PATHS or (path == "/metrics" and not st.protect_metrics)
-        if st.draining and path != "/metrics":
+        if not open_path and not host_allowed(headers.get(b"host", b"").decode("latin-1"), st.allowed_hosts):
+            err = APIError(400, "the Host header is not allowed on this server (see --allowed-hosts)")
+        elif st.draining and path != "/metrics":
             err = APIError(503, "the server is shutting down")
         elif st.api_key and not open_path:
             auth = headers.get(b"authorization", b"")
@@ -150,7 +162,9 @@ class _GateMiddleware:
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
               stat_logger: Any = None, *, max_waiting_requests: Optional[int] = None,
               max_n: int = DEFAULT_MAX_N, max_request_body_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              protect_metrics: bool = False) -> FastAPI:
+              protect_metrics: bool = False, allowed_hosts: Optional[list[str]] = None,
+              default_max_tokens: Optional[int] = None,
+              max_tokenize_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> FastAPI:
     """The FastAPI app serving ``engine`` (already started) under ``served_model_names``.
 
     ``stat_logger``: a ``PrometheusStatLogger`` for ``/metrics`` (404 there if None).
@@ -158,23 +172,36 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     requests get 429 (None: 4 x max_num_seqs; negative: unbounded).
     ``max_n``: largest ``n`` (400 past it). ``max_request_body_bytes``: 413 past it (None or
     negative: unbounded). ``protect_metrics``: ``/metrics`` needs the API key too.
-    ``app.state`` holds ``engine``, ``draining`` (bool), ``inflight`` (requests being served)
-    and ``admission`` (the ``Admission`` gate).
+    ``allowed_hosts``: ``Host`` patterns (see ``hosts``; None: ``*`` with a key, else loopback).
+    ``default_max_tokens``: cap on a chat completion's tokens when the client gives no
+    ``max_tokens`` (None: the rest of the context, as vLLM).
+    ``max_tokenize_concurrency``: tokenizations running at once, off the event loop.
+    ``app.state`` holds ``engine``, ``draining`` (bool), ``inflight`` (requests being served),
+    ``admission`` (the ``Admission`` gate) and ``tokenizer_pool``.
     """
     from kvserve import __version__
 
+    from kvserve.entrypoints.openai.json_body import MsgspecJSONRoute
+
     app = FastAPI(title="kvserve", version=__version__)
+    app.router.route_class = MsgspecJSONRoute  # request JSON parsed by msgspec (see json_body)
     state = app.state
     state.engine, state.api_key, state.stat_logger = engine, api_key, stat_logger
     state.api_key_bytes = api_key.encode() if api_key else b""
     state.protect_metrics, state.max_body_bytes = protect_metrics, max_request_body_bytes
     state.draining, state.inflight = False, 0
+    state.allowed_hosts = allowed_hosts if allowed_hosts is not None else default_allowed_hosts(api_key)
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {default_max_tokens}")
+    state.tokenizer_pool = pool = TokenizerPool(engine.tokenizer, engine.max_model_len, max_tokenize_concurrency)
     max_num_seqs = getattr(engine.engine_args, "max_num_seqs", 256) or 256
     if max_waiting_requests is None:
         max_waiting_requests = 4 * max_num_seqs
     state.admission = admission = Admission(max_num_seqs, max_waiting_requests)
     completion = OpenAIServingCompletion(engine, served_model_names, admission, max_n)
     chat = OpenAIServingChat(engine, served_model_names, admission, max_n)
+    for serving in (completion, chat):
+        serving.tokenizer_pool, serving.default_max_tokens = pool, default_max_tokens
     if stat_logger is not None and hasattr(stat_logger, "attach_frontend"):
         stat_logger.attach_frontend(lambda: admission.admitted, lambda: admission.rejected,
                                     engine.num_unfinished)
@@ -256,9 +283,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         if tok is None:
             raise APIError(400, "the server runs without a tokenizer")
         if request.messages is not None:
-            ids = completion.chat_prompt_ids(request.messages, request.add_generation_prompt)
+            ids = await pool.chat_prompt_ids(completion, request.messages, request.add_generation_prompt)
         elif request.prompt is not None:
-            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            ids = await pool.encode(request.prompt, request.add_special_tokens)
         else:
             raise APIError(400, "give prompt or messages", "prompt")
         return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}
@@ -276,37 +303,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     return app
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains: new requests get 503, in-flight ones
-    get up to ``drain_timeout`` seconds, then the server stops. A second signal stops at once."""
-
-    def __init__(self, config: uvicorn.Config, app_state, drain_timeout: float) -> None:
-        super().__init__(config)
-        self.app_state, self.drain_timeout = app_state, drain_timeout
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self.app_state.draining or self._loop is None:
-            self.force_exit = self.app_state.draining
-            self.should_exit = True
-            return
-        logger.info("signal %d: draining (new requests get 503), up to %.0f s", sig, self.drain_timeout)
-        self.app_state.draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
-        while self.app_state.inflight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.app_state.inflight:
-            logger.warning("drain timeout: %d requests still in flight", self.app_state.inflight)
-        self.should_exit = True
-
-
 def default_model_name(model: Optional[str]) -> str:
     """The served name when ``--served-model-name`` is not given."""
     if model is None:
@@ -314,37 +310,60 @@ def default_model_name(model: Optional[str]) -> str:
     return model
 
 
-async def serve_async(ns: argparse.Namespace) -> None:
-    """Start the engine, then serve until SIGTERM/SIGINT; then drain and stop the engine."""
+async def serve_async(ns: argparse.Namespace) -> int:
+    """Start the engine, then serve until SIGTERM/SIGINT (see ``lifecycle``) or engine failure.
+
+    Returns the exit status: ``EXIT_OK``, ``EXIT_INTERRUPTED`` (the shutdown deadline ended
+    requests) or ``EXIT_ENGINE_FAILED`` (the engine core died or stalled).
+    """
     from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.entrypoints.openai.hosts import parse_allowed_hosts
     from kvserve.metrics.prometheus import PrometheusStatLogger
 
     names = ns.served_model_name or [default_model_name(ns.model)]
+    api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY")
+    if ns.api_key:
+        logger.warning("--api-key on the command line is readable by every local user (ps, /proc); "
+                       "set $KVSERVE_API_KEY instead")
+    allowed_hosts = parse_allowed_hosts(getattr(ns, "allowed_hosts", None))
+    if allowed_hosts is None:
+        allowed_hosts = default_allowed_hosts(api_key, ns.host)
     stat_logger = PrometheusStatLogger(names[0])
     engine_args = EngineArgs(**EngineArgs.from_cli_args(ns))
-    engine = await AsyncLLM.from_engine_args(engine_args, stat_logger)
+    stall = getattr(ns, "engine_stall_timeout", None)
+    duration = getattr(ns, "max_request_duration", None)
+    engine = await AsyncLLM.from_engine_args(engine_args, stat_logger,
+                                             engine_stall_timeout=stall if stall and stall > 0 else None,
+                                             max_request_duration=duration if duration and duration > 0 else None)
     stat_logger.set_engine_info(engine.config, engine.num_blocks)
     engine_died = False
+    server = None
     try:
-        app = build_app(engine, names, ns.api_key or os.environ.get("KVSERVE_API_KEY"), stat_logger,
+        app = build_app(engine, names, api_key, stat_logger,
                         max_waiting_requests=getattr(ns, "max_waiting_requests", None),
                         max_n=getattr(ns, "max_n", DEFAULT_MAX_N),
                         max_request_body_bytes=getattr(ns, "max_request_body_bytes",
                                                        DEFAULT_MAX_REQUEST_BODY_BYTES),
-                        protect_metrics=getattr(ns, "protect_metrics", False))
+                        protect_metrics=getattr(ns, "protect_metrics", False),
+                        allowed_hosts=allowed_hosts,
+                        default_max_tokens=getattr(ns, "default_max_tokens", None),
+                        max_tokenize_concurrency=getattr(ns, "max_tokenize_concurrency", DEFAULT_MAX_CONCURRENCY))
         # lifespan="off": the app has no startup/shutdown hooks (the engine is started above), and
         # an idle lifespan task would be cancelled at exit with a spurious traceback.
+        # timeout_graceful_shutdown: uvicorn's own wait for connections, once we decided to stop.
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                                access_log=not ns.disable_access_log, timeout_keep_alive=5, lifespan="off")
-        server = _DrainingServer(config, app.state, ns.shutdown_timeout)
+                                access_log=not ns.disable_access_log, timeout_keep_alive=5, lifespan="off",
+                                timeout_graceful_shutdown=1)
+        server = GracefulServer(config, app.state, engine, ns.shutdown_timeout)
 
         async def watchdog() -> None:
-            """Exit (status 1) once the engine core is dead, after a short 503 window."""
+            """Exit (status 1) once the engine core is dead or stalled, after a short 503 window."""
             nonlocal engine_died
             while engine.errored is None or engine._closing:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.1)
             engine_died = True
-            logger.error("the engine core is dead; the server exits in %.0f s", ENGINE_DEAD_EXIT_DELAY_S)
+            logger.error("the engine core failed (%s); the server exits in %.0f s", engine.errored,
+                         ENGINE_DEAD_EXIT_DELAY_S)
             await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
             server.should_exit = True
 
@@ -354,21 +373,25 @@ async def serve_async(ns: argparse.Namespace) -> None:
         finally:
             wd.cancel()
     finally:
-        await engine.shutdown()
+        await engine.shutdown(timeout=server.time_left() if server is not None else 10.0)
+        if server is not None:
+            server.cancel_backstop()
+            server.app_state.tokenizer_pool.close()
         logger.info("engine stopped")
     if engine_died:
-        raise SystemExit(1)
+        return EXIT_ENGINE_FAILED
+    return EXIT_INTERRUPTED if server.interrupted else EXIT_OK
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    """``kvserve serve``. Returns 0 after a clean shutdown, 1 if the engine core died."""
+    """``kvserve serve``. Returns 0 after a clean shutdown, 1 if the engine core died or stalled,
+    3 if the shutdown deadline ended requests (see ``lifecycle``)."""
     from kvserve.logger import setup_logging
 
     setup_logging()
     try:
-        asyncio.run(serve_async(ns))
+        return asyncio.run(serve_async(ns))
     except KeyboardInterrupt:
-        pass
+        return EXIT_INTERRUPTED
     except SystemExit as exc:
         return int(exc.code or 0)
-    return 0

@@ -179,6 +179,8 @@ class ChatCompletionRequest(_SamplingFields):
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(default_max_tokens if mt is None else mt, lp)
 

@@ -155,7 +155,15 @@ async def _released(it: AsyncIterator[str], ticket: _Ticket) -> AsyncIterator[st
 
 
 class OpenAIServing:
-    """Shared checks: model name, prompt length vs. context, sampling parameters, limits."""
+    """Shared checks: model name, prompt length vs. context, sampling parameters, limits.
+
+    ``tokenizer_pool`` (a ``tokenization.TokenizerPool``, set by ``build_app``) moves
+    tokenization off the event loop; ``default_max_tokens`` caps a completion when the
+    client gives no ``max_tokens`` (None: the rest of the context).
+    """
+
+    tokenizer_pool = None
+    default_max_tokens: Optional[int] = None
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: Optional[Admission] = None,
                  max_n: int = 16) -> None:
@@ -197,7 +205,8 @@ class OpenAIServing:
                                 f"{prompt_len} tokens. Please reduce the length of the {what}.", "messages"
                            if what == "messages" else "prompt")
         if max_tokens is None:
-            return max(m - prompt_len, 1)
+            rest = max(m - prompt_len, 1)
+            return rest if self.default_max_tokens is None else min(rest, self.default_max_tokens)
         if prompt_len + max_tokens > m:
             raise APIError(400, f"This model's maximum context length is {m} tokens. However, you requested "
                                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} "
@@ -248,7 +257,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.engine.check_alive()
         self.check_n(req.n)
         prompts = req.prompts()
-        ids_list = [self.tokenize(p) for p in prompts]
+        pool = self.tokenizer_pool
+        ids_list = [await pool.tokenize(self, p) if pool else self.tokenize(p) for p in prompts]
         self.check_extras(ids_list, req)
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         params = []
@@ -361,7 +371,9 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         self.engine.check_alive()
         self.check_n(req.n)
-        ids = self.chat_prompt_ids(req.messages, req.add_generation_prompt)
+        pool = self.tokenizer_pool
+        ids = (await pool.chat_prompt_ids(self, req.messages, req.add_generation_prompt) if pool
+               else self.chat_prompt_ids(req.messages, req.add_generation_prompt))
         self.check_extras([ids], req)
         mt = self.check_length(len(ids), req.requested_max_tokens, "messages")
         sp = req.to_sampling_params(mt)

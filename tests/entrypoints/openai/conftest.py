@@ -27,7 +27,8 @@ def free_port() -> int:
 class ServerHandle:
     """A running ``kvserve serve`` subprocess."""
 
-    def __init__(self, extra_args: list[str], log_path: str, api_key: str | None = API_KEY) -> None:
+    def __init__(self, extra_args: list[str], log_path: str, api_key: str | None = API_KEY,
+                 new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -38,7 +39,10 @@ class ServerHandle:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # new_session: the server leads its own process group (so that a group-wide signal
+        # reaches the server and its engine core, never pytest).
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         import httpx
@@ -165,7 +169,7 @@ def _wait_idle_fixture():
     return wait_idle
 
 
-@pytest.fixture(name="server_handle_cls")
+@pytest.fixture(name="server_handle_cls", scope="session")
 def _server_handle_cls():
     """The ``ServerHandle`` class, for tests that start a server of their own."""
     return ServerHandle
