@@ -80,10 +80,20 @@ class EngineCore:
             logger.warning(
                 "prefix caching with a sliding-window model (window %s): blocks outside the window "
                 "are kept, so reuse stays exact but saves no memory there", hf.sliding_window)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        from kvserve.structured_output.manager import StructuredOutputManager
+
+        self.structured_output_manager = StructuredOutputManager(
+            config.model_config, self._vocab_size(config))
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager,
+                                   self.structured_output_manager)
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
+
+    @staticmethod
+    def _vocab_size(config: EngineConfig) -> int:
+        hf = config.model_config.hf_config
+        return int(getattr(hf, "vocab_size", 0) or 0)
 
     @property
     def model_runner(self):
@@ -91,10 +101,14 @@ class EngineCore:
         return getattr(self.executor, "model_runner", None)
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
-        """Queue a request. Raises ValueError for a duplicate id."""
+        """Queue a request. Raises ValueError for a duplicate id or an invalid structured-output
+        constraint (compiled here, with the model's vocabulary)."""
         if isinstance(request, EngineCoreRequest):
             request = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                               request.arrival_time, request.priority, request.eos_token_id, request.cache_salt)
+        so = request.sampling_params.structured_outputs
+        if so is not None and request.structured_output is None:
+            request.structured_output = self.structured_output_manager.make_request_state(so)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
@@ -113,8 +127,9 @@ class EngineCore:
         With async scheduling the step scheduled and launched now is N+1, and the result
         returned is step N's: the host schedules and prepares N+1 while the device still
         runs N, so the device does not idle between steps. Requests whose sampling reads
-        their own output history (penalties, min_tokens not reached) need step N's token on
-        the host first; while one is running, the engine runs steps one at a time.
+        their own output history (penalties, min_tokens not reached, a grammar bitmask) need
+        step N's token on the host first; while one is running, the engine runs steps one at
+        a time.
         """
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
@@ -137,7 +152,7 @@ class EngineCore:
             if r.num_pending_tokens:
                 sp = r.sampling_params
                 if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty \
-                        or r.num_output_tokens < sp.min_tokens:
+                        or r.num_output_tokens < sp.min_tokens or r.structured_output is not None:
                     return True
         return False
 

@@ -62,6 +62,7 @@ class LLMEngine:
         mc = config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.model, mc.load_format, mc.tokenizer)
         self.engine_core = EngineCore(config)
+        self.engine_core.structured_output_manager.tokenizer = self.tokenizer  # share, don't reload
         self.vocab_size = mc.hf_config.vocab_size
         self.eos_token_id: Optional[int] = resolve_eos_token_id(self.tokenizer, mc.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)

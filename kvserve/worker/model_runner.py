@@ -26,6 +26,7 @@ from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_c
 from kvserve.model_loader import get_model
 from kvserve.sample.metadata import GREEDY_EPS
 from kvserve.sample.sampler import Sampler
+from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.cuda_graphs import to_device
 from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
 from kvserve.worker.memory import available_kv_bytes
@@ -204,9 +205,11 @@ class ModelRunner:
         gr, pw = self.graph_runner, self.piecewise_runner
         num_reqs = len(inp.req_ids)
         drafts = sched.scheduled_spec_decode_tokens
+        grammar = (sched.structured_output_request_ids, sched.grammar_bitmask) \
+            if sched.structured_output_request_ids else None
         if gr is not None and gr.can_run(inp):
             hidden, row_start = gr.run(inp, pending)
-            return self._sample(inp, hidden, row_start, drafts)
+            return self._sample(inp, hidden, row_start, drafts, grammar)
         input_ids = to_device(inp.token_ids, self.device, torch.long)
         if pending is not None:
             dst = to_device(pending[0], self.device, torch.long)
@@ -219,20 +222,22 @@ class ModelRunner:
         else:
             with forward_context(self._metadata(inp)):
                 hidden = self.model(input_ids, positions)
-        return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts)
+        return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)
 
     def _spec_ok(self, st: CachedRequestState) -> bool:
         """Whether drafts may be verified for ``st`` here: greedy, no penalties or logprobs,
         past min_tokens (so every position samples the same way)."""
         sp = st.sampling_params
         return (sp.temperature < GREEDY_EPS and sp.logprobs is None and sp.repetition_penalty == 1.0
-                and not sp.frequency_penalty and not sp.presence_penalty
+                and not sp.frequency_penalty and not sp.presence_penalty and sp.structured_outputs is None
                 and len(st.output_token_ids) >= sp.min_tokens)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
-                drafts: dict[str, list[int]]) -> AsyncModelRunnerOutput:
+                drafts: dict[str, list[int]], grammar=None) -> AsyncModelRunnerOutput:
         """Logits where requests sample (the last row; the last ``1 + k`` rows with drafts),
-        the sampler for plain rows, the greedy argmax for draft rows, one copy to the host."""
+        the grammar bitmask on constrained rows (``grammar``: the step's request id -> bitmask
+        row and bitmask), the sampler for plain rows, the greedy argmax for draft rows, one
+        copy to the host."""
         states = self.input_batch.states
         ends = row_start + inp.query_lens - 1
         plain = [i for i in np.flatnonzero(inp.samples) if not inp.num_drafts[i]]
@@ -251,6 +256,11 @@ class ModelRunner:
         packed = md = sampled = None
         plain_ids = [inp.req_ids[i] for i in plain]
         if plain:
+            if grammar is not None:
+                row_of, bitmask = grammar
+                pairs = [(j, row_of[r]) for j, r in enumerate(plain_ids) if r in row_of]
+                if pairs:
+                    apply_grammar_bitmask(logits, bitmask[[b for _, b in pairs]], [j for j, _ in pairs])
             reqs = [states[r] for r in plain_ids]
             sampled, packed, md = self.sampler.launch(logits[: len(plain)], reqs)
         spec_out = None

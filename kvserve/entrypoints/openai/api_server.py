@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import logging
 import os
+import socket
 import time
 from typing import Any, Optional
 
@@ -150,7 +151,8 @@ class _GateMiddleware:
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional[str] = None,
               stat_logger: Any = None, *, max_waiting_requests: Optional[int] = None,
               max_n: int = DEFAULT_MAX_N, max_request_body_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              protect_metrics: bool = False) -> FastAPI:
+              protect_metrics: bool = False, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (already started) under ``served_model_names``.
 
     ``stat_logger``: a ``PrometheusStatLogger`` for ``/metrics`` (404 there if None).
@@ -175,6 +177,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state.admission = admission = Admission(max_num_seqs, max_waiting_requests)
     completion = OpenAIServingCompletion(engine, served_model_names, admission, max_n)
     chat = OpenAIServingChat(engine, served_model_names, admission, max_n)
+    chat.enable_auto_tool_choice, chat.tool_call_parser = enable_auto_tool_choice, tool_call_parser
     if stat_logger is not None and hasattr(stat_logger, "attach_frontend"):
         stat_logger.attach_frontend(lambda: admission.admitted, lambda: admission.rejected,
                                     engine.num_unfinished)
@@ -188,7 +191,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         for e in errs[:3]:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+            msg = e.get("msg")
+            if e.get("type") == "extra_forbidden":
+                msg = "unknown or unsupported field (kvserve rejects fields it does not implement)"
+            parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         return _json_error(APIError(400, "; ".join(parts) or "invalid request", param))
 
     @app.exception_handler(APIError)
@@ -232,6 +238,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
                  "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len}
                 for name in served_model_names]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "kvserve",
+                "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/ping")
     @app.get("/health")
@@ -307,6 +320,20 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the model loads, so a busy port fails in
+    milliseconds. Raises OSError("cannot listen on HOST:PORT: ...")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def default_model_name(model: Optional[str]) -> str:
     """The served name when ``--served-model-name`` is not given."""
     if model is None:
@@ -320,6 +347,7 @@ async def serve_async(ns: argparse.Namespace) -> None:
     from kvserve.metrics.prometheus import PrometheusStatLogger
 
     names = ns.served_model_name or [default_model_name(ns.model)]
+    sock = bind_socket(ns.host, ns.port)
     stat_logger = PrometheusStatLogger(names[0])
     engine_args = EngineArgs(**EngineArgs.from_cli_args(ns))
     engine = await AsyncLLM.from_engine_args(engine_args, stat_logger)
@@ -330,7 +358,9 @@ async def serve_async(ns: argparse.Namespace) -> None:
                         max_n=getattr(ns, "max_n", DEFAULT_MAX_N),
                         max_request_body_bytes=getattr(ns, "max_request_body_bytes",
                                                        DEFAULT_MAX_REQUEST_BODY_BYTES),
-                        protect_metrics=getattr(ns, "protect_metrics", False))
+                        protect_metrics=getattr(ns, "protect_metrics", False),
+                        enable_auto_tool_choice=getattr(ns, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(ns, "tool_call_parser", None))
         # lifespan="off": the app has no startup/shutdown hooks (the engine is started above), and
         # an idle lifespan task would be cancelled at exit with a spurious traceback.
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
@@ -349,10 +379,11 @@ async def serve_async(ns: argparse.Namespace) -> None:
 
         wd = asyncio.create_task(watchdog(), name="kvserve-engine-watchdog")
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             wd.cancel()
     finally:
+        sock.close()
         await engine.shutdown()
         logger.info("engine stopped")
     if engine_died:
@@ -368,6 +399,11 @@ def run_server(ns: argparse.Namespace) -> int:
         asyncio.run(serve_async(ns))
     except KeyboardInterrupt:
         pass
+    except OSError as exc:
+        if "cannot listen on" not in str(exc):
+            raise
+        logger.error("%s", exc.strerror or exc)
+        return 1
     except SystemExit as exc:
         return int(exc.code or 0)
     return 0
