@@ -9,6 +9,7 @@ that receive each step as data.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 from kvserve.config import EngineConfig
@@ -65,10 +66,13 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        t0 = time.perf_counter()
         self.executor = get_executor_class(config.parallel_config)(config)
+        t1 = time.perf_counter()
         try:
             kv_cfg = plan_kv_cache(config, self.executor)
             self.executor.initialize_kv_cache(kv_cfg)
+            self._startup_s = (t1 - t0, time.perf_counter() - t1)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -89,6 +93,10 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
+
+    def startup_breakdown(self) -> str:
+        """``"model X s, KV cache Y s"``: where start-up went (model load, cache + graphs)."""
+        return "model %.2f s, KV cache + warm-up %.2f s" % self._startup_s
 
     @staticmethod
     def _vocab_size(config: EngineConfig) -> int:

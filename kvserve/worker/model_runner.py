@@ -27,6 +27,7 @@ from kvserve.model_loader import get_model
 from kvserve.sample.metadata import GREEDY_EPS
 from kvserve.sample.sampler import Sampler
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
+from kvserve.worker.cpu_threads import apply_cpu_threads
 from kvserve.worker.cuda_graphs import to_device
 from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
 from kvserve.worker.memory import available_kv_bytes
@@ -57,6 +58,7 @@ class ModelRunner:
         self.dtype = torch_dtype(mc.dtype)
         self.block_size = config.cache_config.block_size
         self.backend = get_attn_backend(config.attention_backend)
+        apply_cpu_threads(config.device_config.cpu_threads)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.device)
         bind_attention(self.model, self.backend)
