@@ -191,7 +191,8 @@ def main() -> None:
             print(f"{'bitmask':8} {'b=%d V=%d equal=%s' % (r['batch'], r['vocab'], r['equal_to_cpu']):34} "
                   f"{r['median_ms']:>11.3f} ms")
         else:
-            extra = f" ok={r.get('constrained_tokens_all_allowed', '')} same={r.get('plain_outputs_equal_to_plain_run', '')}"
+            ok, same = r.get("constrained_tokens_all_allowed", ""), r.get("plain_outputs_equal_to_plain_run", "")
+            extra = f" ok={ok} same={same}"
             print(f"{'engine':8} {r['run'] + extra:34} {r['tok_s']:>9.1f} tok/s")
 
 
