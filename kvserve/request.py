@@ -48,6 +48,8 @@ class Request:
         arrival_time: seconds (time.time()) when the request arrived.
         cache_salt: requests share prefix-cache blocks only with requests of the same salt.
         spec_token_ids: draft tokens proposed for the next step (verified with it).
+        structured_output: the grammar matcher (``StructuredOutputRequest``) of a request
+            with ``sampling_params.structured_outputs``, else None.
     """
 
     def __init__(
@@ -88,6 +90,8 @@ class Request:
         self.prompt_logprobs_sent = False
         # Block hashes of the full blocks of all_token_ids (prefix cache keys).
         self.block_hashes: list[int] = []
+        # Grammar matcher state (kvserve.structured_output) when the request is constrained.
+        self.structured_output = None
 
     @property
     def num_tokens(self) -> int:

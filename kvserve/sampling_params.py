@@ -2,8 +2,60 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``); set exactly one.
+
+    Enforced by a token bitmask from a compiled grammar (``kvserve.structured_output``,
+    xgrammar): at every step only tokens that keep the output a valid prefix may be sampled.
+
+    Attributes:
+        json: a JSON schema (dict or JSON string); the output is a JSON value valid under it.
+        regex: the output matches this regular expression (whole output).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar / GBNF syntax) with a ``root`` rule.
+        json_object: any JSON object (OpenAI's ``response_format: json_object``).
+        whitespace_pattern: unused placeholder kept for vLLM compatibility; must be None.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(set_) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {set_ or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs json must be a JSON schema (object or string)")
+
+    def key(self) -> tuple[str, str]:
+        """``(kind, spec)`` in a canonical form: the compiled-grammar cache key."""
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)
+            return "json", json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", self.grammar or ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, k) is not None}
 
 
 @dataclass
@@ -36,6 +88,8 @@ class SamplingParams:
             prompt token has none). Such a request never reuses cached prefix blocks (every
             prompt position's logits are computed).
         skip_special_tokens: drop special tokens from the detokenized text.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
+            (``StructuredOutputsParams``; a dict of its fields is accepted).
     """
 
     n: int = 1
@@ -55,6 +109,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Filled by the engine (not by users): eos ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -65,6 +120,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k < 0:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
 
     def _verify(self) -> None:

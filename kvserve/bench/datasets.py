@@ -294,3 +294,58 @@ def load_jsonl_requests(
         else:
             reqs.append(BenchRequest(prompt_token_ids=list(prompt), output_len=n_out))
     return reqs
+
+
+def random_requests_as_text(reqs: list[BenchRequest], tokenizer: Any = None, seed: int = 0) -> list[BenchRequest]:
+    """Random prompts for ``/v1/chat/completions``: the token ids decoded with ``tokenizer``
+    (an HF tokenizer, e.g. from ``--tokenizer``), else as many random words (about one token
+    each)."""
+    rng = random.Random(seed)
+    out = []
+    for r in reqs:
+        text = tokenizer.decode(r.prompt_token_ids) if tokenizer is not None else random_text(rng, r.prompt_len)
+        out.append(BenchRequest(prompt_token_ids=[], output_len=r.output_len, prompt_text=text))
+    return out
+
+
+def load_sharegpt_requests(
+    path: str, num_prompts: int, seed: int, tokenizer: Any = None, fixed_output_len: Optional[int] = None,
+) -> list[BenchRequest]:
+    """ShareGPT-format prompts (vLLM's ``--dataset-name sharegpt``): a JSON list of
+    ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``.
+
+    As vLLM: the first two turns of each conversation with at least two, shuffled with ``seed``;
+    the prompt is the first turn, the output length the second turn's token count (or
+    ``fixed_output_len``); pairs with a prompt or output under 4 tokens, a prompt over 1024 or a
+    total over 2048 are skipped. Token counts use ``tokenizer`` (else words). Raises ValueError
+    for a file of another shape or with no usable pair.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}}")
+    pairs = []
+    for item in data:
+        conv = item.get("conversations") if isinstance(item, dict) else None
+        if isinstance(conv, list) and len(conv) >= 2 and all(isinstance(t, dict) and "value" in t for t in conv[:2]):
+            pairs.append((str(conv[0]["value"]), str(conv[1]["value"])))
+    random.Random(seed).shuffle(pairs)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else len(text.split())
+
+    reqs = []
+    for prompt, answer in pairs:
+        if len(reqs) >= num_prompts:
+            break
+        n_in = count(prompt)
+        n_out = fixed_output_len if fixed_output_len is not None else count(answer)
+        if n_in < 4 or n_out < 4 or n_in > 1024 or n_in + n_out > 2048:
+            continue
+        reqs.append(BenchRequest(prompt_token_ids=[], output_len=n_out, prompt_text=prompt))
+    if not reqs:
+        raise ValueError(f"{path}: no usable ShareGPT conversation")
+    return reqs

@@ -42,14 +42,16 @@ import asyncio
 import math
 import os
 import sys
+import time
 from typing import Any, Optional
 
 from kvserve.bench import report
 from kvserve.bench.datasets import (
-    SERVE_DATASETS, BenchRequest, ChatSession, load_jsonl_requests, parse_len_range,
-    sample_humaneval_requests, sample_multi_turn_sessions, sample_random_requests,
+    SERVE_DATASETS, BenchRequest, ChatSession, load_jsonl_requests, load_sharegpt_requests, parse_len_range,
+    random_requests_as_text, sample_humaneval_requests, sample_multi_turn_sessions, sample_random_requests,
     sample_shared_prefix_requests,
 )
+from kvserve.bench.vllm_compat import add_vllm_args, apply_vllm_args, load_tokenizer, percentile_keys, result_path
 from kvserve.bench.serve_client import (
     CHAT_COMPLETIONS, COMPLETIONS, ENDPOINTS, RequestResult, build_payload, run_sessions, send_request,
 )
@@ -93,9 +95,15 @@ def build_workload(ns: argparse.Namespace, num_prompts: Optional[int] = None,
         raise ValueError(f"--num-prompts must be >= 1, got {n}")
     seed = ns.seed if seed is None else seed
     if ns.dataset == "random":
-        if ns.endpoint == CHAT_COMPLETIONS:
-            raise ValueError("--dataset random sends token ids, which needs --endpoint /v1/completions")
-        return sample_random_requests(n or 100, in_range, out_range, ns.vocab_size, seed)
+        reqs = sample_random_requests(n or 100, in_range, out_range, ns.vocab_size, seed)
+        if ns.endpoint == CHAT_COMPLETIONS:  # chat needs text: decode with --tokenizer, else words
+            reqs = random_requests_as_text(reqs, load_tokenizer(getattr(ns, "tokenizer", None)), seed)
+        return reqs
+    if ns.dataset == "sharegpt":
+        if not ns.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
+        return load_sharegpt_requests(ns.dataset_path, n or 1000, seed, load_tokenizer(getattr(ns, "tokenizer", None)),
+                                      getattr(ns, "sharegpt_output_len", None))
     if ns.dataset == "humaneval":
         return sample_humaneval_requests(n or 164, out_range, None, seed)
     if ns.dataset == "shared-prefix":
@@ -258,6 +266,8 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     """``kvserve bench serve``: run the workload at each rate, print, save JSON/Markdown/plots."""
     import json
 
+    if not hasattr(ns, "vllm_style"):
+        apply_vllm_args(ns)
     rates = parse_rates(ns.sweep) if ns.sweep else [float(ns.request_rate)]
     slos = report.parse_goodput(ns.goodput)
     scaled = ns.sweep_duration is not None
@@ -274,6 +284,8 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     extra_body = json.loads(ns.extra_body) if ns.extra_body else None
     if extra_body is not None and not isinstance(extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
+    if not ns.ignore_eos:  # vLLM's default: outputs may stop at EOS
+        extra_body = {"ignore_eos": False, **(extra_body or {})}
     api_key = ns.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("KVSERVE_API_KEY")
     # One workload for every rate, or (--sweep-duration) one sized to each rate, seed + k.
     workloads = ([build_workload(ns, prompts_for_rate(r, ns.sweep_duration, ns.sweep_min_prompts, ns.num_prompts),
@@ -294,7 +306,8 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
             "dataset_path": ns.dataset_path, "num_items": len(workloads[0]), "num_requests": n_req,
             "input_len": ns.input_len, "output_len": ns.output_len, "seed": ns.seed,
             "request_rates": rates, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
-            "goodput_slos_ms": slos, "num_warmups": ns.num_warmups, "ignore_eos": True, "temperature": 0.0,
+            "goodput_slos_ms": slos, "num_warmups": ns.num_warmups, "ignore_eos": bool(ns.ignore_eos),
+            "temperature": 0.0, "backend": ns.backend, "tokenizer": ns.tokenizer,
             "extra_body": extra_body, "sweep_duration_s": ns.sweep_duration,
             "sweep_min_prompts": ns.sweep_min_prompts if scaled else None,
         },
@@ -304,6 +317,7 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
         result["config"]["num_items"] = result["config"]["num_requests"] = None
     runs = result["runs"]
     table = report.markdown_table(runs)
+    save_path = result_path(ns, model, rates[0])
     for k, (rate, workload) in enumerate(zip(rates, workloads)):
         seed = ns.seed + k if scaled else ns.seed
         results, duration = asyncio.run(benchmark(
@@ -315,19 +329,24 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
         m = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
              "num_requests": len(results), "workload_seed": seed}
         m.update(report.compute_metrics(results, duration, slos))
+        m.update(percentile_keys(results, ns.percentile_metric_names, ns.percentiles))
         if ns.save_detailed:
             m["per_request"] = _per_request(results)
         runs.append(m)
         print(report.summary_text(m), flush=True)
         table = report.markdown_table(runs)
-        if ns.save_result:  # after every rate: an interrupted sweep keeps what it finished
-            _save(ns.save_result, result, table)
+        if len(runs) == 1:  # vLLM's flat result keys, beside kvserve's nested ones
+            result.update({k: v for k, v in m.items() if k not in result},
+                          date=time.strftime("%Y%m%d-%H%M%S"), backend=ns.backend or "kvserve", model_id=model,
+                          tokenizer_id=ns.tokenizer, num_prompts=len(results))
+        if save_path:  # after every rate: an interrupted sweep keeps what it finished
+            _save(save_path, result, table)
 
     print()
     print(table)
-    if ns.save_result:
-        md = _save(ns.save_result, result, table)
-        print(f"wrote {ns.save_result} and {md}")
+    if save_path:
+        md = _save(save_path, result, table)
+        print(f"wrote {save_path} and {md}")
     if ns.plot:
         paths = _plots(runs, ns.plot, f"{model} ({ns.dataset})")
         result["plots"] = paths
@@ -360,7 +379,7 @@ def register_serve_bench(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server URL (default: %(default)s).")
+    g.add_argument("--base-url", default=None, help="Server URL (default: http://HOST:PORT, 127.0.0.1:8000).")
     g.add_argument("--model", default=None, help="Model name sent in requests (default: the first of /v1/models).")
     g.add_argument("--endpoint", choices=ENDPOINTS, default=COMPLETIONS, help="API endpoint (default: %(default)s).")
     g.add_argument("--api-key", default=None,
@@ -369,7 +388,8 @@ def register_serve_bench(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--extra-body", default=None, metavar="JSON",
                    help='Extra request fields as a JSON object, e.g. \'{"top_k": 1}\'.')
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset", choices=SERVE_DATASETS, default="random", help="Workload (default: %(default)s).")
+    w.add_argument("--dataset", choices=SERVE_DATASETS + ("sharegpt",), default="random",
+                   help="Workload (default: %(default)s).")
     w.add_argument("--dataset-path", default=None, help="The JSONL file of --dataset jsonl.")
     w.add_argument("--num-prompts", type=int, default=None,
                    help="Requests (conversations for multi-turn) (default: 100 random, 164 humaneval, "
@@ -408,8 +428,11 @@ def register_serve_bench(subparsers: argparse._SubParsersAction) -> None:
     lo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms).")
     o = p.add_argument_group("output")
-    o.add_argument("--save-result", default=None, metavar="PATH", help="Write JSON here (and a .md table beside it).")
+    o.add_argument("--save-result", nargs="?", const=True, default=None, metavar="PATH",
+                   help="Write JSON to PATH (and a .md table beside it); without PATH (vLLM's switch) to "
+                        "--result-dir/--result-filename or vLLM's default file name.")
     o.add_argument("--save-detailed", action="store_true", help="Also save per-request timings in the JSON.")
     o.add_argument("--plot", default=None, metavar="DIR", help="Write PNG plots of the runs here (needs matplotlib).")
     o.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    add_vllm_args(p)
     p.set_defaults(func=run_bench_serve)

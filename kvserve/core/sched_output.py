@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from kvserve.sampling_params import SamplingParams
 
 #: One list of block ids per KV cache group.
@@ -103,6 +105,10 @@ class SchedulerOutput:
             context) rather than decode tokens (for the stats line; workers ignore it).
         kv_connector_metadata: the KV connector's transfers for this step (plain data,
             ``kvserve.kv_connector``), or None without a connector.
+        structured_output_request_ids: request id -> its row of ``grammar_bitmask``, for the
+            requests with a structured-output constraint that sample this step (empty: none).
+        grammar_bitmask: int32 numpy ``[len(structured_output_request_ids), ceil(V / 32)]``
+            (bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed), or None.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -115,6 +121,8 @@ class SchedulerOutput:
     block_ops: list[BlockOp] = field(default_factory=list)
     num_prompt_tokens: int = 0
     kv_connector_metadata: Optional[object] = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Optional[np.ndarray] = None
 
     @property
     def is_empty(self) -> bool:

@@ -111,11 +111,15 @@ class Scheduler:
         connector: a KV connector in the scheduler role (tiers), or None. Where the device
             prefix cache misses, it is asked for more prompt tokens; its transfers travel in
             ``SchedulerOutput.kv_connector_metadata``.
+        structured_output_manager: fills grammar bitmasks for constrained requests
+            (``kvserve.structured_output.manager``); needed only if such requests arrive.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 speculative_config=None, connector=None) -> None:
+                 speculative_config=None, connector=None, structured_output_manager=None) -> None:
         self.config = config
+        # Fills grammar bitmasks (kvserve.structured_output); None: no constrained requests.
+        self.structured_output_manager = structured_output_manager
         self.kv = kv_cache_manager
         self.connector = connector
         self.num_recomputed_tokens = 0
@@ -201,7 +205,7 @@ class Scheduler:
         """How many of ``req``'s draft tokens fit beside its ``n`` tokens: a plain decode
         only, within the budget, ``max_model_len`` and ``max_tokens``."""
         k = min(len(req.spec_token_ids), self._k_cap)
-        if not k or n != 1 or req.num_pending_tokens:
+        if not k or n != 1 or req.num_pending_tokens or req.structured_output is not None:
             return 0
         mt = req.sampling_params.max_tokens
         limit = self.config.max_model_len - req.num_tokens - 1
@@ -316,6 +320,7 @@ class Scheduler:
         cached = out.scheduled_cached_reqs
         nst = out.num_scheduled_tokens
         num_prompt = 0
+        grammar_reqs: list[Request] = []
         for j, (req, n, k) in enumerate(scheduled):
             rid = req.request_id
             c = req.num_computed_tokens
@@ -339,6 +344,8 @@ class Scheduler:
                 num_prompt += n
             req.num_computed_tokens = c + n + k
             if c + n == req.num_tokens + req.num_pending_tokens:  # reaches the end: samples
+                if req.structured_output is not None:
+                    grammar_reqs.append(req)
                 req.num_pending_tokens += 1
         out.total_num_scheduled_tokens = sum(nst.values())
         out.num_prompt_tokens = num_prompt
@@ -346,6 +353,12 @@ class Scheduler:
         out.block_ops = self.kv.take_block_ops()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if grammar_reqs:
+            # The matchers are at each request's last known token: a constrained request is
+            # never scheduled with a pending token (the engine waits for it first).
+            out.structured_output_request_ids = {r.request_id: i for i, r in enumerate(grammar_reqs)}
+            out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [r.structured_output for r in grammar_reqs])
         return out
 
     def _pick_victim(self, i: int) -> Request:
@@ -412,9 +425,12 @@ class Scheduler:
                 req.first_token_time = now
             lps = all_lps.get(rid)
             status = None
+            so = req.structured_output
             for j, tok in enumerate(toks):
                 req.append_output_token(tok)
                 status = self._check_stop(req, tok)
+                if so is not None and status is None and (not so.accept(tok) or so.is_terminated):
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                 if status is not None:
                     toks = toks[: j + 1]
                     break

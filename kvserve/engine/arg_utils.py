@@ -18,6 +18,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Optional
 
+from kvserve.worker.cpu_threads import resolve_cpu_threads
 from kvserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -62,6 +63,7 @@ class EngineArgs:
     enforce_eager: bool = _from(ModelConfig, "enforce_eager")
     # DeviceConfig
     device: str = _from(DeviceConfig, "device")
+    cpu_threads: int = _from(DeviceConfig, "cpu_threads")
     # CacheConfig (kv_cache_memory is a size string here: "2GiB")
     block_size: int = _from(CacheConfig, "block_size")
     gpu_memory_utilization: float = _from(CacheConfig, "gpu_memory_utilization")
@@ -238,7 +240,7 @@ class EngineArgs:
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor),
             attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu")),
-            device_config=DeviceConfig(device),
+            device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),
             observability_config=ObservabilityConfig(self.disable_log_stats, self.log_stats_interval),
             speculative_config=spec_config,
             kv_transfer_config=KVTransferConfig.from_dict(kvt) if kvt is not None else None,

@@ -221,7 +221,7 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     cfg = core.config
     proc.send(ipc.Ready(cfg.scheduler_config.max_model_len, cfg.model_config.hf_config.vocab_size,
                         cfg.cache_config.num_blocks, cfg.cache_config.block_size, os.getpid()))
-    logger.info("engine core ready (pid %d)", os.getpid())
+    logger.info("engine core ready (pid %d; start-up: %s)", os.getpid(), core.startup_breakdown())
     status = 0
     try:
         proc.run()

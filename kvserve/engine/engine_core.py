@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Optional
 
 from kvserve.config import EngineConfig
@@ -87,10 +88,13 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        t0 = time.perf_counter()
         self.executor = get_executor_class(config.parallel_config)(config)
+        t1 = time.perf_counter()
         try:
             kv_cfg = plan_kv_cache(config, self.executor)
             self.executor.initialize_kv_cache(kv_cfg)
+            self._startup_s = (t1 - t0, time.perf_counter() - t1)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -104,13 +108,26 @@ class EngineCore:
                 "outside the window are kept, so attention stays exact but saves no memory there",
                 hf.sliding_window)
         from kvserve.kv_connector import KVConnectorRole, make_kv_connector
+        from kvserve.structured_output.manager import StructuredOutputManager
 
         self.kv_connector = make_kv_connector(config, KVConnectorRole.SCHEDULER, kv_cfg)
+        self.structured_output_manager = StructuredOutputManager(
+            config.model_config, self._vocab_size(config))
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, config.speculative_config,
-                                   connector=self.kv_connector)
+                                   connector=self.kv_connector,
+                                   structured_output_manager=self.structured_output_manager)
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
+
+    def startup_breakdown(self) -> str:
+        """``"model X s, KV cache Y s"``: where start-up went (model load, cache + graphs)."""
+        return "model %.2f s, KV cache + warm-up %.2f s" % self._startup_s
+
+    @staticmethod
+    def _vocab_size(config: EngineConfig) -> int:
+        hf = config.model_config.hf_config
+        return int(getattr(hf, "vocab_size", 0) or 0)
 
     @property
     def model_runner(self):
@@ -118,10 +135,14 @@ class EngineCore:
         return getattr(self.executor, "model_runner", None)
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
-        """Queue a request. Raises ValueError for a duplicate id."""
+        """Queue a request. Raises ValueError for a duplicate id or an invalid structured-output
+        constraint (compiled here, with the model's vocabulary)."""
         if isinstance(request, EngineCoreRequest):
             request = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                               request.arrival_time, request.priority, request.eos_token_id, request.cache_salt)
+        so = request.sampling_params.structured_outputs
+        if so is not None and request.structured_output is None:
+            request.structured_output = self.structured_output_manager.make_request_state(so)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
@@ -140,8 +161,9 @@ class EngineCore:
         With async scheduling the step scheduled and launched now is N+1, and the result
         returned is step N's: the host schedules and prepares N+1 while the device still
         runs N, so the device does not idle between steps. Requests whose sampling reads
-        their own output history (penalties, min_tokens not reached) need step N's token on
-        the host first; while one is running, the engine runs steps one at a time.
+        their own output history (penalties, min_tokens not reached, a grammar bitmask) need
+        step N's token on the host first; while one is running, the engine runs steps one at
+        a time.
         """
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
@@ -168,7 +190,7 @@ class EngineCore:
             if r.num_pending_tokens:
                 sp = r.sampling_params
                 if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty \
-                        or r.num_output_tokens < sp.min_tokens:
+                        or r.num_output_tokens < sp.min_tokens or r.structured_output is not None:
                     return True
         return False
 

@@ -34,11 +34,18 @@ def validate_request(
     has_tokenizer: bool = True,
 ) -> None:
     """Raise ValueError for an empty prompt, ids outside ``[0, vocab_size)``, a prompt longer
-    than ``max_model_len`` tokens, a non-integer priority, or stop strings without a tokenizer."""
+    than ``max_model_len`` tokens, a non-integer priority, stop strings without a tokenizer, or
+    a structured-output constraint that does not compile (or has no tokenizer)."""
     if not isinstance(params, SamplingParams):
         raise ValueError("sampling params must be a SamplingParams")
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer (the engine runs with skip_tokenizer_init)")
+    if params.structured_outputs is not None:
+        if not has_tokenizer:
+            raise ValueError("structured_outputs need a tokenizer (the engine runs with skip_tokenizer_init)")
+        from kvserve.structured_output.manager import validate_structured_outputs
+
+        validate_structured_outputs(params.structured_outputs)
     if not ids:
         raise ValueError("the prompt is empty")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)

@@ -162,7 +162,11 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
     out = {}
     for name in _PARAM_FIELDS:
         v = getattr(params, name)
-        out[name] = sorted(v) if isinstance(v, set) else v
+        if isinstance(v, set):
+            v = sorted(v)
+        elif name == "structured_outputs" and v is not None:
+            v = v.to_dict()
+        out[name] = v
     return out
 
 

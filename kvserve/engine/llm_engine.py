@@ -61,8 +61,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
+        t0 = time.perf_counter()
         self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.model, mc.load_format, mc.tokenizer)
+        t1 = time.perf_counter()
         self.engine_core = EngineCore(config)
+        t2 = time.perf_counter()
+        logger.info("start-up: tokenizer %.2f s, engine core %.2f s (%s)", t1 - t0, t2 - t1,
+                    self.engine_core.startup_breakdown())
+        self.engine_core.structured_output_manager.tokenizer = self.tokenizer  # share, don't reload
         self.vocab_size = mc.hf_config.vocab_size
         self.eos_token_id: Optional[int] = resolve_eos_token_id(self.tokenizer, mc.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)

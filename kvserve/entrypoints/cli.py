@@ -285,6 +285,32 @@ def run_plan_kv(ns: argparse.Namespace) -> int:
         print(f"{os.path.basename(path)}: {cfg.num_hidden_layers} layers x {kv_heads} KV heads x {head_dim}, "
               f"{ns.gpu_memory:g} GiB of KV, max_model_len {ns.max_model_len}")
         print(format_plan(rows, get_kv_format(ns.reference).name))
+
+
+# --------------------------------------------------------------------------- export
+
+def _register_export(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export", help="Write a Hugging Face tokenizer + config directory for a model (e.g. a GGUF).",
+        description="Write the model's tokenizer (tokenizer.json, tokenizer_config.json, chat template) and "
+                    "config.json into DIR, so tools that load a Hugging Face tokenizer (AIPerf, lm-eval, "
+                    "bench serve --tokenizer) work offline. Weights are not copied.",
+    )
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="A .gguf file or HF directory (default: the embedded SmolLM2-135M-Instruct).")
+    p.add_argument("out_dir", metavar="DIR", help="Output directory (new or empty).")
+    p.set_defaults(func=run_export)
+
+
+def run_export(ns: argparse.Namespace) -> int:
+    """``kvserve export [MODEL] DIR``."""
+    from kvserve.model_loader.tokenizer_cache import export_hf
+
+    try:
+        files = export_hf(ns.model, ns.out_dir)
+    except FileExistsError as exc:
+        raise ValueError(str(exc)) from None
+    print(f"wrote {', '.join(files)} to {ns.out_dir}")
     return 0
 
 
@@ -297,6 +323,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_bench,
     _register_serve,
     _register_plan_kv,
+    _register_export,
 ]
 
 

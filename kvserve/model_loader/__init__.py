@@ -148,7 +148,8 @@ def get_tokenizer(model_path: str, load_format: str, tokenizer: str | None = Non
     """A ``transformers`` tokenizer (with the chat template when the model ships one).
 
     ``tokenizer`` (a directory or ``.gguf``) overrides ``model_path``. GGUF files are read
-    with ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``. Nothing is cached.
+    with ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` once, then from the disk
+    cache (``tokenizer_cache.py``; ``KVSERVE_TOKENIZER_CACHE=0`` turns it off).
     Raises FileNotFoundError if the path does not exist.
     """
     from transformers import AutoTokenizer
@@ -159,6 +160,7 @@ def get_tokenizer(model_path: str, load_format: str, tokenizer: str | None = Non
     if os.path.isfile(path) and os.path.basename(path) == "config.json":
         path = os.path.dirname(path)
     if path.endswith(".gguf") and os.path.isfile(path):
-        d, name = os.path.split(path)
-        return AutoTokenizer.from_pretrained(d, gguf_file=name)
+        from kvserve.model_loader.tokenizer_cache import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path, use_cache=os.environ.get("KVSERVE_TOKENIZER_CACHE", "1") != "0")
     return AutoTokenizer.from_pretrained(path)

@@ -189,7 +189,8 @@ class LlamaForCausalLM(nn.Module):
 
         q/k/v and gate/up are packed into ``qkv_proj`` / ``gate_up_proj``; under tensor
         parallelism each layer's ``weight_loader`` keeps this rank's slice of the full tensor.
-        ``rotary_emb.inv_freq`` is ignored, and so is ``lm_head.weight`` when embeddings are tied.
+        ``rotary_emb.inv_freq`` is ignored; with tied embeddings ``lm_head.weight`` fills the
+        embedding when the checkpoint stores only that copy.
 
         Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
         """
@@ -207,7 +208,11 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
+                # Tied: the same matrix. Checkpoints that store only lm_head.weight fill the
+                # embedding from it; when both are stored the embedding's own copy wins.
+                if "model.embed_tokens.weight" in seen:
+                    continue
+                name = "model.embed_tokens.weight"
             m = _PACKED_RE.match(name)
             if m:
                 packed, shard = _PACKED[m.group(2)]

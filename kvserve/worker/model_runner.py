@@ -26,6 +26,8 @@ from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_c
 from kvserve.model_loader import get_model
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.rejection_sampler import draft_positions
+from kvserve.structured_output.bitmask import apply_grammar_bitmask
+from kvserve.worker.cpu_threads import apply_cpu_threads
 from kvserve.worker.cuda_graphs import to_device
 from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
 from kvserve.worker.memory import available_kv_bytes
@@ -56,6 +58,7 @@ class ModelRunner:
         self.dtype = torch_dtype(mc.dtype)
         self.block_size = config.cache_config.block_size
         self.backend = get_attn_backend(config.attention_backend)
+        apply_cpu_threads(config.device_config.cpu_threads)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.device)
         bind_attention(self.model, self.backend)
@@ -235,11 +238,13 @@ class ModelRunner:
         gr, pw = self.graph_runner, self.piecewise_runner
         num_reqs = len(inp.req_ids)
         drafts = sched.scheduled_spec_decode_tokens
+        grammar = (sched.structured_output_request_ids, sched.grammar_bitmask) \
+            if sched.structured_output_request_ids else None
         if gr is not None and gr.can_run(inp):
             hidden, row_start = gr.run(inp, pending)
             if conn is not None:
                 conn.start_save_kv()
-            return self._sample(inp, hidden, row_start, drafts)
+            return self._sample(inp, hidden, row_start, drafts, grammar)
         input_ids = to_device(inp.token_ids, self.device, torch.long)
         if pending is not None:
             dst = to_device(pending[0], self.device, torch.long)
@@ -254,12 +259,13 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         if conn is not None:
             conn.start_save_kv()
-        return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts)
+        return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
-                drafts: dict[str, list[int]]) -> AsyncModelRunnerOutput:
+                drafts: dict[str, list[int]], grammar=None) -> AsyncModelRunnerOutput:
         """Logits where requests sample (the last row; the last ``1 + k`` rows with drafts),
-        one sampler launch over all of them, one copy to the host.
+        one sampler launch over all of them, one copy to the host. ``grammar`` (the step's
+        request id -> bitmask row, and the bitmask) masks constrained requests' logits first.
 
         A request with ``k`` drafts samples each of its ``1 + k`` positions as if the drafts
         before it had been accepted (penalties, min_tokens and logprobs see those tokens);
@@ -283,6 +289,11 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[to_device(np.asarray(rows), self.device)])
         plain_ids = [inp.req_ids[i] for i in plain]
+        if grammar is not None and plain:
+            row_of, bitmask = grammar
+            pairs = [(j, row_of[r]) for j, r in enumerate(plain_ids) if r in row_of]
+            if pairs:
+                apply_grammar_bitmask(logits, bitmask[[b for _, b in pairs]], [j for j, _ in pairs])
         reqs = [states[r] for r in plain_ids]
         spec_out = None
         if spec:

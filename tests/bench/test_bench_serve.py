@@ -493,7 +493,8 @@ def test_multi_turn_completions_and_shared_prefix(srv):
 
 
 def test_cli_usage_errors(srv, capsys):
-    assert cli.main(_argv(srv, "--model", "m", "--endpoint", "/v1/chat/completions", "--dataset", "random")) == 2
+    assert cli.main(_argv(srv, "--model", "m", "--dataset-name", "random", "--random-range-ratio", "1.5")) == 2
+    assert cli.main(_argv(srv, "--model", "m", "--dataset-name", "sharegpt")) == 2  # needs --dataset-path
     assert cli.main(_argv(srv, "--model", "m", "--goodput", "ttfx:3")) == 2
     assert cli.main(_argv(srv, "--model", "m", "--sweep", "1,0")) == 2
     assert cli.main(_argv(srv, "--model", "m", "--dataset", "jsonl")) == 2
@@ -543,3 +544,50 @@ def test_bench_latency_fake_llm(monkeypatch, tmp_path, capsys):
     assert len(eng.added) == 9 and all(len(p) == 5 for p in eng.added)
     assert len({tuple(p) for p in eng.added}) == 9  # no prefix reuse across iterations
     assert "ms per output token" in capsys.readouterr().out
+
+
+def test_vllm_command_line(srv, tmp_path, monkeypatch):
+    """A vLLM user's command line runs unchanged: --backend/--host/--port, random on the chat
+    endpoint, vLLM's --save-result switch with --result-dir (and its default file name)."""
+    port = srv.url.rsplit(":", 1)[1]
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--host", "127.0.0.1", "--port", port, "--model", "fake-model", "--dataset-name", "random",
+            "--random-input-len", "8", "--random-output-len", "4", "--random-range-ratio", "0.5",
+            "--num-prompts", "5", "--request-rate", "inf", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(tmp_path / "res"),
+            "--disable-tqdm", "--seed", "1"]
+    srv.state.reset()
+    assert cli.main(argv) == 0
+    (path,) = (tmp_path / "res").glob("openai-chat-infqps-fake-model-*.json")
+    res = json.loads(path.read_text())
+    assert res["completed"] == 5 and "p99_ttft_ms" in res and "p50_e2el_ms" in res
+    bodies = [b for b in srv.state.bodies if b["max_tokens"] != 4 or "messages" in b]
+    assert all(isinstance(b["messages"][0]["content"], str) for b in srv.state.bodies)
+    assert all(2 <= b["max_tokens"] <= 6 and b["ignore_eos"] for b in srv.state.bodies[1:])
+    assert bodies
+    # --result-filename; without --ignore-eos vLLM's default lets outputs stop at EOS.
+    srv.state.reset()
+    argv2 = [a for a in argv if a != "--ignore-eos"] + ["--result-filename", "r.json", "--backend", "vllm"]
+    argv2[argv2.index("--endpoint") + 1] = "/v1/completions"
+    assert cli.main(argv2) == 0
+    assert (tmp_path / "res" / "r.json").is_file()
+    assert all(b.get("ignore_eos") is False for b in srv.state.bodies)
+
+
+def test_sharegpt_dataset(tmp_path):
+    from kvserve.bench.datasets import load_sharegpt_requests
+
+    data = [{"conversations": [{"from": "human", "value": "one two three four five"},
+                               {"from": "gpt", "value": "a b c d e f"}]},
+            {"conversations": [{"from": "human", "value": "too short"}, {"from": "gpt", "value": "a b c d"}]},
+            {"conversations": [{"from": "human", "value": "only one turn here ok"}]},
+            {"conversations": [{"from": "human", "value": "w x y z q"}, {"from": "gpt", "value": "1 2 3 4"}]}]
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps(data))
+    reqs = load_sharegpt_requests(str(p), 10, 0)
+    assert sorted((r.prompt_text, r.output_len) for r in reqs) == [("one two three four five", 6), ("w x y z q", 4)]
+    assert [r.output_len for r in load_sharegpt_requests(str(p), 1, 0, fixed_output_len=9)] == [9]
+    p.write_text("{}")
+    with pytest.raises(ValueError, match="ShareGPT"):
+        load_sharegpt_requests(str(p), 1, 0)

@@ -66,6 +66,12 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     g.add_argument("--protect-metrics", action="store_true",
                    help="/metrics needs the API key too (default: /metrics, /health, /ping and /version "
                         "are open; every other route needs it when --api-key is set).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Allow tool_choice "auto" (the default when a request has tools): the model '
+                        "writes freely and --tool-call-parser finds the calls (vLLM's flag). Without it, "
+                        '"auto" is a 400; "required", "none" and named functions always work.')
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="How tool calls are read from the text under tool_choice auto (vLLM's names).")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
     return p

@@ -27,6 +27,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 import time
 from typing import Any, Optional
 
@@ -164,7 +165,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
               max_n: int = DEFAULT_MAX_N, max_request_body_bytes: Optional[int] = DEFAULT_MAX_REQUEST_BODY_BYTES,
               protect_metrics: bool = False, allowed_hosts: Optional[list[str]] = None,
               default_max_tokens: Optional[int] = None,
-              max_tokenize_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> FastAPI:
+              max_tokenize_concurrency: int = DEFAULT_MAX_CONCURRENCY, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (already started) under ``served_model_names``.
 
     ``stat_logger``: a ``PrometheusStatLogger`` for ``/metrics`` (404 there if None).
@@ -202,6 +204,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     chat = OpenAIServingChat(engine, served_model_names, admission, max_n)
     for serving in (completion, chat):
         serving.tokenizer_pool, serving.default_max_tokens = pool, default_max_tokens
+    chat.enable_auto_tool_choice, chat.tool_call_parser = enable_auto_tool_choice, tool_call_parser
     if stat_logger is not None and hasattr(stat_logger, "attach_frontend"):
         stat_logger.attach_frontend(lambda: admission.admitted, lambda: admission.rejected,
                                     engine.num_unfinished)
@@ -215,7 +218,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         for e in errs[:3]:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+            msg = e.get("msg")
+            if e.get("type") == "extra_forbidden":
+                msg = "unknown or unsupported field (kvserve rejects fields it does not implement)"
+            parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
         return _json_error(APIError(400, "; ".join(parts) or "invalid request", param))
 
     @app.exception_handler(APIError)
@@ -260,6 +266,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
                 for name in served_model_names]
         return {"object": "list", "data": data}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id not in served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "kvserve",
+                "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/ping")
     @app.get("/health")
     async def health():
@@ -303,6 +316,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the model loads, so a busy port fails in
+    milliseconds. Raises OSError("cannot listen on HOST:PORT: ...")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 def default_model_name(model: Optional[str]) -> str:
     """The served name when ``--served-model-name`` is not given."""
     if model is None:
@@ -321,6 +348,7 @@ async def serve_async(ns: argparse.Namespace) -> int:
     from kvserve.metrics.prometheus import PrometheusStatLogger
 
     names = ns.served_model_name or [default_model_name(ns.model)]
+    sock = bind_socket(ns.host, ns.port)
     api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY")
     if ns.api_key:
         logger.warning("--api-key on the command line is readable by every local user (ps, /proc); "
@@ -347,7 +375,9 @@ async def serve_async(ns: argparse.Namespace) -> int:
                         protect_metrics=getattr(ns, "protect_metrics", False),
                         allowed_hosts=allowed_hosts,
                         default_max_tokens=getattr(ns, "default_max_tokens", None),
-                        max_tokenize_concurrency=getattr(ns, "max_tokenize_concurrency", DEFAULT_MAX_CONCURRENCY))
+                        max_tokenize_concurrency=getattr(ns, "max_tokenize_concurrency", DEFAULT_MAX_CONCURRENCY),
+                        enable_auto_tool_choice=getattr(ns, "enable_auto_tool_choice", False),
+                        tool_call_parser=getattr(ns, "tool_call_parser", None))
         # lifespan="off": the app has no startup/shutdown hooks (the engine is started above), and
         # an idle lifespan task would be cancelled at exit with a spurious traceback.
         # timeout_graceful_shutdown: uvicorn's own wait for connections, once we decided to stop.
@@ -369,10 +399,11 @@ async def serve_async(ns: argparse.Namespace) -> int:
 
         wd = asyncio.create_task(watchdog(), name="kvserve-engine-watchdog")
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             wd.cancel()
     finally:
+        sock.close()
         await engine.shutdown(timeout=server.time_left() if server is not None else 10.0)
         if server is not None:
             server.cancel_backstop()
@@ -393,5 +424,10 @@ def run_server(ns: argparse.Namespace) -> int:
         return asyncio.run(serve_async(ns))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except OSError as exc:
+        if "cannot listen on" not in str(exc):
+            raise
+        logger.error("%s", exc.strerror or exc)
+        return 1
     except SystemExit as exc:
         return int(exc.code or 0)

@@ -10,11 +10,12 @@ starts with the parameter name (``param_of`` picks it out for the error body).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Optional, Union
+import json
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 #: Most top logprobs one token may ask for.
 MAX_LOGPROBS = 20
@@ -30,13 +31,55 @@ UInt63 = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI's SDK may send new ones. NaN and +-Infinity
-    # (which Python's JSON parser accepts) are rejected in float fields.
+    # Nested objects ignore unknown fields; the request bodies forbid them (below). NaN and
+    # +-Infinity (which Python's JSON parser accepts) are rejected in float fields.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: Optional[bool] = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: ``{name, description, schema, strict}``."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str = "response"
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+#: Request-body fields that are accepted and have no effect (documented in docs/openai-api.md).
+IGNORED_FIELDS = ("user",)
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -62,6 +105,48 @@ class _SamplingFields(OpenAIBaseModel):
     cache_salt: Optional[str] = None  # vLLM: prefix-cache isolation between tenants
     stop_token_ids: Optional[list[UInt63]] = None
     skip_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    # Fields not implemented here are a 400 naming the field, never silently ignored.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The request's output constraint, from whichever of response_format,
+        structured_outputs and guided_* is set. Raises ValueError if several are."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format: json_schema.schema is required for type json_schema")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+        if self.structured_outputs is not None:
+            try:
+                found.append(("structured_outputs", StructuredOutputsParams(**self.structured_outputs)))
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"guided_json: not valid JSON: {exc}") from None
+            found.append(("guided_json", StructuredOutputsParams(json=schema)))
+        for name, kw in (("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            v = getattr(self, name)
+            if v is not None:
+                found.append((name, StructuredOutputsParams(**{kw: v})))
+        if len(found) > 1:
+            raise ValueError(f"structured_outputs: at most one constraint per request, got {[n for n, _ in found]}")
+        return found[0][1] if found else None
 
     def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         if self.logit_bias:
@@ -96,6 +181,7 @@ class _SamplingFields(OpenAIBaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
@@ -147,6 +233,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message for ``apply_chat_template``; list content must be text parts only."""
@@ -161,6 +249,22 @@ class ChatMessage(OpenAIBaseModel):
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             d["name"] = self.name
+        if self.tool_call_id:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates read arguments as a mapping (vLLM converts the JSON string too).
+            calls = []
+            for c in self.tool_calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                c["function"] = fn
+                calls.append(c)
+            d["tool_calls"] = calls
         return d
 
 
@@ -173,6 +277,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Int64] = None
     add_generation_prompt: bool = True
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``max_completion_tokens`` wins over ``max_tokens``; default: the rest of the context."""
@@ -218,7 +325,8 @@ def error_body(message: str, type_: str = "BadRequestError", param: Optional[str
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "prompt",
                 "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority", "cache_salt",
-                "echo"}
+                "echo", "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "tools", "tool_choice"}
 
 
 def param_of(message: str) -> Optional[str]:

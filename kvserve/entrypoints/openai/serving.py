@@ -15,6 +15,8 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from kvserve.engine.async_client import AsyncLLM, EngineDeadError
 from kvserve.entrypoints.openai import protocol as P
+from kvserve.entrypoints.openai.tool_stream import stream_tool_chat, tool_message
+from kvserve.entrypoints.openai.tools import resolve_tool_mode, template_tools, tool_structured_outputs
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -220,13 +222,15 @@ class OpenAIServing:
             raise APIError(400, "the prompt is empty", "prompt")
         return ids
 
-    def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True,
+                        tools: Optional[list[dict]] = None) -> list[int]:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conv = [m.to_template_dict() for m in messages]
+        kw = {"tools": tools} if tools else {}
         try:
-            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True, **kw)
         except Exception as exc:  # jinja2 TemplateError (raise_exception in templates), bad roles
             raise APIError(400, f"the chat template rejected the messages: {exc}", "messages") from exc
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -367,22 +371,36 @@ class OpenAIServingCompletion(OpenAIServing):
 
 
 class OpenAIServingChat(OpenAIServing):
+    #: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (set by the app).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+
     async def create(self, req: P.ChatCompletionRequest, is_disconnected=None) -> Union[dict, AsyncIterator[str]]:
         self.check_model(req.model)
         self.engine.check_alive()
         self.check_n(req.n)
+        mode = resolve_tool_mode(req, self.enable_auto_tool_choice, self.tool_call_parser)
+        tools = template_tools(req, mode)
         pool = self.tokenizer_pool
-        ids = (await pool.chat_prompt_ids(self, req.messages, req.add_generation_prompt) if pool
-               else self.chat_prompt_ids(req.messages, req.add_generation_prompt))
+        ids = (await pool.chat_prompt_ids(self, req.messages, req.add_generation_prompt, tools) if pool
+               else self.chat_prompt_ids(req.messages, req.add_generation_prompt, tools))
         self.check_extras([ids], req)
         mt = self.check_length(len(ids), req.requested_max_tokens, "messages")
         sp = req.to_sampling_params(mt)
+        forced = tool_structured_outputs(req, mode)
+        if forced is not None:
+            if sp.structured_outputs is not None:
+                raise APIError(400, f"tool_choice {mode.kind!r} cannot be combined with response_format / "
+                                    "structured_outputs", "tool_choice")
+            sp.structured_outputs = forced
         self.engine.validate(ids, sp, req.priority)
         ticket = self.admission.admit(req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = self.engine.generate(ids, sp, rid, priority=req.priority, delta=bool(req.stream),
                                    cache_salt=req.cache_salt)
         if req.stream:
+            if mode.active:
+                return _released(stream_tool_chat(self, req, rid, gen, len(ids), sp, mode), ticket)
             return _released(self._stream(req, rid, gen, len(ids), sp), ticket)
         final: list[RequestOutput] = []
 
@@ -400,8 +418,9 @@ class OpenAIServingChat(OpenAIServing):
         for co in out.outputs:
             lp = P.chat_logprobs(tok, co.token_ids, co.logprobs or [], sp.logprobs or 0) \
                 if sp.logprobs is not None else None
-            choices.append({"index": co.index, "message": {"role": "assistant", "content": co.text},
-                            "logprobs": lp, "finish_reason": co.finish_reason, "stop_reason": co.stop_reason})
+            message, finish = tool_message(mode, co.text, co.finish_reason)
+            choices.append({"index": co.index, "message": message,
+                            "logprobs": lp, "finish_reason": finish, "stop_reason": co.stop_reason})
         n_gen = sum(len(co.token_ids) for co in out.outputs)
         return {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name,
                 "choices": choices, "usage": P.usage(len(ids), n_gen, out.num_cached_tokens),

@@ -134,10 +134,12 @@ class TokenizerPool:
             return await self.run(serving.tokenize, prompt, what="prompt")
         return serving.tokenize(prompt)
 
-    async def chat_prompt_ids(self, serving, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Chat messages -> ids through the chat template, via ``serving.chat_prompt_ids``."""
+    async def chat_prompt_ids(self, serving, messages, add_generation_prompt: bool = True,
+                              tools: Optional[list] = None) -> list[int]:
+        """Chat messages (and tool definitions) -> ids through the chat template, via
+        ``serving.chat_prompt_ids``."""
         self.check_messages(messages)
-        return await self.run(serving.chat_prompt_ids, messages, add_generation_prompt, what="messages")
+        return await self.run(serving.chat_prompt_ids, messages, add_generation_prompt, tools, what="messages")
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``tokenizer.encode`` for ``/tokenize``."""

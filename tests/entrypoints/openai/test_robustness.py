@@ -152,11 +152,14 @@ def test_bad_inputs_are_4xx_with_openai_bodies(server, http, wait_idle, metric_v
         assert r.status_code == status, (kind, r.status_code, r.text[:300])
         _ok_error_body(r)
         kinds[kind] = r.status_code
-    # Unknown fields are ignored (as OpenAI does), both in completions and chat.
-    r = http.post(C, json={"prompt": "hi", "max_tokens": 2, "no_such_field": {"x": [1]}, "functions": 3})
-    assert r.status_code == 200, r.text
+    # Unknown top-level fields are a 400 naming the field (issue 19: never silently ignored);
+    # extra keys inside a message are passed on to the chat template.
+    r = http.post(C, json={"prompt": "hi", "max_tokens": 2, "no_such_field": {"x": [1]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "no_such_field", r.text
     r = http.post(CH, json={"messages": [{"role": "user", "content": "hi", "extra": 1}], "max_tokens": 2,
                             "tools_whatever": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools_whatever", r.text
+    r = http.post(CH, json={"messages": [{"role": "user", "content": "hi", "extra": 1}], "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert http.get("/health").status_code == 200
     _assert_idle(http, wait_idle, metric_value)
