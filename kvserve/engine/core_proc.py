@@ -107,7 +107,8 @@ class EngineCoreProc:
         s = self.core.scheduler.get_stats()
         return SchedulerStatsMsg(s.num_running, s.num_waiting, float(s.kv_cache_usage), s.num_preemptions,
                                  s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_recompute_hits,
-                                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+                                 s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                 s.num_recomputed_tokens, s.kv_connector_stats)
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
