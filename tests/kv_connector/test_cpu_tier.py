@@ -20,7 +20,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 def _llm(path, **kw):
     args = dict(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24, max_model_len=320,
-                max_num_batched_tokens=128, disable_log_stats=True)
+                max_num_batched_tokens=128, max_num_seqs=16, disable_log_stats=True)
     args.update(kw)
     return LLM(**args)
 
