@@ -24,6 +24,11 @@ else
 fi
 if [[ "${1:-}" == "--test" ]]; then
   $PY -m pip install -q -e ".[test]"
+  # redis-server for the remote KV tier tests (skipped with a message where it is absent)
+  if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
+      || echo "setup.sh: redis-server not installed; the remote KV tier tests will be skipped"
+  fi
 else
   $PY -m pip install -q -e .
 fi

@@ -279,12 +279,13 @@ def main() -> None:
             continue
         ttft = r.get("p50_ttft_returning_s", r.get("ttft_s"))
         cached = r.get("returning_cached_tokens", r.get("cached_tokens", ""))
-        extra = {k: r[k] for k in ("ttft_ratio", "decode_ratio", "recomputed_tokens", "preemptions", "save_GBps",
-                                   "load_GBps", "same_tokens_as_off", "same_tokens") if k in r}
+        keys = ("ttft_ratio", "decode_ratio", "recomputed_tokens", "preemptions", "save_GBps", "load_GBps",
+                "same_tokens_as_off", "same_tokens")
+        extra = {k: round(r[k], 3) if isinstance(r[k], float) else r[k] for k in keys if k in r}
         tps = r.get("tok_per_s")
         print(f"{r['part']:<11} {r.get('config', ''):<10} {tps if tps is None else round(tps, 1)!s:>9} "
               f"{round(r.get('throughput_ratio', 0), 3) or '':>8} {ttft if ttft is None else round(ttft, 4)!s:>12}"
-              f"   {cached!s:>7}   {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in extra.items()})}")
+              f"   {cached!s:>7}   {json.dumps(extra)}")
 
 
 if __name__ == "__main__":

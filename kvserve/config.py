@@ -118,6 +118,9 @@ class CacheConfig:
     kv_disk_path: Optional[str] = doc(None, "Disk tier under the CPU tier: an existing directory of KV block files "
                                             "(checksummed, atomic writes; shared by engines and kept across "
                                             "restarts). Needs --kv-offloading-size.")
+    kv_remote_url: Optional[str] = doc(None, "Remote tier under the CPU tier: redis://HOST:PORT of a Redis/Valkey "
+                                             "server shared by engines (instead of --kv-disk-path). Needs "
+                                             "--kv-offloading-size.")
     kv_disk_size: Optional[float] = doc(None, "Disk tier budget in GiB for the files this engine writes (oldest "
                                               "deleted first); default: no limit.")
     num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget

@@ -1,4 +1,4 @@
-"""Phase-free, token-budget scheduler with chunked prefill and preemption by recompute.
+"""Phase-free, token-budget scheduler with chunked prefill and preemption (recompute or swap).
 
 Each step every scheduled request gets some of its ``num_tokens - num_computed_tokens``
 tokens (plus a pending one, see below) under one budget (``max_num_batched_tokens``) and one request cap
@@ -6,7 +6,10 @@ tokens (plus a pending one, see below) under one budget (``max_num_batched_token
 hit advances ``num_computed_tokens`` for free. When blocks run out, the worst running
 request (lowest priority, then latest arrival) is preempted: its blocks are freed and
 it goes back to the waiting queue to be recomputed (Kwon et al., PagedAttention,
-arXiv:2309.06180). Pure Python; never touches tensors.
+arXiv:2309.06180); with ``--preemption-mode swap`` the victim is the one with the least
+sunk compute and its KV waits in the CPU tier. A KV connector (``kvserve.kv_connector``:
+the CPU / disk / remote tiers) is asked for more prompt tokens where the device prefix cache
+stops. Pure Python; never touches tensors.
 
 ``num_computed_tokens`` advances when a step is scheduled, not when its output comes back,
 so with async scheduling (the engine schedules step N+1 while the GPU runs step N) a

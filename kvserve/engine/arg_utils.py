@@ -75,6 +75,7 @@ class EngineArgs:
     kv_offloading_size: Optional[float] = _from(CacheConfig, "kv_offloading_size")
     kv_disk_path: Optional[str] = _from(CacheConfig, "kv_disk_path")
     kv_disk_size: Optional[float] = _from(CacheConfig, "kv_disk_size")
+    kv_remote_url: Optional[str] = _from(CacheConfig, "kv_remote_url")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
@@ -198,6 +199,10 @@ class EngineArgs:
             raise ValueError("--kv-offloading-size (KV tiers) is not supported with tensor_parallel_size > 1 yet")
         if self.kv_disk_path is not None and not self.kv_offloading_size:
             raise ValueError("--kv-disk-path needs the CPU tier above it: set --kv-offloading-size GiB")
+        if self.kv_remote_url is not None and not self.kv_offloading_size:
+            raise ValueError("--kv-remote-url needs the CPU tier above it: set --kv-offloading-size GiB")
+        if self.kv_remote_url is not None and self.kv_disk_path is not None:
+            raise ValueError("--kv-disk-path and --kv-remote-url: one tier under the CPU tier at a time (today)")
         if self.kv_disk_size is not None and not float(self.kv_disk_size) > 0:
             raise ValueError(f"kv_disk_size must be > 0 GiB, got {self.kv_disk_size}")
         spec = parse_json_arg(self.speculative_config, "--speculative-config")
@@ -228,7 +233,7 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             kv_offloading_size=float(self.kv_offloading_size) if self.kv_offloading_size is not None else None,
-            kv_disk_path=self.kv_disk_path,
+            kv_disk_path=self.kv_disk_path, kv_remote_url=self.kv_remote_url,
             kv_disk_size=float(self.kv_disk_size) if self.kv_disk_size is not None else None,
         )
         sched = SchedulerConfig(

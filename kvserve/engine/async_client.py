@@ -391,7 +391,8 @@ class AsyncLLM:
         s = msg.stats
         log_stats_line(self._log_tokens[0] / dt, self._log_tokens[1] / dt, s.num_running, s.num_waiting,
                        s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,
-                       s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
+                       s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts,
+                       s.kv_tier)
         self._log_last, self._log_tokens = now, [0, 0]
 
     # ------------------------------------------------------------------ requests

@@ -123,7 +123,8 @@ class EngineCoreProc:
         return SchedulerStatsMsg(s.num_running, s.num_waiting, float(s.kv_cache_usage), s.num_preemptions,
                                  s.prefix_cache_queries, s.prefix_cache_hits, s.prefix_cache_recompute_hits,
                                  s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                 list(s.num_accepted_tokens_per_pos))
+                                 list(s.num_accepted_tokens_per_pos),
+                                 s.num_recomputed_tokens, s.kv_connector_stats)
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""

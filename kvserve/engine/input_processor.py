@@ -87,15 +87,22 @@ def resolve_eos_token_id(tokenizer, hf_config) -> Optional[int]:
 def log_stats_line(
     prompt_tps: float, gen_tps: float, running: int, waiting: int, kv_usage: float,
     prefix_queries: int, prefix_hits: int, preemptions: int, recompute_hits: int = 0,
-    num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_drafts: int = 0,
+    num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_drafts: int = 0, tier: dict | None = None,
 ) -> None:
     """The periodic stats line (throughputs in tokens/s; kv_usage as a 0..1 fraction); with
-    speculative decoding also the draft acceptance rate and mean acceptance length."""
+    speculative decoding also the draft acceptance rate and mean acceptance length; with KV
+    tiers (``tier``: the connector's counters) their hits and usage."""
     hit = prefix_hits / prefix_queries if prefix_queries else 0.0
     spec = ""
     if num_draft_tokens:
         spec = (f", Draft acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}%, "
                 f"Mean acceptance length: {1 + num_accepted_tokens / max(num_drafts, 1):.2f}")
+    if tier:
+        spec += (f", CPU tier: {tier.get('hit_tokens', 0):.0f} hit tokens, "
+                 f"{100 * tier.get('blocks_used', 0) / max(tier.get('blocks_total', 1), 1):.1f}% used, "
+                 f"{tier.get('blocks_stored', 0):.0f} blocks stored, {tier.get('blocks_loaded', 0):.0f} loaded")
+        if tier.get("disk_blocks_stored") or tier.get("disk_hit_tokens"):
+            spec += f", disk tier: {tier.get('disk_hit_tokens', 0):.0f} hit tokens"
     logger.info(
         "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "

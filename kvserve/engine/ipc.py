@@ -123,6 +123,8 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # draft tokens accepted
     num_accepted_tokens_per_pos: list[int] = []  # accepted drafts at each draft position
+    num_recomputed_tokens: int = 0  # cumulative: tokens computed again for preempted requests
+    kv_tier: Optional[dict[str, float]] = None  # the KV connector's counters (tiers), cumulative
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

@@ -181,6 +181,6 @@ class LLMEngine:
             (s.num_prompt_tokens - self._last_prompt) / dt, (s.num_generation_tokens - self._last_gen) / dt,
             s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
             s.num_preemptions, s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens,
-            s.num_drafts,
+            s.num_drafts, ss.kv_connector_stats,
         )
         self._last_log, self._last_prompt, self._last_gen = now, s.num_prompt_tokens, s.num_generation_tokens

@@ -33,6 +33,10 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+#: Blocks per device staging tensor on CUDA (bounds the transient device memory of a transfer).
+_CHUNK = 64
+
+
 def _runs(dst: list[int], src: list[int]) -> list[tuple[int, int, int]]:
     """``(dst start, src start, length)`` runs where both index lists are consecutive."""
     out = []
@@ -107,12 +111,15 @@ class CpuTierWorker:
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
             order = sorted(range(len(slots)), key=slots.__getitem__)  # consecutive slots -> one DMA
-            slots = [slots[i] for i in order]
-            idx = torch.tensor([blocks[i] for i in order], dtype=torch.long).to(self.device, non_blocking=True)
-            staged = torch.stack([c.index_select(1, idx) for c in self.caches], dim=1)  # (2, L, n, ...)
-            staged = staged.permute(2, 1, 0, *range(3, staged.dim())).contiguous()  # (n, L, 2, ...)
-            for s, i, n in _runs(slots, list(range(len(slots)))):
-                self.pool[s:s + n].copy_(staged[i:i + n], non_blocking=True)
+            slots_all = [slots[i] for i in order]
+            blocks_all = [blocks[i] for i in order]
+            for c0 in range(0, len(slots_all), _CHUNK):
+                sl = slots_all[c0:c0 + _CHUNK]
+                idx = torch.tensor(blocks_all[c0:c0 + _CHUNK], dtype=torch.long).to(self.device, non_blocking=True)
+                staged = torch.stack([c.index_select(1, idx) for c in self.caches], dim=1)  # (2, L, n, ...)
+                staged = staged.permute(2, 1, 0, *range(3, staged.dim())).contiguous()  # (n, L, 2, ...)
+                for s, i, n in _runs(sl, list(range(len(sl)))):
+                    self.pool[s:s + n].copy_(staged[i:i + n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._save_event = ev
@@ -186,6 +193,9 @@ class CpuTierWorker:
                 self._save_cpu([b for b, _ in swap_out], [s for _, s in swap_out])
             else:
                 self.save(swap_out)
+                # The freed blocks may be rewritten by this step's forward: it waits for the copy.
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+                self._save_event = None
         if not loads:
             return
         t0 = time.perf_counter()
@@ -201,13 +211,15 @@ class CpuTierWorker:
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
-            staged = torch.empty((len(slots),) + tuple(self.pool.shape[1:]), dtype=self.pool.dtype,
-                                 device=self.device)
-            for s, i, n in _runs(slots, list(range(len(slots)))):
-                staged[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)
-            idx = blocks.to(self.device, non_blocking=True)
-            for layer, c in enumerate(self.caches):
-                c.index_copy_(1, idx, staged[:, layer].transpose(0, 1))
+            for c0 in range(0, len(slots), _CHUNK):
+                sl = slots[c0:c0 + _CHUNK]
+                staged = torch.empty((len(sl),) + tuple(self.pool.shape[1:]), dtype=self.pool.dtype,
+                                     device=self.device)
+                for s, i, n in _runs(sl, list(range(len(sl)))):
+                    staged[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)
+                idx = blocks[c0:c0 + _CHUNK].to(self.device, non_blocking=True)
+                for layer, c in enumerate(self.caches):
+                    c.index_copy_(1, idx, staged[:, layer].transpose(0, 1))
         cur.wait_stream(self._stream)
         self._count("load", len(loads), time.perf_counter() - t0)
 

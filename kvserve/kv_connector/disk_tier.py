@@ -64,19 +64,23 @@ class DiskStore:
     def exists(self, key: bytes) -> bool:
         return os.path.exists(self.path(key))
 
-    def write(self, key: bytes, payload: bytes) -> bool:
-        """Write one block atomically. Returns False (logged once) on an OS error."""
+    def encode(self, key: bytes, payload: bytes) -> bytes:
+        """``MAGIC | u32 header length | JSON header | payload`` for ``key``."""
         if len(payload) != self.payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, expected {self.payload_bytes}")
-        path = self.path(key)
         hdr = dict(self.header, key=key.hex(), checksum=hashlib.blake2b(payload, digest_size=_DIGEST).hexdigest())
         blob = json.dumps(hdr, sort_keys=True).encode()
+        return MAGIC + struct.pack("<I", len(blob)) + blob + payload
+
+    def write(self, key: bytes, payload: bytes) -> bool:
+        """Write one block atomically. Returns False (logged once) on an OS error."""
+        data = self.encode(key, payload)
+        path = self.path(key)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(blob)) + blob)
-                f.write(payload)
+                f.write(data)
             os.replace(tmp, path)
             return True
         except OSError as exc:
@@ -108,6 +112,10 @@ class DiskStore:
             except OSError:
                 pass
         return payload
+
+    def verify(self, key: bytes, data: bytes) -> Optional[bytes]:
+        """The payload of ``data`` if it is a good block of ``key`` for this model and format."""
+        return self._verify(key, data)
 
     def _verify(self, key: bytes, data: bytes) -> Optional[bytes]:
         if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):

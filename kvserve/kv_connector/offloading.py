@@ -105,11 +105,17 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._kv_format = f"{spec.dtype}/{spec.num_kv_heads}x{spec.head_size}/{kv_cache_config.num_layers}"
         cc = config.cache_config
         self.disk = None
+        # The tier under the CPU tier ("disk_*" counters): local files or a remote server.
         if cc.kv_disk_path:
             from kvserve.kv_connector.disk_tier import DiskStore
 
             self.disk = DiskStore(cc.kv_disk_path, self.fingerprint, self._kv_format, self.block_size,
                                   kv_cache_config.bytes_per_block)
+        elif cc.kv_remote_url:
+            from kvserve.kv_connector.remote_tier import RemoteStore
+
+            self.disk = RemoteStore(cc.kv_remote_url, self.fingerprint, self._kv_format, self.block_size,
+                                    kv_cache_config.bytes_per_block)
         if role == KVConnectorRole.WORKER:
             from kvserve.kv_connector.cpu_tier import CpuTierWorker
 
@@ -122,7 +128,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         if self.disk is not None:
             for key, _ in self.disk.scan():
                 self.disk_index[key] = None
-            logger.info("KV disk tier at %s: %d block files found", cc.kv_disk_path, len(self.disk_index))
+            if cc.kv_disk_path:
+                logger.info("KV disk tier at %s: %d block files found", cc.kv_disk_path, len(self.disk_index))
+            else:
+                logger.info("KV remote tier at %s", cc.kv_remote_url)
         self._roots: dict[Optional[str], bytes] = {}
         # key -> (slot, step saved); LRU order, oldest first.
         self.index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
@@ -134,6 +143,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._release: list[int] = []  # swap slots to free once this step's loads are built
         self._meta = OffloadingConnectorMetadata()
         self.step = 0
+        self._warned = False
         self.requests: dict[str, "Request"] = {}
         self.kv = None
         self.bytes_per_block = kv_cache_config.bytes_per_block
@@ -227,6 +237,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         start, slots, disk, tail = st.lookup
         st.lookup = None
         self.stats["queries"] += 1
+        if self.stats["queries"] == 200 and not self.stats["hit_tokens"] and not self._warned:
+            self._warned = True
+            logger.warning("KV CPU tier: no hits after 200 requests (%d blocks stored); prompts do not repeat past "
+                           "the device prefix cache, or --kv-offloading-size is too small", self.stats["blocks_stored"])
         if num_external_tokens <= 0:
             return
         self.stats["hit_tokens"] += num_external_tokens

@@ -96,8 +96,18 @@ class PrometheusStatLogger(StatLogger):
         self.spec_accepted_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted at each draft position (0-based).",
                                              ["model_name", "position"], registry=r)
-        self._last = {"q": 0, "h": 0, "p": 0, "rh": 0, "sd": 0, "sdt": 0, "sa": 0}
+        self._last = {"q": 0, "h": 0, "p": 0, "rh": 0, "sd": 0, "sdt": 0, "sa": 0, "rc": 0}
         self._last_per_pos: list[int] = []
+        self.recomputed = counter("num_recomputed_tokens", "Tokens computed again for preempted requests.")
+        tl = ["model_name", "tier"]
+        self.tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier.", tl, registry=r)
+        self.tier_stored = Counter("kvserve:kv_tier_stored_blocks", "KV blocks written to a tier.", tl, registry=r)
+        self.tier_loaded = Counter("kvserve:kv_tier_loaded_blocks", "KV blocks loaded from a tier.", tl, registry=r)
+        self.tier_bytes_stored = counter("kv_tier_cpu_stored_bytes", "Bytes written to the CPU tier.")
+        self.tier_bytes_loaded = counter("kv_tier_cpu_loaded_bytes", "Bytes loaded from the CPU tier.")
+        self.tier_usage = gauge("kv_tier_cpu_usage_perc", "Fraction of CPU tier blocks holding KV (0..1).")
+        self.tier_queries = counter("kv_tier_queries", "Requests that looked past the device prefix cache.")
+        self._tier_last: dict[str, float] = {}
         self._frontend: Optional[tuple] = None
         self.admitted = gauge("num_requests_admitted", "Engine sequences admitted by the API server, "
                                                        "not finished yet.")
@@ -146,6 +156,23 @@ class PrometheusStatLogger(StatLogger):
             if v > self._last_per_pos[j]:
                 self.spec_accepted_per_pos.labels(self.model_name, str(j)).inc(v - self._last_per_pos[j])
                 self._last_per_pos[j] = v
+        self._inc_cumulative("rc", self.recomputed, getattr(stats, "num_recomputed_tokens", 0))
+        tier = getattr(stats, "kv_tier", None)
+        if tier:
+            m = self.model_name
+            for key, c in (("hit_tokens", self.tier_hits.labels(m, "cpu")),
+                           ("disk_hit_tokens", self.tier_hits.labels(m, "disk")),
+                           ("blocks_stored", self.tier_stored.labels(m, "cpu")),
+                           ("disk_blocks_stored", self.tier_stored.labels(m, "disk")),
+                           ("blocks_loaded", self.tier_loaded.labels(m, "cpu")),
+                           ("disk_blocks_loaded", self.tier_loaded.labels(m, "disk")),
+                           ("bytes_stored", self.tier_bytes_stored), ("bytes_loaded", self.tier_bytes_loaded),
+                           ("queries", self.tier_queries)):
+                delta = tier.get(key, 0) - self._tier_last.get(key, 0)
+                if delta > 0:
+                    c.inc(delta)
+                self._tier_last[key] = max(tier.get(key, 0), self._tier_last.get(key, 0))
+            self.tier_usage.set(tier.get("blocks_used", 0) / max(tier.get("blocks_total", 1), 1))
         if num_prompt_tokens > 0:
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens > 0:

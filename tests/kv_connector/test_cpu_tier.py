@@ -20,7 +20,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 def _llm(path, **kw):
     args = dict(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24, max_model_len=320,
-                max_num_batched_tokens=128, disable_log_stats=True)
+                max_num_batched_tokens=128, max_num_seqs=16, disable_log_stats=True)
     args.update(kw)
     return LLM(**args)
 
@@ -163,3 +163,17 @@ def test_bad_flags(tiny_llama_dir):
         _llm(tiny_llama_dir, kv_offloading_size=0)
     with pytest.raises(ValueError, match="holds no block"):
         _llm(tiny_llama_dir, kv_offloading_size=1e-9)
+
+
+def test_worker_process_executor(engines, tiny_llama_dir):
+    """With ``mp`` the worker half (host pool, copies) lives in the worker process; the
+    metadata crosses as pickled plain data."""
+    llm = _llm(tiny_llama_dir, kv_offloading_size=0.01, preemption_mode="swap", distributed_executor_backend="mp")
+    try:
+        got = _multi_turn(llm, num_convs=4, turns=3, seed=7)
+        ref = _multi_turn(engines["nocache"], num_convs=4, turns=3, seed=7)
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        assert llm.llm_engine.engine_core.kv_connector.get_stats()["hit_tokens"] > 0
+        _assert_whole(llm)
+    finally:
+        llm.shutdown()

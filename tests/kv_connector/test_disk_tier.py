@@ -19,7 +19,7 @@ PROMPT = [random.Random(3).randrange(3, 256) for _ in range(200)]  # 12 full blo
 
 def _llm(path, disk, **kw):
     args = dict(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24, max_model_len=320,
-                disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
+                max_num_seqs=16, disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
     args.update(kw)
     return LLM(**args)
 
@@ -33,7 +33,7 @@ def _run(llm, prompt=PROMPT):
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
-              max_model_len=320, disable_log_stats=True, enable_prefix_caching=False)
+              max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False)
     return list(llm.generate([PROMPT], SP, use_tqdm=False)[0].outputs[0].token_ids)
 
 
@@ -118,7 +118,7 @@ import json, sys
 from kvserve import LLM, SamplingParams
 path, disk, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24, max_model_len=320,
-          disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
+          max_num_seqs=16, disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
 sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 outs = []
 for p in prompts:
@@ -138,15 +138,15 @@ def test_two_engines_share_a_directory(tiny_llama_dir, tmp_path):
     procs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", _SHARED, tiny_llama_dir, str(tmp_path), json.dumps(prompts)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
+        cmd = [sys.executable, "-c", _SHARED, tiny_llama_dir, str(tmp_path), json.dumps(prompts)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
     ref_llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
-                  max_model_len=320, disable_log_stats=True, enable_prefix_caching=False)
+                  max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False)
     ref = [list(o.outputs[0].token_ids) for o in ref_llm.generate(prompts, SP, use_tqdm=False)]
     for outs, rejected in results:
         assert outs == ref and rejected == 0
