@@ -54,6 +54,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = _from(ModelConfig, "skip_tokenizer_init")
     dtype: str = _from(ModelConfig, "dtype")
     load_format: str = _from(ModelConfig, "load_format")
+    quantization: Optional[str] = _from(ModelConfig, "quantization")
     max_model_len: Optional[int] = _from(ModelConfig, "max_model_len")
     seed: int = _from(ModelConfig, "seed")
     enforce_eager: bool = _from(ModelConfig, "enforce_eager")
@@ -150,9 +151,13 @@ class EngineArgs:
             # CPU matmuls are fastest and exact in float32; on GPU use the checkpoint's 16-bit type.
             cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
             if device == "cpu":
-                dtype = "float32"
+                # The int4/int8/fp8 CPU kernels are fast with bf16 activations only.
+                dtype = "bfloat16" if self.quantization and cpu_has_native_bf16() else "float32"
             else:
                 dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
+        from kvserve.layers.quantization import check_quantization
+
+        check_quantization(self.quantization, device, dtype, load_format)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or max_pos
         if max_model_len < 1:
@@ -191,7 +196,7 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
-            dtype=dtype, load_format=load_format, max_model_len=max_model_len, seed=self.seed,
+            dtype=dtype, load_format=load_format, quantization=self.quantization, max_model_len=max_model_len, seed=self.seed,
             enforce_eager=self.enforce_eager, hf_config=hf_config,
             max_model_len_explicit=self.max_model_len is not None,
         )
@@ -216,6 +221,16 @@ class EngineArgs:
             speculative_config=spec_config,
             kv_transfer_config=KVTransferConfig.from_dict(kvt) if kvt is not None else None,
         )
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def _unwrap_optional(tp: Any) -> Any:
