@@ -145,6 +145,11 @@ class EngineArgs:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         model_path, load_format = resolve_model(self.model, self.load_format)
+        from kvserve.layers.quantization import check_quantization
+
+        # Before the (slow) config load: the method, and the dtype when it is explicit.
+        check_quantization(self.quantization, device, "bfloat16" if self.dtype == "auto" else self.dtype,
+                           load_format, device_checks=False)
         hf_config = load_hf_config(model_path, load_format)
         dtype = self.dtype
         if dtype == "auto":
@@ -155,8 +160,6 @@ class EngineArgs:
                 dtype = "bfloat16" if self.quantization and cpu_has_native_bf16() else "float32"
             else:
                 dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
-        from kvserve.layers.quantization import check_quantization
-
         check_quantization(self.quantization, device, dtype, load_format)
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.max_model_len or max_pos

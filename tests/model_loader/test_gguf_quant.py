@@ -70,14 +70,15 @@ def test_q8_0_to_int8_is_dequantize_then_quantize():
     assert torch.equal(q8, r8) and torch.equal(s8, rs)
 
 
-def test_real_model_kept_quantized_greedy_equals_dequantized(llm, humaneval_prompts):
-    """Q4_1 kept quantized (float32 activations: the scales are exact) vs the dequantized float32 engine."""
+def test_real_model_kept_quantized_greedy_equals_dequantized(llm):
+    """Q4_1 kept quantized vs the session's dequantized float32 engine, both float32 activations (the
+    Q4_1 scales are exact in float32; bf16 runs differ by rounding and part at near-ties)."""
     from kvserve import LLM, SamplingParams
 
-    prompts = humaneval_prompts[:2] + ["The capital of France is", "List three colors:"]
-    sp = SamplingParams(max_tokens=32, temperature=0)
+    prompts = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a small village,"]
+    sp = SamplingParams(max_tokens=28, temperature=0)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    q = LLM(quantization="gguf", dtype="float32", kv_cache_memory="64MiB", max_model_len=1024,
+    q = LLM(quantization="gguf", dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
             disable_log_stats=True)
     out = [o.outputs[0].token_ids for o in q.generate(prompts, sp, use_tqdm=False)]
     common = []

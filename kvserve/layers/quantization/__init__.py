@@ -24,8 +24,12 @@ QUANTIZED_LAYER_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 __all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "check_quantization", "quantize_model"]
 
 
-def check_quantization(method: Optional[str], device: str, dtype: str, load_format: str) -> None:
-    """Raise ValueError (at start-up) when ``method`` cannot run on ``device`` / with this model."""
+def check_quantization(method: Optional[str], device: str, dtype: str, load_format: str,
+                       device_checks: bool = True) -> None:
+    """Raise ValueError (at start-up) when ``method`` cannot run on ``device`` / with this model.
+
+    ``device_checks=False`` skips the CUDA capability query (for the early check before config load).
+    """
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:
@@ -34,7 +38,7 @@ def check_quantization(method: Optional[str], device: str, dtype: str, load_form
         raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights; this model is {load_format}")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"unsupported dtype {dtype!r} for quantized weights")
-    if device == "cuda":
+    if device == "cuda" and device_checks:
         if method in ("int4", "gguf") and dtype != "bfloat16":
             raise ValueError(f"--quantization {method} on CUDA needs --dtype bfloat16 (tinygemm int4 kernel)")
         if method == "fp8":
