@@ -28,10 +28,12 @@ TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_l
             bos_token_id=1, eos_token_id=2)
 
 
-def kernels(device: str, formats: list[str], smoke: bool) -> list[dict]:
+def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False) -> list[dict]:
     from kvserve.layers.quantization import QuantizedLinear
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+    if smollm2:
+        shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     if smoke:
         shapes = [(256, 128), (96, 256)]
     out = []
@@ -144,11 +146,14 @@ def main() -> None:
     ap.add_argument("--parts", default="kernels,w2,w1")
     ap.add_argument("--formats", default="bf16,fp8,int8,int4")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ap.add_argument("--cpu-kernels", action="store_true", help="kernels part only, on the CPU at SmolLM2 shapes")
     ns = ap.parse_args()
-    device = "cpu" if ns.cpu_smoke else "cuda"
+    device = "cpu" if ns.cpu_smoke or ns.cpu_kernels else "cuda"
+    if ns.cpu_kernels:
+        ns.parts = "kernels"
     formats = ns.formats.split(",")
     os.makedirs(ns.out, exist_ok=True)
-    path = _config_dir(ns.tmp, "tiny" if ns.cpu_smoke else "llama-3.1-8b", TINY if ns.cpu_smoke else LLAMA31_8B,
+    path = None if ns.cpu_kernels else _config_dir(ns.tmp, "tiny" if ns.cpu_smoke else "llama-3.1-8b", TINY if ns.cpu_smoke else LLAMA31_8B,
                        "LlamaConfig")
     records: list[dict] = []
 
@@ -161,7 +166,7 @@ def main() -> None:
 
     parts = ns.parts.split(",")
     if "kernels" in parts:
-        for r in kernels(device, formats, ns.cpu_smoke):
+        for r in kernels(device, formats, ns.cpu_smoke, smollm2=ns.cpu_kernels):
             emit(r)
     for part, fn in (("w2", w2), ("w1", w1)):
         if part not in parts:

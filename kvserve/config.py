@@ -82,7 +82,7 @@ class ModelConfig:
                            choices=["auto", "safetensors", "gguf", "dummy"])
     quantization: Optional[str] = doc(
         None, "Weight quantization applied at load: int4 (group-wise asymmetric, weight-only), int8 (per-channel, "
-              "weight-only), fp8 (per-channel weights + per-token FP8 activations; CUDA >= sm89 or the CPU), gguf "
+              "weight-only), fp8 (per-channel weights + per-token FP8 activations; CUDA >= sm89), gguf "
               "(keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized instead of dequantizing). With a quantization and "
               "--dtype auto the CPU runs bfloat16 where it has native bf16 (AVX512-BF16/AMX).",
         choices=["int4", "int8", "fp8", "gguf"])

@@ -3,7 +3,7 @@
 ``int4``: weight-only, group-wise asymmetric INT4 (group 128, or the largest of 64/32 dividing K),
 int4pack kernels on the CPU and CUDA. ``int8``: weight-only per-channel symmetric INT8.
 ``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (``torch._scaled_mm``;
-CUDA compute capability >= 8.9). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
+CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is ~1000x slower). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
 layout (exact) and Q8_0 into per-channel INT8, instead of dequantized (``gguf_quant``).
 The decoder's linear layers are quantized; embeddings, norms and the LM head stay in the model dtype.
 """
@@ -46,8 +46,10 @@ def check_quantization(method: Optional[str], device: str, dtype: str, load_form
             if (major, minor) < (8, 9):
                 raise ValueError(f"--quantization fp8 needs a GPU with FP8 tensor cores (compute capability "
                                  f">= 8.9); this one is {major}.{minor}")
-    elif method == "fp8" and dtype == "float16":
-        raise ValueError("--quantization fp8 on the CPU supports bfloat16 / float32 activations")
+    elif device != "cuda" and method == "fp8":
+        # torch._scaled_mm runs on the CPU but ~1000x slower than bf16 (BENCHMARKS.md): refuse it.
+        raise ValueError("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); "
+                         "on the CPU use int8, int4 or (GGUF models) gguf")
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
