@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers run")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     from kvserve.model_loader import get_tokenizer, load_hf_config, resolve_model
@@ -91,7 +92,7 @@ def main() -> None:
     ids = corpus_ids(get_tokenizer(path, "gguf"), ns.max_tokens)
     windows = [torch.tensor(ids[i:i + ns.window]) for i in range(0, len(ids) - ns.window + 1, ns.window)]
     records = []
-    for name in ["transformers-f32"] + ns.formats.split(","):
+    for name in ([] if ns.skip_hf else ["transformers-f32"]) + ns.formats.split(","):
         t = time.perf_counter()
         nll = nll_hf(path, windows) if name == "transformers-f32" else nll_ours(path, cfg, *FORMATS[name], windows)
         rec = dict(format=name, perplexity=round(math.exp(nll), 4), nll=round(nll, 5),
