@@ -56,6 +56,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = _from(ModelConfig, "skip_tokenizer_init")
     dtype: str = _from(ModelConfig, "dtype")
     load_format: str = _from(ModelConfig, "load_format")
+    quantization: Optional[str] = _from(ModelConfig, "quantization")
     max_model_len: Optional[int] = _from(ModelConfig, "max_model_len")
     rope_scaling: Optional[str] = _from(ModelConfig, "rope_scaling")  # JSON text or a dict
     rope_theta: Optional[float] = _from(ModelConfig, "rope_theta")
@@ -155,15 +156,22 @@ class EngineArgs:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
         model_path, load_format = resolve_model(self.model, self.load_format)
+        from kvserve.layers.quantization import check_quantization
+
+        # Before the (slow) config load: the method, and the dtype when it is explicit.
+        check_quantization(self.quantization, device, "bfloat16" if self.dtype == "auto" else self.dtype,
+                           load_format, device_checks=False)
         hf_config = load_hf_config(model_path, load_format)
         dtype = self.dtype
         if dtype == "auto":
             # CPU matmuls are fastest and exact in float32; on GPU use the checkpoint's 16-bit type.
             cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
             if device == "cpu":
-                dtype = "float32"
+                # The int4/int8/fp8 CPU kernels are fast with bf16 activations only.
+                dtype = "bfloat16" if self.quantization and cpu_has_native_bf16() else "float32"
             else:
                 dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
+        check_quantization(self.quantization, device, dtype, load_format)
         rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
         max_model_len = resolve_max_model_len(hf_config, self.max_model_len, rope_scaling, self.rope_theta)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -220,7 +228,8 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
-            dtype=dtype, load_format=load_format, max_model_len=max_model_len, seed=self.seed,
+            dtype=dtype, load_format=load_format, quantization=self.quantization,
+            max_model_len=max_model_len, seed=self.seed,
             rope_scaling=rope_scaling, rope_theta=self.rope_theta,
             enforce_eager=self.enforce_eager, hf_config=hf_config,
             max_model_len_explicit=self.max_model_len is not None,
@@ -342,6 +351,16 @@ def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> Non
         raise ValueError(f"speculative model {spec_config.model!r} has vocab_size {v_draft}, the target has "
                          f"{v_target}: a draft must share the target's vocabulary")
     spec_config.draft_model_path, spec_config.draft_load_format, spec_config.draft_hf_config = path, fmt, hf
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def _unwrap_optional(tp: Any) -> Any:

@@ -120,7 +120,8 @@ def get_model(model_config: Any, device: str) -> nn.Module:
 
     Parameters are allocated directly on ``device`` in ``model_config.dtype`` (no CPU
     init pass), then filled from safetensors, GGUF (dequantized) or random (dummy,
-    seeded by ``model_config.seed``). Returns the model in eval mode.
+    seeded by ``model_config.seed``), then quantized per ``model_config.quantization`` (decoder
+    projections replaced by ``QuantizedLinear``). Returns the model in eval mode.
     Raises ValueError for an unsupported architecture or a checkpoint that does not match.
     """
     from kvserve.models.registry import get_model_class
@@ -141,6 +142,17 @@ def get_model(model_config: Any, device: str) -> nn.Module:
         model.load_weights(iterate_safetensors(model_config.model))
     else:
         raise ValueError(f"unresolved load_format {fmt!r}; call resolve_model first")
+    method = getattr(model_config, "quantization", None)
+    if method == "gguf":
+        from kvserve.model_loader.gguf_quant import apply_gguf_quantization, read_gguf_quantized
+
+        if fmt != "gguf":
+            raise ValueError(f"--quantization gguf needs a GGUF model, got load_format {fmt!r}")
+        apply_gguf_quantization(model, read_gguf_quantized(model_config.model, hf_config), dtype)
+    elif method is not None:
+        from kvserve.layers.quantization import quantize_model
+
+        quantize_model(model, method, dtype)
     return model.eval()
 
 

@@ -1,0 +1,191 @@
+"""GPU, issue 21: quantized weights at the Llama-3.1-8B shape (dummy weights quantized at load).
+
+Parts (each optional): ``kernels`` — one linear layer per format at the 8B projection shapes, batch 1
+and 64, CUDA-event timed, with GB/s of weight bytes; ``w2`` — W2 (batch-1 decode, 128-token prompt)
+per format (bf16 | fp8 | int8 | int4) beside its own roofline (weight bytes / HBM bandwidth);
+``w1`` — W1-style throughput (64 requests) per format. JSON records to --out/issue21.json, table last.
+
+    PYTHONPATH=. python3 benchmarks/gpu_issue21.py --out $OUT --parts kernels,w2,w1 [--cpu-smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_decode import HBM_BYTES_PER_S, LLAMA31_8B, _config_dir, decode_latency  # noqa: E402
+
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rope_theta=10000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+            bos_token_id=1, eos_token_id=2)
+
+
+def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False) -> list[dict]:
+    from kvserve.layers.quantization import QuantizedLinear
+
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+    if smollm2:
+        shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    if smoke:
+        shapes = [(256, 128), (96, 256)]
+    out = []
+    for n, k in shapes:
+        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        for fmt in formats:
+            try:
+                layer = lin if fmt == "bf16" else QuantizedLinear.from_dense(lin, fmt, torch.bfloat16)
+            except Exception as e:  # a format this device cannot run
+                out.append(dict(part="kernel", format=fmt, n=n, k=k, error=repr(e)[:200]))
+                continue
+            nbytes = (n * k * 2) if fmt == "bf16" else sum(b.numel() * b.element_size() for b in layer.buffers())
+            for m in (1, 64):
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                try:
+                    ms = _time(lambda: layer(x), device, 3 if smoke else 50)
+                except Exception as e:
+                    out.append(dict(part="kernel", format=fmt, n=n, k=k, m=m, error=repr(e)[:200]))
+                    continue
+                out.append(dict(part="kernel", format=fmt, n=n, k=k, m=m, us=round(ms * 1e3, 2),
+                                weight_bytes=nbytes, weight_gb_s=round(nbytes / ms / 1e6, 1)))
+        del lin
+    return out
+
+
+def _time(fn, device: str, iters: int) -> float:
+    """Median ms per call."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _llm(path: str, fmt: str, device: str, smoke: bool, **kw):
+    from kvserve import LLM
+
+    q = None if fmt == "bf16" else fmt
+    return LLM(model=path, load_format="dummy", dtype="bfloat16", quantization=q, skip_tokenizer_init=True,
+               device=device, max_model_len=2048 if not smoke else 256,
+               kv_cache_memory="4GiB" if not smoke else "32MiB", disable_log_stats=True, **kw)
+
+
+def w2(path: str, fmt: str, device: str, smoke: bool) -> dict:
+    from kvserve.layers.quantization import weight_bytes
+
+    llm = _llm(path, fmt, device, smoke)
+    wb = weight_bytes(llm.llm_engine.engine_core.model_runner.model)
+    if device == "cuda":
+        decode_latency(llm, 128, 16, 1)  # warm-up
+        times = decode_latency(llm, 128, 256, 1)
+    else:
+        times = _cpu_decode(llm, 4)
+    ms = statistics.median(times[8:] if len(times) > 16 else times)
+    floor = wb / HBM_BYTES_PER_S * 1e3
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(part="W2", format=fmt, ms_per_token=round(ms, 3), roofline_ms=round(floor, 3),
+                roofline_fraction=round(floor / ms, 4), weight_bytes=wb)
+
+
+def _cpu_decode(llm, n: int) -> list[float]:
+    from kvserve import SamplingParams
+
+    t, out = time.perf_counter(), []
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
+    out.append((time.perf_counter() - t) * 1e3 / n)
+    return out
+
+
+def w1(path: str, fmt: str, device: str, smoke: bool) -> dict:
+    """64 requests, prompts U[100, 1024], outputs U[100, 512] (ignore_eos): output tok/s."""
+    import numpy as np
+
+    from kvserve import SamplingParams
+
+    llm = _llm(path, fmt, device, smoke, max_num_seqs=64)
+    rng = np.random.default_rng(0)
+    n = 4 if smoke else 64
+    plens = rng.integers(100, 1025, n) if not smoke else rng.integers(4, 16, n)
+    olens = rng.integers(100, 513, n) if not smoke else rng.integers(2, 6, n)
+    prompts = [rng.integers(0, 500, p).tolist() for p in plens]
+    sps = [SamplingParams(max_tokens=int(o), ignore_eos=True, temperature=0.6, seed=i) for i, o in enumerate(olens)]
+    llm.generate(prompts[:2], sps[:2], use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    llm.generate(prompts, sps, use_tqdm=False)
+    wall = time.perf_counter() - t
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(part="W1-64", format=fmt, output_tok_s=round(int(olens.sum()) / wall, 1), wall_s=round(wall, 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tmp", default="/tmp/kvserve-gpu21")
+    ap.add_argument("--parts", default="kernels,w2,w1")
+    ap.add_argument("--formats", default="bf16,fp8,int8,int4")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ap.add_argument("--cpu-kernels", action="store_true", help="kernels part only, on the CPU at SmolLM2 shapes")
+    ns = ap.parse_args()
+    device = "cpu" if ns.cpu_smoke or ns.cpu_kernels else "cuda"
+    if ns.cpu_kernels:
+        ns.parts = "kernels"
+    formats = ns.formats.split(",")
+    os.makedirs(ns.out, exist_ok=True)
+    path = None if ns.cpu_kernels else _config_dir(ns.tmp, "tiny" if ns.cpu_smoke else "llama-3.1-8b", TINY if ns.cpu_smoke else LLAMA31_8B,
+                       "LlamaConfig")
+    records: list[dict] = []
+
+    def emit(r: dict) -> None:
+        records.append(r)
+        print(json.dumps(r), flush=True)
+        with open(os.path.join(ns.out, "issue21.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", records=records), f,
+                      indent=1)
+
+    parts = ns.parts.split(",")
+    if "kernels" in parts:
+        for r in kernels(device, formats, ns.cpu_smoke, smollm2=ns.cpu_kernels):
+            emit(r)
+    for part, fn in (("w2", w2), ("w1", w1)):
+        if part not in parts:
+            continue
+        for fmt in formats:
+            try:
+                emit(fn(path, fmt, device, ns.cpu_smoke))
+            except Exception as e:  # keep going: one format failing must not hide the others
+                emit(dict(part=part, format=fmt, error=repr(e)[:300]))
+    print("\npart      format  figure")
+    for r in records:
+        if r["part"] == "kernel":
+            fig = r.get("error") or f"n={r['n']} k={r['k']} m={r['m']}: {r['us']} us, {r['weight_gb_s']} GB/s"
+        elif r["part"] == "W2":
+            fig = r.get("error") or f"{r['ms_per_token']} ms/token (roofline {r['roofline_ms']} ms, {r['roofline_fraction']:.0%})"
+        else:
+            fig = r.get("error") or f"{r['output_tok_s']} out tok/s"
+        print(f"{r['part']:<9} {r['format']:<7} {fig}")
+
+
+if __name__ == "__main__":
+    main()

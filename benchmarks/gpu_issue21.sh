@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU-machine call for issue 21 (quantized weights): the quantization GPU tests, then per-format
+# linear-layer kernels, W2 (Llama-3.1-8B shape, dummy weights quantized at load) beside each format's
+# roofline, and W1-style throughput with 64 requests. Logs + JSON to $OUT (4 files).
+# Usage (repo root): OUT=<dir> bash benchmarks/gpu_issue21.sh [--cpu-smoke]
+set -u
+OUT=${OUT:-/tmp/kvserve-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+smoke=""
+[ "${1:-}" = "--cpu-smoke" ] && smoke="--cpu-smoke"
+if [ -z "$smoke" ]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/layers/test_quantization_gpu.py \
+    tests/layers/test_quantization.py > "$OUT/gpu_tests_issue21.txt" 2>&1
+  echo "quantization tests rc=$?"; tail -3 "$OUT/gpu_tests_issue21.txt"
+fi
+timeout 90 python3 benchmarks/gpu_issue21.py --out "$OUT" --parts kernels $smoke > "$OUT/kernels_log.txt" 2>&1
+echo "kernels rc=$?"
+timeout 210 python3 benchmarks/gpu_issue21.py --out "$OUT/w2" --parts w2 $smoke > "$OUT/w2_log.txt" 2>&1
+echo "w2 rc=$?"
+timeout 150 python3 benchmarks/gpu_issue21.py --out "$OUT/w1" --parts w1 --formats bf16,fp8,int4 $smoke \
+  > "$OUT/w1_log.txt" 2>&1
+echo "w1 rc=$?"
+for f in kernels_log w2_log w1_log; do sed -n '/^part /,$p' "$OUT/$f.txt"; done

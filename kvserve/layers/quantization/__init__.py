@@ -1,0 +1,86 @@
+"""Weight quantization (``--quantization``): which formats exist, where they run, and applying them.
+
+``int4``: weight-only, group-wise asymmetric INT4 (group 128, or the largest of 64/32 dividing K),
+int4pack kernels on the CPU and CUDA. ``int8``: weight-only per-channel symmetric INT8.
+``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (``torch._scaled_mm``;
+CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is ~1000x slower). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
+layout (exact) and Q8_0 into per-channel INT8, instead of dequantized (``gguf_quant``).
+The decoder's linear layers are quantized; embeddings, norms and the LM head stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvserve.layers.quantization.linear import QuantizedLinear
+
+QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf")
+# Decoder projections that are quantized (packed names of kvserve.models.llama).
+QUANTIZED_LAYER_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+__all__ = ["QUANTIZATION_METHODS", "QuantizedLinear", "check_quantization", "quantize_model"]
+
+
+def check_quantization(method: Optional[str], device: str, dtype: str, load_format: str,
+                       device_checks: bool = True) -> None:
+    """Raise ValueError (at start-up) when ``method`` cannot run on ``device`` / with this model.
+
+    ``device_checks=False`` skips the CUDA capability query (for the early check before config load).
+    """
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
+    if method == "gguf" and load_format != "gguf":
+        raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights; this model is {load_format}")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise ValueError(f"unsupported dtype {dtype!r} for quantized weights")
+    if device == "cuda" and device_checks:
+        if method in ("int4", "gguf") and dtype != "bfloat16":
+            raise ValueError(f"--quantization {method} on CUDA needs --dtype bfloat16 (tinygemm int4 kernel)")
+        if method == "fp8":
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(f"--quantization fp8 needs a GPU with FP8 tensor cores (compute capability "
+                                 f">= 8.9); this one is {major}.{minor}")
+    elif device != "cuda" and method == "fp8":
+        # torch._scaled_mm runs on the CPU but ~1000x slower than bf16 (BENCHMARKS.md): refuse it.
+        raise ValueError("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); "
+                         "on the CPU use int8, int4 or (GGUF models) gguf")
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """``(parent, attribute, linear)`` for each decoder projection that quantization replaces."""
+    out = []
+    for name, module in model.named_modules():
+        for attr in QUANTIZED_LAYER_SUFFIXES:
+            child = getattr(module, attr, None)
+            if isinstance(child, nn.Linear):
+                out.append((module, attr, child))
+    return out
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str, dtype: torch.dtype, group_size: int = 128) -> int:
+    """Replace the decoder's ``nn.Linear`` projections by ``QuantizedLinear`` (dynamic quantization).
+
+    Returns the number of layers replaced. Raises ValueError for an unknown method.
+    """
+    n = 0
+    for parent, attr, linear in quantized_linears(model):
+        setattr(parent, attr, QuantizedLinear.from_dense(linear, method, dtype, group_size))
+        n += 1
+    return n
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and quantized weight buffers (what a decode step reads, roughly)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "qweight" in n]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,163 @@
+"""Weight quantization formats and their matmuls: INT4 group-wise, INT8 per-channel, FP8 per-channel.
+
+The kernels are PyTorch's own (the ones torchao dispatches to): ``_weight_int4pack_mm_for_cpu``
+(CPU) / ``_weight_int4pack_mm`` (CUDA "tinygemm"), ``_weight_int8pack_mm`` and
+``torch._scaled_mm`` (FP8, row-wise scales). torchao 0.18's tensor-subclass wrappers cost
+~10x the kernel time per call at our shapes (BENCHMARKS.md), so only the glue lives here.
+
+Canonical INT4 form (llama.cpp's Q4_1, asymmetric): per group of ``group_size`` input
+features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernels compute
+``w = (q - 8) * scale + zero``, so ``zero = min + 8 * scale`` (exact algebra; the one rounding
+is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # float8_e4m3fn
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass
+class Int4Weight:
+    """Canonical group-wise INT4: ``q`` uint8 ``[N, K]`` in [0, 15], ``scale``/``min`` float32 ``[N, K // g]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 ``[N, K]``."""
+        g = self.group_size
+        return self.q.float() * self.scale.repeat_interleave(g, 1) + self.min.repeat_interleave(g, 1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Asymmetric min/max INT4 per group of ``group_size`` columns (as llama.cpp's Q4_1 does).
+
+    ``w``: ``[N, K]`` float, ``K % group_size == 0``. Raises ValueError otherwise.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: in_features {k} is not a multiple of the group size {group_size}")
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = ((g - lo[..., None]) * inv[..., None]).round().clamp_(0, 15).to(torch.uint8)
+    return Int4Weight(q.reshape(n, k), scale, lo, group_size)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: ``w ≈ q * scale[:, None]``; q int8 ``[N, K]``, scale float32 ``[N]``."""
+    w = w.float()
+    scale = w.abs().amax(1).clamp_min(1e-12) / 127
+    q = (w / scale[:, None]).round().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8 e4m3: ``w ≈ q.float() * scale[:, None]``; scale float32 ``[N]``."""
+    w = w.float()
+    scale = w.abs().amax(1).clamp_min(1e-12) / FP8_MAX
+    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class PackedInt4:
+    """INT4 weights in the int4pack kernel layout of ``device`` (CPU: N padded to 16; CUDA: tinygemm).
+
+    ``dtype`` is the activation dtype (bfloat16 is the fast one on both; CUDA requires it).
+    """
+
+    def __init__(self, w: Int4Weight, device: torch.device, dtype: torch.dtype,
+                 in_features: int | None = None) -> None:
+        n, k_q = w.q.shape
+        k = in_features or k_q  # the logical K (w may be zero-padded past it to a group multiple)
+        g = w.group_size
+        if g not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {g}")
+        self.n, self.k, self.group_size = n, k, g
+        cuda = device.type == "cuda"
+        if cuda and dtype != torch.bfloat16:
+            raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
+        n_pad = _round_up(n, 8 if cuda else 16)
+        k_pad = _round_up(k_q, max(128, g) if cuda else g)  # tinygemm: K a multiple of innerKTiles(8) * 16
+        q = F.pad(w.q, (0, k_pad - k_q, 0, n_pad - n))
+        scale = F.pad(w.scale, (0, (k_pad - k_q) // g, 0, n_pad - n))
+        zero = F.pad(w.min, (0, (k_pad - k_q) // g, 0, n_pad - n)) + 8 * scale
+        self.k_pad = k_pad
+        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(device, dtype)
+        if cuda:
+            q = q.to(device)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, K]`` -> ``x @ W.T`` ``[M, N]`` in x's dtype."""
+        if self.k_pad != self.k:
+            x = F.pad(x, (0, self.k_pad - self.k))
+        if x.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
+                                                           self.scales_and_zeros)
+        return y[:, : self.n] if y.shape[1] != self.n else y
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_and_zeros]
+
+
+class PackedInt8:
+    """Per-channel INT8 for ``_weight_int8pack_mm`` (K padded to 32: the CPU kernel's block)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        self.n, self.k = q.shape
+        self.k_pad = _round_up(self.k, 32)
+        self.q = F.pad(q, (0, self.k_pad - self.k)).contiguous().to(device)
+        self.scale = scale.to(device, dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.k_pad != self.k:
+            x = F.pad(x, (0, self.k_pad - self.k))
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale]
+
+
+class PackedFp8:
+    """Per-channel FP8 weights; activations quantized per token at run time (dynamic), ``torch._scaled_mm``.
+
+    ``_scaled_mm`` wants K and N multiples of 16: padded here.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        self.n, self.k = q.shape
+        self.n_pad, self.k_pad = _round_up(self.n, 16), _round_up(self.k, 16)
+        q = q.view(torch.uint8)  # F.pad has no float8 kernel on every device
+        q = F.pad(q, (0, self.k_pad - self.k, 0, self.n_pad - self.n)).view(torch.float8_e4m3fn)
+        self.qt = q.to(device).t()  # column-major [K, N]: what _scaled_mm wants for its second operand
+        self.scale = F.pad(scale, (0, self.n_pad - self.n), value=1.0).reshape(1, -1).to(device, torch.float32)
+        self.dtype = dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.k_pad != self.k:
+            x = F.pad(x, (0, self.k_pad - self.k))
+        xs = x.abs().amax(1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
+        xq = (x / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.qt, scale_a=xs, scale_b=self.scale, out_dtype=x.dtype,
+                             use_fast_accum=x.is_cuda)
+        return y[:, : self.n] if self.n_pad != self.n else y
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qt, self.scale]

@@ -1,0 +1,57 @@
+"""Quantized linear layers on CUDA (int4 tinygemm, int8, fp8 ``_scaled_mm``) vs dequantized references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.layers.quantization import QuantizedLinear
+from kvserve.layers.quantization.kernels import FP8_MAX, quantize_fp8, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.gpu
+SHAPES = [(16, 128), (7, 33), (100, 100), (1024, 4096), (4096, 14336)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 33])
+def test_cuda_formats_match_dequantized(n, k, m):
+    torch.manual_seed(n + k + m)
+    lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = lin.weight.detach().float()
+    b = lin.bias.detach().float()
+    # int4: the reference uses the same group size the layer picked
+    q4 = QuantizedLinear.from_dense(lin, "int4", torch.bfloat16)
+    g = q4.packed.group_size
+    ref4 = quantize_int4(torch.nn.functional.pad(w, (0, (-k) % g)), g).dequantize()[:, :k]
+    assert _rel(q4(x), x.float() @ ref4.T + b) < 2e-2
+    q8, s8 = quantize_int8(w)
+    assert _rel(QuantizedLinear.from_dense(lin, "int8", torch.bfloat16)(x), x.float() @ (q8.float() * s8[:, None]).T + b) < 2e-2
+    if torch.cuda.get_device_capability() >= (8, 9):
+        qf, sf = quantize_fp8(w)
+        xs = x.float().abs().amax(1, keepdim=True) / FP8_MAX
+        xq = (x.float() / xs).to(torch.float8_e4m3fn).float() * xs
+        ref = xq @ (qf.float() * sf[:, None]).T + b
+        assert _rel(QuantizedLinear.from_dense(lin, "fp8", torch.bfloat16)(x), ref) < 2e-2
+
+
+def test_small_llama_quantized_generates_on_cuda(tmp_path):
+    from transformers import LlamaConfig
+
+    from kvserve import LLM, SamplingParams
+
+    LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for method in ("int4", "int8", "fp8"):
+        if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+            continue
+        llm = LLM(model=str(tmp_path), load_format="dummy", dtype="bfloat16", quantization=method,
+                  skip_tokenizer_init=True, kv_cache_memory="64MiB", max_model_len=128, disable_log_stats=True)
+        out = llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+        del llm
