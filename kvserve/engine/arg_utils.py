@@ -172,6 +172,8 @@ class EngineArgs:
             else:
                 dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
         check_quantization(self.quantization, device, dtype, load_format)
+        if self.quantization and self.tensor_parallel_size > 1:
+            raise ValueError("--quantization is not supported with tensor_parallel_size > 1 yet")
         rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
         max_model_len = resolve_max_model_len(hf_config, self.max_model_len, rope_scaling, self.rope_theta)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
