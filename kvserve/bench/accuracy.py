@@ -123,7 +123,9 @@ def run_accuracy(ns: argparse.Namespace) -> int:
         if d != "auto":
             get_kv_format(d)  # ValueError listing the choices
     base_args = EngineArgs.from_cli_args(ns)
-    docs = load_corpus(ns.corpus)[: ns.max_docs or None]
+    docs = load_corpus(ns.corpus)
+    if ns.max_docs and ns.max_docs < len(docs):  # evenly spread: code and prose both stay in
+        docs = [docs[i * len(docs) // ns.max_docs] for i in range(ns.max_docs)]
     kinds = [d["kind"] for d in docs]
     chat = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[: ns.num_chat_prompts]]
     chat_sp = SamplingParams(temperature=0.0, max_tokens=ns.chat_max_tokens, ignore_eos=True)
@@ -190,7 +192,7 @@ def register_accuracy(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--kv-cache-dtypes", default="auto,fp8_e4m3,fp8_e5m2,int8,int4,int2",
                    help="Comma-separated dtypes; the first is the reference (default: %(default)s).")
     g.add_argument("--corpus", default=CORPUS, help="JSONL(.gz) of {kind, text} documents (default: shipped).")
-    g.add_argument("--max-docs", type=int, default=0, help="Use the first N documents (0: all).")
+    g.add_argument("--max-docs", type=int, default=0, help="Use N documents spread evenly over the corpus (0: all).")
     g.add_argument("--max-doc-tokens", type=int, default=2048, help="Cut documents here (default: %(default)s).")
     g.add_argument("--num-chat-prompts", type=int, default=24, help="Chat prompts for agreement (max 24).")
     g.add_argument("--chat-max-tokens", type=int, default=64, help="Greedy tokens per chat prompt.")
