@@ -100,8 +100,8 @@ def step_bench(dtype: str, tmp: str, batch: int, ctx: int) -> dict:
     cfg = llm.llm_engine.config.cache_config
     del llm
     torch.cuda.empty_cache()
-    return dict(part="step", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ms_per_step=round(statistics.median(times[4:]), 3),
-                num_blocks=cfg.num_blocks)
+    return dict(part="step", kv_cache_dtype=dtype, batch=batch, ctx=ctx,
+                ms_per_step=round(statistics.median(times[4:]), 3), num_blocks=cfg.num_blocks)
 
 
 def b1_bench(dtype: str, tmp: str) -> dict:
