@@ -45,20 +45,10 @@ def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
 
 
 @triton.jit
-def _fmt_bits(KV_FMT: tl.constexpr):
-    if KV_FMT == 4:
-        return 4
-    elif KV_FMT == 5:
-        return 2
-    else:
-        return 8
-
-
-@triton.jit
 def _scales(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
     """Per key ``[BLOCK_N]``: the float32 scale and minimum (0 for symmetric formats) stored
     after the codes of each row; masked keys get scale 0."""
-    BITS: tl.constexpr = _fmt_bits(KV_FMT)
+    BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     sp = (cache_ptr + row_off + HEAD_DIM * BITS // 8).to(tl.pointer_type(tl.float16))
     if MASKED:
         s = tl.load(sp, mask=n_mask, other=0.0).to(tl.float32)
@@ -77,7 +67,7 @@ def _scales(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.const
 @triton.jit
 def _codes(cache_ptr, off, d_idx, mask, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
     """float32 codes at row starts ``off`` and channels ``d_idx`` (same 2-D shape)."""
-    BITS: tl.constexpr = _fmt_bits(KV_FMT)
+    BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     if KV_FMT >= 4:
         PER: tl.constexpr = 8 // BITS
         if MASKED:
@@ -85,17 +75,18 @@ def _codes(cache_ptr, off, d_idx, mask, KV_FMT: tl.constexpr, MASKED: tl.constex
         else:
             raw = tl.load(cache_ptr + off + d_idx // PER)
         q = (raw.to(tl.int32) >> ((d_idx % PER) * BITS)) & ((1 << BITS) - 1)
-        return q.to(tl.float32)
-    if MASKED:
-        raw = tl.load(cache_ptr + off + d_idx, mask=mask, other=0)
+        x = q.to(tl.float32)
     else:
-        raw = tl.load(cache_ptr + off + d_idx)
-    if KV_FMT == 1:
-        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    elif KV_FMT == 2:
-        x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        x = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        if MASKED:
+            raw = tl.load(cache_ptr + off + d_idx, mask=mask, other=0)
+        else:
+            raw = tl.load(cache_ptr + off + d_idx)
+        if KV_FMT == 1:
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif KV_FMT == 2:
+            x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            x = raw.to(tl.int8, bitcast=True).to(tl.float32)
     return x
 
 
@@ -104,18 +95,16 @@ def load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr,
                 WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0):
     """K transposed, ``[HEAD_DIM, BLOCK_N]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0."""
     offs_d = tl.arange(0, HEAD_DIM)
-    if KV_FMT > 0:
+    if KV_FMT > 0:  # quantized: codes and per-row scales, dequantized here
         sc, zp = _scales(k_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED)
         x = _codes(k_cache_ptr, row_off[None, :], offs_d[:, None], n_mask[None, :], KV_FMT, MASKED)
         k = (x * sc[None, :] + zp[None, :]).to(in_dtype)
-        if WIDEN:
-            k = k.to(tl.float32)
-        return k
-    ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
-    if MASKED:
-        k = tl.load(ptrs, mask=n_mask[None, :], other=0.0).to(in_dtype)
     else:
-        k = tl.load(ptrs).to(in_dtype)
+        ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
+        if MASKED:
+            k = tl.load(ptrs, mask=n_mask[None, :], other=0.0).to(in_dtype)
+        else:
+            k = tl.load(ptrs).to(in_dtype)
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
         k = k.to(tl.float32)
     return k
@@ -130,14 +119,12 @@ def load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr,
         sc, zp = _scales(v_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED)
         x = _codes(v_cache_ptr, row_off[:, None], offs_d[None, :], n_mask[:, None], KV_FMT, MASKED)
         v = (x * sc[:, None] + zp[:, None]).to(in_dtype)
-        if WIDEN:
-            v = v.to(tl.float32)
-        return v
-    ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
-    if MASKED:
-        v = tl.load(ptrs, mask=n_mask[:, None], other=0.0).to(in_dtype)
     else:
-        v = tl.load(ptrs).to(in_dtype)
+        ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
+        if MASKED:
+            v = tl.load(ptrs, mask=n_mask[:, None], other=0.0).to(in_dtype)
+        else:
+            v = tl.load(ptrs).to(in_dtype)
     if WIDEN:
         v = v.to(tl.float32)
     return v

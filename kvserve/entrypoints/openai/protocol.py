@@ -148,11 +148,14 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError(f"structured_outputs: at most one constraint per request, got {[n for n, _ in found]}")
         return found[0][1] if found else None
 
-    def _params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def _params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                prompt_logprobs: Optional[int] = None) -> SamplingParams:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens}")
         if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
@@ -180,6 +183,7 @@ class _SamplingFields(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
         )
@@ -202,6 +206,9 @@ class CompletionRequest(_SamplingFields):
     # ones) and, unstreamed, ``prompt_token_ids``. Always on when the server has no tokenizer
     # (``--skip-tokenizer-init``), whose ``text`` is empty.
     return_token_ids: bool = False
+    # vLLM extra: per prompt token its logprob and the top ``prompt_logprobs`` alternatives,
+    # in each choice's ``prompt_logprobs`` (perplexity through the server). Not streamed.
+    prompt_logprobs: Optional[Int64] = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """Raises ValueError for invalid or unsupported values."""
@@ -211,8 +218,10 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported (prompt logprobs are not computed)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream=true")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._params(max_tokens, self.logprobs)
+        return self._params(max_tokens, self.logprobs, self.prompt_logprobs)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompt(s) as a list of strings / token-id lists. Raises ValueError if empty."""
@@ -326,7 +335,7 @@ _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
                 "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "prompt",
                 "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority", "cache_salt",
                 "echo", "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "tools", "tool_choice"}
+                "guided_grammar", "tools", "tool_choice", "prompt_logprobs"}
 
 
 def param_of(message: str) -> Optional[str]:
@@ -346,6 +355,15 @@ def token_str(tokenizer, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id])
+
+
+def prompt_logprobs_json(tokenizer, prompt_logprobs: Optional[list]) -> Optional[list]:
+    """vLLM's ``prompt_logprobs`` in a completions choice: per prompt token None (the first) or
+    ``{token_id (str): {"logprob", "rank", "decoded_token"}}``."""
+    if prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": token_str(tokenizer, t)}
+                                    for t, (v, r) in e.items()} for e in prompt_logprobs]
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, tuple[float, int]]],

@@ -321,6 +321,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if self._with_token_ids(req):
                     choice["token_ids"] = list(co.token_ids)
                     choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                if sp.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = P.prompt_logprobs_json(tok, out.prompt_logprobs)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name,
                 "choices": choices, "usage": P.usage(n_prompt, n_gen, n_cached), "system_fingerprint": None}

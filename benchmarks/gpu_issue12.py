@@ -1,0 +1,202 @@
+"""GPU benchmarks for quantized KV caches (issue 12), each dtype beside bfloat16 in one call:
+
+- ``kernel``: the Triton split-KV decode kernel alone at batch 64 x 8k context (Qwen3-0.6B
+  layer shape: 16 query heads, 8 KV heads, head dim 128), CUDA-event time, and GB/s of the
+  cache bytes it reads (codes + scales) next to the 3.0 TB/s roofline;
+- ``step``: the engine's decode step at batch 64 x 8k context (Qwen3-0.6B shape, dummy bf16
+  weights, CUDA graphs), median ms per step;
+- ``b1``: batch-1 decode ms per step at 1k context, Llama-3.1-8B shape (dummy weights);
+- ``w1``: W1 (256 requests, Qwen3-0.6B shape; ``gpu_issue2.w1``'s workload) in output tok/s.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=. python3 benchmarks/gpu_issue12.py --out $OUT --parts kernel,step,b1,w1 \
+        --dtypes bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2
+    python3 benchmarks/gpu_issue12.py --cpu-smoke   # tiny shapes on the CPU (interpreter kernels)
+Appends one JSON record per figure to --out/issue12.json; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+HBM_BYTES_PER_S = 3.0e12
+DTYPES = "bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2"
+
+
+def _record(out_dir: str, rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+    with open(os.path.join(out_dir, "issue12.json"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16) -> dict:
+    from kvserve.attention.kv_quant import quantize
+    from kvserve.attention.triton import decode_attention
+    from kvserve.core.kv_cache_spec import get_kv_format
+
+    fmt = get_kv_format(dtype)
+    nb_per = -(-ctx // bs)
+    num_blocks = batch * nb_per + 1
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    if fmt.quantized:
+        cache = torch.empty(2, num_blocks, bs, hkv, fmt.row_elems(d), dtype=getattr(torch, fmt.torch_dtype),
+                            device=device)
+        step = 4096  # quantize in slices (a full fp32 copy would not fit beside it at real shapes)
+        for i in range(0, num_blocks, step):
+            x = torch.randn(2, min(step, num_blocks - i), bs, hkv, d, device=device)
+            cache[:, i:i + step] = quantize(x, fmt)
+    else:
+        cache = torch.randn(2, num_blocks, bs, hkv, d, device=device).to(getattr(torch, fmt.torch_dtype))
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    bt = perm[: batch * nb_per].view(batch, nb_per).to(torch.int32).to(device)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, h, d, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    out = torch.empty_like(q)
+    fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out)  # noqa: E731
+    fn()
+    read_bytes = 2 * batch * ctx * hkv * fmt.row_elems(d) * cache.element_size()
+    if device != "cuda":
+        return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=bool(torch.isfinite(out).all()))
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    n = 20
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    ms = s.elapsed_time(e) / n
+    return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ms=round(ms, 4),
+                bytes_read=read_bytes, gb_per_s=round(read_bytes / ms / 1e6, 1),
+                roofline_ms=round(read_bytes / HBM_BYTES_PER_S * 1e3, 4),
+                roofline_fraction=round(read_bytes / HBM_BYTES_PER_S * 1e3 / ms, 3))
+
+
+def step_bench(dtype: str, tmp: str, batch: int, ctx: int) -> dict:
+    from gpu_decode import decode_latency
+    from gpu_issue2 import QWEN3_06B
+
+    from kvserve import LLM
+
+    path = os.path.join(tmp, "qwen3-0.6b-config")
+    from transformers import Qwen3Config
+
+    Qwen3Config(**QWEN3_06B).save_pretrained(path)
+    llm = LLM(model=path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_dtype=dtype,
+              max_model_len=ctx + 256, max_num_seqs=batch, gpu_memory_utilization=0.9, disable_log_stats=True)
+    decode_latency(llm, 64, 8, 4)  # warm-up
+    times = decode_latency(llm, ctx, 24, batch)
+    cfg = llm.llm_engine.config.cache_config
+    del llm
+    torch.cuda.empty_cache()
+    return dict(part="step", kv_cache_dtype=dtype, batch=batch, ctx=ctx,
+                ms_per_step=round(statistics.median(times[4:]), 3), num_blocks=cfg.num_blocks)
+
+
+def b1_bench(dtype: str, tmp: str) -> dict:
+    from gpu_decode import LLAMA31_8B, _config_dir, decode_latency
+
+    from kvserve import LLM
+
+    path = _config_dir(tmp, "llama31-8b-config", LLAMA31_8B, "LlamaConfig")
+    llm = LLM(model=path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_dtype=dtype,
+              max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.9, disable_log_stats=True)
+    decode_latency(llm, 64, 8, 1)
+    times = decode_latency(llm, 1024, 64, 1)
+    del llm
+    torch.cuda.empty_cache()
+    return dict(part="b1", kv_cache_dtype=dtype, model="llama-3.1-8b-shape", ctx=1024,
+                ms_per_step=round(statistics.median(times[4:]), 3))
+
+
+def w1_bench(dtype: str, tmp: str) -> dict:
+    import numpy as np
+    from gpu_issue2 import QWEN3_06B
+    from transformers import Qwen3Config
+
+    from kvserve import LLM, SamplingParams
+
+    path = os.path.join(tmp, "qwen3-0.6b-config")
+    Qwen3Config(**QWEN3_06B).save_pretrained(path)
+    rng = np.random.default_rng(0)
+    in_lens, out_lens = rng.integers(100, 1025, 256), rng.integers(100, 1025, 256)
+    prompts = [rng.integers(0, 10000, n).tolist() for n in in_lens]
+    params = [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True) for n in out_lens]
+    llm = LLM(model=path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_dtype=dtype,
+              max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+              disable_log_stats=True)
+    llm.generate([list(range(100))] * 4, SamplingParams(max_tokens=8), use_tqdm=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    pre = llm.llm_engine.stats.num_preemptions
+    del llm
+    torch.cuda.empty_cache()
+    return dict(part="w1", kv_cache_dtype=dtype, output_tok_per_s=round(n_out / wall, 1), wall_s=round(wall, 2),
+                preemptions=pre)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tmp", default="/tmp/kvserve-gpu12")
+    ap.add_argument("--parts", default="kernel,step,b1,w1")
+    ap.add_argument("--dtypes", default=DTYPES)
+    ap.add_argument("--cpu-smoke", action="store_true", help="kernel part at tiny shapes on the CPU (interpreter)")
+    ns = ap.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    os.makedirs(ns.tmp, exist_ok=True)
+    dtypes = ns.dtypes.split(",")
+    recs = []
+    if ns.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        for d in dtypes:
+            recs.append(kernel_bench(d, "cpu", 2, 40, 2, 4, 16))
+            _record(ns.out, recs[-1])
+        return
+    for part in ns.parts.split(","):
+        for d in dtypes:
+            try:
+                if part == "kernel":
+                    rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128)
+                elif part == "step":
+                    rec = step_bench(d, ns.tmp, 64, 8192)
+                elif part == "b1":
+                    rec = b1_bench(d, ns.tmp)
+                elif part == "w1":
+                    rec = w1_bench(d, ns.tmp)
+                else:
+                    raise ValueError(f"unknown part {part}")
+            except Exception as exc:  # noqa: BLE001 - one failure must not stop the rest
+                traceback.print_exc()
+                rec = dict(part=part, kv_cache_dtype=d, error=f"{type(exc).__name__}: {exc}")
+                torch.cuda.empty_cache()
+            recs.append(rec)
+            _record(ns.out, rec)
+    base = {r["part"]: r for r in recs if r.get("kv_cache_dtype") == "bfloat16" and "error" not in r}
+    print(f"\n{'part':<8}{'dtype':<10}{'figure':>16}{'vs bf16':>9}{'GB/s':>9}")
+    for r in recs:
+        key = {"kernel": "ms", "step": "ms_per_step", "b1": "ms_per_step", "w1": "output_tok_per_s"}.get(r["part"])
+        v = r.get(key)
+        b = base.get(r["part"], {}).get(key)
+        ratio = f"{v / b:.2f}x" if v and b else "-"
+        print(f"{r['part']:<8}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
+              f"{ratio:>9}{r.get('gb_per_s', ''):>9}")
+
+
+if __name__ == "__main__":
+    main()
