@@ -101,6 +101,8 @@ class SchedulerOutput:
         block_ops: run before the forward, in order.
         num_prompt_tokens: of the scheduled tokens, how many are prompt (or recomputed
             context) rather than decode tokens (for the stats line; workers ignore it).
+        num_speculative_tokens: with dynamic speculation, the drafts per request the
+            scheduler takes now (0: speculation is off); proposers draft no more. None: k.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -112,6 +114,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     block_ops: list[BlockOp] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    num_speculative_tokens: Optional[int] = None
 
     @property
     def is_empty(self) -> bool:

@@ -313,6 +313,8 @@ class Scheduler:
         out.num_prompt_tokens = num_prompt
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         out.block_ops = self.kv.take_block_ops()
+        if self.spec_policy is not None:
+            out.num_speculative_tokens = self._k_cap
         return out
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:

@@ -190,6 +190,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.apply(sched)
+        if self.proposer is not None and sched.num_speculative_tokens is not None:
+            self.proposer.num_drafts_allowed = sched.num_speculative_tokens
         if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
             self.proposer.remove_requests(list(sched.finished_req_ids) + list(sched.preempted_req_ids))
         if sched.is_empty:

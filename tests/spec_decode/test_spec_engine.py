@@ -196,3 +196,20 @@ def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model"})
     with pytest.raises(FileNotFoundError):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": "/nonexistent/x.gguf"})
+
+
+def test_dynamic_speculation_turns_off_under_load(tiny_model):
+    """8 requests running together: with dynamic_max_batch=4 nothing is drafted (the
+    proposer is told k=0), without dynamic speculation drafts flow; outputs identical."""
+    common = dict(model=tiny_model, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8, (12,), generator=g).tolist() for _ in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp, use_tqdm=False)]
+    got = {}
+    for dyn in (True, False):
+        eng = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1, "dynamic": dyn, "dynamic_max_batch": 4})
+        got[dyn] = (eng.generate(prompts, sp, use_tqdm=False), eng.llm_engine.stats.num_draft_tokens)
+        assert [o.outputs[0].token_ids for o in got[dyn][0]] == ref
+    assert got[True][1] == 0 and got[False][1] > 0
