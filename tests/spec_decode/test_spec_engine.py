@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 from kvserve import LLM, SamplingParams
 from kvserve.spec_decode import Proposer, register_proposer
@@ -140,6 +139,7 @@ def test_sampled_distribution_matches_without_speculation(tiny_model):
     keep = [i for i, c in enumerate(cells) if table[0][i] + table[1][i] >= 10]
     rare = [i for i in range(len(cells)) if i not in keep]
     t = [[row[i] for i in keep] + [sum(row[i] for i in rare)] for row in table]
+    stats = pytest.importorskip("scipy.stats")
     _, pval, _, _ = stats.chi2_contingency(t)
     assert pval > 1e-3, pval
     seeded = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=s) for s in range(40)]
@@ -189,6 +189,7 @@ def test_draft_model_equal_to_target_accepts_everything(llm, prompts, smollm2_pa
     spec.shutdown()
 
 
+@pytest.mark.slow  # the default model is the target
 def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": tiny_model})

@@ -35,6 +35,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_serve_with_ngram_speculation(tiny_dir, tmp_path):
+    pytest.importorskip("fastapi")
     import httpx
 
     from kvserve import LLM, SamplingParams
