@@ -71,8 +71,7 @@ def _llm(path: str, dev: str, **kw):
 
 # ------------------------------------------------------------------------------- verify
 def verify_cost(tmp: str, dev: str, smoke: bool) -> list[dict]:
-    from kvserve.attention.forward_context import forward_context
-    from kvserve.worker.cuda_graphs import CUDAGraphRunner
+    from kvserve.attention.forward_context import AttentionMetadata, forward_context
 
     cfg = TINY if smoke else LLAMA31_8B
     ctx, batches, kmax = (64, (1, 4), 3) if smoke else (1024, (1, 64), 8)
@@ -93,8 +92,6 @@ def verify_cost(tmp: str, dev: str, smoke: bool) -> list[dict]:
             pos = torch.arange(ctx, ctx + q, device=dev).repeat(b)
             bt = (torch.arange(b * w, device=dev, dtype=torch.int32).view(b, w) % per
                   + torch.arange(b, device=dev, dtype=torch.int32).unsqueeze(1) * per) % (nb - 1) + 1
-            from kvserve.attention.forward_context import AttentionMetadata
-
             rows = torch.arange(b, device=dev).repeat_interleave(q)
             slots = bt[rows, pos // bsz].long() * bsz + pos % bsz  # writes land in the step's own slots
             meta = AttentionMetadata(

@@ -27,7 +27,7 @@ from kvserve.model_loader import get_model
 from kvserve.sample.sampler import Sampler
 from kvserve.spec_decode.rejection_sampler import draft_positions
 from kvserve.worker.cuda_graphs import to_device
-from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
+from kvserve.worker.input_batch import BatchInputs, InputBatch
 from kvserve.worker.memory import available_kv_bytes
 from kvserve.worker.runner_output import AsyncModelRunnerOutput, copy_to_host
 
