@@ -119,13 +119,28 @@ def count_our_tokens(requests: list[BenchRequest], outputs: list[Any]) -> tuple[
     return n_in, n_out, warnings
 
 
+def spec_decode_summary(outputs: list[Any], stats: Any) -> Optional[dict[str, Any]]:
+    """Speculative decoding figures of a run: acceptance rate (accepted / draft tokens), mean
+    acceptance length (1 + accepted / drafts: tokens per verification step), accepted tokens
+    per draft position, and per request ``[draft tokens, accepted]``; None without drafts."""
+    n_draft = getattr(stats, "num_draft_tokens", 0)
+    if not n_draft:
+        return None
+    acc, drafts = stats.num_accepted_tokens, max(stats.num_drafts, 1)
+    return {"num_drafts": stats.num_drafts, "num_draft_tokens": n_draft, "num_accepted_tokens": acc,
+            "acceptance_rate": acc / n_draft, "mean_acceptance_length": 1 + acc / drafts,
+            "num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos),
+            "per_request": [[o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens] for o in outputs]}
+
+
 def _engine_stats(llm: Any) -> dict[str, Any]:
     stats = getattr(getattr(llm, "llm_engine", None), "stats", None)
     if stats is None:
         return {}
     if isinstance(stats, dict):
         return dict(stats)
-    keys = ("num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits")
+    keys = ("num_preemptions", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_drafts",
+            "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
     d = {k: getattr(stats, k) for k in keys if hasattr(stats, k)}
     if not d and hasattr(stats, "__dict__"):
         d = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float))}
@@ -208,6 +223,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
     notes.extend(warns[:5])
     ours = ThroughputResult("kvserve", len(requests), n_in, n_out, elapsed,
                             extra={"load_s": load_s, "stats": _engine_stats(llm)})
+    spec = spec_decode_summary(outs, llm.llm_engine.stats)
+    if spec is not None:
+        ours.extra["spec_decode"] = spec
+        print(f"speculative decoding: acceptance rate {100 * spec['acceptance_rate']:.1f}%, mean acceptance "
+              f"length {spec['mean_acceptance_length']:.2f}, per position {spec['num_accepted_tokens_per_pos']}")
     print(f"kvserve: {ours.requests_per_s:.2f} requests/s, {ours.output_tokens_per_s:.2f} output tok/s, "
           f"{ours.total_tokens_per_s:.2f} total tok/s, {elapsed:.2f} s "
           f"({len(requests)} requests, {n_in} prompt + {n_out} output tokens)")

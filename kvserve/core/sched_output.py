@@ -109,6 +109,8 @@ class SchedulerOutput:
             requests with a structured-output constraint that sample this step (empty: none).
         grammar_bitmask: int32 numpy ``[len(structured_output_request_ids), ceil(V / 32)]``
             (bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed), or None.
+        num_speculative_tokens: with dynamic speculation, the drafts per request the
+            scheduler takes now (0: speculation is off); proposers draft no more. None: k.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -123,6 +125,7 @@ class SchedulerOutput:
     kv_connector_metadata: Optional[object] = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional[np.ndarray] = None
+    num_speculative_tokens: Optional[int] = None
 
     @property
     def is_empty(self) -> bool:

@@ -362,6 +362,8 @@ class Scheduler:
             out.structured_output_request_ids = {r.request_id: i for i, r in enumerate(grammar_reqs)}
             out.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 [r.structured_output for r in grammar_reqs])
+        if self.spec_policy is not None:
+            out.num_speculative_tokens = self._k_cap
         return out
 
     def _pick_victim(self, i: int) -> Request:

@@ -101,7 +101,9 @@ class DraftModelProposer(Proposer):
     # ---- proposing ------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list, batch) -> list[list[int]]:
-        k = self.num_speculative_tokens
+        k = self.k
+        if k <= 0:
+            return [[] for _ in requests]
         rows = []  # (index in requests, state, tokens, start)
         for i, req in enumerate(requests):
             toks = batch.token_ids[req.row, : batch.num_tokens[req.row]]

@@ -71,7 +71,9 @@ class NgramProposer(Proposer):
         self.max_n = sc.prompt_lookup_max
 
     def propose(self, requests: list, batch) -> list[list[int]]:
-        k = self.num_speculative_tokens
+        k = self.k
+        if k <= 0:
+            return [[] for _ in requests]
         out = []
         for st in requests:
             toks = batch.token_ids[st.row, : batch.num_tokens[st.row]]

@@ -17,6 +17,13 @@ class Proposer(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.num_speculative_tokens = config.speculative_config.num_speculative_tokens
+        # Drafts the scheduler takes now (dynamic speculation; 0 = off): proposing more is waste.
+        self.num_drafts_allowed = self.num_speculative_tokens
+
+    @property
+    def k(self) -> int:
+        """Drafts to propose per request now: ``min(num_speculative_tokens, num_drafts_allowed)``."""
+        return min(self.num_speculative_tokens, self.num_drafts_allowed)
 
     def remove_requests(self, req_ids) -> None:
         """Forget finished or preempted requests (free what the proposer holds for them)."""

@@ -29,7 +29,7 @@ from kvserve.spec_decode.rejection_sampler import draft_positions
 from kvserve.structured_output.bitmask import apply_grammar_bitmask
 from kvserve.worker.cpu_threads import apply_cpu_threads
 from kvserve.worker.cuda_graphs import to_device
-from kvserve.worker.input_batch import BatchInputs, CachedRequestState, InputBatch
+from kvserve.worker.input_batch import BatchInputs, InputBatch
 from kvserve.worker.memory import available_kv_bytes
 from kvserve.worker.runner_output import AsyncModelRunnerOutput, copy_to_host
 
@@ -217,6 +217,8 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.apply(sched)
+        if self.proposer is not None and sched.num_speculative_tokens is not None:
+            self.proposer.num_drafts_allowed = sched.num_speculative_tokens
         if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
             self.proposer.remove_requests(list(sched.finished_req_ids) + list(sched.preempted_req_ids))
         conn = self.kv_connector

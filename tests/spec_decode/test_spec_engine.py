@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 from kvserve import LLM, SamplingParams
 from kvserve.spec_decode import Proposer, register_proposer
@@ -140,6 +139,7 @@ def test_sampled_distribution_matches_without_speculation(tiny_model):
     keep = [i for i, c in enumerate(cells) if table[0][i] + table[1][i] >= 10]
     rare = [i for i in range(len(cells)) if i not in keep]
     t = [[row[i] for i in keep] + [sum(row[i] for i in rare)] for row in table]
+    stats = pytest.importorskip("scipy.stats")
     _, pval, _, _ = stats.chi2_contingency(t)
     assert pval > 1e-3, pval
     seeded = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=s) for s in range(40)]
@@ -189,6 +189,7 @@ def test_draft_model_equal_to_target_accepts_everything(llm, prompts, smollm2_pa
     spec.shutdown()
 
 
+@pytest.mark.slow  # the default model is the target
 def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": tiny_model})
@@ -196,3 +197,20 @@ def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model"})
     with pytest.raises(FileNotFoundError):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": "/nonexistent/x.gguf"})
+
+
+def test_dynamic_speculation_turns_off_under_load(tiny_model):
+    """8 requests running together: with dynamic_max_batch=4 nothing is drafted (the
+    proposer is told k=0), without dynamic speculation drafts flow; outputs identical."""
+    common = dict(model=tiny_model, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8, (12,), generator=g).tolist() for _ in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp, use_tqdm=False)]
+    got = {}
+    for dyn in (True, False):
+        eng = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1, "dynamic": dyn, "dynamic_max_batch": 4})
+        got[dyn] = (eng.generate(prompts, sp, use_tqdm=False), eng.llm_engine.stats.num_draft_tokens)
+        assert [o.outputs[0].token_ids for o in got[dyn][0]] == ref
+    assert got[True][1] == 0 and got[False][1] > 0
