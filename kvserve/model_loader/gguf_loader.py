@@ -98,13 +98,15 @@ def load_gguf_config(path: str) -> Any:
     from transformers import AutoConfig
 
     cached = _config_cache_path(path)
+    d, name = os.path.split(os.path.abspath(path))
     if os.path.isfile(os.path.join(cached, "config.json")):
         try:
-            return AutoConfig.from_pretrained(cached)
+            config = AutoConfig.from_pretrained(cached)
+            config.name_or_path = d  # as if read from the GGUF's directory
+            return config
         except Exception:  # an unreadable cache entry: rebuild it below
             pass
     open_gguf(path)  # validate first so corrupt files give a clear ValueError
-    d, name = os.path.split(os.path.abspath(path))
     config = AutoConfig.from_pretrained(d, gguf_file=name)
     tmp = f"{cached}.{os.getpid()}.tmp"
     try:  # write then rename: concurrent start-ups never read half a file

@@ -159,6 +159,10 @@ class FakeLLM:
         self.seen = getattr(self, "seen", []) + [[dict(m) for m in messages]]
         yield from ["Par", "is", "."]
 
+    def check_chat_template(self):
+        if getattr(self, "base_model", False):
+            raise ValueError("model has no chat template (a base model, not an instruction-tuned one)")
+
 
 @pytest.fixture
 def fake_llm(monkeypatch):
@@ -201,6 +205,16 @@ def test_chat_loop_eof(fake_llm, monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello"))
     assert cli.main(["chat"]) == 0
     assert capsys.readouterr().out == "Paris.\n"
+
+
+def test_chat_on_a_base_model_fails_before_reading_input(monkeypatch, capsys):
+    llm = FakeLLM()
+    llm.base_model = True
+    monkeypatch.setattr(bench_env, "make_llm", lambda engine_args: llm)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello"))
+    assert cli.main(["chat"]) == 2
+    assert "no chat template (a base model" in capsys.readouterr().err
+    assert not hasattr(llm, "seen")  # nothing was read or generated
 
 
 # ----------------------------------------------------------------------------- errors

@@ -157,3 +157,21 @@ def test_default_gguf_tokenizer_has_chat_template():
     assert tok.chat_template
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert "hi" in text and "assistant" in text
+
+
+def test_gguf_config_is_cached_and_reused(tmp_path, monkeypatch):
+    """The GGUF-derived config is written once under $KVSERVE_CACHE_DIR and read back equal;
+    a changed file (new mtime) gets a fresh entry."""
+    import shutil
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "m.gguf"
+    shutil.copy(default_model_path(), src)
+    first = load_hf_config(str(src), "gguf")
+    entries = os.listdir(tmp_path / "cache" / "gguf-configs")
+    assert len(entries) == 1 and not entries[0].endswith(".tmp")
+    again = load_hf_config(str(src), "gguf")
+    assert again.to_dict() == first.to_dict() and again.architectures == ["LlamaForCausalLM"]
+    os.utime(src, ns=(1, 1))
+    load_hf_config(str(src), "gguf")
+    assert len(os.listdir(tmp_path / "cache" / "gguf-configs")) == 2
