@@ -97,4 +97,5 @@ def test_quantize_model_replaces_decoder_projections_only():
     model = LlamaForCausalLM(cfg, torch.float32)
     assert quantize_model(model, "int8", torch.float32) == 8  # 4 projections x 2 layers
     assert all(isinstance(layer.mlp.down_proj, QuantizedLinear) for layer in model.model.layers)
-    assert isinstance(model.lm_head, torch.nn.Linear)
+    assert not isinstance(model.lm_head, QuantizedLinear)  # the LM head keeps its dense weight
+    assert not isinstance(model.model.embed_tokens, QuantizedLinear)

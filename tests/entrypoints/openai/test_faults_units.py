@@ -118,11 +118,7 @@ def test_engine_core_sends_heartbeats_when_idle():
     from kvserve.engine import ipc
     from kvserve.engine.core_proc import HEARTBEAT_INTERVAL_S, EngineCoreProc
 
-    class Stats:
-        num_running = num_waiting = num_preemptions = 0
-        kv_cache_usage = 0.0
-        prefix_cache_queries = prefix_cache_hits = prefix_cache_recompute_hits = 0
-        num_drafts = num_draft_tokens = num_accepted_tokens = 0
+    from kvserve.core.scheduler import SchedulerStats as Stats  # the real fields, so the fake cannot drift
 
     class Core:
         class scheduler:
