@@ -9,14 +9,14 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 DT=bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2
 [ "${1:-}" = "--quick" ] && DT=bfloat16,fp8_e4m3,int4
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/attention/test_kv_quant.py \
+timeout 80 python3 -m pytest -q -p no:cacheprovider tests/attention/test_kv_quant.py \
   tests/attention/test_triton_kv_quant.py > "$OUT/gpu_tests_kvquant.txt" 2>&1
 echo "kv-quant GPU tests rc=$?"; tail -2 "$OUT/gpu_tests_kvquant.txt"
-timeout 60 python3 benchmarks/gpu_issue12.py --out "$OUT" --parts kernel --dtypes $DT > "$OUT/kernel_log.txt" 2>&1
+timeout 45 python3 benchmarks/gpu_issue12.py --out "$OUT" --parts kernel --dtypes $DT > "$OUT/kernel_log.txt" 2>&1
 echo "kernel rc=$?"
-timeout 150 python3 benchmarks/gpu_issue12.py --out "$OUT" --parts step,b1 --dtypes $DT > "$OUT/step_log.txt" 2>&1
+timeout 115 python3 benchmarks/gpu_issue12.py --out "$OUT" --parts step,b1 --dtypes $DT > "$OUT/step_log.txt" 2>&1
 echo "step/b1 rc=$?"
-timeout 150 python3 benchmarks/gpu_issue12.py --out "$OUT" --parts w1 --dtypes bfloat16,fp8_e4m3,int4 > "$OUT/w1_log.txt" 2>&1
+timeout 100 python3 benchmarks/gpu_issue12.py --out "$OUT" --parts w1 --dtypes bfloat16,fp8_e4m3,int4 > "$OUT/w1_log.txt" 2>&1
 echo "w1 rc=$?"
 python3 - "$OUT/issue12.json" <<'PY'
 import json, sys
