@@ -254,7 +254,7 @@ def main() -> None:
         kv_cache_memory="2MiB" if smoke else "4GiB", max_model_len=512 if smoke else 32768,
         prompt_len=480 if smoke else 32000, gen_len=8 if smoke else 32, num_requests=12 if smoke else 40,
         max_num_seqs=64, decode_batch=4 if smoke else 16, decode_steps=8 if smoke else 40,
-        decode_max_len=1024 + 64 if smoke else 32768 + 64,
+        decode_max_len=1024 + 64 if smoke else 32768,  # the model's own context: 32000 + the steps fit
         chat_convs=4 if smoke else 32, chat_turns=5 if smoke else 6, chat_first=40 if smoke else 1000,
         chat_msg=20 if smoke else 200, chat_gen=16 if smoke else 128, chat_kv_memory="512KiB" if smoke else "1GiB",
     )

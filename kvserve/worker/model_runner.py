@@ -128,7 +128,7 @@ class ModelRunner:
                                       [getattr(g.spec, "sliding_window", None) for g in kv_cache_config.groups])
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
             layers = attention_layers(self.model)
-            self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, self.dtype,
+            self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, layers[0].head_size, self.dtype,
                                 {layer.sliding_window for layer in layers})
         self.maybe_capture_cuda_graphs()
 

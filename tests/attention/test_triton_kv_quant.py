@@ -114,3 +114,19 @@ def test_backend_forward_quantized_with_window():
     out = TritonBackend().forward(q, k, v, cache, meta, 0.25, 3)
     ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), 0.25, 3)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)  # int4 stores may differ at ties
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3", "int4"])
+def test_warmup_takes_the_head_size_not_the_packed_row(name):
+    """Start-up compiles every kernel variant from the layer's head size: a quantized cache's
+    last dim is a packed row (codes + scales), never a head size (it broke fp8/int4 on CUDA)."""
+    fmt = get_kv_format(name)
+    d, hkv = 16, 2
+    if fmt.quantized:
+        cache = quantize(torch.randn(2, 3, 4, hkv, d), fmt).to(DEV)
+        assert cache.shape[-1] != d
+    else:
+        cache = torch.zeros(2, 3, 4, hkv, d, dtype=torch.bfloat16, device=DEV)
+    before = cache.clone()
+    TritonBackend().warmup(cache, 4, d, torch.bfloat16 if CUDA else torch.float32, {None})
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # warm-up stores nothing

@@ -34,14 +34,14 @@ class TritonBackend(AttentionBackend):
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
 
-    def warmup(self, kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype,
+    def warmup(self, kv_cache: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype,
                sliding_windows: set[int | None]) -> None:
         """Compile, at start-up, every kernel variant a step can need: the decode kernels for
         each split-count class (1 split takes a direct path; the reduce kernel is specialized
         on the padded split count) and the prefill kernel, per sliding-window setting, so
         no request waits for a compile mid-serving. Reads only the null block; stores nothing.
         """
-        _, _, _, hkv, d = kv_cache.shape
+        hkv, d = kv_cache.shape[3], head_size  # the last dim is a packed row for quantized formats
         dev = kv_cache.device
         q = torch.zeros(1, num_heads, d, dtype=dtype, device=dev)
         kv = torch.zeros(1, hkv, d, dtype=dtype, device=dev)
