@@ -20,16 +20,16 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   exit 0
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-PYTHONPATH=$root timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kv_connector > "$OUT/gpu_tests.txt" 2>&1
+PYTHONPATH=$root timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kv_connector > "$OUT/gpu_tests.txt" 2>&1
 echo "kv_connector GPU tests rc=$?"; tail -3 "$OUT/gpu_tests.txt"
 common="--gpu8b --tier-gib 24 --kv-cache-memory 16GiB"
-PYTHONPATH=$root timeout 60 python3 benchmarks/kv_tiers.py $common --parts bandwidth --bw-blocks 1024 \
+PYTHONPATH=$root timeout 40 python3 benchmarks/kv_tiers.py $common --parts bandwidth --bw-blocks 1024 \
   --out "$OUT/tiers_bw.json" > "$OUT/tiers_log.txt" 2>&1
 echo "bandwidth rc=$?"
-PYTHONPATH=$root timeout 170 python3 benchmarks/kv_tiers.py $common --parts multiturn --convs 64 --turns 6 \
+PYTHONPATH=$root timeout 130 python3 benchmarks/kv_tiers.py $common --parts multiturn --convs 64 --turns 6 \
   --first-tokens 512 --turn-tokens 256 --output-len 32 --out "$OUT/tiers_multiturn.json" >> "$OUT/tiers_log.txt" 2>&1
 echo "multiturn rc=$?"
-PYTHONPATH=$root timeout 130 python3 benchmarks/kv_tiers.py $common --parts zero,swap,persist --zero-n 64 \
+PYTHONPATH=$root timeout 100 python3 benchmarks/kv_tiers.py $common --parts zero,swap,persist --zero-n 64 \
   --zero-len 1024 --output-len 64 --decode-len 128 --swap-n 64 --swap-prompt 512 --swap-out 512 --persist-len 2048 \
   --out "$OUT/tiers_rest.json" >> "$OUT/tiers_log.txt" 2>&1
 echo "zero/swap/persist rc=$?"
