@@ -19,6 +19,7 @@ PROMPT = [random.Random(3).randrange(3, 256) for _ in range(200)]  # 12 full blo
 
 def _llm(path, disk, **kw):
     args = dict(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24, max_model_len=320,
+                dtype="float32",  # the same numerics on a GPU as on the CPU (bf16 there flips near-ties)
                 max_num_seqs=16, disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
     args.update(kw)
     return LLM(**args)
