@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import kernel_cache_args, kv_row_offsets, load_k_tile, load_v_tile
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, load_k_tile,
+                                               load_v_tile)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -89,8 +90,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
-        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True,
+                                     HEAD_DIM, KV_FMT)
+        k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,7 +100,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -233,7 +235,7 @@ def decode_attention(
         out, part_out, part_lse,
         scale * _LOG2E, window, num_splits,
         query.stride(0), query.stride(1), query.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        *cache_strides(k_cache, d, kv_fmt),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
