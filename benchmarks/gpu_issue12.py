@@ -40,7 +40,7 @@ def _record(out_dir: str, rec: dict) -> None:
 
 
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16) -> dict:
-    from kvserve.attention.kv_quant import quantize
+    from kvserve.attention.kv_quant import dequantize_pages, quantize_pages
     from kvserve.attention.triton import decode_attention
     from kvserve.core.kv_cache_spec import get_kv_format
 
@@ -54,7 +54,7 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
         step = 4096  # quantize in slices (a full fp32 copy would not fit beside it at real shapes)
         for i in range(0, num_blocks, step):
             x = torch.randn(2, min(step, num_blocks - i), bs, hkv, d, device=device)
-            cache[:, i:i + step] = quantize(x, fmt)
+            cache[:, i:i + step] = quantize_pages(x, fmt)  # pages: codes, then scales
     else:
         cache = torch.randn(2, num_blocks, bs, hkv, d, device=device).to(getattr(torch, fmt.torch_dtype))
     perm = torch.randperm(num_blocks - 1, generator=gen) + 1
@@ -65,9 +65,19 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     out = torch.empty_like(q)
     fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out)  # noqa: E731
     fn()
+    # Correctness of the layout the kernel reads: its first two requests against dense SDPA over
+    # the dequantized pages (kv_quant.dequantize_pages; no Triton in the reference).
+    nr = min(2, batch)
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # no float8 indexing
+    pages = raw[:, bt[:nr].long()].view(cache.dtype)  # [2, nr, nb_per, bs, hkv, row]
+    kv = dequantize_pages(pages, d, torch.float32).reshape(2, nr, nb_per * bs, hkv, d)[:, :, :ctx]
+    kk, vv = (t.transpose(1, 2).repeat_interleave(h // hkv, 1) for t in kv)  # [nr, h, ctx, d]
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:nr].float().unsqueeze(2), kk, vv, scale=d ** -0.5)
+    max_err = (out[:nr].float() - ref.squeeze(2)).abs().max().item()
+    ok = bool(torch.isfinite(out).all()) and max_err < (2e-2 if q.dtype == torch.bfloat16 else 1e-3)
     read_bytes = 2 * batch * ctx * hkv * fmt.row_elems(d) * cache.element_size()
     if device != "cuda":
-        return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=bool(torch.isfinite(out).all()))
+        return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=ok, max_err=max_err)
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -77,8 +87,8 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     e.record()
     e.synchronize()
     ms = s.elapsed_time(e) / n
-    return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ms=round(ms, 4),
-                bytes_read=read_bytes, gb_per_s=round(read_bytes / ms / 1e6, 1),
+    return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=ok, max_err=round(max_err, 6),
+                ms=round(ms, 4), bytes_read=read_bytes, gb_per_s=round(read_bytes / ms / 1e6, 1),
                 roofline_ms=round(read_bytes / HBM_BYTES_PER_S * 1e3, 4),
                 roofline_fraction=round(read_bytes / HBM_BYTES_PER_S * 1e3 / ms, 3))
 
