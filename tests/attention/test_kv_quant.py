@@ -198,7 +198,7 @@ def test_page_layout_known_answers(name):
     sc = bs * hkv * c + (3 * hkv + 2) * s
     assert flat[1, 2, sc:sc + 2].contiguous().view(torch.float16).item() == 7.0
     # gathered pages (e.g. a tier's copy of blocks 2, 0) convert the same way
-    g = pages[0].index_select(0, torch.tensor([2, 0])) if pages.element_size() == 1 else None
+    g = pages[0].view(torch.uint8).index_select(0, torch.tensor([2, 0])).view(pages.dtype)
     assert torch.equal(pages_to_rows(g, d, fmt).view(torch.uint8), rb[0, [2, 0]])
 
 

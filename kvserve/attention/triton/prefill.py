@@ -46,7 +46,8 @@ def _attend_block(
     n_mask = pos < kv_hi
     row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED,
                                      HEAD_DIM, KV_FMT)
-    k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)  # [D, BLOCK_N]
+    # [D, BLOCK_N]
+    k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
     qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
     if MASKED:
         valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -58,7 +59,8 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)  # [BLOCK_N, D]
+    # [BLOCK_N, D]
+    v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
     acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
