@@ -29,14 +29,16 @@ page: the bytes of one block of K (likewise V), a *page* of ``P = block_size * n
 
 so byte ``k`` of the codes of slot ``t``, KV head ``h`` is at ``(t * Hkv + h) * C + k`` and
 its scale (and minimum) at ``block_size * Hkv * C + (t * Hkv + h) * S`` (+2). Pages are
-whole blocks, so anything that moves blocks (CPU / disk / remote tiers, block copies) moves
-scales with them; ``page_views`` gives strided ``(codes, scales)`` views of any tensor of
-pages, ``pages_to_rows`` / ``rows_to_pages`` convert to and from the per-row form
-``[..., row]`` (codes then scale bytes) that ``quantize`` / ``dequantize`` work on.
+whole blocks, so anything that moves whole blocks (CPU / disk / remote tiers) moves scales
+with them. ``page_views`` gives strided ``(codes, scales)`` views of any tensor of pages;
+``pages_to_rows`` / ``rows_to_pages`` convert to and from the per-row form ``[..., row]``
+(codes then scale bytes) that ``quantize`` / ``dequantize`` work on; ``quantize_pages`` /
+``dequantize_pages`` go straight between values and pages; ``scatter_rows`` (the torch
+store) and ``copy_slots`` (copy-on-write of some slots of a block) write both regions.
 Why: the kernels load a tile of codes as 16-byte vectors; that needs ``C`` and the page
 size to be multiples of 16 (``aligned_for_vector_loads``: D*bits/8 % 16 == 0, i.e. D >= 16
 for 8-bit, >= 32 for int4, >= 64 for int2, and block_size * Hkv * row % 16 == 0, true for
-any block_size >= 16 since row is even). Other shapes are still read correctly (the Triton
+any block_size >= 8 since row is even). Other shapes are still read correctly (the Triton
 compiler then emits narrower loads; a start-up warning says so). Scales are float16 and at
 least ``MIN_SCALE`` (the smallest normal float16), so a constant row never divides by zero.
 Rounding is ``floor(y + 0.5)`` (the Triton store kernel does the same). The disk tier's

@@ -91,7 +91,7 @@ def _decode_split_kernel(
         pos = n0 + offs_n
         n_mask = pos < end
         row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True,
-                                     HEAD_DIM, KV_FMT)
+                                         HEAD_DIM, KV_FMT)
         k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
