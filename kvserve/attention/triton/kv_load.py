@@ -14,10 +14,12 @@ float16 scales (and minima). ``cache_strides`` passes the page stride and the *c
 strides (``num_kv_heads * C`` per slot, ``C`` per head); Triton specializes int arguments
 divisible by 16, so when ``C`` and the page size are multiples of 16 the compiler can prove
 every code row 16-byte aligned and load it as 16-byte vectors (no hint that could be
-false). A tile of codes is loaded as ``[BLOCK_N, C]`` (contiguous along the row), unpacked
-in registers (int4/int2: shifts, ``tl.join``, ``tl.reshape``), scaled by one float16 scale
-(and minimum) per key loaded as a ``[BLOCK_N]`` vector, and K is transposed in registers
-(``tl.trans``) to ``[head_dim, BLOCK_N]``. No dequantized copy of the cache exists.
+false). V's codes are loaded as ``[BLOCK_N, C]`` and K's, transposed, as ``[C, BLOCK_N]``:
+both contiguous along the channel axis. They are unpacked in registers (int4/int2: shifts,
+``tl.join``, ``tl.permute``, ``tl.reshape``; no per-element ``d // per_byte`` gather) and
+scaled by one float16 scale (and minimum) per key, loaded as a ``[BLOCK_N]`` vector from
+the page's scales region. No dequantized copy of the cache exists. (Compiled for sm_90 the
+code tiles become 16-byte / 8-byte ``cp.async`` copies, pipelined: ``benchmarks/ptx_kv_loads.py``.)
 """
 
 from __future__ import annotations
@@ -105,8 +107,8 @@ def _scales(cache_ptr, scale_off, n_mask, KV_FMT: tl.constexpr, MASKED: tl.const
 @triton.jit
 def _dequant_rows(cache_ptr, row_off, scale_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr,
                   MASKED: tl.constexpr):
-    """Rows ``[BLOCK_N, HEAD_DIM]`` float32: each key's codes (``C`` contiguous bytes at
-    ``row_off``) unpacked and dequantized with its scale (and minimum)."""
+    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 (the V tile): each key's codes (``C`` contiguous
+    bytes at ``row_off``) unpacked and dequantized with its scale (and minimum)."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     CB: tl.constexpr = HEAD_DIM * BITS // 8
     offs_c = tl.arange(0, CB)
@@ -124,13 +126,21 @@ def _dequant_rows(cache_ptr, row_off, scale_off, n_mask, HEAD_DIM: tl.constexpr,
         r = raw.to(tl.int32)
         q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [.., CB, 2 (i//2), 2 (i%2)]
         x = tl.reshape(q, [row_off.shape[0], HEAD_DIM]).to(tl.float32)
-    elif KV_FMT == 1:
+    else:
+        x = _byte_codes(raw, KV_FMT)
+    return x * sc[:, None] + zp[:, None]
+
+
+@triton.jit
+def _byte_codes(raw, KV_FMT: tl.constexpr):
+    """8-bit codes (uint8 tile) as float32: fp8 bit patterns converted in registers, or int8."""
+    if KV_FMT == 1:
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     elif KV_FMT == 2:
         x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
         x = raw.to(tl.int8, bitcast=True).to(tl.float32)
-    return x * sc[:, None] + zp[:, None]
+    return x
 
 
 @triton.jit
@@ -138,8 +148,31 @@ def load_k_tile(k_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl
                 WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0):
     """K transposed, ``[HEAD_DIM, BLOCK_N]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0."""
     offs_d = tl.arange(0, HEAD_DIM)
-    if KV_FMT > 0:  # quantized: rows loaded along their contiguous codes, transposed in registers
-        k = tl.trans(_dequant_rows(k_cache_ptr, row_off, scale_off, n_mask, HEAD_DIM, KV_FMT, MASKED).to(in_dtype))
+    if KV_FMT > 0 and KV_FMT <= 3:  # 8-bit codes: loaded as [HEAD_DIM, BLOCK_N], contiguous along the channel axis
+        ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None]
+        if MASKED:
+            raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
+        else:
+            raw = tl.load(ptrs)
+        sc, zp = _scales(k_cache_ptr, scale_off, n_mask, KV_FMT, MASKED)
+        k = (_byte_codes(raw, KV_FMT) * sc[None, :]).to(in_dtype)
+    elif KV_FMT > 0:  # packed codes: [C, BLOCK_N] bytes, contiguous along the channel axis, unpacked along it
+        BITS: tl.constexpr = 4 if KV_FMT == 4 else 2
+        offs_c = tl.arange(0, HEAD_DIM * BITS // 8)
+        ptrs = k_cache_ptr + row_off[None, :] + offs_c[:, None]
+        if MASKED:
+            raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
+        else:
+            raw = tl.load(ptrs)
+        sc, zp = _scales(k_cache_ptr, scale_off, n_mask, KV_FMT, MASKED)
+        r = raw.to(tl.int32)
+        if KV_FMT == 4:
+            q = tl.join(r & 15, r >> 4)  # [C, BLOCK_N, 2]: element 2c + i
+            q = tl.reshape(tl.permute(q, (0, 2, 1)), [HEAD_DIM, row_off.shape[0]])
+        else:
+            q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [C, N, 2 (i//2), 2 (i%2)]
+            q = tl.reshape(tl.permute(q, (0, 2, 3, 1)), [HEAD_DIM, row_off.shape[0]])
+        k = (q.to(tl.float32) * sc[None, :] + zp[None, :]).to(in_dtype)
     else:
         ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
         if MASKED:
