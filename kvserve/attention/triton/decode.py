@@ -188,6 +188,8 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -201,6 +203,7 @@ def decode_attention(
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
         num_splits: override the heuristic (``choose_num_splits``).
+        block_n / num_warps: override the tile config (``_config``; benchmarks sweep them).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -216,7 +219,8 @@ def decode_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    block_n, num_warps, num_stages = _config(d, query.dtype, interpret)
+    cfg_n, cfg_warps, num_stages = _config(d, query.dtype, interpret)
+    block_n, num_warps = block_n or cfg_n, num_warps or cfg_warps
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
