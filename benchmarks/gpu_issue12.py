@@ -42,9 +42,10 @@ def _record(out_dir: str, rec: dict) -> None:
 
 
 #: decode tile configs timed beside the default one, ``(block_n, num_warps)``: quantized tiles
-#: use more registers per thread than bf16 (sm_90 ptxas, default 64 x 4 warps: bf16 80,
-#: fp8 145, int4 127; ``benchmarks/ptx_kv_loads.py``), so fewer programs fit an SM
-KERNEL_CONFIGS = [(64, 8), (32, 4), (32, 8)]
+#: use more registers per thread than bf16 (sm_90 ptxas at 64 keys x 4 warps: bf16 80, fp8
+#: ~150, int4 128; at 32 x 4: fp8 128, int4 80), so fewer programs fit an SM; the default
+#: (``decode._config``) is 64 x 4, 32 x 4 for the 8-bit formats
+KERNEL_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 8)]
 
 
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,

@@ -165,13 +165,18 @@ def choose_num_splits(
     return max(1, min(want, cap, 32))
 
 
-def _config(head_dim: int, dtype: torch.dtype, interpret: bool) -> tuple[int, int, int]:
+def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
     if interpret:
         return 16, 1, 1
     if dtype == torch.float32:  # fp32 operands ("ieee" FMA dot): small tiles avoid spills
         return 16, 4, 2
     if head_dim >= 256:
+        return 32, 4, 2
+    if 1 <= kv_fmt <= 3:
+        # 8-bit codes dequantized in the dot-operand layout: ~150 registers per thread at 64
+        # keys (sm_90 ptxas; bf16: 80), i.e. 3 programs per SM; 32 keys: 128, 4 per SM
+        # (benchmarks/gpu_issue12.py times both).
         return 32, 4, 2
     return 64, 4, 2
 
@@ -219,7 +224,7 @@ def decode_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    cfg_n, cfg_warps, num_stages = _config(d, query.dtype, interpret)
+    cfg_n, cfg_warps, num_stages = _config(d, query.dtype, interpret, kv_fmt)
     block_n, num_warps = block_n or cfg_n, num_warps or cfg_warps
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
