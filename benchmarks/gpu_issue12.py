@@ -2,7 +2,9 @@
 
 - ``kernel``: the Triton split-KV decode kernel alone at batch 64 x 8k context (Qwen3-0.6B
   layer shape: 16 query heads, 8 KV heads, head dim 128), CUDA-event time, and GB/s of the
-  cache bytes it reads (codes + scales) next to the 3.0 TB/s roofline;
+  cache bytes it reads (codes + scales) next to the 3.0 TB/s roofline; each record checks
+  the output against dense SDPA over the dequantized pages (``ok``, ``max_err``); then
+  ``kernel_cfg`` records time the tile configs of ``KERNEL_CONFIGS`` (block_n x warps);
 - ``step``: the engine's decode step at batch 64 x 8k context (Qwen3-0.6B shape, dummy bf16
   weights, CUDA graphs), median ms per step;
 - ``b1``: batch-1 decode ms per step at 1k context, Llama-3.1-8B shape (dummy weights);
@@ -39,8 +41,17 @@ def _record(out_dir: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16) -> dict:
-    from kvserve.attention.kv_quant import quantize
+#: decode tile configs timed beside the default one, ``(block_n, num_warps)``: quantized tiles
+#: use more registers per thread than bf16 (sm_90 ptxas at 64 keys x 4 warps: bf16 80, fp8
+#: ~150, int4 128; at 32 x 4: fp8 128, int4 80), so fewer programs fit an SM; the default
+#: (``decode._config``) is 64 x 4, 32 x 4 for the 8-bit formats
+KERNEL_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 8)]
+
+
+def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,
+                 configs=()) -> list[dict]:
+    """The default decode config, then each of ``configs`` (records ``part="kernel_cfg"``)."""
+    from kvserve.attention.kv_quant import quantize_pages
     from kvserve.attention.triton import decode_attention
     from kvserve.core.kv_cache_spec import get_kv_format
 
@@ -54,7 +65,7 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
         step = 4096  # quantize in slices (a full fp32 copy would not fit beside it at real shapes)
         for i in range(0, num_blocks, step):
             x = torch.randn(2, min(step, num_blocks - i), bs, hkv, d, device=device)
-            cache[:, i:i + step] = quantize(x, fmt)
+            cache[:, i:i + step] = quantize_pages(x, fmt)  # pages: codes, then scales
     else:
         cache = torch.randn(2, num_blocks, bs, hkv, d, device=device).to(getattr(torch, fmt.torch_dtype))
     perm = torch.randperm(num_blocks - 1, generator=gen) + 1
@@ -63,11 +74,42 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     q = torch.randn(batch, h, d, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     out = torch.empty_like(q)
-    fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out)  # noqa: E731
+    recs = []
+    for cfg in [None, *configs]:
+        bn, nw = cfg or (None, None)
+        fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
+                                      block_n=bn, num_warps=nw)
+        if cfg is None:
+            recs.append(_time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out))
+            continue
+        try:
+            rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out)
+        except Exception as exc:  # noqa: BLE001 - a config that fails must not hide the others
+            traceback.print_exc()
+            rec = dict(error=f"{type(exc).__name__}: {exc}", kv_cache_dtype=dtype)
+        rec.update(part="kernel_cfg", block_n=bn, num_warps=nw)
+        recs.append(rec)
+    return recs
+
+
+def _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out) -> dict:
+    from kvserve.attention.kv_quant import dequantize_pages
+
+    out.fill_(float("nan"))
     fn()
+    # Correctness of the layout the kernel reads: its first two requests against dense SDPA over
+    # the dequantized pages (kv_quant.dequantize_pages; no Triton in the reference).
+    nr = min(2, batch)
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # no float8 indexing
+    pages = raw[:, bt[:nr].long()].view(cache.dtype)  # [2, nr, blocks, bs, hkv, row]
+    kv = dequantize_pages(pages, d, torch.float32).reshape(2, nr, -1, hkv, d)[:, :, :ctx]
+    kk, vv = (t.transpose(1, 2).repeat_interleave(h // hkv, 1) for t in kv)  # [nr, h, ctx, d]
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:nr].float().unsqueeze(2), kk, vv, scale=d ** -0.5)
+    max_err = (out[:nr].float() - ref.squeeze(2)).abs().max().item()
+    ok = bool(torch.isfinite(out).all()) and max_err < (2e-2 if q.dtype == torch.bfloat16 else 1e-3)
     read_bytes = 2 * batch * ctx * hkv * fmt.row_elems(d) * cache.element_size()
     if device != "cuda":
-        return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=bool(torch.isfinite(out).all()))
+        return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=ok, max_err=max_err)
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -77,8 +119,8 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     e.record()
     e.synchronize()
     ms = s.elapsed_time(e) / n
-    return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ms=round(ms, 4),
-                bytes_read=read_bytes, gb_per_s=round(read_bytes / ms / 1e6, 1),
+    return dict(part="kernel", kv_cache_dtype=dtype, batch=batch, ctx=ctx, ok=ok, max_err=round(max_err, 6),
+                ms=round(ms, 4), bytes_read=read_bytes, gb_per_s=round(read_bytes / ms / 1e6, 1),
                 roofline_ms=round(read_bytes / HBM_BYTES_PER_S * 1e3, 4),
                 roofline_fraction=round(read_bytes / HBM_BYTES_PER_S * 1e3 / ms, 3))
 
@@ -165,14 +207,18 @@ def main() -> None:
     if ns.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         for d in dtypes:
-            recs.append(kernel_bench(d, "cpu", 2, 40, 2, 4, 16))
-            _record(ns.out, recs[-1])
+            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=[(32, 4)]):
+                recs.append(rec)
+                _record(ns.out, rec)
         return
     for part in ns.parts.split(","):
         for d in dtypes:
             try:
                 if part == "kernel":
-                    rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128)
+                    *head, rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128, configs=KERNEL_CONFIGS)
+                    for r in head:  # the default config first, then the sweep (rec: its last)
+                        recs.append(r)
+                        _record(ns.out, r)
                 elif part == "step":
                     rec = step_bench(d, ns.tmp, 64, 8192)
                 elif part == "b1":
@@ -190,11 +236,13 @@ def main() -> None:
     base = {r["part"]: r for r in recs if r.get("kv_cache_dtype") == "bfloat16" and "error" not in r}
     print(f"\n{'part':<8}{'dtype':<10}{'figure':>16}{'vs bf16':>9}{'GB/s':>9}")
     for r in recs:
-        key = {"kernel": "ms", "step": "ms_per_step", "b1": "ms_per_step", "w1": "output_tok_per_s"}.get(r["part"])
+        key = {"kernel": "ms", "kernel_cfg": "ms", "step": "ms_per_step", "b1": "ms_per_step",
+               "w1": "output_tok_per_s"}.get(r["part"])
         v = r.get(key)
-        b = base.get(r["part"], {}).get(key)
+        b = base.get("kernel" if r["part"] == "kernel_cfg" else r["part"], {}).get(key)
         ratio = f"{v / b:.2f}x" if v and b else "-"
-        print(f"{r['part']:<8}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
+        part = r["part"] if r["part"] != "kernel_cfg" else f"{r['block_n']}x{r['num_warps']}w"
+        print(f"{part:<8}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
               f"{ratio:>9}{r.get('gb_per_s', ''):>9}")
 
 

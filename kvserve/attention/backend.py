@@ -17,8 +17,9 @@ class AttentionBackend(ABC):
     allocates and interprets a layer's cache from its ``KVCacheSpec``. The default layout
     (per layer) is ``[2, num_blocks, block_size, num_kv_heads, row]`` in the format's
     torch dtype; index 0 holds K, 1 holds V; ``row`` is ``head_size`` for unquantized formats
-    and the codes plus their scales for quantized ones (``KVFormat.row_elems``,
-    ``kvserve/attention/kv_quant.py``). The cache dtype may differ from the compute dtype.
+    and the codes plus their scales for quantized ones (``KVFormat.row_elems``); for those the
+    shape only sizes each block's page, laid out as codes then scales
+    (``kvserve/attention/kv_quant.py``). The cache dtype may differ from the compute dtype.
     """
 
     name: str = "abstract"

@@ -3,8 +3,9 @@
 The decode rows of a step (query length 1, first in the batch) are sorted by length and
 cut into chunks of about ``chunk_tokens`` padded KV rows. Per chunk and layer:
 
-1. one ``index_select`` copies the chunk's whole K and V blocks into a reused buffer,
-   K and V each ``[rows, L, Hkv * D]`` (``L``: the chunk's longest sequence, rounded up
+1. one ``index_select`` copies the chunk's whole K and V blocks (pages; quantized ones
+   are dequantized from ``kv_quant.page_views``) into a reused buffer, K and V each
+   ``[rows, L, Hkv * D]`` (``L``: the chunk's longest sequence, rounded up
    to a block);
 2. scores ``[rows, H, L]`` come from ``baddbmm`` of block-diagonal queries against K:
    row ``h * G + g`` of a sequence's query matrix ``[H, Hkv * D]`` holds query head
@@ -50,7 +51,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import cache_format, dequantize
+from kvserve.attention.kv_quant import cache_format, dequantize_pages
 from kvserve.attention.torch_ref import prefill_attention, store_kv
 
 # Padded KV rows per chunk: a chunk's K and V (1.5 MB each at 3 KV heads x 64 dims in
@@ -295,9 +296,9 @@ class CpuBackend(AttentionBackend):
             qin.copy_(q)
         for c, cv in zip(plan.chunks, per_chunk):
             torch.index_select(cache, 1, c.block_idx, out=cv.kvg)  # K and V in one call
-            if fmt.quantized:  # dequantize the chunk's rows into the compute-dtype buffer
-                rows = cv.kvg.view(kv_cache.dtype).view(2, -1, hkv, rw)
-                cv.kv_cast.view(2, -1, hkv, d).copy_(dequantize(rows, d, query.dtype, fmt))
+            if fmt.quantized:  # dequantize the chunk's pages into the compute-dtype buffer
+                pages = cv.kvg.view(2, -1, bs, hkv, rw)
+                cv.kv_cast.view(2, -1, bs, hkv, d).copy_(dequantize_pages(pages, d, query.dtype, fmt))
             elif cv.kv_cast is not None:
                 cv.kv_cast.copy_(cv.kvg.view(kv_cache.dtype))
             if cv.transposes is not None:

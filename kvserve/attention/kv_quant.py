@@ -16,11 +16,33 @@ Scheme (no calibration data needed; scales are computed from each token as it is
   partial block work unchanged, and no block is kept in the compute dtype while it
   fills. The accuracy cost is measured by ``kvserve bench accuracy``.
 
-Layout: one layer's cache is ``[2, num_blocks, block_size, num_kv_heads, row]`` in the
-format's storage dtype (one byte per element), ``row = D * bits / 8 + scale bytes``; the
-scales sit in the row right after the codes, so they move with the token. Scales are
-float16 and at least ``MIN_SCALE`` (the smallest normal float16), so a constant row never
-divides by zero. Rounding is ``floor(y + 0.5)`` (the Triton store kernel does the same).
+Layout (this module owns it; ``kvserve/attention/triton/kv_load.py`` and ``kv_store.py`` are
+its Triton mirror). One layer's cache is allocated as ``[2, num_blocks, block_size,
+num_kv_heads, row]`` in the format's storage dtype (one byte per element), ``row = C + S``
+with ``C = D * bits / 8`` code bytes and ``S`` scale bytes (2: one float16 scale; 4: float16
+scale then float16 minimum, int4/int2). For quantized formats that shape only sizes the
+page: the bytes of one block of K (likewise V), a *page* of ``P = block_size * num_kv_heads
+* row`` bytes, hold first the codes of every (slot, kv_head) row, then all their scales::
+
+    page[0 : block_size*Hkv*C]            codes  [block_size, Hkv, C]   uint8
+    page[block_size*Hkv*C : P]            scales [block_size, Hkv, S/2] float16
+
+so byte ``k`` of the codes of slot ``t``, KV head ``h`` is at ``(t * Hkv + h) * C + k`` and
+its scale (and minimum) at ``block_size * Hkv * C + (t * Hkv + h) * S`` (+2). Pages are
+whole blocks, so anything that moves whole blocks (CPU / disk / remote tiers) moves scales
+with them. ``page_views`` gives strided ``(codes, scales)`` views of any tensor of pages;
+``pages_to_rows`` / ``rows_to_pages`` convert to and from the per-row form ``[..., row]``
+(codes then scale bytes) that ``quantize`` / ``dequantize`` work on; ``quantize_pages`` /
+``dequantize_pages`` go straight between values and pages; ``scatter_rows`` (the torch
+store) and ``copy_slots`` (copy-on-write of some slots of a block) write both regions.
+Why: the kernels load a tile of codes as 16-byte vectors; that needs ``C`` and the page
+size to be multiples of 16 (``aligned_for_vector_loads``: D*bits/8 % 16 == 0, i.e. D >= 16
+for 8-bit, >= 32 for int4, >= 64 for int2, and block_size * Hkv * row % 16 == 0, true for
+any block_size >= 8 since row is even). Other shapes are still read correctly (the Triton
+compiler then emits narrower loads; a start-up warning says so). Scales are float16 and at
+least ``MIN_SCALE`` (the smallest normal float16), so a constant row never divides by zero.
+Rounding is ``floor(y + 0.5)`` (the Triton store kernel does the same). The disk tier's
+content key carries the layout version (``kv_connector/block_hash.py``).
 """
 
 from __future__ import annotations
@@ -83,7 +105,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 
 def dequantize(rows: torch.Tensor, head_size: int, dtype: torch.dtype, fmt: KVFormat | None = None) -> torch.Tensor:
-    """Cache rows ``[..., row]`` -> values ``[..., head_size]`` in ``dtype``.
+    """Cache rows ``[..., row]`` (codes then scale bytes) -> values ``[..., head_size]`` in ``dtype``.
 
     The format is read from ``rows`` (``cache_format``) unless given.
     """
@@ -91,19 +113,140 @@ def dequantize(rows: torch.Tensor, head_size: int, dtype: torch.dtype, fmt: KVFo
     if not fmt.quantized:
         return rows.to(dtype)
     b = rows.view(torch.uint8)
-    nc = head_size * fmt.bits // 8
-    codes = b[..., :nc]
+    nc = code_bytes(fmt, head_size)
+    scales = b[..., nc:nc + scale_bytes(fmt)].contiguous().view(torch.float16)
+    return _dequantize_parts(b[..., :nc], scales, head_size, dtype, fmt)
+
+
+def _dequantize_parts(codes: torch.Tensor, scales: torch.Tensor, head_size: int, dtype: torch.dtype,
+                      fmt: KVFormat) -> torch.Tensor:
+    """Code bytes ``[..., C]`` (uint8) and float16 scales ``[..., n_scale]`` -> ``[..., head_size]``."""
+    sz = scales.float()
     if fmt.asymmetric:
-        sz = b[..., nc:nc + 4].contiguous().view(torch.float16).float()
         scale, zero = sz[..., :1], sz[..., 1:2]
         per_byte = 8 // fmt.bits
-        shifts = torch.arange(per_byte, device=rows.device, dtype=torch.int32) * fmt.bits
+        shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * fmt.bits
         q = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << fmt.bits) - 1)
         q = q.reshape(*codes.shape[:-1], head_size)
         return (q.float() * scale + zero).to(dtype)
-    scale = b[..., nc:nc + 2].contiguous().view(torch.float16).float()
+    scale = sz[..., :1]
     if fmt.name == "int8":
         vals = codes.view(torch.int8).float()
     else:
         vals = codes.contiguous().view(getattr(torch, fmt.torch_dtype)).float()
     return (vals * scale).to(dtype)
+
+
+# ---- page layout ---------------------------------------------------------------------------
+
+def code_bytes(fmt: KVFormat, head_size: int) -> int:
+    """``C``: code bytes of one (token, KV head) row."""
+    return head_size * fmt.bits // 8
+
+
+def scale_bytes(fmt: KVFormat) -> int:
+    """``S``: scale bytes of one (token, KV head) row of K or of V (2, or 4 with a minimum)."""
+    return fmt.scale_bytes_per_token_head // 2
+
+
+def aligned_for_vector_loads(fmt: KVFormat, head_size: int, block_size: int, num_kv_heads: int) -> bool:
+    """True if every row's codes start on a 16-byte boundary (``C`` and the page size are
+    multiples of 16), so the kernels can load codes as 16-byte vectors. Unquantized: True."""
+    if not fmt.quantized:
+        return True
+    c = code_bytes(fmt, head_size)
+    return c % 16 == 0 and (block_size * num_kv_heads * (c + scale_bytes(fmt))) % 16 == 0
+
+
+def _page_bytes(pages: torch.Tensor, head_size: int, fmt: KVFormat | None):
+    fmt = fmt or cache_format(pages, head_size)
+    if not fmt.quantized:
+        raise ValueError(f"{fmt.name} caches have no page layout (rows are plain values)")
+    *lead, bs, hkv, row = pages.shape
+    b = pages.view(torch.uint8)
+    if b.stride()[-3:] != (hkv * row, row, 1):
+        raise ValueError("the last three dims of a tensor of pages must be contiguous (one page each)")
+    c = code_bytes(fmt, head_size)
+    if row != c + scale_bytes(fmt):
+        raise ValueError(f"rows of {row} bytes do not hold {fmt.name} codes of head_size {head_size}")
+    flat = b.flatten(-3)  # a view: the page dims are contiguous
+    return fmt, flat, bs, hkv, c
+
+
+def page_views(pages: torch.Tensor, head_size: int, fmt: KVFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strided views ``(codes, scales)`` of quantized pages ``[..., block_size, Hkv, row]``
+    (e.g. a whole cache ``[2, num_blocks, ...]`` or gathered blocks): codes
+    ``[..., block_size, Hkv, C]`` uint8 and scales ``[..., block_size, Hkv, n_scale]``
+    float16 (n_scale 1, or 2 = scale, minimum). Writing them writes the pages."""
+    fmt, flat, bs, hkv, c = _page_bytes(pages, head_size, fmt)
+    n = bs * hkv * c
+    codes = flat[..., :n].unflatten(-1, (bs, hkv, c))
+    scales = flat[..., n:].unflatten(-1, (bs, hkv, scale_bytes(fmt))).view(torch.float16)
+    return codes, scales
+
+
+def pages_to_rows(pages: torch.Tensor, head_size: int, fmt: KVFormat | None = None) -> torch.Tensor:
+    """Pages ``[..., block_size, Hkv, row]`` -> per-row form (same shape and dtype, each row
+    its codes then its scale bytes), as ``quantize`` writes and ``dequantize`` reads. A copy."""
+    fmt = fmt or cache_format(pages, head_size)
+    codes, scales = page_views(pages, head_size, fmt)
+    return torch.cat([codes, scales.view(torch.uint8)], -1).view(pages.dtype)
+
+
+def rows_to_pages(rows: torch.Tensor, head_size: int, fmt: KVFormat | None = None) -> torch.Tensor:
+    """The inverse of ``pages_to_rows``: rows ``[..., block_size, Hkv, row]`` -> pages (a new tensor)."""
+    fmt = fmt or cache_format(rows, head_size)
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    codes, scales = page_views(out, head_size, fmt)
+    b = rows.view(torch.uint8)
+    c = codes.shape[-1]
+    codes.copy_(b[..., :c])
+    scales.view(torch.uint8).copy_(b[..., c:])
+    return out
+
+
+def quantize_pages(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Values ``[..., block_size, Hkv, D]`` -> a cache (pages) ``[..., block_size, Hkv, row]``
+    in the storage dtype (unquantized formats: just the cast)."""
+    rows = quantize(x, fmt)
+    return rows_to_pages(rows, x.shape[-1], fmt) if fmt.quantized else rows
+
+
+def dequantize_pages(pages: torch.Tensor, head_size: int, dtype: torch.dtype,
+                     fmt: KVFormat | None = None) -> torch.Tensor:
+    """Pages ``[..., block_size, Hkv, row]`` -> values ``[..., block_size, Hkv, head_size]``."""
+    fmt = fmt or cache_format(pages, head_size)
+    if not fmt.quantized:
+        return pages.to(dtype)
+    codes, scales = page_views(pages, head_size, fmt)
+    return _dequantize_parts(codes, scales, head_size, dtype, fmt)
+
+
+def copy_slots(cache: torch.Tensor, head_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy the K and V of flat slots ``src_slots`` into ``dst_slots`` (in place), codes and
+    scales for quantized caches ``[2, num_blocks, block_size, Hkv, row]``."""
+    bs = cache.shape[2]
+    fmt = cache_format(cache, head_size)
+    if not fmt.quantized:
+        flat = (cache.view(torch.uint8) if cache.element_size() == 1 else cache).flatten(1, 2)
+        flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
+        return
+    sb, so = src_slots // bs, src_slots % bs
+    db, do = dst_slots // bs, dst_slots % bs
+    for part in page_views(cache, head_size, fmt):
+        part[:, db, do] = part[:, sb, so]
+
+
+def scatter_rows(cache: torch.Tensor, head_size: int, slots: torch.Tensor, k_rows: torch.Tensor,
+                 v_rows: torch.Tensor, fmt: KVFormat | None = None) -> None:
+    """Write per-row K/V ``[num_tokens, Hkv, row]`` (``quantize``'s output) at flat ``slots``
+    (all >= 0) of a quantized cache ``[2, num_blocks, block_size, Hkv, row]``."""
+    fmt = fmt or cache_format(cache, head_size)
+    bs = cache.shape[2]
+    blk, off = slots // bs, slots % bs
+    codes, scales = page_views(cache, head_size, fmt)
+    c = codes.shape[-1]
+    for i, rows in enumerate((k_rows, v_rows)):
+        b = rows.view(torch.uint8)
+        codes[i].index_put_((blk, off), b[..., :c])
+        scales[i].index_put_((blk, off), b[..., c:].contiguous().view(torch.float16))

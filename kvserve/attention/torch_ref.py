@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import cache_format, dequantize, quantize
+from kvserve.attention.kv_quant import cache_format, dequantize, pages_to_rows, quantize, scatter_rows
 
 
 def store_kv(
@@ -26,10 +26,17 @@ def store_kv(
     ``slot_mapping``: ``[num_tokens]`` int64 flat slot ids; negative ids are skipped (padding).
     """
     _, num_blocks, block_size, hkv, row = kv_cache.shape
-    fmt = cache_format(kv_cache, key.shape[-1])
+    d = key.shape[-1]
+    fmt = cache_format(kv_cache, d)
+    key, value = quantize(key, fmt), quantize(value, fmt)
+    if fmt.quantized:  # codes and scales go to their places in the block's page (kv_quant)
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        scatter_rows(kv_cache, d, slot_mapping, key, value, fmt)
+        return
     k_flat = kv_cache[0].view(num_blocks * block_size, hkv, row)
     v_flat = kv_cache[1].view(num_blocks * block_size, hkv, row)
-    key, value = quantize(key, fmt), quantize(value, fmt)
     if kv_cache.element_size() == 1:  # index_copy_ has no float8 kernel; copy the bytes
         k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
         key, value = key.view(torch.uint8), value.view(torch.uint8)
@@ -38,21 +45,27 @@ def store_kv(
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather the first ``num_blocks`` blocks of each row of ``block_tables``.
 
     Returns K and V rows of shape ``[num_reqs, num_blocks * block_size, num_kv_heads, row]``
-    in the cache dtype (``dequantize`` turns them into values).
+    in the cache dtype, quantized pages turned into per-row form (``kv_quant.pages_to_rows``;
+    ``dequantize`` turns them into values).
     """
     r = block_tables.shape[0]
     _, _, bs, hkv, row = kv_cache.shape
+    fmt = cache_format(kv_cache, head_size)
     idx = block_tables[:, :num_blocks].reshape(-1).long()
     cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # no float8 index_select
-    # index_select copies whole blocks; several times faster than advanced indexing on the CPU.
-    k = cache[0].index_select(0, idx).view(r, num_blocks * bs, hkv, row).view(kv_cache.dtype)
-    v = cache[1].index_select(0, idx).view(r, num_blocks * bs, hkv, row).view(kv_cache.dtype)
-    return k, v
+    out = []
+    for half in (cache[0], cache[1]):
+        # index_select copies whole blocks (pages); several times faster than advanced indexing on the CPU.
+        pages = half.index_select(0, idx)
+        if fmt.quantized:
+            pages = pages_to_rows(pages, head_size, fmt)
+        out.append(pages.view(r, num_blocks * bs, hkv, row).view(kv_cache.dtype))
+    return out[0], out[1]
 
 
 def window_block_tables(block_tables: torch.Tensor, seq_lens: list[int], first_pos: list[int],
@@ -105,7 +118,7 @@ def prefill_attention(
         if sliding_window is not None:  # keys below the first query's window are never read
             lo = max(ctx - sliding_window + 1, 0) // block_size
         nb = -(-seq_len // block_size) - lo
-        k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1, lo:], nb)
+        k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1, lo:], nb, d)
         k0 = lo * block_size
         k = dequantize(k[0, : seq_len - k0], d, query.dtype, fmt).transpose(0, 1)  # [hkv, L, d]
         v = dequantize(v[0, : seq_len - k0], d, query.dtype, fmt).transpose(0, 1)
@@ -150,7 +163,7 @@ class TorchRefBackend(AttentionBackend):
                                                      [n - sliding_window for n in lens], block_size)
             else:
                 tables, lo, nb = meta.block_tables[:nd], [0] * nd, -(-max(lens) // block_size)
-            k, v = gather_kv(kv_cache, tables, nb)  # [nd, L, hkv, d]
+            k, v = gather_kv(kv_cache, tables, nb, d)  # [nd, L, hkv, d]
             k = dequantize(k, d, query.dtype).transpose(1, 2)  # [nd, hkv, L, d]
             v = dequantize(v, d, query.dtype).transpose(1, 2)
             q = query[:nd].view(nd, hkv, group, d)  # a KV group's heads as query rows

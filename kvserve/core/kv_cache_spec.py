@@ -22,10 +22,11 @@ from typing import Optional
 class KVFormat:
     """A KV storage format.
 
-    Quantized formats store each (token, KV head) row of K (and of V) as the packed codes
-    followed by their scales, in one row of ``row_elems(head_size)`` one-byte elements; the
-    scales travel with the token (store, copy-on-write, prefix sharing need no extra
-    tensor). See ``kvserve/attention/kv_quant.py`` for the scheme.
+    Quantized formats store each (token, KV head) row of K (and of V) as packed codes plus
+    their scales, ``row_elems(head_size)`` one-byte elements per row; within a block's page
+    all codes come first, then all scales (``kvserve/attention/kv_quant.py``: scheme and
+    layout). The scales live in the block (store, copy-on-write, prefix sharing, tiers need
+    no extra tensor).
 
     Attributes:
         name: the ``--kv-cache-dtype`` value.
@@ -48,7 +49,8 @@ class KVFormat:
         return self.scale_bytes_per_token_head > 0
 
     def row_elems(self, head_size: int) -> int:
-        """Elements of one (token, KV head) row of K or of V in the cache tensor's dtype."""
+        """Elements of one (token, KV head) row of K or of V in the cache tensor's dtype
+        (its codes and scale bytes; it sizes the page, the page layout places them)."""
         if not self.quantized:
             return head_size
         return head_size * self.bits // 8 + self.scale_bytes_per_token_head // 2

@@ -1,11 +1,14 @@
 """Content addresses of KV blocks for the tiers: deterministic across processes and runs.
 
 A block's key is a chain ``k_i = BLAKE2b-128(k_{i-1} || int64 token ids of block i)`` with
-``k_{-1} = BLAKE2b-128(b"kvserve-kv-v1" || model fingerprint || KV format || block size ||
+``k_{-1} = BLAKE2b-128(KEY_VERSION || model fingerprint || KV format || block size ||
 cache salt)``. Unlike Python's ``hash()`` (salted per process for str), the same tokens
 give the same key in every process, so a disk or remote tier can be shared and survives
 restarts; the model fingerprint and KV format in the root keep different models, dtypes and
-block sizes apart.
+block sizes apart. ``KEY_VERSION`` names the byte layout of a stored block: v2 is the
+page layout of ``kvserve/attention/kv_quant.py`` (a quantized block's codes, then its
+scales); blocks written in the v1 layout (codes and scale interleaved per row) are never
+found under v2 keys.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Optional
 import numpy as np
 
 _DIGEST = 16
+#: layout version of the stored block bytes (bump when a KV page layout changes)
+KEY_VERSION = b"kvserve-kv-v2"
 
 
 def model_fingerprint(config) -> str:
@@ -42,7 +47,7 @@ def model_fingerprint(config) -> str:
 
 def root_key(fingerprint: str, kv_format: str, block_size: int, salt: Optional[str]) -> bytes:
     """``k_{-1}`` for a model / KV format / block size / cache salt."""
-    blob = b"kvserve-kv-v1\0" + fingerprint.encode() + b"\0" + kv_format.encode() + b"\0" \
+    blob = KEY_VERSION + b"\0" + fingerprint.encode() + b"\0" + kv_format.encode() + b"\0" \
         + str(block_size).encode() + b"\0" + (b"\1" + salt.encode() if salt is not None else b"\0")
     return hashlib.blake2b(blob, digest_size=_DIGEST).digest()
 

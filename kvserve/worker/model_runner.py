@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.kv_quant import copy_slots
 from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
@@ -148,12 +149,11 @@ class ModelRunner:
             dst = [op.dst * bs + j for op in mine for j in range(op.num_tokens)]
             src_t = to_device(src, self.device, torch.long)
             dst_t = to_device(dst, self.device, torch.long)
-            for layer in self.kv_cache_config.groups[gid].layer_indices:
-                cache = self.kv_caches[layer]  # (2, num_blocks, block_size, kv_heads, head_dim)
-                if cache.element_size() == 1:  # fp8: copy the bytes
-                    cache = cache.view(torch.uint8)
-                flat = cache.flatten(1, 2)
-                flat.index_copy_(1, dst_t, flat.index_select(1, src_t))
+            group = self.kv_cache_config.groups[gid]
+            for layer in group.layer_indices:
+                # (2, num_blocks, block_size, kv_heads, row): quantized pages keep codes and
+                # scales apart, so the slots' codes and scales are copied (kv_quant.copy_slots).
+                copy_slots(self.kv_caches[layer], group.spec.head_size, src_t, dst_t)
 
     # ---- metadata ------------------------------------------------------------------------
     def _metadata(self, inp: BatchInputs, pad_to: int | None = None) -> list[AttentionMetadata]:

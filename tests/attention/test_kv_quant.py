@@ -1,4 +1,4 @@
-"""Quantized KV formats: round-trip error bounds (known answers), the row layout, and the
+"""Quantized KV formats: round-trip error bounds (known answers), the row and page layouts, and the
 cpu backend against torch_ref (the oracle) on every format: GQA, ragged lengths across block
 boundaries, mixed decode + prefill, prefix hits into quantized blocks, copy-on-write."""
 
@@ -11,7 +11,9 @@ import torch
 
 from kvserve.attention.cpu_backend import CpuBackend
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import MIN_SCALE, cache_format, dequantize, quantize
+from kvserve.attention.kv_quant import (MIN_SCALE, aligned_for_vector_loads, cache_format, copy_slots, dequantize,
+                                        dequantize_pages, page_views, pages_to_rows, quantize, quantize_pages,
+                                        rows_to_pages)
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.core.kv_cache_spec import KV_FORMATS, FullAttentionSpec, get_kv_format
 
@@ -97,7 +99,7 @@ def _meta(reqs, block_size, bt):
 def _quant_cache(num_blocks, bs, hkv, d, name, gen):
     fmt = get_kv_format(name)
     vals = torch.randn(2, num_blocks, bs, hkv, d, generator=gen)
-    return quantize(vals, fmt)
+    return quantize_pages(vals, fmt)
 
 
 @pytest.mark.parametrize("name", QUANT)
@@ -127,8 +129,8 @@ def test_cpu_backend_matches_torch_ref(name):
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(out, ref, **tol)
         # The oracle itself: dense attention over dequantized K/V equals torch_ref.
-        kd = dequantize(c_ref[0], d, torch.float32)
-        vd = dequantize(c_ref[1], d, torch.float32)
+        kd = dequantize_pages(c_ref[0], d, torch.float32)
+        vd = dequantize_pages(c_ref[1], d, torch.float32)
         i, (cached, new) = 3, reqs[3]
         L = cached + new
         kk = kd[bt[i, :nbs[i]].long()].reshape(-1, hkv, d)[:L].transpose(0, 1).repeat_interleave(h // hkv, 0)
@@ -149,8 +151,7 @@ def test_prefix_hit_and_copy_on_write_carry_scales(name):
     cache = _quant_cache(8, bs, hkv, d, name, gen)
     # Request A: 10 tokens in blocks 1, 2, 3 (last partial, 2 slots). Request B shares blocks 1, 2
     # and a copy of block 3's first 2 slots in block 5 (copy-on-write), then both decode 1 token.
-    flat = cache.view(torch.uint8).flatten(1, 2)
-    flat[:, 5 * bs:5 * bs + 2] = flat[:, 3 * bs:3 * bs + 2]
+    copy_slots(cache, d, torch.tensor([3 * bs, 3 * bs + 1]), torch.tensor([5 * bs, 5 * bs + 1]))
     q = torch.randn(2, h, d, generator=gen)
     k = torch.randn(1, hkv, d, generator=gen).expand(2, hkv, d)
     v = torch.randn(1, hkv, d, generator=gen).expand(2, hkv, d)
@@ -160,3 +161,68 @@ def test_prefix_hit_and_copy_on_write_carry_scales(name):
         meta_i = dataclasses.replace(meta, backend_cache={})
         out = be.forward(torch.cat([q[:1], q[:1]]), k, v, cache.clone(), meta_i, 0.25)
         torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_page_layout_known_answers(name):
+    """A hand-built page: byte k of the codes of slot t, KV head h sits at (t * Hkv + h) * C + k
+    of its block's page; its float16 scale (and minimum) at block_size * Hkv * C + (t * Hkv + h) * S."""
+    fmt = get_kv_format(name)
+    nb, bs, hkv, d = 3, 4, 3, 32
+    c, s = d * fmt.bits // 8, fmt.scale_bytes_per_token_head // 2
+    x = torch.randn(2, nb, bs, hkv, d, generator=torch.Generator().manual_seed(5)) * 3
+    rows = quantize(x, fmt)
+    pages = quantize_pages(x, fmt)
+    assert pages.shape == rows.shape == (2, nb, bs, hkv, c + s) and pages.dtype == rows.dtype
+    page = bs * hkv * (c + s)
+    flat = pages.view(torch.uint8).reshape(2, nb, page)
+    rb = rows.view(torch.uint8)
+    for kv, blk, t, h in [(0, 0, 0, 0), (1, 2, 3, 2), (0, 1, 2, 1), (1, 0, 1, 0)]:
+        r = (t * hkv + h)
+        assert torch.equal(flat[kv, blk, r * c:(r + 1) * c], rb[kv, blk, t, h, :c])
+        sc = bs * hkv * c + r * s
+        assert torch.equal(flat[kv, blk, sc:sc + s], rb[kv, blk, t, h, c:])
+        want = rb[kv, blk, t, h, c:].contiguous().view(torch.float16)
+        assert flat[kv, blk, sc:sc + 2].contiguous().view(torch.float16).item() == want[0].item()
+    # every byte is accounted for: codes region then scales region, nothing else
+    assert torch.equal(flat[..., :bs * hkv * c].reshape(2, nb, bs, hkv, c), rb[..., :c])
+    assert torch.equal(flat[..., bs * hkv * c:].reshape(2, nb, bs, hkv, s), rb[..., c:])
+    codes, scales = page_views(pages, d)
+    assert codes.shape == (2, nb, bs, hkv, c) and scales.shape == (2, nb, bs, hkv, s // 2)
+    assert scales.dtype == torch.float16 and codes.data_ptr() == pages.data_ptr()
+    assert torch.equal(pages_to_rows(pages, d).view(torch.uint8), rb)
+    assert torch.equal(rows_to_pages(rows, d).view(torch.uint8), flat.view(pages.shape))
+    assert torch.equal(dequantize_pages(pages, d, torch.float32), dequantize(rows, d, torch.float32))
+    # the views write the page: a new scale lands in the scales region only
+    scales[1, 2, 3, 2, 0] = 7.0
+    sc = bs * hkv * c + (3 * hkv + 2) * s
+    assert flat[1, 2, sc:sc + 2].contiguous().view(torch.float16).item() == 7.0
+    # gathered pages (e.g. a tier's copy of blocks 2, 0) convert the same way
+    g = pages[0].view(torch.uint8).index_select(0, torch.tensor([2, 0])).view(pages.dtype)
+    assert torch.equal(pages_to_rows(g, d, fmt).view(torch.uint8), rb[0, [2, 0]])
+
+
+def test_copy_slots_carries_codes_and_scales():
+    fmt = get_kv_format("int4")
+    bs, hkv, d = 4, 2, 32
+    pages = quantize_pages(torch.randn(2, 5, bs, hkv, d, generator=torch.Generator().manual_seed(6)), fmt)
+    before = pages_to_rows(pages, d)
+    copy_slots(pages, d, torch.tensor([4, 5, 6]), torch.tensor([12, 13, 14]))  # block 1 slots 0-2 -> block 3
+    after = pages_to_rows(pages, d)
+    want = before.clone()
+    want[:, 3, :3] = before[:, 1, :3]
+    assert torch.equal(after, want)
+
+
+def test_vector_load_alignment_rule():
+    """Codes start on 16-byte boundaries iff D * bits / 8 and the page are multiples of 16."""
+    f = get_kv_format
+    assert aligned_for_vector_loads(f("fp8_e4m3"), 128, 16, 8)
+    assert aligned_for_vector_loads(f("int4"), 128, 16, 8)
+    assert aligned_for_vector_loads(f("int2"), 64, 16, 1)
+    assert not aligned_for_vector_loads(f("int2"), 32, 16, 8)  # 8 code bytes per row
+    assert not aligned_for_vector_loads(f("int8"), 64, 4, 3)  # page 4 * 3 * 66 bytes
+    assert aligned_for_vector_loads(f("bfloat16"), 16, 1, 1)
+    # the page size (capacity) is the same as the per-row layout's
+    spec = FullAttentionSpec(16, 8, 128, "fp8_e4m3", "bfloat16")
+    assert spec.page_size_bytes == 2 * 16 * 8 * (128 + 2)

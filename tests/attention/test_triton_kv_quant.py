@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import dequantize, quantize
+from kvserve.attention.kv_quant import aligned_for_vector_loads, dequantize, pages_to_rows, quantize_pages
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.torch_ref import store_kv as ref_store_kv
 from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention, store_kv
@@ -37,7 +37,7 @@ def _batch(reqs, bs, hkv, d, name, gen):
     for i, nb in enumerate(nbs):
         bt[i, :nb] = torch.tensor(perm[o:o + nb])
         o += nb
-    cache = quantize(torch.randn(2, num_blocks, bs, hkv, d, generator=gen), get_kv_format(name))
+    cache = quantize_pages(torch.randn(2, num_blocks, bs, hkv, d, generator=gen), get_kv_format(name))
     slots, qsl = [], [0]
     for i, (c, n) in enumerate(reqs):
         slots += [int(bt[i, p // bs]) * bs + p % bs for p in range(c, c + n)]
@@ -64,8 +64,9 @@ def test_store_quantizes_like_torch_ref(name):
     store_kv(k, v, c_tri, meta.slot_mapping)
     ref_store_kv(k, v, c_ref, meta.slot_mapping)
     slots = meta.slot_mapping
-    a = c_tri.flatten(1, 2)[:, slots]
-    b = c_ref.flatten(1, 2)[:, slots]
+    rows_tri, rows_ref = pages_to_rows(c_tri, d), pages_to_rows(c_ref, d)  # the page layout as per-slot rows
+    a = rows_tri.flatten(1, 2)[:, slots]
+    b = rows_ref.flatten(1, 2)[:, slots]
     same = (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
     assert same >= 0.98, same  # ties may round differently; nothing else
     x = torch.stack([k, v])
@@ -76,7 +77,9 @@ def test_store_quantizes_like_torch_ref(name):
     # Slots not in slot_mapping are untouched.
     mask = torch.ones(c_tri.shape[1] * c_tri.shape[2], dtype=torch.bool, device=DEV)
     mask[slots] = False
-    assert torch.equal(c_tri.flatten(1, 2)[:, mask].view(torch.uint8), cache.flatten(1, 2)[:, mask].view(torch.uint8))
+    rows0 = pages_to_rows(cache, d)
+    untouched = rows0.flatten(1, 2)[:, mask].view(torch.uint8)
+    assert torch.equal(rows_tri.flatten(1, 2)[:, mask].view(torch.uint8), untouched)
 
 
 @pytest.mark.parametrize("name,q_dtype", [(n, torch.float32) for n in QUANT] + [("int8", torch.bfloat16)])
@@ -123,10 +126,45 @@ def test_warmup_takes_the_head_size_not_the_packed_row(name):
     fmt = get_kv_format(name)
     d, hkv = 16, 2
     if fmt.quantized:
-        cache = quantize(torch.randn(2, 3, 4, hkv, d), fmt).to(DEV)
+        cache = quantize_pages(torch.randn(2, 3, 4, hkv, d), fmt).to(DEV)
         assert cache.shape[-1] != d
     else:
         cache = torch.zeros(2, 3, 4, hkv, d, dtype=torch.bfloat16, device=DEV)
     before = cache.clone()
     TritonBackend().warmup(cache, 4, d, torch.bfloat16 if CUDA else torch.float32, {None})
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # warm-up stores nothing
+
+
+@pytest.mark.parametrize("name,bs,hkv,d,h", [
+    ("fp8_e4m3", 16, 2, 128, 4),  # head_dim 128, block 16: 16-byte aligned code rows and pages
+    ("int4", 16, 2, 128, 4),
+    ("int2", 16, 1, 64, 2),  # 16 code bytes per row: the smallest aligned int2 row
+    ("int8", 4, 3, 16, 3),  # page of 4 * 3 * 18 bytes: not a multiple of 16 (narrow loads, still correct)
+    ("int2", 8, 3, 32, 6),  # 8 code bytes per row: rows not 16-byte aligned
+])
+def test_page_layout_shapes(name, bs, hkv, d, h):
+    """Store + decode (split and direct) + prefill at real head sizes and at shapes whose code
+    rows / pages are not 16-byte aligned: the kernels equal torch_ref on the same pages."""
+    fmt = get_kv_format(name)
+    aligned = aligned_for_vector_loads(fmt, d, bs, hkv)
+    assert aligned == (d * fmt.bits // 8 % 16 == 0 and bs * hkv * fmt.row_elems(d) % 16 == 0)
+    gen = torch.Generator().manual_seed(3)
+    reqs = [(bs + 3, 1), (5, 1), (2, 2 * bs - 1)]  # batch 2 decodes (one across a block edge) + a prefill
+    meta, cache = _batch(reqs, bs, hkv, d, name, gen)
+    t = sum(n for _, n in reqs)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
+    c_ref = cache.clone()
+    store_kv(k, v, cache, meta.slot_mapping)
+    ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+    # the Triton store wrote the page layout: same bytes as torch_ref's store (up to rounding ties)
+    same = (cache.view(torch.uint8) == c_ref.view(torch.uint8)).float().mean().item()
+    assert same >= 0.98, same
+    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, backend_cache={},
+                                    slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits)
+        prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                          len(reqs) - meta.num_decodes, meta.max_query_len, d ** -0.5, out=out)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

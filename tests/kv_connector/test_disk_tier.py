@@ -54,6 +54,21 @@ def test_persists_across_engines(tiny_llama_dir, tmp_path, reference):
     assert toks == reference and cached == 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["int4", "fp8_e4m3"])
+def test_quantized_blocks_persist_with_their_scales(tiny_llama_dir, tmp_path, kv_dtype):
+    """Quantized KV pages (codes, then scales) written by one engine and loaded by the next
+    give the same greedy tokens as that format computed from scratch."""
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
+              max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False,
+              kv_cache_dtype=kv_dtype)
+    ref = list(llm.generate([PROMPT], SP, use_tqdm=False)[0].outputs[0].token_ids)
+    llm.shutdown()
+    toks, cached, stats = _run(_llm(tiny_llama_dir, str(tmp_path), kv_cache_dtype=kv_dtype))
+    assert toks == ref and cached == 0 and stats["disk_blocks_stored"] == 12
+    toks, cached, stats = _run(_llm(tiny_llama_dir, str(tmp_path), kv_cache_dtype=kv_dtype))
+    assert toks == ref and cached == 192 and stats["disk_blocks_loaded"] == 12
+
+
 def test_bad_files_rejected_and_recomputed(tiny_llama_dir, tmp_path, reference):
     _run(_llm(tiny_llama_dir, str(tmp_path)))
     llm = _llm(tiny_llama_dir, str(tmp_path))
@@ -154,3 +169,16 @@ def test_two_engines_share_a_directory(tiny_llama_dir, tmp_path):
     llm = _llm(tiny_llama_dir, str(tmp_path))
     outs = llm.generate(prompts[:4], SP, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [96] * 4
+
+
+def test_root_key_names_the_page_layout():
+    """Files written in the per-row quantized layout (key version v1) are never read as pages
+    of the codes-then-scales layout: the version is part of every block's key."""
+    import hashlib
+
+    from kvserve.kv_connector.block_hash import KEY_VERSION, root_key
+
+    assert KEY_VERSION == b"kvserve-kv-v2"
+    v1 = hashlib.blake2b(b"kvserve-kv-v1\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
+    v2 = hashlib.blake2b(KEY_VERSION + b"\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
+    assert root_key("fp", "int4", 16, None) == v2 != v1

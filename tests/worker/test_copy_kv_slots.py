@@ -27,3 +27,25 @@ def test_copy_ops_copy_only_the_named_slots_of_their_group():
     want[:, 0, :2] = before[1][:, 3, :2]
     assert torch.equal(mr.kv_caches[1], want)
     mr.run_block_ops([])  # no-op
+
+
+def test_copy_ops_carry_codes_and_scales_of_quantized_pages():
+    """Quantized pages keep codes and scales apart (kv_quant): a copy moves both, for the named
+    slots only, and the destination reads back as the source's values."""
+    from kvserve.attention.kv_quant import dequantize_pages, pages_to_rows, quantize_pages
+    from kvserve.core.kv_cache_spec import get_kv_format
+
+    mr = ModelRunner.__new__(ModelRunner)
+    mr.block_size, mr.device = 4, torch.device("cpu")
+    for name in ("int4", "fp8_e4m3"):
+        spec = FullAttentionSpec(4, 3, 32, name, "float32")
+        mr.kv_cache_config = KVCacheConfig([KVCacheGroup(0, [0], spec, 6)])
+        mr.kv_caches = {0: quantize_pages(torch.randn(2, 6, 4, 3, 32), get_kv_format(name))}
+        before = pages_to_rows(mr.kv_caches[0], 32)
+        mr.run_block_ops([BlockOp("copy", 0, 2, 4, 3)])
+        want = before.clone()
+        want[:, 4, :3] = before[:, 2, :3]
+        after = mr.kv_caches[0]
+        assert torch.equal(pages_to_rows(after, 32).view(torch.uint8), want.view(torch.uint8))
+        vals = dequantize_pages(after, 32, torch.float32)
+        assert torch.equal(vals[:, 4, :3], vals[:, 2, :3])

@@ -10,13 +10,20 @@ captured in a CUDA graph for fixed host ints.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_quant import aligned_for_vector_loads
 from kvserve.attention.triton.decode import decode_attention
 from kvserve.attention.triton.kv_store import store_kv
 from kvserve.attention.triton.prefill import prefill_attention
+from kvserve.core.kv_cache_spec import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+_WARNED: set = set()
 
 
 class TritonBackend(AttentionBackend):
@@ -33,6 +40,23 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
+
+    def validate_spec(self, spec: KVCacheSpec) -> None:
+        """As the base class; also warns (once per shape) when a quantized cache's code rows
+        cannot be 16-byte aligned (``kv_quant.aligned_for_vector_loads``): still correct, but
+        the kernels then load codes in narrower pieces."""
+        super().validate_spec(spec)
+        fmt = spec.format
+        key = (fmt.name, spec.head_size, spec.block_size, spec.num_kv_heads)
+        if key not in _WARNED and not aligned_for_vector_loads(fmt, spec.head_size, spec.block_size,
+                                                               spec.num_kv_heads):
+            _WARNED.add(key)
+            logger.warning(
+                "%s KV cache with head_size %d, block_size %d, %d KV heads: code rows of %d bytes / pages of %d "
+                "bytes are not multiples of 16, so the Triton kernels cannot use 16-byte loads (slower, still "
+                "correct); head_size * bits / 8 and block_size * kv_heads * row must be multiples of 16",
+                fmt.name, spec.head_size, spec.block_size, spec.num_kv_heads, spec.head_size * fmt.bits // 8,
+                spec.page_size_bytes // 2)
 
     def warmup(self, kv_cache: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype,
                sliding_windows: set[int | None]) -> None:

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import kernel_cache_args, kv_row_offsets, load_k_tile, load_v_tile
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, load_k_tile,
+                                               load_v_tile)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -89,8 +90,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
-        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True,
+                                         HEAD_DIM, KV_FMT)
+        k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,7 +100,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -163,13 +165,18 @@ def choose_num_splits(
     return max(1, min(want, cap, 32))
 
 
-def _config(head_dim: int, dtype: torch.dtype, interpret: bool) -> tuple[int, int, int]:
+def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
     if interpret:
         return 16, 1, 1
     if dtype == torch.float32:  # fp32 operands ("ieee" FMA dot): small tiles avoid spills
         return 16, 4, 2
     if head_dim >= 256:
+        return 32, 4, 2
+    if 1 <= kv_fmt <= 3:
+        # 8-bit codes dequantized in the dot-operand layout: ~150 registers per thread at 64
+        # keys (sm_90 ptxas; bf16: 80), i.e. 3 programs per SM; 32 keys: 128, 4 per SM
+        # (benchmarks/gpu_issue12.py times both).
         return 32, 4, 2
     return 64, 4, 2
 
@@ -186,6 +193,8 @@ def decode_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -199,6 +208,7 @@ def decode_attention(
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
         num_splits: override the heuristic (``choose_num_splits``).
+        block_n / num_warps: override the tile config (``_config``; benchmarks sweep them).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -214,7 +224,8 @@ def decode_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    block_n, num_warps, num_stages = _config(d, query.dtype, interpret)
+    cfg_n, cfg_warps, num_stages = _config(d, query.dtype, interpret, kv_fmt)
+    block_n, num_warps = block_n or cfg_n, num_warps or cfg_warps
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
@@ -233,7 +244,7 @@ def decode_attention(
         out, part_out, part_lse,
         scale * _LOG2E, window, num_splits,
         query.stride(0), query.stride(1), query.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        *cache_strides(k_cache, d, kv_fmt),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,

@@ -6,9 +6,10 @@ blocks; a token's flat slot is ``block_id * block_size + offset``. This kernel s
 ``kv_cache[0|1][block_id, offset]`` at the slots of ``slot_mapping``; a negative slot
 (padding, e.g. for CUDA-graph batches) is skipped. The values are cast to the cache dtype
 on store (fp32/bf16/fp16 -> any cache dtype), or quantized for the quantized formats
-(``KV_FMT`` > 0): per (token, head) row, the scale (and minimum) is computed in registers
-and written after the codes, as ``kvserve/attention/kv_quant.py`` describes (the same
-arithmetic, so the cache holds the bytes the torch reference would write).
+(``KV_FMT`` > 0): per (token, head) row, the scale (and minimum) is computed in registers;
+the codes go to the row's place in its block's codes region and the scales to the page's
+scales region, as ``kvserve/attention/kv_quant.py`` describes (the same arithmetic, so the
+cache holds the bytes the torch reference would write).
 
 Grid: ``(num_tokens,)``; each program moves one token's ``[num_kv_heads, head_size]`` tile
 for K and for V.
@@ -21,16 +22,16 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.kv_quant import MIN_SCALE, QMAX
-from kvserve.attention.triton.kv_load import kernel_cache_args
+from kvserve.attention.triton.kv_load import cache_strides, kernel_cache_args
 
 _QMAX_BY_CODE = {1: QMAX["fp8_e4m3"], 2: QMAX["fp8_e5m2"], 3: QMAX["int8"], 4: 15.0, 5: 3.0}
 
 
 @triton.jit
-def _quant_store(x, cache_ptr, row, mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, QMAX: tl.constexpr,
-                 MIN_SCALE: tl.constexpr):
-    """Quantize rows ``x [BLOCK_H, HEAD_DIM]`` and write codes + scales at row starts ``row``
-    ([BLOCK_H] element offsets; the cache is bytes)."""
+def _quant_store(x, cache_ptr, row, scale_row, mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr,
+                 QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Quantize rows ``x [BLOCK_H, HEAD_DIM]``; write the codes at byte offsets ``row`` and the
+    float16 scale (and minimum) at byte offsets ``scale_row`` (both ``[BLOCK_H]``)."""
     xf = x.to(tl.float32)
     offs_d = tl.arange(0, HEAD_DIM)
     m2 = mask[:, None] & (offs_d[None, :] >= 0)
@@ -48,7 +49,7 @@ def _quant_store(x, cache_ptr, row, mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.con
         packed = tl.sum(q3 << shifts[None, None, :], 2).to(tl.uint8)
         offs_c = tl.arange(0, HEAD_DIM // PER)
         tl.store(cache_ptr + row[:, None] + offs_c[None, :], packed, mask=mask[:, None] & (offs_c[None, :] >= 0))
-        sp = (cache_ptr + row + HEAD_DIM // PER).to(tl.pointer_type(tl.float16))
+        sp = (cache_ptr + scale_row).to(tl.pointer_type(tl.float16))
         tl.store(sp, scale, mask=mask)
         tl.store(sp + 1, zero, mask=mask)
     else:
@@ -74,7 +75,7 @@ def _quant_store(x, cache_ptr, row, mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.con
         else:
             codes = tl.floor(y + 0.5).to(tl.int8).to(tl.uint8, bitcast=True)
         tl.store(cache_ptr + row[:, None] + offs_d[None, :], codes, mask=m2)
-        sp = (cache_ptr + row + HEAD_DIM).to(tl.pointer_type(tl.float16))
+        sp = (cache_ptr + scale_row).to(tl.pointer_type(tl.float16))
         tl.store(sp, scale, mask=mask)
 
 
@@ -102,10 +103,15 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask, other=0.0)
     if KV_FMT > 0:
-        row = blk * stride_cb + off * stride_co + offs_h * stride_ch
+        # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales
+        # [BLOCK_SIZE, NUM_KV_HEADS, SB]; stride_co / stride_ch are the code strides.
+        SB: tl.constexpr = 4 if KV_FMT >= 4 else 2
+        page = blk * stride_cb
+        row = page + off * stride_co + offs_h * stride_ch
+        scale_row = page + BLOCK_SIZE * stride_co + (off * NUM_KV_HEADS + offs_h) * SB
         hmask = (offs_h < NUM_KV_HEADS) & valid
-        _quant_store(k, k_cache_ptr, row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
-        _quant_store(v, v_cache_ptr, row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
+        _quant_store(k, k_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
+        _quant_store(v, v_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
     else:
         dst = blk * stride_cb + off * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -120,7 +126,8 @@ def store_kv(
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_size]``, any float dtype, any strides.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, row]`` (``row``: see
-            ``KVFormat.row_elems``; quantized on store); the K and V halves
+            ``KVFormat.row_elems``; quantized on store into the page layout of
+            ``kvserve/attention/kv_quant.py``); the K and V halves
             must share strides (true for any slice of a contiguous tensor).
         slot_mapping: ``[num_tokens]`` int64 (int32 works too) flat slot ids; ``< 0`` = skip.
     """
@@ -138,7 +145,7 @@ def store_kv(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        *cache_strides(k_cache, d, kv_fmt),
         NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD_DIM=d, BLOCK_SIZE=block_size,
         KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE,
         num_warps=4 if hkv * d >= 1024 else 2,

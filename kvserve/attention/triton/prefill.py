@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import kernel_cache_args, kv_row_offsets, load_k_tile, load_v_tile
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, load_k_tile,
+                                               load_v_tile)
 
 _LOG2E = 1.4426950408889634
 
@@ -43,8 +44,10 @@ def _attend_block(
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
-    row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
-    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)  # [D, BLOCK_N]
+    row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED,
+                                     HEAD_DIM, KV_FMT)
+    # [D, BLOCK_N]
+    k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
     qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
     if MASKED:
         valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -56,7 +59,8 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)  # [BLOCK_N, D]
+    # [BLOCK_N, D]
+    v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
     acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -199,7 +203,7 @@ def prefill_attention(
         block_tables, seq_lens, query_start_loc,
         scale * _LOG2E, window, req_offset,
         query.stride(0), query.stride(1), query.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        *cache_strides(k_cache, d, kv_fmt),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,

@@ -1,0 +1,111 @@
+"""Compile the Triton attention kernels for an H100 (sm_90) without a GPU and count the
+global-memory access widths in the PTX: a check that the quantized KV page layout
+(``kvserve/attention/kv_quant.py``) lets the compiler load code rows as 16-byte vectors.
+
+Specializes the arguments as the runtime would at the Qwen3-0.6B decode shape (16 query
+heads, 8 KV heads, head dim 128, block 16): pointers and ints divisible by 16 get
+``tt.divisibility=16``, ints equal to 1 become constants, ``do_not_specialize`` ints stay
+plain. Prints, per kernel and format, the counts of ``cp.async`` / ``ld.global`` /
+``st.global`` instructions by width (static counts in the PTX, not dynamic ones).
+
+Usage: PYTHONPATH=. python3 benchmarks/ptx_kv_loads.py [--dtypes bfloat16,fp8_e4m3,int8,int4,int2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real; nothing is launched
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+
+from kvserve.attention.triton import decode, kv_store, prefill  # noqa: E402
+from kvserve.attention.triton.kv_load import KV_FMT_CODES  # noqa: E402
+from kvserve.core.kv_cache_spec import get_kv_format  # noqa: E402
+
+H, HKV, D, BS = 16, 8, 128, 16
+
+
+def _compile(kern, ptrs: dict, ints: dict, consts: dict, no_spec=(), num_warps=4, num_stages=2):
+    sig, constexprs, attrs = {}, {}, {}
+    for i, n in enumerate(kern.arg_names):
+        if n in ptrs:
+            sig[n] = ptrs[n]
+            if ptrs[n].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in ints:
+            v = ints[n]
+            if v == 1 and n not in no_spec:
+                sig[n], constexprs[(i,)] = "constexpr", 1
+            else:
+                sig[n] = "i32"
+                if v % 16 == 0 and n not in no_spec:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[n], constexprs[(i,)] = "constexpr", consts[n]
+    target = GPUTarget("cuda", 90, 32)
+    opts = make_backend(target).parse_options(dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
+                          options=opts.__dict__)
+
+
+def _widths(ptx: str) -> dict:
+    ops = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (0x[0-9a-f]+|\d+)", ptx)
+    c = Counter(f"cp.async/{int(w, 0)}B" for w in ops)
+    c.update(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9]+)*", ptx))
+    return dict(sorted(c.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="bfloat16,fp8_e4m3,int8,int4,int2")
+    ns = ap.parse_args()
+    for name in ns.dtypes.split(","):
+        fmt = get_kv_format(name)
+        code = KV_FMT_CODES.get(name, 0)
+        row = fmt.row_elems(D)
+        if code:  # page stride in bytes, then the codes region's strides (kv_load.cache_strides)
+            c = D * fmt.bits // 8
+            cs = dict(stride_cb=BS * HKV * row, stride_co=HKV * c, stride_ch=c, stride_cd=1)
+            pk = "*u8"
+        else:
+            cs = dict(stride_cb=BS * HKV * D, stride_co=HKV * D, stride_ch=D, stride_cd=1)
+            pk = "*bf16"
+        q = dict(stride_qt=H * D, stride_qh=D, stride_qd=1)
+        o = dict(stride_ot=H * D, stride_oh=D, stride_od=1)
+        for direct in (False, True):
+            ck = _compile(
+                decode._decode_split_kernel,
+                dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                     query_start_loc_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                     qk_scale="fp32", window="i32", num_splits="i32"),
+                dict(**q, **cs, **o, stride_bt=513),
+                dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=64, DIRECT=direct, USE_WINDOW=False,
+                     DOT_PREC="tf32", WIDEN=False, KV_FMT=code),
+                no_spec=("window", "num_splits", "stride_bt"))
+            print(f"{name:9s} decode{'(direct)' if direct else '(split) '}", _widths(ck.asm["ptx"]), flush=True)
+        ck = _compile(
+            prefill._prefill_kernel,
+            dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, out_ptr="*bf16", block_tables_ptr="*i32",
+                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", window="i32", req_offset="i32"),
+            dict(**q, **cs, **o, stride_bt=513),
+            dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, USE_WINDOW=False,
+                 DOT_PREC="tf32", WIDEN=False, KV_FMT=code),
+            no_spec=("window", "req_offset", "stride_bt"), num_warps=8)
+        print(f"{name:9s} prefill        ", _widths(ck.asm["ptx"]), flush=True)
+        ck = _compile(
+            kv_store._store_kv_kernel,
+            dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, slot_ptr="*i64"),
+            dict(stride_kt=HKV * D, stride_kh=D, stride_kd=1, stride_vt=HKV * D, stride_vh=D, stride_vd=1, **cs),
+            dict(NUM_KV_HEADS=HKV, BLOCK_H=HKV, HEAD_DIM=D, BLOCK_SIZE=BS, KV_FMT=code,
+                 QMAX=kv_store._QMAX_BY_CODE.get(code, 1.0), MIN_SCALE=2.0 ** -14), num_stages=3)
+        print(f"{name:9s} store          ", _widths(ck.asm["ptx"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
