@@ -273,7 +273,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         bs = self.block_size
         known = min(request.num_computed_tokens, request.num_tokens)
         full = known // bs
-        self._save_full(request, block_ids, full)  # normally a no-op: saved when they filled
+        # Full blocks not saved yet (with async scheduling the block of the in-flight step's
+        # token fills after the scheduler last saw it) are copied before this step's forward,
+        # as the tail is: the freed blocks may be rewritten by that forward.
+        self._save_full(request, block_ids, full, self._meta.swap_out)
         tail = known - full * bs
         if tail and full < len(block_ids):
             slot = self._alloc_slot()
@@ -287,14 +290,17 @@ class OffloadingConnector(KVConnectorBase_V1):
             self._meta.swap_out.append((block_ids[full], slot))
             self.stats["swap_out_blocks"] += 1
 
-    def _save_full(self, request: "Request", block_ids: list[int], full: int) -> None:
+    def _save_full(self, request: "Request", block_ids: list[int], full: int, into: list | None = None) -> None:
+        """Offer the request's first ``full`` blocks to the tier; new ``(block, slot)`` copies go to
+        ``into`` (default: this step's saves, which run after its forward)."""
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _ReqState()
         if full <= st.num_saved:
             return
         keys = self._keys(request, full)
-        index, saves, step = self.index, self._meta.saves, self.step
+        index, step = self.index, self.step
+        saves = self._meta.saves if into is None else into
         for i in range(st.num_saved, full):
             k = keys[i]
             e = index.get(k)
@@ -370,7 +376,7 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def start_save_kv(self) -> None:
         meta = self._meta
-        if meta is not None and meta.saves:
+        if meta is not None and (meta.saves or meta.disk_saves):
             self.worker.save(meta.saves, meta.disk_saves)
 
     def wait_for_save(self) -> None:

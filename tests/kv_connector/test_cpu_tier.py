@@ -109,14 +109,19 @@ def _req(tokens):
     return Request("probe", tokens, SamplingParams())
 
 
-def test_swap_preemption_recomputes_nothing(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_swap_preemption_recomputes_nothing(tiny_llama_dir, async_scheduling):
+    """With async scheduling a victim's last full block fills in the step still in flight: it
+    must be copied out before the next forward reuses the freed block (it once went with the
+    after-forward saves and came back overwritten)."""
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
     sp = SamplingParams(max_tokens=48, **GREEDY)
     res = {}
     for mode in ("recompute", "swap"):
         kw = dict(preemption_mode=mode, kv_offloading_size=0.01) if mode == "swap" else {}
-        llm = _llm(tiny_llama_dir, num_gpu_blocks_override=20, max_model_len=300, **kw)
+        llm = _llm(tiny_llama_dir, num_gpu_blocks_override=20, max_model_len=300, async_scheduling=async_scheduling,
+                   **kw)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         stats = llm.llm_engine.engine_core.scheduler.get_stats()
         res[mode] = ([list(o.outputs[0].token_ids) for o in outs], stats)
