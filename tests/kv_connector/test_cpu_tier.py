@@ -61,6 +61,9 @@ def engines(tiny_llama_dir):
         "nocache": _llm(tiny_llama_dir, enable_prefix_caching=False),
         "cpu": _llm(tiny_llama_dir, kv_offloading_size=0.01),
         "swap": _llm(tiny_llama_dir, kv_offloading_size=0.01, preemption_mode="swap"),
+        # Async scheduling (the CUDA default) schedules a step while the previous one runs.
+        "cpu_async": _llm(tiny_llama_dir, kv_offloading_size=0.01, async_scheduling=True),
+        "swap_async": _llm(tiny_llama_dir, kv_offloading_size=0.01, preemption_mode="swap", async_scheduling=True),
         # 24 host blocks: the tier itself evicts (LRU) during the workload.
         "tiny_tier": _llm(tiny_llama_dir, kv_offloading_size=24 * 4096 / 2**30),
     }
@@ -69,7 +72,7 @@ def engines(tiny_llama_dir):
 def test_multi_turn_same_tokens_and_tier_hits(engines):
     ref = _multi_turn(engines["nocache"])
     base = engines["off"].llm_engine.engine_core.scheduler.get_stats().prefix_cache_hits
-    for name in ("off", "cpu", "swap", "tiny_tier"):
+    for name in ("off", "cpu", "swap", "tiny_tier", "cpu_async", "swap_async"):
         got = _multi_turn(engines[name])
         assert [t for t, _ in got] == [t for t, _ in ref], name
         _assert_whole(engines[name])
@@ -145,7 +148,7 @@ def test_random_arrivals_same_tokens(engines, data):
         p = rng.choice(bases) + [rng.randrange(3, 256) for _ in range(rng.randrange(1, 40))]
         reqs.append((rng.randrange(0, 30), f"r{i}", p, rng.randrange(1, 24)))
     results = {}
-    for name in ("nocache", "cpu", "swap"):
+    for name in ("nocache", "cpu", "swap", "cpu_async", "swap_async"):
         eng = engines[name].llm_engine
         pending = sorted(reqs)
         out, step = {}, 0
@@ -159,7 +162,8 @@ def test_random_arrivals_same_tokens(engines, data):
             step += 1
         results[name] = out
         _assert_whole(engines[name])
-    assert results["cpu"] == results["nocache"] and results["swap"] == results["nocache"]
+    for name in ("cpu", "swap", "cpu_async", "swap_async"):
+        assert results[name] == results["nocache"], name
 
 
 def test_bad_flags(tiny_llama_dir):
