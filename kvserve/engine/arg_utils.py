@@ -77,6 +77,10 @@ class EngineArgs:
     kv_disk_path: Optional[str] = _from(CacheConfig, "kv_disk_path")
     kv_disk_size: Optional[float] = _from(CacheConfig, "kv_disk_size")
     kv_remote_url: Optional[str] = _from(CacheConfig, "kv_remote_url")
+    kv_eviction_policy: str = _from(CacheConfig, "kv_eviction_policy")
+    attention_sinks: Optional[int] = _from(CacheConfig, "attention_sinks")
+    max_attention_window: Optional[int] = _from(CacheConfig, "max_attention_window")
+    kv_budget_tokens: Optional[int] = _from(CacheConfig, "kv_budget_tokens")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
@@ -224,6 +228,15 @@ class EngineArgs:
             if spec_config.model is not None and spec_config.method in ("draft_model", "eagle", "eagle3"):
                 _resolve_draft(spec_config, hf_config)
         kvt = parse_json_arg(self.kv_transfer_config, "--kv-transfer-config")
+        from kvserve.core.bounded_kv import resolve_bounded_kv
+
+        bounded = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,
+                                     self.kv_budget_tokens, self.block_size, hf_config=hf_config,
+                                     kv_cache_dtype=self.kv_cache_dtype, speculative=spec_config is not None,
+                                     attention_backend=self.attention_backend, tensor_parallel_size=tp)
+        if bounded["kv_eviction_policy"] != "none" and (self.kv_offloading_size or kvt is not None):
+            raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
+                             "are not supported with bounded KV")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
         if spec_config is not None:
             async_sched = False  # drafts of step N are needed to schedule step N+1
@@ -246,6 +259,7 @@ class EngineArgs:
             kv_offloading_size=float(self.kv_offloading_size) if self.kv_offloading_size is not None else None,
             kv_disk_path=self.kv_disk_path, kv_remote_url=self.kv_remote_url,
             kv_disk_size=float(self.kv_disk_size) if self.kv_disk_size is not None else None,
+            **bounded,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
