@@ -272,6 +272,7 @@ class BoundedKVManager(SingleTypeKVCacheManager):
         """As the base class, after evicting what the request's next step no longer reads."""
         if new_computed_blocks is not None and len(new_computed_blocks):
             raise RuntimeError("a bounded-KV group takes no prefix hits")
+        self._state(request)  # (h2o: masses are observed from the first step on)
         self.evict(request, num_new_tokens)
         return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
 
