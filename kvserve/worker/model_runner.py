@@ -190,7 +190,9 @@ class ModelRunner:
         from kvserve.core.bounded_kv import request_limits
         from kvserve.layers.rotary import RotaryEmbedding
 
-        ropes = [m for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
+        ropes = self.__dict__.get("_ropes")
+        if ropes is None:
+            ropes = self._ropes = [m for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
         top = int(inp.seq_lens.max())
         for r in ropes:
             if top > r.max_position:
