@@ -16,7 +16,10 @@ import torch
 from kvserve.attention.bounded import build_plans
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.registry import get_attn_backend
+from kvserve.attention.kv_quant import dequantize, quantize
+from kvserve.attention.torch_ref import store_kv
 from kvserve.core.bounded_kv import sink_shift
+from kvserve.core.kv_cache_spec import KVCacheSpec, get_kv_format
 
 BS, H, HKV, D = 4, 4, 2, 16
 INV = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
@@ -29,9 +32,10 @@ def _rot(x, pos):  # x [T, h, d] float64, rotated at positions pos [T]
     return x * ang.cos()[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * ang.sin()[:, None]
 
 
-def _batch(policy, ctx_lens, q_lens, sinks, window, evict_cols, seed=0):
+def _batch(policy, ctx_lens, q_lens, sinks, window, evict_cols, seed=0, kv_dtype=None):
     """Random raw q/k/v per request, rotated at their positions; a cache holding each
-    request's context (evicted columns -> null block 0, NaN-poisoned)."""
+    request's context (evicted columns -> null block 0, NaN-poisoned). With ``kv_dtype`` (a
+    quantized format) the cache is in that format and k/v are their quantized values."""
     g = torch.Generator().manual_seed(seed)
     seq = [c + q for c, q in zip(ctx_lens, q_lens)]
     nblk = [-(-s // BS) for s in seq]
@@ -54,7 +58,17 @@ def _batch(policy, ctx_lens, q_lens, sinks, window, evict_cols, seed=0):
             cache[1, table[i, p // BS], p % BS] = v[p].float()
         for col in evict_cols[i]:
             table[i, col] = 0
+        if kv_dtype is not None:  # the values the quantized cache holds
+            fmt = get_kv_format(kv_dtype)
+            k = dequantize(quantize(k.float(), fmt), D, torch.float32, fmt).double()
+            v = dequantize(quantize(v.float(), fmt), D, torch.float32, fmt).double()
         reqs.append((q, k, v, c, L))
+    if kv_dtype is not None:
+        spec = KVCacheSpec(BS, HKV, D, kv_dtype, "float32")
+        qcache = get_attn_backend("torch_ref").allocate_kv_cache(spec, num_blocks, torch.device("cpu"))
+        live = cache[0, 1:].reshape(-1, HKV, D), cache[1, 1:].reshape(-1, HKV, D)
+        store_kv(live[0], live[1], qcache, torch.arange(BS, num_blocks * BS))
+        cache = qcache
     return reqs, table, cache, seq
 
 
@@ -102,8 +116,10 @@ def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window):
     return out, meta, reqs, table, qsl
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch_ref", "triton"])
-def test_streaming_matches_dense_reference(backend):
+@pytest.mark.parametrize("backend,kv_dtype", [("cpu", None), ("torch_ref", None), ("triton", None),
+                                              ("cpu", "int8"), ("triton", "int4")])
+def test_streaming_matches_dense_reference(backend, kv_dtype):
+    """Quantized KV formats too: stored keys are never rewritten, so any format serves."""
     if backend == "triton":
         pytest.importorskip("triton")
     sinks, window = 5, 6  # sinks end inside block 1: its tail is masked
@@ -111,7 +127,7 @@ def test_streaming_matches_dense_reference(backend):
     # Columns below each request's first-query window (past the 2 sink blocks) are evicted.
     evict = [list(range(2, max(c - window + 1, 0) // BS)) for c in ctx]
     assert any(evict)
-    reqs, table, cache, seq = _batch("streaming", ctx, ql, sinks, window, evict)
+    reqs, table, cache, seq = _batch("streaming", ctx, ql, sinks, window, evict, kv_dtype=kv_dtype)
     out, _, reqs, _, qsl = _run(backend, "streaming", reqs, table, cache, seq, ql, sinks, window)
     assert not torch.isnan(out).any()
     for i, (q, k, v, c, L) in enumerate(reqs):
