@@ -1,4 +1,5 @@
-"""Attention over a bounded KV cache: StreamingLLM sinks + window, and H2O's kept blocks.
+"""Attention over a bounded KV cache: StreamingLLM (arXiv:2309.17453) sinks + window, and H2O's
+(arXiv:2306.14048) kept blocks.
 
 The block accounting lives in ``kvserve.core.bounded_kv`` (read its docstring for the policies
 and the position scheme). This module is the attention side, shared by every backend
