@@ -37,9 +37,16 @@ distance would then depend on the eviction state at the step that computes a tok
 chunked prefill would give other results than token-by-token decoding, and rewritten sink
 blocks could never be shared). ``h2o`` keeps original positions (as the paper does).
 
-Prefix caching: groups under a bounded policy neither register nor reuse blocks (their
-block tables have holes a radix-tree hit cannot describe). Stored KV equals a fresh prefill's,
-so this is a lookup limitation, not a correctness one; documented in docs/bounded-kv.md.
+Prefix caching (streaming only): under ``streaming`` what every query sees is a function of
+its position, ``N`` and ``W`` alone, so the KV of a block is a function of the tokens up to it
+and of ``(N, W)``: full blocks are registered by a hash chain salted with ``(cache_salt, N,
+W)`` (a request with other per-request limits never shares them) in the pool's hash map, as
+sliding-window groups do (no radix tree: the chain's inner blocks leave first). A hit of
+``k`` blocks needs only what the next query (position ``k * block_size``) reads: the sink
+blocks and the blocks of its window; the blocks in between are the null block in the hit,
+found right to left. A finished request frees its window blocks front to back, then its sink
+blocks, so the sinks and the tail (what a next chat turn needs) are evicted last. ``h2o``
+never caches: its kept blocks depend on the scores, and a block's KV on what was kept.
 
 Per request: ``SamplingParams.attention_sinks`` / ``max_attention_window`` may lower the
 engine's values (never raise them: the pool is planned for the engine's).
@@ -52,7 +59,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from kvserve.core.block_pool import KVCacheBlock
-from kvserve.core.single_type_manager import SingleTypeKVCacheManager
+from kvserve.core.prefix_cache import PrefixMatch
+from kvserve.core.single_type_manager import SingleTypeKVCacheManager, _ReqBlocks
 from kvserve.request import Request
 
 POLICIES = ("none", "streaming", "h2o")
@@ -181,16 +189,22 @@ class BoundedKVManager(SingleTypeKVCacheManager):
         sinks, window: the engine's attention sinks and (recent) window in tokens.
         budget_tokens: h2o: most tokens a request keeps (``budget_tokens // block_size`` blocks).
         group_id: the KV cache group this manager serves.
+        enable_caching: streaming: register full blocks and take prefix hits (module docstring);
+            ignored under h2o.
 
-    No prefix caching (nothing registered, no hits). ``take_evictions()`` hands the scheduler the
+    ``take_evictions()`` hands the scheduler the
     block-table columns nulled since the last call, per request, for ``SchedulerOutput``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, policy: str, sinks: int, window: int,
-                 budget_tokens: int = 0, group_id: int = 0) -> None:
+                 budget_tokens: int = 0, group_id: int = 0, enable_caching: bool = False) -> None:
         if policy not in ("streaming", "h2o"):
             raise ValueError(f"bounded KV policy must be streaming or h2o, got {policy!r}")
-        super().__init__(num_blocks, block_size, False, group_id)
+        super().__init__(num_blocks, block_size, enable_caching and policy == "streaming", group_id)
+        self.tree = None
+        self.pool.prefix_cache = None  # blocks are found by hash, evicted LRU
+        self._keys: dict[int, tuple] = {}  # block id -> (parent hash, tokens, salt) it was registered under
+        self._hashes: dict[str, list[int]] = {}  # request id -> its salted hash chain
         self.policy = policy
         self.sinks, self.window = sinks, window
         self.budget_blocks = max(budget_tokens // block_size, 1)
@@ -270,8 +284,6 @@ class BoundedKVManager(SingleTypeKVCacheManager):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[list[KVCacheBlock]] = None) -> Optional[list[KVCacheBlock]]:
         """As the base class, after evicting what the request's next step no longer reads."""
-        if new_computed_blocks is not None and len(new_computed_blocks):
-            raise RuntimeError("a bounded-KV group takes no prefix hits")
         self._state(request)  # (h2o: masses are observed from the first step on)
         self.evict(request, num_new_tokens)
         return super().allocate_slots(request, num_new_tokens, new_computed_blocks)
@@ -282,10 +294,82 @@ class BoundedKVManager(SingleTypeKVCacheManager):
         return super().can_allocate(request, num_new_tokens, new_computed_blocks)
 
     def free(self, request: Request) -> None:
-        """Release a finished or preempted request's blocks (and its h2o masses)."""
-        super().free(request)
-        self._bounded.pop(request.request_id, None)
+        """Release a finished or preempted request's blocks (and its h2o masses): the blocks after
+        the sinks front to back, then the sink blocks (LRU: the sinks and the tail go last)."""
+        b = self._bounded.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            sb = b.sink_blocks if b is not None else 0
+            self.pool.free(st.blocks[sb:] + st.blocks[:sb])
         self._evicted.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
+
+    # ---- prefix caching (streaming) ----------------------------------------------------
+    def _chain(self, request: Request, num_blocks: int) -> tuple[list[int], tuple]:
+        """The request's hash chain over its first ``num_blocks`` blocks, salted with its cache
+        salt and its ``(sinks, window)``, and that salt."""
+        s, w = request_limits(request.sampling_params, self.sinks, self.window)
+        salt = (getattr(request, "cache_salt", None), s, w)
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < num_blocks:
+            toks, bs = request.all_token_ids, self.block_size
+            h = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_blocks):
+                h = hash((h, tuple(toks[i * bs:(i + 1) * bs]), salt))
+                hashes.append(h)
+        return hashes, salt
+
+    def _lookup(self, request: Request, hashes: list[int], salt: tuple, i: int) -> Optional[KVCacheBlock]:
+        """The cached block holding block ``i`` of the request (its key re-checked), or None."""
+        b = self.pool.cached.get(hashes[i])
+        if b is None:
+            return None
+        bs = self.block_size
+        key = (hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs:(i + 1) * bs]), salt)
+        return b if self._keys.get(b.block_id) == key else None
+
+    def get_computed_blocks(self, request: Request) -> tuple[PrefixMatch, int]:
+        """Longest hit (block-granular; the last token is never counted): ``k`` entries whose sink
+        blocks and whose blocks the query at ``k * block_size`` sees are cached, the others the
+        null block. Nothing is referenced (pass it to ``allocate_slots``)."""
+        out = PrefixMatch()
+        m = (request.num_tokens - 1) // self.block_size
+        if not self.enable_caching or m <= 0:
+            return out, 0
+        s, w = request_limits(request.sampling_params, self.sinks, self.window)
+        bs, sb = self.block_size, -(-s // self.block_size)
+        hashes, salt = self._chain(request, m)
+        found = [self._lookup(request, hashes, salt, i) for i in range(m)]
+        lead = next((i for i, b in enumerate(found) if b is None), m)  # leading cached blocks
+        run = 0  # cached blocks ending at k - 1
+        runs = []
+        for b in found:
+            run = run + 1 if b is not None else 0
+            runs.append(run)
+        for k in range(m, 0, -1):
+            lo = max(max(k * bs - w + 1, 0) // bs, min(sb, k))  # first window column of query k * bs
+            if lead >= min(sb, k) and (lo >= k or runs[k - 1] >= k - lo):
+                null = self.pool.null_block
+                out.extend(found[i] if i < sb or i >= lo else null for i in range(k))
+                return out, k * bs
+        return out, 0
+
+    def _cache_full_blocks(self, request: Request, st: _ReqBlocks, num_tokens: int) -> None:
+        bs = self.block_size
+        num_full = min(num_tokens, request.num_tokens) // bs
+        if num_full <= st.num_cached:
+            return
+        hashes, salt = self._chain(request, num_full)
+        pool, null, keys = self.pool, self.pool.null_block, self._keys
+        toks = request.all_token_ids
+        for i in range(st.num_cached, num_full):
+            b = st.blocks[i]
+            if b is null or b.block_hash is not None:
+                continue
+            if pool.cache_block(b, hashes[i]):
+                keys[b.block_id] = (hashes[i - 1] if i else None, tuple(toks[i * bs:(i + 1) * bs]), salt)
+        st.num_cached = num_full
+        st.cache_at = (num_full + 1) * bs
 
     def num_live_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (null entries excluded)."""

@@ -44,7 +44,7 @@ def _group_manager(g: KVCacheGroup, enable_caching: bool) -> SingleTypeKVCacheMa
         return SlidingWindowManager(g.num_blocks, spec.block_size, spec.sliding_window, enable_caching, g.group_id)
     if isinstance(spec, BoundedKVSpec):
         return BoundedKVManager(g.num_blocks, spec.block_size, spec.policy, spec.sink_tokens, spec.window,
-                                spec.budget_tokens, g.group_id)
+                                spec.budget_tokens, g.group_id, enable_caching)
     return SingleTypeKVCacheManager(g.num_blocks, spec.block_size, enable_caching, g.group_id)
 
 

@@ -227,3 +227,30 @@ def test_quantized_kv_cache_streams(tiny):
     got, _ = _run_checked(llm, _prompts([13]), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert len(got[0]) == 60 and llm.llm_engine.engine_core.scheduler.get_stats().num_evicted_blocks > 10
     llm.shutdown()
+
+
+def test_prefix_hits_equal_reference_and_respect_limits(tiny, monkeypatch):
+    """A multi-turn chat (each turn's prompt = the last prompt + its answer + a new message):
+    later turns hit the sink blocks and the window before the new message (the blocks between
+    are null in the hit), and every answer equals the reference. A request with other
+    per-request limits never shares those blocks (its KV differs)."""
+    path, hf = tiny
+    monkeypatch.setenv("KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")  # prompts must fit max_model_len
+    llm = _llm(path, max_model_len=128)
+    sched = llm.llm_engine.engine_core.scheduler
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt, turns = [], []
+    for msg in _prompts([30, 5, 7], seed=6):
+        prompt = prompt + msg
+        got, _ = _run_checked(llm, [prompt], sp)
+        turns.append((prompt, got[0]))
+        prompt = prompt + got[0]
+    hits = sched.prefix_cache_hits
+    assert hits >= 2 * 16  # turns 2 and 3 reuse their sink + window blocks at least
+    other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, max_attention_window=5)
+    got_other, _ = _run_checked(llm, [turns[-1][0]], other)
+    assert sched.prefix_cache_hits == hits
+    llm.shutdown()
+    for p, out in turns:
+        assert out == streaming_greedy(hf, p, 12, SINKS, WINDOW, BS)
+    assert got_other[0] == streaming_greedy(hf, turns[-1][0], 12, SINKS, 5, BS)
