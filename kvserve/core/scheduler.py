@@ -154,9 +154,9 @@ class Scheduler:
         self._k_cap = k_max  # drafts per request allowed this step
         # Requests the workers must drop before the next step (finished or aborted).
         self.finished_req_ids: set[str] = set()
-        # Running order (worst last): a C key function, as this sort runs every step.
         # Bounded KV: requests run to max_tokens past max_model_len (their KV stays bounded).
         self._bounded = kv_cache_manager.bounds_kv
+        # Running order (worst last): a C key function, as this sort runs every step.
         self._sort_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
                           else attrgetter("arrival_time"))
 
