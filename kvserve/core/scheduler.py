@@ -23,6 +23,12 @@ Speculative decoding is the same rule: a decoding request that holds draft token
 returns ``1 + accepted`` tokens, and ``num_computed_tokens`` (and the KV blocks past it) roll
 back over the rejected ones. The step goes to the workers as data
 (``kvserve.core.sched_output``): new requests whole, running ones as a diff.
+
+With bounded KV (``--kv-eviction-policy streaming|h2o``, ``kvserve.core.bounded_kv``) the KV cache
+manager evicts blocks as requests advance (after each step, and before an allocation); the
+nulled block-table entries travel in ``SchedulerOutput.evicted_blocks``, h2o's attention mass
+comes back in ``ModelRunnerOutput.kv_block_mass``, and a request with ``max_tokens`` runs past
+``max_model_len`` (its KV stays bounded).
 """
 
 from __future__ import annotations
