@@ -144,6 +144,16 @@ def resolve_bounded_kv(policy: Optional[str], sinks: Optional[int], window: Opti
             "kv_budget_tokens": budget}
 
 
+def max_attention_distance(resolved: dict, block_size: int) -> Optional[int]:
+    """The longest query-key distance (tokens) a resolved ``streaming`` config lets attention
+    see: ``ceil(N / bs) * bs + W + bs`` (sinks are at in-cache distance); None for ``none``
+    and ``h2o`` (h2o keeps original positions: distances grow with the request)."""
+    if resolved.get("kv_eviction_policy") != "streaming":
+        return None
+    sb = -(-resolved["attention_sinks"] // block_size)
+    return sb * block_size + resolved["max_attention_window"] + block_size
+
+
 def request_limits(sampling_params: Any, sinks: int, window: int) -> tuple[int, int]:
     """A request's ``(sinks, window)``: its ``SamplingParams`` values where set (each at most
     the engine's), else the engine's. Raises ValueError for a value above the engine's."""

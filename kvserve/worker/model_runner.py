@@ -130,7 +130,10 @@ class ModelRunner:
         sc = self.config.scheduler_config
         # Block tables keep their logical layout in window groups too (freed entries: null).
         width = -(-sc.max_model_len // self.block_size)
-        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.block_size,
+        # Bounded KV may run with a huge max_model_len: token rows start smaller and grow.
+        rows = min(sc.max_model_len, 8192) if self.config.cache_config.kv_eviction_policy != "none" \
+            else sc.max_model_len
+        self.input_batch = InputBatch(sc.max_num_seqs, rows, self.block_size,
                                       [width] * len(kv_cache_config.groups),
                                       [getattr(g.spec, "sliding_window", None) for g in kv_cache_config.groups])
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):

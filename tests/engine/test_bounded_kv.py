@@ -229,13 +229,14 @@ def test_quantized_kv_cache_streams(tiny):
     llm.shutdown()
 
 
-def test_prefix_hits_equal_reference_and_respect_limits(tiny, monkeypatch):
+def test_prefix_hits_equal_reference_and_respect_limits(tiny):
     """A multi-turn chat (each turn's prompt = the last prompt + its answer + a new message):
     later turns hit the sink blocks and the window before the new message (the blocks between
     are null in the hit), and every answer equals the reference. A request with other
     per-request limits never shares those blocks (its KV differs)."""
     path, hf = tiny
-    monkeypatch.setenv("KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")  # prompts must fit max_model_len
+    # Prompts must fit max_model_len: 128 is past the model's 64 positions, allowed because
+    # streaming distances stay <= 4 + 8 + 4 (h2o's grow: refused, test_long_max_model_len).
     llm = _llm(path, max_model_len=128)
     sched = llm.llm_engine.engine_core.scheduler
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -254,3 +255,17 @@ def test_prefix_hits_equal_reference_and_respect_limits(tiny, monkeypatch):
     for p, out in turns:
         assert out == streaming_greedy(hf, p, 12, SINKS, WINDOW, BS)
     assert got_other[0] == streaming_greedy(hf, turns[-1][0], 12, SINKS, 5, BS)
+
+
+def test_long_max_model_len_needs_bounded_distances(tiny, monkeypatch):
+    """max_model_len past the rope's positions: allowed for streaming (its attention distances
+    stay bounded), refused for h2o and for no policy (unless the env override)."""
+    monkeypatch.delenv("KVSERVE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    path, _ = tiny
+    _llm(path, max_model_len=1000).shutdown()
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        _llm(path, max_model_len=1000, kv_eviction_policy="h2o", kv_budget_tokens=24)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        _llm(path, max_model_len=1000, kv_eviction_policy="none", attention_sinks=None, max_attention_window=None)
+    with pytest.raises(ValueError, match="longer than the model's context"):  # window 60: distances reach 72
+        _llm(path, max_model_len=1000, max_attention_window=60)
