@@ -130,6 +130,20 @@ class CacheConfig:
                                              "--kv-offloading-size.")
     kv_disk_size: Optional[float] = doc(None, "Disk tier budget in GiB for the files this engine writes (oldest "
                                               "deleted first); default: no limit.")
+    kv_eviction_policy: str = doc(
+        "none", "Bounded KV per request (docs/bounded-kv.md): none keeps every token; streaming "
+                "(StreamingLLM, arXiv:2309.17453) keeps --attention-sinks first tokens and the last "
+                "--max-attention-window tokens; h2o (arXiv:2306.14048) keeps sinks, the recent window and "
+                "the blocks with the most accumulated attention within --kv-budget-tokens. Setting "
+                "--max-attention-window alone selects streaming.",
+        choices=["none", "streaming", "h2o"])
+    attention_sinks: Optional[int] = doc(None, "Bounded KV: the first tokens every query keeps attending to "
+                                               "(attention sinks; default 4). Kept as ceil(N / block_size) blocks.")
+    max_attention_window: Optional[int] = doc(
+        None, "Bounded KV: the recent tokens each query attends to (streaming: required unless "
+              "--kv-budget-tokens is set; h2o: the recent window that is never evicted, default half the budget).")
+    kv_budget_tokens: Optional[int] = doc(None, "Bounded KV: most tokens one request keeps (h2o: required; "
+                                                "streaming: default sinks + window, must be >= that).")
     num_blocks: int = resolved(0)  # per KV cache group, decided at start-up from the memory budget
 
 

@@ -90,6 +90,9 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from the detokenized text.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar
             (``StructuredOutputsParams``; a dict of its fields is accepted).
+        attention_sinks / max_attention_window: kvserve extension, bounded KV only
+            (``--kv-eviction-policy``, docs/bounded-kv.md): this request's attention sinks
+            (>= 0) and window (>= 1) in tokens, each at most the engine's (None: the engine's).
     """
 
     n: int = 1
@@ -110,6 +113,8 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    attention_sinks: Optional[int] = None
+    max_attention_window: Optional[int] = None
     # Filled by the engine (not by users): eos ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -156,6 +161,12 @@ class SamplingParams:
             raise bad("prompt_logprobs", "must be an integer >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.attention_sinks is not None and (not isinstance(self.attention_sinks, int)
+                                                 or self.attention_sinks < 0):
+            raise bad("attention_sinks", "must be an integer >= 0")
+        if self.max_attention_window is not None and (not isinstance(self.max_attention_window, int)
+                                                      or self.max_attention_window < 1):
+            raise bad("max_attention_window", "must be an integer >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
 

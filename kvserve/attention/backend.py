@@ -44,6 +44,26 @@ class AttentionBackend(ABC):
         dtype = getattr(torch, spec.format.torch_dtype)
         return torch.zeros(self.kv_cache_shape(spec, num_blocks), dtype=dtype, device=device)
 
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write new K/V ``[T, Hkv, d]`` into their slots (``slot_mapping [T]`` int64, < 0 skipped)."""
+        from kvserve.attention.torch_ref import store_kv
+
+        store_kv(key, value, kv_cache, slot_mapping)
+
+    def forward_bounded(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store, then attend over a bounded KV cache (``meta.bounded``: StreamingLLM sinks +
+        window or H2O's kept blocks; ``kvserve.attention.bounded``). The default is the reference
+        implementation for every backend; shapes as ``forward``."""
+        from kvserve.attention.bounded import bounded_attention
+
+        self.store_kv(key, value, kv_cache, meta.slot_mapping)
+        qsl = meta.backend_cache.get("qsl_list")
+        if qsl is None:
+            qsl = meta.backend_cache["qsl_list"] = meta.query_start_loc.tolist()
+        return bounded_attention(query, kv_cache, meta.bounded, qsl, scale)
+
     @abstractmethod
     def forward(
         self,

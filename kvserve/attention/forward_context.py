@@ -40,6 +40,9 @@ class AttentionMetadata:
         backend_cache: scratch for a backend's derived tensors (gather indices, masks),
             filled by the first layer and reused by the others. It describes this step
             only: an object refilled for another step needs a fresh (empty) dict.
+        bounded: for a bounded-KV group (StreamingLLM / H2O), the step's
+            ``kvserve.attention.bounded.BoundedAttention`` (which blocks each request reads, its
+            mask and sink-query rotation); None otherwise.
     """
 
     slot_mapping: torch.Tensor
@@ -52,6 +55,7 @@ class AttentionMetadata:
     max_seq_len: int
     num_decodes: int
     backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    bounded: Optional[object] = field(default=None, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

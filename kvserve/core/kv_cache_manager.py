@@ -9,6 +9,10 @@ Sliding-window groups (``SlidingWindowSpec``) are served by ``SlidingWindowManag
 blocks below the window are freed as requests advance (``remove_skipped_blocks``), so a
 window group holds ``ceil(window / block_size) + 1`` blocks per request between steps.
 
+Bounded-KV groups (``BoundedKVSpec``: StreamingLLM sinks + window, H2O) are served by
+``BoundedKVManager`` (``bounded_kv.py``): blocks are evicted as requests advance and the
+nulled block-table columns travel to the workers in ``SchedulerOutput.evicted_blocks``.
+
 Prefix hits: every group holds the same computed prefix. Full-attention groups look the
 request up left to right and the shortest match wins (each is cut to it). Window groups then
 look right to left from that point for the longest hit whose last window is cached; the
@@ -23,12 +27,26 @@ from __future__ import annotations
 from typing import Optional
 
 from kvserve.core.block_pool import BlockPool, KVCacheBlock
-from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheGroup, FullAttentionSpec, SlidingWindowSpec
+from kvserve.core.bounded_kv import BoundedKVManager
+from kvserve.core.kv_cache_spec import (
+    BoundedKVSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec,
+)
 from kvserve.core.prefix_cache import PartialHit, PrefixMatch
 from kvserve.core.sched_output import BlockOp
 from kvserve.core.single_type_manager import SingleTypeKVCacheManager, hash_block_tokens
 from kvserve.core.sliding_window_manager import SlidingWindowManager
 from kvserve.request import Request
+
+def _group_manager(g: KVCacheGroup, enable_caching: bool) -> SingleTypeKVCacheManager:
+    """The manager serving one KV cache group, by its spec's type."""
+    spec = g.spec
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(g.num_blocks, spec.block_size, spec.sliding_window, enable_caching, g.group_id)
+    if isinstance(spec, BoundedKVSpec):
+        return BoundedKVManager(g.num_blocks, spec.block_size, spec.policy, spec.sink_tokens, spec.window,
+                                spec.budget_tokens, g.group_id, enable_caching)
+    return SingleTypeKVCacheManager(g.num_blocks, spec.block_size, enable_caching, g.group_id)
+
 
 #: Per KV cache group, a list of blocks (a ``PrefixMatch`` for lookups).
 KVCacheBlocks = tuple[list[KVCacheBlock], ...]
@@ -48,14 +66,44 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.enable_caching = enable_caching
         self.block_size = kv_cache_config.block_size
-        self.groups: list[SingleTypeKVCacheManager] = [
-            SlidingWindowManager(g.num_blocks, g.spec.block_size, g.spec.sliding_window, enable_caching, g.group_id)
-            if isinstance(g.spec, SlidingWindowSpec)
-            else SingleTypeKVCacheManager(g.num_blocks, g.spec.block_size, enable_caching, g.group_id)
-            for g in kv_cache_config.groups]
+        self.groups: list[SingleTypeKVCacheManager] = [_group_manager(g, enable_caching)
+                                                        for g in kv_cache_config.groups]
+        self.bounded_groups = [g for g in self.groups if isinstance(g, BoundedKVManager)]
         self._single = self.groups[0] if len(self.groups) == 1 else None
         self.window_groups = [g for g in self.groups if isinstance(g, SlidingWindowManager)]
         self.full_groups = [g for g in self.groups if not isinstance(g, SlidingWindowManager)]
+
+    @property
+    def bounds_kv(self) -> bool:
+        """Whether every group bounds a request's KV (bounded-KV eviction): requests may then
+        run past ``max_model_len`` up to their ``max_tokens``."""
+        return bool(self.bounded_groups) and len(self.bounded_groups) == len(self.groups)
+
+    def take_evictions(self) -> dict[str, list[tuple[int, int]]]:
+        """Request id -> ``(group id, block-table column)`` entries nulled by bounded-KV eviction
+        since the last call (for ``SchedulerOutput.evicted_blocks``)."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for g in self.bounded_groups:
+            for rid, cols in g.take_evictions().items():
+                out.setdefault(rid, []).extend((g.group_id, c) for c in cols)
+        return out
+
+    def observe_block_mass(self, request_id: str, mass_per_group: dict[int, dict[int, float]]) -> None:
+        """Attention mass per block-table column of a request (h2o scores), per group id."""
+        for g in self.bounded_groups:
+            m = mass_per_group.get(g.group_id)
+            if m:
+                g.observe_block_mass(request_id, m)
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Blocks freed by bounded-KV eviction, cumulative (all groups)."""
+        return sum(g.num_evicted_blocks for g in self.bounded_groups)
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Token slots freed by bounded-KV eviction, cumulative (all groups)."""
+        return sum(g.num_evicted_tokens for g in self.bounded_groups)
 
     @property
     def has_sliding_window(self) -> bool:
@@ -177,6 +225,12 @@ class KVCacheManager:
         request's) on can read, in every sliding-window group."""
         for g in self.window_groups:
             g.remove_skipped_blocks(request, num_computed_tokens)
+
+    def evict_after_step(self, request: Request, num_computed_tokens: int) -> None:
+        """Bounded-KV groups: evict what no query from ``num_computed_tokens`` on needs (after a
+        step's queries ran; h2o: with that step's attention mass already observed)."""
+        for g in self.bounded_groups:
+            g.evict(request, 0, num_computed_tokens)
 
     def num_live_blocks(self, request_id: str) -> tuple[int, ...]:
         """Per group, the blocks the request holds now (freed window entries excluded)."""

@@ -150,6 +150,46 @@ class SlidingWindowSpec(KVCacheSpec):
         return f"sliding_window({self.sliding_window})"
 
 
+@dataclass(frozen=True)
+class BoundedKVSpec(KVCacheSpec):
+    """A layer whose per-request KV is bounded by an eviction policy (``kvserve.core.bounded_kv``):
+    ``streaming`` (StreamingLLM, arXiv:2309.17453) keeps ``sink_tokens`` first tokens and the last
+    ``window`` tokens; ``h2o`` (arXiv:2306.14048) keeps at most ``budget_tokens // block_size``
+    blocks (sinks, the recent window, the heaviest-attended blocks). Evicted block-table entries
+    become the null block, as in a sliding-window group."""
+
+    policy: str = "streaming"
+    sink_tokens: int = 0
+    window: int = 1
+    budget_tokens: int = 0
+
+    @property
+    def sink_blocks(self) -> int:
+        return -(-self.sink_tokens // self.block_size)
+
+    @property
+    def budget_blocks(self) -> int:
+        """Blocks a request keeps between steps (h2o), or sinks + window blocks (streaming)."""
+        if self.policy == "h2o":
+            return max(self.budget_tokens // self.block_size, 1)
+        return self.sink_blocks + -(-self.window // self.block_size) + 1
+
+    def max_blocks_per_request(self, max_model_len: int) -> int:
+        return min(-(-max_model_len // self.block_size), self.budget_blocks)
+
+    def prefill_blocks(self, num_tokens: int) -> int:
+        """Blocks held while ``num_tokens`` tokens compute in one step (kept blocks + the chunk)."""
+        if self.policy == "h2o":
+            return self.budget_blocks + -(-num_tokens // self.block_size) + 1
+        return self.sink_blocks + -(-(self.window - 1 + num_tokens) // self.block_size) + 1
+
+    @property
+    def type_name(self) -> str:
+        if self.policy == "h2o":
+            return f"h2o(sinks={self.sink_tokens}, window={self.window}, budget={self.budget_tokens})"
+        return f"streaming(sinks={self.sink_tokens}, window={self.window})"
+
+
 @dataclass
 class KVCacheGroup:
     """Layers that share one block table per request (equal specs).
@@ -236,13 +276,15 @@ def prefill_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
     group holds the window before the chunk and the chunk itself; a full group, everything)."""
     if isinstance(spec, SlidingWindowSpec):
         return -(-(spec.sliding_window - 1 + num_tokens) // spec.block_size) + 1
+    if isinstance(spec, BoundedKVSpec):
+        return spec.prefill_blocks(num_tokens)
     return 0
 
 
 def _reserve(g: KVCacheGroup, max_model_len: int, max_num_batched_tokens: Optional[int]) -> int:
     """Blocks a window group keeps beyond the per-request shares, so that a step's prefill
     chunk (up to ``max_num_batched_tokens`` tokens) fits beside the window."""
-    if not isinstance(g.spec, SlidingWindowSpec):
+    if not isinstance(g.spec, (SlidingWindowSpec, BoundedKVSpec)):
         return 0
     chunk = max_num_batched_tokens or g.spec.block_size
     return max(prefill_blocks(g.spec, chunk) - g.spec.max_blocks_per_request(max_model_len), 0)
@@ -318,7 +360,7 @@ def max_request_tokens(cfg: KVCacheConfig, max_num_batched_tokens: Optional[int]
     best = None
     for g in cfg.groups:
         usable = max(g.num_blocks - 1, 0)
-        if isinstance(g.spec, SlidingWindowSpec):
+        if isinstance(g.spec, (SlidingWindowSpec, BoundedKVSpec)):
             if usable >= prefill_blocks(g.spec, max_num_batched_tokens or g.spec.block_size):
                 continue
             return 0

@@ -109,6 +109,9 @@ class SchedulerOutput:
             requests with a structured-output constraint that sample this step (empty: none).
         grammar_bitmask: int32 numpy ``[len(structured_output_request_ids), ceil(V / 32)]``
             (bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed), or None.
+        evicted_blocks: request id -> ``(group id, block-table column)`` entries that bounded-KV
+            eviction (``kvserve.core.bounded_kv``) turned into the null block; workers null them
+            in their block tables before this step (the blocks may be reused from this step on).
         num_speculative_tokens: with dynamic speculation, the drafts per request the
             scheduler takes now (0: speculation is off); proposers draft no more. None: k.
     """
@@ -126,6 +129,7 @@ class SchedulerOutput:
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional[np.ndarray] = None
     num_speculative_tokens: Optional[int] = None
+    evicted_blocks: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -144,12 +148,16 @@ class ModelRunnerOutput:
         prompt_logprobs: request id -> ``(start, entries)`` for requests that asked for prompt
             logprobs and computed prompt positions ``start, start + 1, ...`` this step:
             ``entries[j]`` is ``{token_id: (logprob, rank)}`` for prompt token ``start + 1 + j``.
+        kv_block_mass: h2o: request id -> group id -> ``{block-table column: attention mass}``
+            summed over the step's queries, layers and heads (probabilities, so a step adds at most
+            ``queries * layers * heads``).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, tuple[float, int]]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
+    kv_block_mass: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

@@ -23,6 +23,12 @@ Speculative decoding is the same rule: a decoding request that holds draft token
 returns ``1 + accepted`` tokens, and ``num_computed_tokens`` (and the KV blocks past it) roll
 back over the rejected ones. The step goes to the workers as data
 (``kvserve.core.sched_output``): new requests whole, running ones as a diff.
+
+With bounded KV (``--kv-eviction-policy streaming|h2o``, ``kvserve.core.bounded_kv``) the KV cache
+manager evicts blocks as requests advance (after each step, and before an allocation); the
+nulled block-table entries travel in ``SchedulerOutput.evicted_blocks``, h2o's attention mass
+comes back in ``ModelRunnerOutput.kv_block_mass``, and a request with ``max_tokens`` runs past
+``max_model_len`` (its KV stays bounded).
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ class SchedulerStats:
     num_speculative_tokens: int = 0  # k the dynamic policy allows now (0: off)
     # Tokens computed again for preempted requests (0 under swap unless the tier evicted).
     num_recomputed_tokens: int = 0  # cumulative
+    # Bounded KV (--kv-eviction-policy streaming|h2o): blocks and token slots evicted, cumulative.
+    num_evicted_blocks: int = 0
+    num_evicted_tokens: int = 0
     kv_connector_stats: Optional[dict] = None  # the KV connector's counters (tiers)
 
 
@@ -151,6 +160,8 @@ class Scheduler:
         self._k_cap = k_max  # drafts per request allowed this step
         # Requests the workers must drop before the next step (finished or aborted).
         self.finished_req_ids: set[str] = set()
+        # Bounded KV: requests run to max_tokens past max_model_len (their KV stays bounded).
+        self._bounded = kv_cache_manager.bounds_kv
         # Running order (worst last): a C key function, as this sort runs every step.
         self._sort_key = (attrgetter("priority", "arrival_time") if config.scheduling_policy == "priority"
                           else attrgetter("arrival_time"))
@@ -159,8 +170,22 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} already exists")
+        sp = request.sampling_params
+        if sp.attention_sinks is not None or sp.max_attention_window is not None:
+            self._check_bounded_params(sp)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def _check_bounded_params(self, sp) -> None:
+        """Per-request bounded-KV values need a bounded engine and may only lower its values.
+        Raises ValueError."""
+        if not self.kv.bounded_groups:
+            raise ValueError("attention_sinks / max_attention_window need an engine started with "
+                             "--kv-eviction-policy streaming|h2o")
+        from kvserve.core.bounded_kv import request_limits
+
+        for g in self.kv.bounded_groups:
+            request_limits(sp, g.sinks, g.window)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests (abort, stop string) wherever they are; frees their blocks."""
@@ -237,7 +262,7 @@ class Scheduler:
                 i += 1  # its pending token is its last: nothing left to compute
                 continue
             n = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget,
-                    cfg.max_model_len - req.num_computed_tokens)
+                    self._max_len(req) - req.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -354,6 +379,8 @@ class Scheduler:
         out.num_prompt_tokens = num_prompt
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         out.block_ops = self.kv.take_block_ops()
+        if self._bounded:
+            out.evicted_blocks = self.kv.take_evictions()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if grammar_reqs:
@@ -404,6 +431,9 @@ class Scheduler:
             have = len(req.prompt_logprobs) if req is not None else -1
             if start <= have < start + len(entries):  # chunks in order; a recompute adds nothing new
                 req.prompt_logprobs.extend(entries[have - start:])
+        for rid, mass in output.kv_block_mass.items():
+            if rid in self.requests:
+                self.kv.observe_block_mass(rid, mass)
         for rid, toks in output.sampled_token_ids.items():
             req = self.requests.get(rid)
             if req is None:
@@ -450,7 +480,7 @@ class Scheduler:
                 if drafts:
                     req.spec_token_ids = list(drafts)
             updated.append((req, toks, lps[: len(toks)] if lps is not None else None))
-        if self.kv.has_sliding_window:
+        if self.kv.has_sliding_window or self._bounded:
             self._free_outside_window(sched)
         return updated
 
@@ -464,20 +494,32 @@ class Scheduler:
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
-                self.kv.remove_skipped_blocks(req, min(start[rid] + n, req.num_computed_tokens))
+                c = min(start[rid] + n, req.num_computed_tokens)
+                self.kv.remove_skipped_blocks(req, c)
+                if self._bounded:
+                    self.kv.evict_after_step(req, c)
 
     def _reaches_limit(self, req: Request) -> bool:
         """Whether the tokens already sampled (pending included) end the request by length."""
         total = req.num_tokens + req.num_pending_tokens
         mt = req.sampling_params.max_tokens
         return (mt is not None and req.num_output_tokens + req.num_pending_tokens >= mt) \
-            or total >= self.config.max_model_len
+            or total >= self._max_len(req)
+
+    def _max_len(self, req: Request) -> int:
+        """Tokens (prompt + output) at which the request stops by length: ``max_model_len``, or,
+        with bounded KV and an explicit ``max_tokens``, the prompt plus ``max_tokens`` (vLLM
+        users expect ``max_tokens`` honoured; the KV a request holds stays bounded)."""
+        mt = req.sampling_params.max_tokens
+        if self._bounded and mt is not None:
+            return max(req.num_prompt_tokens + mt, self.config.max_model_len)
+        return self.config.max_model_len
 
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
         n_out = req.num_output_tokens
         # Length first, as vLLM does: a stop token that is also the last allowed one reads "length".
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self.config.max_model_len:
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self._max_len(req):
             return RequestStatus.FINISHED_LENGTH
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and tok == req.eos_token_id:
@@ -499,5 +541,6 @@ class Scheduler:
             num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
             num_speculative_tokens=self._k_cap,
             num_recomputed_tokens=self.num_recomputed_tokens,
+            num_evicted_blocks=self.kv.num_evicted_blocks, num_evicted_tokens=self.kv.num_evicted_tokens,
             kv_connector_stats=self.connector.get_stats() if self.connector is not None else None,
         )

@@ -77,6 +77,10 @@ class EngineArgs:
     kv_disk_path: Optional[str] = _from(CacheConfig, "kv_disk_path")
     kv_disk_size: Optional[float] = _from(CacheConfig, "kv_disk_size")
     kv_remote_url: Optional[str] = _from(CacheConfig, "kv_remote_url")
+    kv_eviction_policy: str = _from(CacheConfig, "kv_eviction_policy")
+    attention_sinks: Optional[int] = _from(CacheConfig, "attention_sinks")
+    max_attention_window: Optional[int] = _from(CacheConfig, "max_attention_window")
+    kv_budget_tokens: Optional[int] = _from(CacheConfig, "kv_budget_tokens")
     # SchedulerConfig
     max_num_seqs: int = _from(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: Optional[int] = _from(SchedulerConfig, "max_num_batched_tokens")
@@ -175,7 +179,12 @@ class EngineArgs:
         if self.quantization and self.tensor_parallel_size > 1:
             raise ValueError("--quantization is not supported with tensor_parallel_size > 1 yet")
         rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
-        max_model_len = resolve_max_model_len(hf_config, self.max_model_len, rope_scaling, self.rope_theta)
+        from kvserve.core.bounded_kv import max_attention_distance, resolve_bounded_kv
+
+        early = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,
+                                   self.kv_budget_tokens, self.block_size)
+        max_model_len = resolve_max_model_len(hf_config, self.max_model_len, rope_scaling, self.rope_theta,
+                                              max_attention_distance(early, self.block_size))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -224,6 +233,13 @@ class EngineArgs:
             if spec_config.model is not None and spec_config.method in ("draft_model", "eagle", "eagle3"):
                 _resolve_draft(spec_config, hf_config)
         kvt = parse_json_arg(self.kv_transfer_config, "--kv-transfer-config")
+        bounded = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,
+                                     self.kv_budget_tokens, self.block_size, hf_config=hf_config,
+                                     kv_cache_dtype=self.kv_cache_dtype, speculative=spec_config is not None,
+                                     attention_backend=self.attention_backend, tensor_parallel_size=tp)
+        if bounded["kv_eviction_policy"] != "none" and (self.kv_offloading_size or kvt is not None):
+            raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
+                             "are not supported with bounded KV")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
         if spec_config is not None:
             async_sched = False  # drafts of step N are needed to schedule step N+1
@@ -246,6 +262,7 @@ class EngineArgs:
             kv_offloading_size=float(self.kv_offloading_size) if self.kv_offloading_size is not None else None,
             kv_disk_path=self.kv_disk_path, kv_remote_url=self.kv_remote_url,
             kv_disk_size=float(self.kv_disk_size) if self.kv_disk_size is not None else None,
+            **bounded,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
@@ -295,14 +312,16 @@ ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def resolve_max_model_len(hf_config: Any, max_model_len: Optional[int], rope_scaling: Optional[dict],
-                          rope_theta: Optional[float]) -> int:
+                          rope_theta: Optional[float], max_distance: Optional[int] = None) -> int:
     """Apply ``--rope-scaling`` / ``--rope-theta`` to ``hf_config`` and decide the context length.
 
     The default is the model's context (``max_position_embeddings``), or the scaled one when
     ``--rope-scaling`` stretches it (linear / dynamic / yarn: ``factor`` x the original).
     A ``--max-model-len`` beyond what the rope covers is refused unless the rope is scaled
     (or ``KVSERVE_ALLOW_LONG_MAX_MODEL_LEN=1``, then with a warning); beyond the scaled length
-    it is allowed with a warning. The model is then built on the meta device so config errors
+    it is allowed with a warning. With bounded KV (StreamingLLM) whose longest query-key
+    distance ``max_distance`` the rope covers, any ``--max-model-len`` is allowed: positions
+    grow, distances do not. The model is then built on the meta device so config errors
     (unsupported rope type, bad window) surface here.
 
     Raises ValueError naming the flag.
@@ -329,7 +348,10 @@ def resolve_max_model_len(hf_config: Any, max_model_len: Optional[int], rope_sca
         max_model_len = covered if rope_scaling is not None else max_pos
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    if max_model_len > covered:
+    if max_model_len > covered and max_distance is not None and max_distance <= covered:
+        logger.info("bounded KV: max_model_len %d beyond the rope's %d tokens; attention distances stay <= %d",
+                    max_model_len, covered, max_distance)
+    elif max_model_len > covered:
         if not scaled and os.environ.get(ALLOW_LONG_ENV) != "1":
             raise ValueError(
                 f"--max-model-len {max_model_len} is longer than the model's context ({max_pos} tokens) and its "

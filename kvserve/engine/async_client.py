@@ -392,7 +392,7 @@ class AsyncLLM:
         log_stats_line(self._log_tokens[0] / dt, self._log_tokens[1] / dt, s.num_running, s.num_waiting,
                        s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions,
                        s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts,
-                       s.kv_tier)
+                       s.kv_tier, s.num_evicted_blocks)
         self._log_last, self._log_tokens = now, [0, 0]
 
     # ------------------------------------------------------------------ requests
@@ -411,7 +411,8 @@ class AsyncLLM:
 
     def validate(self, ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise ValueError for a bad prompt or parameters; see ``input_processor.validate_request``."""
-        validate_request(ids, params, priority, self.vocab_size, self.max_model_len, self.tokenizer is not None)
+        validate_request(ids, params, priority, self.vocab_size, self.max_model_len, self.tokenizer is not None,
+                         self.config.cache_config if self.config is not None else None)
 
     async def generate(
         self,

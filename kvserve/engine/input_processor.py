@@ -31,11 +31,13 @@ def tokenize_prompt(tokenizer, prompt: PromptType) -> tuple[Optional[str], list[
 
 def validate_request(
     ids: list[int], params: SamplingParams, priority: int, vocab_size: int, max_model_len: int,
-    has_tokenizer: bool = True,
+    has_tokenizer: bool = True, cache_config=None,
 ) -> None:
     """Raise ValueError for an empty prompt, ids outside ``[0, vocab_size)``, a prompt longer
-    than ``max_model_len`` tokens, a non-integer priority, stop strings without a tokenizer, or
-    a structured-output constraint that does not compile (or has no tokenizer)."""
+    than ``max_model_len`` tokens, a non-integer priority, stop strings without a tokenizer,
+    a structured-output constraint that does not compile (or has no tokenizer), or per-request
+    bounded-KV values (``attention_sinks`` / ``max_attention_window``) that the engine's
+    ``cache_config`` (a resolved ``CacheConfig``) does not allow."""
     if not isinstance(params, SamplingParams):
         raise ValueError("sampling params must be a SamplingParams")
     if params.stop and not has_tokenizer:
@@ -46,6 +48,14 @@ def validate_request(
         from kvserve.structured_output.manager import validate_structured_outputs
 
         validate_structured_outputs(params.structured_outputs)
+    if params.attention_sinks is not None or params.max_attention_window is not None:
+        policy = getattr(cache_config, "kv_eviction_policy", "none")
+        if policy == "none":
+            raise ValueError("attention_sinks / max_attention_window need an engine started with "
+                             "--kv-eviction-policy streaming|h2o")
+        from kvserve.core.bounded_kv import request_limits
+
+        request_limits(params, cache_config.attention_sinks, cache_config.max_attention_window)
     if not ids:
         raise ValueError("the prompt is empty")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -88,10 +98,12 @@ def log_stats_line(
     prompt_tps: float, gen_tps: float, running: int, waiting: int, kv_usage: float,
     prefix_queries: int, prefix_hits: int, preemptions: int, recompute_hits: int = 0,
     num_draft_tokens: int = 0, num_accepted_tokens: int = 0, num_drafts: int = 0, tier: dict | None = None,
+    evicted_blocks: int = 0,
 ) -> None:
     """The periodic stats line (throughputs in tokens/s; kv_usage as a 0..1 fraction); with
     speculative decoding also the draft acceptance rate and mean acceptance length; with KV
-    tiers (``tier``: the connector's counters) their hits and usage."""
+    tiers (``tier``: the connector's counters) their hits and usage; with bounded KV
+    (``--kv-eviction-policy``) the blocks evicted so far."""
     hit = prefix_hits / prefix_queries if prefix_queries else 0.0
     spec = ""
     if num_draft_tokens:
@@ -103,6 +115,8 @@ def log_stats_line(
                  f"{tier.get('blocks_stored', 0):.0f} blocks stored, {tier.get('blocks_loaded', 0):.0f} loaded")
         if tier.get("disk_blocks_stored") or tier.get("disk_hit_tokens"):
             spec += f", disk tier: {tier.get('disk_hit_tokens', 0):.0f} hit tokens"
+    if evicted_blocks:
+        spec += f", Evicted KV blocks: {evicted_blocks}"
     logger.info(
         "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "

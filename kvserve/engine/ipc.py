@@ -125,6 +125,8 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     num_accepted_tokens_per_pos: list[int] = []  # accepted drafts at each draft position
     num_recomputed_tokens: int = 0  # cumulative: tokens computed again for preempted requests
     kv_tier: Optional[dict[str, float]] = None  # the KV connector's counters (tiers), cumulative
+    num_evicted_blocks: int = 0  # cumulative: blocks freed by bounded-KV eviction (streaming / h2o)
+    num_evicted_tokens: int = 0  # cumulative: their token slots
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

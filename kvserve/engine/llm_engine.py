@@ -108,7 +108,8 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
-        validate_request(ids, params, priority, self.vocab_size, self.max_model_len, self.tokenizer is not None)
+        validate_request(ids, params, priority, self.vocab_size, self.max_model_len, self.tokenizer is not None,
+                         self.config.cache_config)
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} already exists")
@@ -181,6 +182,6 @@ class LLMEngine:
             (s.num_prompt_tokens - self._last_prompt) / dt, (s.num_generation_tokens - self._last_gen) / dt,
             s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
             s.num_preemptions, s.prefix_cache_recompute_hits, s.num_draft_tokens, s.num_accepted_tokens,
-            s.num_drafts, ss.kv_connector_stats,
+            s.num_drafts, ss.kv_connector_stats, ss.num_evicted_blocks,
         )
         self._last_log, self._last_prompt, self._last_gen = now, s.num_prompt_tokens, s.num_generation_tokens

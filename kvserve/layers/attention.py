@@ -64,6 +64,11 @@ class Attention(nn.Module):
             return self.split_hook(self, q, k, v)
         meta = get_forward_context().attn_metadata[self.kv_cache_group_id]
         t = q.shape[0]
+        if meta.bounded is not None:  # bounded KV (StreamingLLM / H2O): kvserve.attention.bounded
+            out = self.impl.forward_bounded(
+                q.view(t, self.num_heads, self.head_size), k.view(t, self.num_kv_heads, self.head_size),
+                v.view(t, self.num_kv_heads, self.head_size), self.kv_cache, meta, self.scale)
+            return out.reshape(t, self.num_heads * self.head_size)
         out = self.impl.forward(
             q.view(t, self.num_heads, self.head_size),
             k.view(t, self.num_kv_heads, self.head_size),

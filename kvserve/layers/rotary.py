@@ -77,6 +77,15 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = cos.to(device)
         self.sin_cache = sin.to(device)
 
+    @torch.no_grad()
+    def extend(self, max_position: int) -> None:
+        """Grow the cos/sin caches to ``max_position`` positions (bounded KV: requests run past
+        ``max_model_len`` and the trained length; rotary depends only on relative distance, and
+        a bounded request's distances stay within its kept keys)."""
+        if max_position > self.max_position:
+            self.max_position = max_position
+            self.build_cache()
+
     def _apply(self, fn, recurse=True):
         # Keep the caches float32 when the module is cast with .to(dtype)/.half().
         out = super()._apply(fn, recurse)

@@ -23,6 +23,8 @@ Exposed families (counters get the ``_total`` suffix in the text format):
   verification steps with drafts), ``kvserve:spec_decode_num_draft_tokens``,
   ``kvserve:spec_decode_num_accepted_tokens``, ``kvserve:spec_decode_num_accepted_tokens_per_pos``
   (label ``position``, 0-based draft position); mean acceptance length = 1 + accepted / drafts
+* bounded KV (``--kv-eviction-policy streaming|h2o``): ``kvserve:kv_evicted_blocks`` and
+  ``kvserve:kv_evicted_tokens`` (blocks / token slots freed by eviction, cumulative)
 * the API process's own ``process_*`` metrics (``process_resident_memory_bytes``, ...),
   when the ``registry`` is private (the default)
 """
@@ -99,6 +101,10 @@ class PrometheusStatLogger(StatLogger):
         self._last = {"q": 0, "h": 0, "p": 0, "rh": 0, "sd": 0, "sdt": 0, "sa": 0, "rc": 0}
         self._last_per_pos: list[int] = []
         self.recomputed = counter("num_recomputed_tokens", "Tokens computed again for preempted requests.")
+        self.evicted_blocks = counter("kv_evicted_blocks", "KV blocks freed by bounded-KV eviction "
+                                                           "(--kv-eviction-policy streaming|h2o).")
+        self.evicted_tokens = counter("kv_evicted_tokens", "Token slots freed by bounded-KV eviction.")
+        self._last.update(eb=0, et=0)
         tl = ["model_name", "tier"]
         self.tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier.", tl, registry=r)
         self.tier_stored = Counter("kvserve:kv_tier_stored_blocks", "KV blocks written to a tier.", tl, registry=r)
@@ -157,6 +163,8 @@ class PrometheusStatLogger(StatLogger):
                 self.spec_accepted_per_pos.labels(self.model_name, str(j)).inc(v - self._last_per_pos[j])
                 self._last_per_pos[j] = v
         self._inc_cumulative("rc", self.recomputed, getattr(stats, "num_recomputed_tokens", 0))
+        self._inc_cumulative("eb", self.evicted_blocks, getattr(stats, "num_evicted_blocks", 0))
+        self._inc_cumulative("et", self.evicted_tokens, getattr(stats, "num_evicted_tokens", 0))
         tier = getattr(stats, "kv_tier", None)
         if tier:
             m = self.model_name

@@ -62,13 +62,24 @@ class BlockTable:
         self.table = np.zeros((num_rows, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(num_rows, dtype=np.int64)
 
+    def ensure_width(self, max_blocks: int) -> None:
+        """Widen the table to at least ``max_blocks`` columns (bounded KV: requests may run past
+        ``max_model_len``; doubles, so growth is amortized)."""
+        w = self.table.shape[1]
+        if max_blocks > w:
+            t = np.zeros((self.table.shape[0], max(max_blocks, 2 * w)), dtype=np.int32)
+            t[:, :w] = self.table
+            self.table = t
+
     def set_row(self, row: int, ids: list[int]) -> None:
         n = len(ids)
+        self.ensure_width(n)
         self.table[row, :n] = ids
         self.num_blocks[row] = n
 
     def append(self, row: int, ids: list[int]) -> None:
         n = int(self.num_blocks[row])
+        self.ensure_width(n + len(ids))
         self.table[row, n:n + len(ids)] = ids
         self.num_blocks[row] = n + len(ids)
 
@@ -170,6 +181,7 @@ class InputBatch:
                                 new.sampling_params, new.eos_token_id, row)
         self.states[new.req_id] = st
         p, o = len(st.prompt_token_ids), len(st.output_token_ids)
+        self._ensure_token_cols(p + o)
         self.token_ids[row, :p] = st.prompt_token_ids
         if o:
             self.token_ids[row, p:p + o] = st.output_token_ids
@@ -212,8 +224,18 @@ class InputBatch:
             if toks:
                 self.append_tokens(rid, toks)
 
+    def _ensure_token_cols(self, num_tokens: int) -> None:
+        """Widen the token rows to hold ``num_tokens`` tokens (+ drafts); only bounded-KV requests
+        outgrow ``max_model_len`` (doubling, amortized)."""
+        w = self.token_ids.shape[1]
+        if num_tokens + 1 > w:
+            t = np.zeros((self.token_ids.shape[0], max(num_tokens + 1, 2 * w)), dtype=np.int64)
+            t[:, :w] = self.token_ids
+            self.token_ids = t
+
     def apply(self, sched: SchedulerOutput) -> None:
-        """Apply a step's diff: drop finished rows, add new requests, update running ones."""
+        """Apply a step's diff: drop finished rows, add new requests, update running ones, null
+        the block-table entries bounded-KV eviction freed (``SchedulerOutput.evicted_blocks``)."""
         for rid in sched.finished_req_ids:
             self.remove_request(rid)
         for rid in sched.preempted_req_ids:
@@ -221,6 +243,11 @@ class InputBatch:
         for new in sched.scheduled_new_reqs:
             self.add_request(new)
         self.update_cached(sched.scheduled_cached_reqs)
+        for rid, entries in sched.evicted_blocks.items():
+            st = self.states.get(rid)
+            if st is not None:
+                for gid, col in entries:
+                    self.block_tables[gid].table[st.row, col] = 0
 
     def append_tokens(self, req_id: str, tokens: list[int]) -> None:
         """Tokens sampled for ``req_id`` (ignored if the request is gone)."""
@@ -229,6 +256,7 @@ class InputBatch:
             return
         row = st.row
         n = int(self.num_tokens[row])
+        self._ensure_token_cols(n + len(tokens))
         k = min(len(tokens), self.token_ids.shape[1] - n)
         self.token_ids[row, n:n + k] = tokens[:k]
         self.num_tokens[row] = n + k

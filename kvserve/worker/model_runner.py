@@ -21,7 +21,7 @@ from kvserve.attention.forward_context import AttentionMetadata, forward_context
 from kvserve.attention.kv_quant import copy_slots
 from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
-from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from kvserve.core.kv_cache_spec import BoundedKVSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from kvserve.core.sched_output import BlockOp, SchedulerOutput
 from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_cache
 from kvserve.model_loader import get_model
@@ -97,7 +97,14 @@ class ModelRunner:
                 raise ValueError(f"layer {layer.layer_idx}: sliding_window must be >= 1, got {w}")
             args = (self.block_size, layer.num_kv_heads, layer.head_size, cc.kv_cache_dtype,
                     self.config.model_config.dtype)
-            if w is not None and w < max_len and not cc.disable_hybrid_kv_cache_manager:
+            if cc.kv_eviction_policy != "none":
+                if w is not None:
+                    raise ValueError(f"--kv-eviction-policy {cc.kv_eviction_policy}: layer {layer.layer_idx} "
+                                     f"has its own sliding window ({w}); bounded KV serves full-attention layers")
+                specs[layer.layer_idx] = BoundedKVSpec(
+                    *args, policy=cc.kv_eviction_policy, sink_tokens=cc.attention_sinks,
+                    window=cc.max_attention_window, budget_tokens=cc.kv_budget_tokens)
+            elif w is not None and w < max_len and not cc.disable_hybrid_kv_cache_manager:
                 specs[layer.layer_idx] = SlidingWindowSpec(*args, sliding_window=w)
             else:
                 specs[layer.layer_idx] = FullAttentionSpec(*args)
@@ -124,7 +131,10 @@ class ModelRunner:
         sc = self.config.scheduler_config
         # Block tables keep their logical layout in window groups too (freed entries: null).
         width = -(-sc.max_model_len // self.block_size)
-        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.block_size,
+        # Bounded KV may run with a huge max_model_len: token rows start smaller and grow.
+        rows = min(sc.max_model_len, 8192) if self.config.cache_config.kv_eviction_policy != "none" \
+            else sc.max_model_len
+        self.input_batch = InputBatch(sc.max_num_seqs, rows, self.block_size,
                                       [width] * len(kv_cache_config.groups),
                                       [getattr(g.spec, "sliding_window", None) for g in kv_cache_config.groups])
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
@@ -162,7 +172,8 @@ class ModelRunner:
         qsl = to_device(inp.query_start_loc.astype(np.int32), dev)
         sl = to_device(seq_lens.astype(np.int32), dev)
         metas = []
-        for bt, slots in zip(inp.block_tables, inp.slot_mappings):
+        specs = self.kv_cache_config.groups if self.kv_cache_config is not None else []
+        for gi, (bt, slots) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
             if pad_to is not None and pad_to > len(slots):  # padding rows store nothing
                 slots = np.concatenate([slots, np.full(pad_to - len(slots), -1, dtype=np.int64)])
             metas.append(AttentionMetadata(
@@ -170,7 +181,41 @@ class ModelRunner:
                 seq_lens=sl, query_lens_cpu=q.tolist(), seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()), num_decodes=inp.num_decodes,
             ))
+            spec = specs[gi].spec if gi < len(specs) else None
+            if isinstance(spec, BoundedKVSpec) and inp.req_ids:
+                metas[-1].bounded = self._bounded_plans(spec, inp, bt)
         return metas
+
+    def _bounded_plans(self, spec: BoundedKVSpec, inp: BatchInputs, bt: np.ndarray):
+        """The step's per-request bounded-KV plans (``kvserve.attention.bounded``); widens the
+        rotary tables when positions pass them (bounded requests run past ``max_model_len``)."""
+        from kvserve.attention.bounded import build_plans
+        from kvserve.core.bounded_kv import request_limits
+        from kvserve.layers.rotary import RotaryEmbedding
+
+        ropes = self.__dict__.get("_ropes")
+        if ropes is None:
+            ropes = self._ropes = [m for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
+        top = int(inp.seq_lens.max())
+        for r in ropes:
+            if top > r.max_position:
+                r.extend(max(top, 2 * r.max_position))
+        states = self.input_batch.states
+        lims = [request_limits(states[r].sampling_params, spec.sink_tokens, spec.window) for r in inp.req_ids]
+        return build_plans(spec.policy, bt, inp.seq_lens, inp.query_lens, [a for a, _ in lims],
+                           [b for _, b in lims], self.block_size, self.device,
+                           ropes[0].inv_freq if ropes else None)
+
+    def _block_mass(self, inp: BatchInputs, metas: list[AttentionMetadata]) -> dict:
+        """h2o: request id -> group id -> {block-table column: attention mass} of this step."""
+        out: dict = {}
+        for gi, m in enumerate(metas):
+            b = m.bounded
+            if b is None or b.policy != "h2o":
+                continue
+            for rid, plan in zip(inp.req_ids, b.plans):
+                out.setdefault(rid, {})[gi] = dict(zip(plan.cols.tolist(), plan.mass.tolist()))
+        return out
 
     def build_dummy_metadata(self, block_table: np.ndarray, lens: list[int]):
         """Metadata for a prefill of ``lens`` tokens per row over ``block_table`` (one group);
@@ -191,6 +236,9 @@ class ModelRunner:
         """On CUDA unless ``--enforce-eager`` or the backend can't be captured: whole-model graphs
         for decode-only steps and piecewise graphs, attention eager, for steps with prefill."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.cuda_graph_safe:
+            return
+        if self.config.cache_config.kv_eviction_policy != "none":
+            logger.info("bounded KV (--kv-eviction-policy): CUDA graphs off (per-request host plans)")
             return
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
 
@@ -254,14 +302,21 @@ class ModelRunner:
             input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, src))
         positions = to_device(inp.positions, self.device)
         tp = pw.padded_size(len(inp.token_ids)) if pw is not None else None
+        mass = None
         if tp is not None:
             hidden = pw.run(input_ids, positions, self._metadata(inp, pad_to=tp))
         else:
-            with forward_context(self._metadata(inp)):
+            metas = self._metadata(inp)
+            with forward_context(metas):
                 hidden = self.model(input_ids, positions)
+            if any(m.bounded is not None and m.bounded.policy == "h2o" for m in metas):
+                mass = self._block_mass(inp, metas)
         if conn is not None:
             conn.start_save_kv()
-        return self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)
+        res = self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)
+        if mass:
+            res.kv_block_mass = mass
+        return res
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
                 drafts: dict[str, list[int]], grammar=None) -> AsyncModelRunnerOutput:

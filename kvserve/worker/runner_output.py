@@ -44,6 +44,7 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, req_ids: list[str], packed, md, spec, event, runner, prompt_logprobs=None) -> None:
         self._prompt_logprobs = prompt_logprobs or {}
+        self.kv_block_mass: dict = {}  # h2o: ModelRunnerOutput.kv_block_mass of this step
         self.req_ids = req_ids
         self._packed = packed
         self._md = md
@@ -52,7 +53,7 @@ class AsyncModelRunnerOutput:
         self._runner = runner
 
     def get(self) -> ModelRunnerOutput:
-        out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs)
+        out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs, kv_block_mass=self.kv_block_mass)
         if self._event is not None:
             self._event.synchronize()
         runner = self._runner

@@ -52,3 +52,13 @@ def test_values_from_hooks():
     assert _value(t, "kvserve:e2e_request_latency_seconds_sum") == 3.5
     assert _value(t, "kvserve:request_queue_time_seconds_count") == 1
     assert 'kvserve:request_success_total{finished_reason="stop",model_name="m"} 1.0' in t
+
+
+def test_bounded_kv_eviction_counters():
+    """Bounded KV: cumulative evicted blocks / tokens from the stats message become counter deltas."""
+    m = PrometheusStatLogger("m")
+    m.on_step(SchedulerStatsMsg(num_evicted_blocks=3, num_evicted_tokens=48), 0, 1)
+    m.on_step(SchedulerStatsMsg(num_evicted_blocks=5, num_evicted_tokens=80), 0, 1)
+    text = m.render().decode()
+    assert _value(text, "kvserve:kv_evicted_blocks_total") == 5
+    assert _value(text, "kvserve:kv_evicted_tokens_total") == 80

@@ -78,6 +78,12 @@ class TritonBackend(AttentionBackend):
                 decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits)
             prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window)
 
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """The Triton store kernel (bounded-KV groups store with it, then attend with the
+        reference ``AttentionBackend.forward_bounded``)."""
+        store_kv(key, value, kv_cache, slot_mapping)
+
     def forward(
         self,
         query: torch.Tensor,

@@ -1,7 +1,8 @@
 """OpenAI API request models (pydantic) and conversions to kvserve types.
 
 Requests follow OpenAI's field names plus vLLM's extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, priority, stop_token_ids, skip_special_tokens). Responses are
+ignore_eos, min_tokens, priority, stop_token_ids, skip_special_tokens) and kvserve's bounded-KV
+extension (attention_sinks, max_attention_window; docs/bounded-kv.md). Responses are
 plain dicts in OpenAI's shapes (built here and in ``serving.py``).
 Range checks are ``SamplingParams``'s: a bad value raises ``ValueError`` whose message
 starts with the parameter name (``param_of`` picks it out for the error body).
@@ -112,6 +113,9 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # kvserve extension: bounded KV per request (--kv-eviction-policy; docs/bounded-kv.md)
+    attention_sinks: Optional[UInt63] = None
+    max_attention_window: Optional[UInt63] = None
 
     # Fields not implemented here are a 400 naming the field, never silently ignored.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -186,6 +190,8 @@ class _SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            attention_sinks=self.attention_sinks,
+            max_attention_window=self.max_attention_window,
         )
 
     @property
@@ -335,7 +341,8 @@ _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
                 "repetition_penalty", "max_tokens", "min_tokens", "logprobs", "stop", "seed", "prompt",
                 "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority", "cache_salt",
                 "echo", "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "tools", "tool_choice", "prompt_logprobs"}
+                "guided_grammar", "tools", "tool_choice", "prompt_logprobs", "attention_sinks",
+                "max_attention_window"}
 
 
 def param_of(message: str) -> Optional[str]:

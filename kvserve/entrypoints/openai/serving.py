@@ -199,8 +199,16 @@ class OpenAIServing:
         if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
+    @property
+    def bounded_kv(self) -> bool:
+        """Whether the engine bounds each request's KV (``--kv-eviction-policy``): completions may
+        then run past max_model_len up to their max_tokens (docs/bounded-kv.md)."""
+        cfg = getattr(self.engine, "config", None)
+        return getattr(getattr(cfg, "cache_config", None), "kv_eviction_policy", "none") != "none"
+
     def check_length(self, prompt_len: int, max_tokens: Optional[int], what: str = "prompt") -> int:
-        """Return the max_tokens to use; raise APIError(400) if the context cannot hold it."""
+        """Return the max_tokens to use; raise APIError(400) if the context cannot hold it
+        (with bounded KV only the prompt must fit)."""
         m = self.engine.max_model_len
         if prompt_len > m:
             raise APIError(400, f"This model's maximum context length is {m} tokens. However, your {what} has "
@@ -209,7 +217,7 @@ class OpenAIServing:
         if max_tokens is None:
             rest = max(m - prompt_len, 1)
             return rest if self.default_max_tokens is None else min(rest, self.default_max_tokens)
-        if prompt_len + max_tokens > m:
+        if prompt_len + max_tokens > m and not self.bounded_kv:
             raise APIError(400, f"This model's maximum context length is {m} tokens. However, you requested "
                                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} "
                                 f"for the completion). Please reduce the length of the {what} or completion.",

@@ -1,0 +1,188 @@
+"""Attention over a bounded KV cache: StreamingLLM (arXiv:2309.17453) sinks + window, and H2O's
+(arXiv:2306.14048) kept blocks.
+
+The block accounting lives in ``kvserve.core.bounded_kv`` (read its docstring for the policies
+and the position scheme). This module is the attention side, shared by every backend
+(``AttentionBackend.forward_bounded``: each backend stores K/V its own way, then this
+reference computes attention; a fused kernel may replace it later, and must match it):
+
+* ``streaming``: a query at position ``p`` sees the keys ``k <= p`` with ``k < N`` (the sinks)
+  or ``k > p - W`` (its window) -- exactly, by position, whatever blocks are still held. Its
+  scores against keys of the sink blocks use the query rotated back by ``delta(p)``
+  (``bounded_kv.sink_shift``): the distance to a sink is then the in-cache distance.
+* ``h2o``: a query sees every key of every block its request still holds (entries that are
+  not the null block 0), causally, at original positions; the attention probabilities are
+  summed per block (over query rows, heads and layers) into ``BoundedPlan.mass``, the score
+  the eviction policy ranks blocks by.
+
+Per step the model runner builds one ``BoundedPlan`` per request (host work, once for all
+layers: which block-table columns to read, key positions, the mask, the sink-query rotation)
+and attaches them to the group's ``AttentionMetadata.bounded``. Each layer then gathers only
+the kept blocks: ``O(sinks + window)`` keys per query, not ``O(position)``.
+
+Numerics: scores, softmax and the weighted sum run in float32 and the result is cast to the
+query's dtype. Queries are tiled by ``QUERY_TILE`` rows so a long prefill chunk's score
+matrix stays bounded in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kvserve.attention.kv_quant import cache_format, dequantize_pages
+
+QUERY_TILE = 256
+
+
+@dataclass
+class BoundedPlan:
+    """One request's reads for a step (built on the host, shared by every layer of the group).
+
+    Attributes:
+        cols: ``[C]`` int64 block-table columns to read (sink blocks first, then in order).
+        block_ids: ``[C]`` int64 their block ids (device).
+        kpos: ``[C * block_size]`` int64 key positions (device).
+        mask: ``[n, C * block_size]`` bool, True where query row ``j`` sees the key (device).
+        num_sink_keys: the first keys that are scored with the rotated-back query (0: none).
+        sink_cos / sink_sin: ``[n, head_size]`` float32 rotation by ``-delta(p)`` per query row,
+            or None when no row has a shift.
+        mass: h2o: ``[C]`` float32 attention mass accumulated over layers (device), else None.
+    """
+
+    cols: np.ndarray
+    block_ids: torch.Tensor
+    kpos: torch.Tensor
+    mask: torch.Tensor
+    num_sink_keys: int = 0
+    sink_cos: Optional[torch.Tensor] = None
+    sink_sin: Optional[torch.Tensor] = None
+    mass: Optional[torch.Tensor] = None
+
+
+@dataclass
+class BoundedAttention:
+    """A bounded-KV group's per-step attention description (``AttentionMetadata.bounded``).
+
+    Attributes:
+        policy: ``"streaming"`` or ``"h2o"``.
+        plans: per request of the batch (batch order), its ``BoundedPlan``.
+    """
+
+    policy: str
+    plans: list[BoundedPlan] = field(default_factory=list)
+
+
+def _rotation(shifts: np.ndarray, inv_freq: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin ``[n, 2 * len(inv_freq)]`` float32 of the angles ``shifts * inv_freq`` (float64 math)."""
+    ang = torch.from_numpy(shifts.astype(np.float64))[:, None] * inv_freq.double().cpu()[None, :]
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def build_plans(policy: str, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                sinks: list[int], windows: list[int], block_size: int, device: torch.device,
+                inv_freq: Optional[torch.Tensor] = None) -> BoundedAttention:
+    """Per request, which blocks to read, the mask and the sink-query rotation (host work).
+
+    Args:
+        policy: ``"streaming"`` or ``"h2o"``.
+        block_table: int32 ``[R, max_blocks]`` (null entries 0 where blocks were evicted).
+        seq_lens / query_lens: int64 ``[R]`` tokens after this step / computed this step.
+        sinks / windows: per request, its attention sinks and window (tokens).
+        block_size: tokens per block.
+        device: where the plans' tensors go.
+        inv_freq: the model's rotary inverse frequencies ``[head_size / 2]`` (streaming).
+
+    Raises ValueError when a streaming plan needs a rotation and ``inv_freq`` is None.
+    """
+    bs = block_size
+    out = BoundedAttention(policy)
+    ar = np.arange(bs, dtype=np.int64)
+    for i in range(len(seq_lens)):
+        L, n = int(seq_lens[i]), int(query_lens[i])
+        ctx = L - n
+        nb = -(-L // bs)
+        row = block_table[i, :nb]
+        N, W = sinks[i], windows[i]
+        sb = min(-(-N // bs), nb)
+        if policy == "streaming":
+            wcol = max(max(ctx - W + 1, 0) // bs, sb)
+            cols = np.concatenate([np.arange(sb), np.arange(wcol, nb)]).astype(np.int64)
+        else:
+            cols = np.flatnonzero(row != 0).astype(np.int64)
+        kpos = (cols[:, None] * bs + ar[None, :]).reshape(-1)
+        qpos = np.arange(ctx, L, dtype=np.int64)
+        mask = kpos[None, :] <= qpos[:, None]
+        plan_sinks, cos, sin = 0, None, None
+        if policy == "streaming":
+            mask &= (kpos[None, :] < N) | (kpos[None, :] > qpos[:, None] - W)
+            shifts = bs * np.maximum(0, (qpos - W + 1) // bs - -(-N // bs))
+            if shifts.any() and sb:
+                if inv_freq is None:
+                    raise ValueError("streaming attention needs the model's rotary inv_freq")
+                plan_sinks = sb * bs
+                cos, sin = _rotation(shifts, inv_freq, device)
+        out.plans.append(BoundedPlan(
+            cols=cols, block_ids=torch.from_numpy(row[cols].astype(np.int64)).to(device),
+            kpos=torch.from_numpy(kpos).to(device), mask=torch.from_numpy(mask).to(device),
+            num_sink_keys=plan_sinks, sink_cos=cos, sink_sin=sin,
+            mass=torch.zeros(len(cols), dtype=torch.float32, device=device) if policy == "h2o" else None))
+    return out
+
+
+def rotate_back(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary (neox, rotate-half) rotation of ``q [n, H, d]`` by minus the angles ``cos/sin [n, d]``."""
+    half = q.shape[-1] // 2
+    rot = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return q * cos[:, None, :] - rot * sin[:, None, :]
+
+
+def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: BoundedAttention,
+                      query_start_loc: list[int], scale: float) -> torch.Tensor:
+    """Attention of every request of the batch over its kept keys (K/V already stored).
+
+    Args:
+        query: ``[T, H, d]`` (already rotated at the tokens' positions).
+        kv_cache: ``[2, num_blocks, block_size, Hkv, row]`` in the cache format.
+        bounded: the step's plans (``build_plans``).
+        query_start_loc: ``[R + 1]`` prefix sums of query lengths (host ints).
+        scale: softmax scale.
+
+    Returns ``[T, H, d]`` in the query's dtype. h2o plans accumulate their ``mass``.
+    """
+    out = torch.empty_like(query)
+    _, _, bs, hkv, _ = kv_cache.shape
+    d = query.shape[2]
+    g = query.shape[1] // hkv
+    fmt = cache_format(kv_cache, d)
+    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+    for i, plan in enumerate(bounded.plans):
+        s, e = query_start_loc[i], query_start_loc[i + 1]
+        c = len(plan.cols)
+        # Whole pages, dequantized from the page layout (codes, then scales, per block).
+        k = dequantize_pages(cache[0].index_select(0, plan.block_ids).view(kv_cache.dtype), d, torch.float32,
+                             fmt).reshape(c * bs, hkv, d)  # [L, hkv, d]
+        v = dequantize_pages(cache[1].index_select(0, plan.block_ids).view(kv_cache.dtype), d, torch.float32,
+                             fmt).reshape(c * bs, hkv, d)
+        for t0 in range(s, e, QUERY_TILE):
+            t1 = min(t0 + QUERY_TILE, e)
+            q = query[t0:t1].float()
+            n = t1 - t0
+            qg = q.view(n, hkv, g, d)
+            scores = torch.einsum("nkgd,lkd->kgnl", qg, k)
+            ns = plan.num_sink_keys
+            if ns:
+                qs = rotate_back(q, plan.sink_cos[t0 - s:t1 - s], plan.sink_sin[t0 - s:t1 - s]).view(n, hkv, g, d)
+                scores[..., :ns] = torch.einsum("nkgd,lkd->kgnl", qs, k[:ns])
+            scores.mul_(scale)
+            scores.masked_fill_(~plan.mask[t0 - s:t1 - s], float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            o = torch.einsum("kgnl,lkd->nkgd", p, v)
+            out[t0:t1] = o.reshape(n, hkv * g, d).to(query.dtype)
+            if plan.mass is not None:
+                plan.mass += p.sum(dim=(0, 1, 2)).view(c, bs).sum(dim=1)
+    return out
