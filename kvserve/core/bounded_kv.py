@@ -61,6 +61,7 @@ from typing import Any, Optional
 from kvserve.core.block_pool import KVCacheBlock
 from kvserve.core.prefix_cache import PrefixMatch
 from kvserve.core.single_type_manager import SingleTypeKVCacheManager, _ReqBlocks
+from kvserve.core.sliding_window_manager import register_full_blocks
 from kvserve.request import Request
 
 POLICIES = ("none", "streaming", "h2o")
@@ -370,16 +371,7 @@ class BoundedKVManager(SingleTypeKVCacheManager):
         if num_full <= st.num_cached:
             return
         hashes, salt = self._chain(request, num_full)
-        pool, null, keys = self.pool, self.pool.null_block, self._keys
-        toks = request.all_token_ids
-        for i in range(st.num_cached, num_full):
-            b = st.blocks[i]
-            if b is null or b.block_hash is not None:
-                continue
-            if pool.cache_block(b, hashes[i]):
-                keys[b.block_id] = (hashes[i - 1] if i else None, tuple(toks[i * bs:(i + 1) * bs]), salt)
-        st.num_cached = num_full
-        st.cache_at = (num_full + 1) * bs
+        register_full_blocks(self, request, st, num_full, hashes, salt)
 
     def num_live_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (null entries excluded)."""

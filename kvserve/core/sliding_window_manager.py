@@ -47,6 +47,24 @@ def extend_block_hashes(request: Request, num_blocks: int, block_size: int) -> l
     return hashes
 
 
+def register_full_blocks(mgr: SingleTypeKVCacheManager, request: Request, st: _ReqBlocks, num_full: int,
+                         hashes: list[int], salt) -> None:
+    """Register ``request``'s live full blocks ``[st.num_cached, num_full)`` in ``mgr``'s pool by
+    hash, each keyed in ``mgr._keys`` by the parent hash, tokens and ``salt`` a hit re-checks
+    (window and bounded groups: no radix tree, null entries skipped)."""
+    bs = mgr.block_size
+    pool, null, keys = mgr.pool, mgr.pool.null_block, mgr._keys
+    toks = request.all_token_ids
+    for i in range(st.num_cached, num_full):
+        b = st.blocks[i]
+        if b is null or b.block_hash is not None:
+            continue
+        if pool.cache_block(b, hashes[i]):
+            keys[b.block_id] = (hashes[i - 1] if i else None, tuple(toks[i * bs:(i + 1) * bs]), salt)
+    st.num_cached = num_full
+    st.cache_at = (num_full + 1) * bs
+
+
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Maps requests to their blocks in one sliding-window KV cache group.
 
@@ -178,16 +196,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if num_full <= st.num_cached:
             return
         hashes = extend_block_hashes(request, num_full, bs)
-        pool, null, keys = self.pool, self.pool.null_block, self._keys
-        toks, salt = request.all_token_ids, getattr(request, "cache_salt", None)
-        for i in range(st.num_cached, num_full):
-            b = st.blocks[i]
-            if b is null or b.block_hash is not None:
-                continue
-            if pool.cache_block(b, hashes[i]):
-                keys[b.block_id] = (hashes[i - 1] if i else None, tuple(toks[i * bs:(i + 1) * bs]), salt)
-        st.num_cached = num_full
-        st.cache_at = (num_full + 1) * bs
+        register_full_blocks(self, request, st, num_full, hashes, getattr(request, "cache_salt", None))
 
     def free(self, request: Request) -> None:
         """Release a request's blocks front to back, so its tail is the last evicted."""
