@@ -73,7 +73,7 @@ def dequantize_tensor(data: np.ndarray, tensor_type: Any) -> torch.Tensor:
     if kind == "F32":
         return torch.from_numpy(np.array(data, dtype=np.float32))
     if kind == "F16":
-        return torch.from_numpy(np.ascontiguousarray(data)).float()
+        return torch.from_numpy(data.astype(np.float32))  # a copy: the memory map stays read-only
     if kind not in ("Q4_0", "Q4_1", "Q8_0"):
         from gguf.quants import dequantize
 
