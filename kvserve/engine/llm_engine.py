@@ -5,6 +5,8 @@ Used in-process by the offline ``LLM`` class.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
 import time
@@ -29,6 +31,24 @@ from kvserve.request import RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Turn Python's cyclic garbage collector off for the block, back on after (if it was on).
+
+    Start-up (imports, config, tokenizer JSON, weights) allocates a few hundred thousand
+    long-lived objects, and every full collection walks all of them: six collections cost
+    ~0.8 s of a 2-core machine's ``kvserve generate``. Reference counting still frees
+    everything that is not in a cycle.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -80,7 +100,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        """Resolve ``args`` (config, model, tokenizer) and build the engine, with the cyclic
+        garbage collector paused meanwhile (``gc_paused``). Raises as the constructor does."""
+        with gc_paused():
+            return cls(args.create_engine_config())
 
     @property
     def max_model_len(self) -> int:

@@ -115,6 +115,13 @@ class VocabParallelEmbedding(nn.Embedding):
         self.vocab_start = self.tp_rank * self.per_rank
         super().__init__(self.per_rank, hidden, dtype=dtype)
 
+    def reset_parameters(self) -> None:
+        """``nn.Embedding``'s normal init, skipped on the meta device: there are no values to
+        set, and ``normal_`` on meta goes through ``torch._refs``, which imports
+        ``torch._dynamo`` (~1 s of every start-up)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         _check("embedding", "full", loaded.shape, (self.vocab_size, param.shape[1]))
         rows = loaded[self.vocab_start:self.vocab_start + self.per_rank]

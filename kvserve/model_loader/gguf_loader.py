@@ -37,10 +37,12 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def open_gguf(path: str) -> Any:
-    """Parse ``path`` with ``gguf.GGUFReader`` (memory-mapped).
+    """Parse ``path`` with ``gguf.GGUFReader`` (memory-mapped), array metadata skipped.
 
-    The last two readers are kept (keyed by path, size and mtime): parsing a 262k-token
-    vocabulary takes ~10 s on one core and the config and the weights both need the reader.
+    ``reader.tensors`` are ``GGUFReader``'s; ``reader.fields`` holds the scalar and string
+    metadata only (arrays such as ``tokenizer.ggml.tokens`` are stepped over, see
+    ``_reader_class``). The last two readers are kept (keyed by path, size and mtime): the
+    weights and ``--quantization gguf`` both read them.
     Raises ValueError("<path> is not a valid GGUF file ...: <reason>") when the header or the
     metadata cannot be parsed or tensor data runs past the end of the file (truncation).
     """
@@ -50,10 +52,8 @@ def open_gguf(path: str) -> Any:
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, size: int, mtime_ns: int) -> Any:
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
+        reader = _reader_class()(path)
     except Exception as e:  # the reader raises assorted errors on bad bytes
         raise ValueError(f"{path} is not a valid GGUF file (corrupt or truncated?): {e}") from e
     for t in reader.tensors:
@@ -63,6 +63,55 @@ def _open_gguf(path: str, size: int, mtime_ns: int) -> Any:
                 f"{t.data_offset + t.n_bytes} but the file has {size} bytes"
             )
     return reader
+
+
+@functools.lru_cache(maxsize=1)
+def _reader_class() -> type:
+    """``GGUFReader`` that steps over array-valued metadata instead of parsing it.
+
+    ``GGUFReader`` builds a numpy view per array item: ~100k views (seconds) for the
+    vocabulary and merges, which the weights never need (the tokenizer and the config are
+    read by transformers or from kvserve's caches). Scalars and strings are parsed as
+    ``GGUFReader`` does; array fields are left out of ``reader.fields``. Tensors are unchanged.
+    """
+    import struct
+    import sys
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.gguf_reader import ReaderField
+
+    class _Reader(GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            buf = memoryview(self.data)  # struct on a buffer: no numpy view per read
+            order = "<" if (sys.byteorder == "little") == (self.byte_order == "I") else ">"
+            u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+            for _ in range(int(count)):
+                orig_offs = offs
+                klen, kdata = self._get_str(offs)
+                offs += 8 + int(klen[0])
+                raw_type = self._get(offs, np.uint32)
+                offs += 4
+                if raw_type[0] != GGUFValueType.ARRAY:
+                    size, parts, idxs, types = self._get_field_parts(offs, raw_type[0])
+                    self._push_field(ReaderField(orig_offs, str(bytes(kdata), encoding="utf-8"),
+                                                 [klen, kdata, raw_type, *parts], [i + 3 for i in idxs], types),
+                                     skip_sum=True)
+                    offs += size
+                    continue
+                itype, n = GGUFValueType(u32.unpack_from(buf, offs)[0]), u64.unpack_from(buf, offs + 4)[0]
+                offs += 12
+                if itype == GGUFValueType.STRING:
+                    for _ in range(n):
+                        offs += 8 + u64.unpack_from(buf, offs)[0]
+                elif itype in self.gguf_scalar_to_np:
+                    offs += n * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+                else:  # arrays of arrays: rare and small, parse them the library's way
+                    for _ in range(n):
+                        offs += self._get_field_parts(offs, itype)[0]
+            return offs
+
+    return _Reader
 
 
 def gguf_architecture(reader: Any) -> str:
@@ -156,7 +205,7 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
     ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``.
     Raises ValueError on a corrupt file or an unknown tensor name.
     """
-    from gguf.quants import dequantize
+    from kvserve.model_loader.gguf_quant import dequantize_tensor
 
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
@@ -168,7 +217,7 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
         name = gguf_to_hf_name(t.name, arch)
         if name is None:
             continue
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        w = dequantize_tensor(t.data, t.tensor_type)
         if gemma and name.endswith("norm.weight"):
             w = w - 1
         if permute and ".self_attn.q_proj." in name:

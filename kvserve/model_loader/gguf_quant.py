@@ -59,6 +59,41 @@ def q8_0_to_int8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.
     return quantize_int8(q.float() * d.repeat_interleave(QK, 1))
 
 
+def dequantize_tensor(data: np.ndarray, tensor_type: Any) -> torch.Tensor:
+    """A GGUF tensor's float32 values, bit-identical to ``gguf.quants.dequantize``.
+
+    ``data``: ``ReaderTensor.data`` (float32/float16 ``[..., K]``, or uint8 ``[..., row bytes]`` for
+    block types); ``tensor_type``: its ``GGMLQuantizationType``. Returns a new float32 CPU tensor
+    ``[..., K]``. F32, F16, Q4_0, Q4_1 and Q8_0 are decoded from the blocks above, with gguf's own
+    per-element float32 operations (``d * (q - 8)``, ``d * q + m``, ``q * d``) in one numpy pass per
+    tensor (single-threaded: torch's threads only contend on a busy CPU); other types go through
+    ``gguf.quants.dequantize``. Raises NotImplementedError for types gguf lacks.
+    """
+    kind = tensor_type.name
+    if kind == "F32":
+        return torch.from_numpy(np.array(data, dtype=np.float32))
+    if kind == "F16":
+        return torch.from_numpy(data.astype(np.float32))  # a copy: the memory map stays read-only
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(data, tensor_type).copy())
+    rows = data.reshape(-1, data.shape[-1])
+    if kind == "Q8_0":
+        q, d = decode_q8_0(rows)
+        w = q.numpy().reshape(q.shape[0], -1, QK).astype(np.float32)
+        w *= d.numpy()[..., None]
+    else:  # in place: the same float32 operations as gguf's, one buffer
+        w4 = decode_q4(rows, kind)
+        w = w4.q.numpy().reshape(w4.q.shape[0], -1, QK).astype(np.float32)
+        if kind == "Q4_0":
+            w -= 8
+        w *= w4.scale.numpy()[..., None]
+        if kind == "Q4_1":
+            w += w4.min.numpy()[..., None]
+    return torch.from_numpy(w.reshape(*data.shape[:-1], -1))
+
+
 def _permute(w: Union[Int4Weight, tuple], n_heads: int) -> Union[Int4Weight, tuple]:
     if isinstance(w, Int4Weight):  # rows carry q, scale and min alike
         return Int4Weight(reverse_permute(w.q, n_heads), reverse_permute(w.scale, n_heads),

@@ -396,3 +396,20 @@ def test_bench_humaneval_and_warmup_prompt(fake_llm, tmp_path):
     res = json.loads(out_json.read_text())
     assert res["kvserve"]["output_tokens"] == 12 and [sp.max_tokens for sp in sps] == [4, 4, 4]
     assert any("humaneval" in n for n in res["notes"])
+
+
+def test_entry_runs_exit_handlers_then_os_exit(monkeypatch):
+    import atexit
+
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: calls.append("atexit"))
+
+    def fake_exit(status):
+        calls.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    with pytest.raises(SystemExit):
+        cli.entry()
+    assert calls == ["atexit", 3]

@@ -111,3 +111,43 @@ def test_cli_rejects_unknown_quantization():
     assert parser.parse_args(["--quantization", "int4"]).quantization == "int4"
     with pytest.raises((SystemExit, argparse.ArgumentError)):
         parser.parse_args(["--quantization", "awq"])
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", [(16, 96), (3, 4, 64), (256,)])
+def test_dequantize_tensor_bit_identical_to_gguf(kind, shape):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from kvserve.model_loader.gguf_quant import dequantize_tensor
+
+    t = GGMLQuantizationType[kind]
+    raw = quantize((np.random.default_rng(0).standard_normal(shape) * 3).astype(np.float32), t)
+    ref = torch.from_numpy(np.array(dequantize(raw, t)))
+    out = dequantize_tensor(raw, t)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+def test_real_gguf_reader_and_dequantization_match_gguf(smollm2_path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from kvserve.model_loader.gguf_loader import gguf_architecture, open_gguf
+    from kvserve.model_loader.gguf_quant import dequantize_tensor
+
+    ours, ref = open_gguf(smollm2_path), GGUFReader(smollm2_path)
+    assert gguf_architecture(ours) == "llama"
+    assert "tokenizer.ggml.tokens" not in ours.fields  # arrays are stepped over
+    for name, f in ours.fields.items():  # scalars and strings as the library parses them
+        g = ref.fields[name]
+        assert (f.offset, f.data, f.types) == (g.offset, g.data, g.types)
+        assert all(np.array_equal(a, b) for a, b in zip(f.parts, g.parts))
+    assert (ours.data_offset, ours.alignment, len(ours.tensors)) == (ref.data_offset, ref.alignment, len(ref.tensors))
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type, a.data_offset, a.n_bytes, a.data.shape) == (
+            b.name, b.tensor_type, b.data_offset, b.n_bytes, b.data.shape)
+    for t in [t for t in ours.tensors if t.tensor_type.name != "Q8_0"][:24] + [
+            t for t in ours.tensors if t.tensor_type.name == "Q8_0"]:
+        w, r = dequantize_tensor(t.data, t.tensor_type), torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        assert torch.equal(w.view(torch.int32), r.view(torch.int32)), t.name
