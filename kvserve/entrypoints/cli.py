@@ -368,11 +368,15 @@ def entry() -> NoReturn:
     process ends with ``os._exit(status)``, skipping the interpreter's tear-down (destroying
     the objects of ~2,700 modules: torch, transformers, sympy), which took 1.0-1.7 s of each
     ``kvserve generate`` on a 2-core machine. An exception out of ``main`` (``SystemExit``
-    from argparse included) exits the usual way. Tests call ``main`` instead.
+    from argparse included), or a non-daemon thread still alive (a KV tier's file writer),
+    exits the usual way. Tests call ``main`` instead.
     """
     import atexit
+    import threading
 
     status = main()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(status)  # e.g. a KV tier's writer threads: the normal exit joins them, os._exit would not
     atexit._run_exitfuncs()  # logging.shutdown, multiprocessing children, weakref finalizers
     for stream in (sys.stdout, sys.stderr):
         try:
