@@ -27,6 +27,19 @@ QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
 LEVELS = {"fp8_e4m3": 448 / 32, "fp8_e5m2": 57344 / 8192, "int8": 127, "int4": 7.5, "int2": 1.5}
 
 
+def _triton_outputs(q, cache, meta, num_reqs, d):
+    """The decode (1 and 2 KV splits) + prefill kernels' outputs over one batch, NaN-poisoned first."""
+    outs = []
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits)
+        prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                          num_reqs - meta.num_decodes, meta.max_query_len, d ** -0.5, out=out)
+        outs.append(out)
+    return outs
+
+
 def _batch(reqs, bs, hkv, d, name, gen):
     """(cached, new) per request, decodes first; a quantized cache with random prefixes."""
     nbs = [-(-(c + n) // bs) for c, n in reqs]
@@ -97,12 +110,7 @@ def test_decode_and_prefill_read_quantized_cache(name, q_dtype):
     store_kv(k, v, cache, meta.slot_mapping)
     ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, backend_cache={}), d ** -0.5)
     tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for splits in (1, 2):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits)
-        prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                          len(reqs) - meta.num_decodes, meta.max_query_len, d ** -0.5, out=out)
+    for out in _triton_outputs(q, cache, meta, len(reqs), d):
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
@@ -161,10 +169,5 @@ def test_page_layout_shapes(name, bs, hkv, d, h):
     assert same >= 0.98, same
     ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, backend_cache={},
                                     slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
-    for splits in (1, 2):
-        out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits)
-        prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                          len(reqs) - meta.num_decodes, meta.max_query_len, d ** -0.5, out=out)
+    for out in _triton_outputs(q, cache, meta, len(reqs), d):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

@@ -6,24 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.test_skip_tokenizer_server import TINY, _server_handle_cls
+from tests.entrypoints.openai.test_skip_tokenizer_server import tiny_dummy_server
 
 
 @pytest.fixture(scope="module")
 def bounded_server(tmp_path_factory):
-    from transformers import LlamaConfig
-
-    d = tmp_path_factory.mktemp("tiny-llama-bounded")
-    LlamaConfig(**TINY).save_pretrained(str(d))
-    args = [str(d), "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "64",
-            "--kv-cache-memory", "8MiB", "--served-model-name", "tiny", "--block-size", "16",
-            "--attention-sinks", "4", "--max-attention-window", "32"]
-    h = _server_handle_cls()(args, str(d / "server.log"), api_key=None)
-    try:
-        h.wait_ready()
-        yield h
-    finally:
-        h.stop()
+    yield from tiny_dummy_server(tmp_path_factory, "tiny-llama-bounded",
+                                 ["--max-model-len", "64", "--kv-cache-memory", "8MiB", "--block-size", "16",
+                                  "--attention-sinks", "4", "--max-attention-window", "32"])
 
 
 def test_past_max_model_len_and_per_request_fields(bounded_server):

@@ -24,20 +24,26 @@ def _server_handle_cls():
     return mod.ServerHandle
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
+def tiny_dummy_server(tmp_path_factory, name: str, flags: list[str]):
+    """Yield a ready ``kvserve serve`` of the tiny dummy-weight Llama (no tokenizer, served as
+    ``tiny``) with ``flags`` added; stopped afterwards. For module-scoped fixtures."""
     from transformers import LlamaConfig
 
-    d = tmp_path_factory.mktemp("tiny-llama")
+    d = tmp_path_factory.mktemp(name)
     LlamaConfig(**TINY).save_pretrained(str(d))
-    args = [str(d), "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "512",
-            "--kv-cache-memory", "32MiB", "--served-model-name", "tiny", "--disable-log-stats"]
+    args = [str(d), "--load-format", "dummy", "--skip-tokenizer-init", "--served-model-name", "tiny", *flags]
     h = _server_handle_cls()(args, str(d / "server.log"), api_key=None)
     try:
         h.wait_ready()
         yield h
     finally:
         h.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    yield from tiny_dummy_server(tmp_path_factory, "tiny-llama", ["--max-model-len", "512", "--kv-cache-memory",
+                                                                  "32MiB", "--disable-log-stats"])
 
 
 def test_token_ids_without_tokenizer(tiny_server):
