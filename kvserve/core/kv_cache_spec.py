@@ -293,7 +293,8 @@ def _reserve(g: KVCacheGroup, max_model_len: int, max_num_batched_tokens: Option
 def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional[int],
                          num_blocks_override: Optional[int] = None,
                          max_model_len: Optional[int] = None,
-                         max_num_batched_tokens: Optional[int] = None) -> KVCacheConfig:
+                         max_num_batched_tokens: Optional[int] = None,
+                         max_num_seqs: Optional[int] = None) -> KVCacheConfig:
     """Split a byte budget into blocks per KV cache group.
 
     One group takes the whole budget. Several groups (a hybrid model: full-attention and
@@ -306,12 +307,20 @@ def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional
     blocks are all held during its step). Without ``max_model_len`` every group gets the
     same number of blocks.
 
+    That plan bets on long requests: with shorter ones the full-attention groups hold many
+    more requests than the window groups. So when a model mixes both, the window groups are
+    sized for ``max_num_seqs`` running requests (more can never run at once, and what they
+    do not hold keeps finished requests' window tails for prefix hits), as long as that
+    takes at most half the budget; the full-attention groups share the rest. Hybrid
+    capacity at ``max_model_len`` then falls, which a smaller ``max_num_seqs`` gives back.
+
     Args:
         layer_specs: per attention layer, its spec.
         kv_bytes: the budget in bytes (ignored when ``num_blocks_override`` is set).
         num_blocks_override: force this many blocks per group (null block included).
         max_model_len: the request length the split is planned for.
         max_num_batched_tokens: the per-step token budget (the largest prefill chunk).
+        max_num_seqs: most requests running at once (None: no window floor).
 
     Raises ValueError when there is no attention layer.
     """
@@ -333,8 +342,19 @@ def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], kv_bytes: Optional
     budget = max(budget - sum(r * g.page_size_bytes for r, g in zip(reserve, cfg.groups)), 0)
     need = [g.spec.max_blocks_per_request(max_model_len) for g in cfg.groups]
     per_request = sum(n * g.page_size_bytes for n, g in zip(need, cfg.groups))
-    for n, r, g in zip(need, reserve, cfg.groups):
-        g.num_blocks = budget * n // per_request + r
+    bounded = [isinstance(g.spec, (SlidingWindowSpec, BoundedKVSpec)) for g in cfg.groups]
+    if not max_num_seqs or all(bounded) or not any(bounded):
+        for n, r, g in zip(need, reserve, cfg.groups):
+            g.num_blocks = budget * n // per_request + r
+        return cfg
+    win_bytes = sum(n * g.page_size_bytes for n, g, b in zip(need, cfg.groups, bounded) if b)
+    # Requests the window groups are sized for: the proportional plan's, raised towards
+    # max_num_seqs while their windows take at most half the budget.
+    seqs = max(budget / per_request, min(max_num_seqs, budget / 2 / win_bytes))
+    rest = budget - int(seqs * win_bytes)
+    full_bytes = per_request - win_bytes
+    for n, r, g, b in zip(need, reserve, cfg.groups, bounded):
+        g.num_blocks = (int(seqs * n) if b else rest * n // full_bytes) + r
     return cfg
 
 

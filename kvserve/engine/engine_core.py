@@ -38,7 +38,8 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     specs = executor.get_kv_cache_spec()
     kv_bytes = None if cc.num_gpu_blocks_override is not None else executor.determine_available_memory()
     mnbt = min(sc.max_num_batched_tokens, sc.max_model_len)  # the largest prefill chunk
-    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override, sc.max_model_len, mnbt)
+    kv_cfg = make_kv_cache_config(specs, kv_bytes, cc.num_gpu_blocks_override, sc.max_model_len, mnbt,
+                                  sc.max_num_seqs)
     num_blocks = min(g.num_blocks for g in kv_cfg.groups)
     capacity = max_request_tokens(kv_cfg, mnbt)  # None: window groups only, any length fits
     if capacity == 0:

@@ -180,3 +180,23 @@ def test_gemma3_270m_shape_at_32k_holds_over_5x_more_requests():
     assert max_request_tokens(mistral) is None
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         SlidingWindowManager(8, 4, 0)
+
+
+def test_window_groups_sized_for_max_num_seqs_within_half_the_budget():
+    """With ``max_num_seqs`` the window group holds that many requests' windows (the proportional
+    32K plan holds far fewer), capped at half the budget; the full group keeps the rest."""
+    full = FullAttentionSpec(16, 1, 256, "bfloat16", "bfloat16")
+    win = SlidingWindowSpec(16, 1, 256, "bfloat16", "bfloat16", sliding_window=512)
+    specs = {i: (full if i % 6 == 5 else win) for i in range(18)}
+    budget, max_len, need = 1 << 30, 32768, win.max_blocks_per_request(32768)
+    plain = make_kv_cache_config(specs, budget, max_model_len=max_len)
+    assert plain.groups[0].num_blocks - 1 < 32 * need  # 32 conversations' tails do not fit
+    cfg = make_kv_cache_config(specs, budget, max_model_len=max_len, max_num_seqs=64)
+    assert cfg.total_bytes <= budget
+    assert cfg.groups[0].num_blocks - 1 >= 64 * need
+    assert cfg.groups[1].num_blocks < plain.groups[1].num_blocks
+    capped = make_kv_cache_config(specs, budget, max_model_len=max_len, max_num_seqs=10_000)
+    win_bytes = (capped.groups[0].num_blocks - 1) * capped.groups[0].page_size_bytes
+    assert win_bytes <= budget // 2 < win_bytes + need * capped.groups[0].page_size_bytes
+    # A small max_num_seqs never shrinks the window group below the proportional plan.
+    assert make_kv_cache_config(specs, budget, max_model_len=max_len, max_num_seqs=1).describe() == plain.describe()
