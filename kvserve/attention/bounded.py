@@ -64,16 +64,42 @@ class BoundedPlan:
 
 
 @dataclass
+class DecodeBatch:
+    """The batch's leading decode requests (query length 1) as padded tensors, so that one
+    batched attention serves them all (their ``BoundedPlan`` tensors are views into these).
+
+    Attributes:
+        block_ids: ``[n, C]`` int64 block ids to read (padding: the null block 0, masked).
+        mask: ``[n, C * block_size]`` bool, True where the request's query sees the key.
+        num_sink_keys: the widest sink span; keys below it are scored with the rotated-back
+            query where ``sink_keys`` says so (0: none).
+        sink_keys: ``[n, num_sink_keys]`` bool, or None.
+        cos / sin: ``[n, head_size]`` float32 rotation by ``-delta(p)`` (identity rows where none).
+        mass: h2o: ``[n, C]`` float32 attention mass per column, else None.
+    """
+
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+    num_sink_keys: int = 0
+    sink_keys: Optional[torch.Tensor] = None
+    cos: Optional[torch.Tensor] = None
+    sin: Optional[torch.Tensor] = None
+    mass: Optional[torch.Tensor] = None
+
+
+@dataclass
 class BoundedAttention:
     """A bounded-KV group's per-step attention description (``AttentionMetadata.bounded``).
 
     Attributes:
         policy: ``"streaming"`` or ``"h2o"``.
         plans: per request of the batch (batch order), its ``BoundedPlan``.
+        decode: the leading decode requests batched (``DecodeBatch``), or None.
     """
 
     policy: str
     plans: list[BoundedPlan] = field(default_factory=list)
+    decode: Optional[DecodeBatch] = None
 
 
 def _rotation(shifts: np.ndarray, inv_freq: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +128,12 @@ def build_plans(policy: str, block_table: np.ndarray, seq_lens: np.ndarray, quer
     bs = block_size
     out = BoundedAttention(policy)
     ar = np.arange(bs, dtype=np.int64)
-    for i in range(len(seq_lens)):
+    nd = 0  # leading decodes (the runner orders decodes first): planned as one padded batch
+    while nd < len(query_lens) and int(query_lens[nd]) == 1:
+        nd += 1
+    if nd:
+        _decode_batch(out, policy, block_table[:nd], seq_lens[:nd], sinks[:nd], windows[:nd], bs, device, inv_freq)
+    for i in range(nd, len(seq_lens)):
         L, n = int(seq_lens[i]), int(query_lens[i])
         ctx = L - n
         nb = -(-L // bs)
@@ -134,6 +165,86 @@ def build_plans(policy: str, block_table: np.ndarray, seq_lens: np.ndarray, quer
     return out
 
 
+def _decode_batch(out: BoundedAttention, policy: str, block_table: np.ndarray, seq_lens: np.ndarray,
+                  sinks: list[int], windows: list[int], bs: int, device: torch.device,
+                  inv_freq: Optional[torch.Tensor]) -> None:
+    """Plans of ``n`` decode requests as one ``DecodeBatch`` (a few host-to-device copies in
+    all, not several per request); appends their ``BoundedPlan`` views to ``out.plans``."""
+    n = len(seq_lens)
+    cols_l, sb_l, shifts = [], [], np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        L = int(seq_lens[i])
+        nb = -(-L // bs)
+        N, W = sinks[i], windows[i]
+        sb = min(-(-N // bs), nb)
+        if policy == "streaming":
+            cols = np.concatenate([np.arange(sb), np.arange(max(max(L - W, 0) // bs, sb), nb)])
+            shifts[i] = bs * max(0, (L - W) // bs - -(-N // bs))
+        else:
+            cols = np.flatnonzero(block_table[i, :nb] != 0)
+        cols_l.append(cols.astype(np.int64))
+        sb_l.append(sb if shifts[i] and sb else 0)
+    C = max(len(c) for c in cols_l)
+    ids = np.zeros((n, C), dtype=np.int64)
+    mask = np.zeros((n, C * bs), dtype=bool)
+    ns = max(sb_l) * bs
+    sink_keys = np.zeros((n, ns), dtype=bool)
+    for i, cols in enumerate(cols_l):
+        L, c = int(seq_lens[i]), len(cols)
+        ids[i, :c] = block_table[i, cols]
+        kpos = (cols[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)
+        m = kpos <= L - 1
+        if policy == "streaming":
+            m &= (kpos < sinks[i]) | (kpos > L - 1 - windows[i])
+        mask[i, :c * bs] = m
+        sink_keys[i, :sb_l[i] * bs] = True
+    dec = DecodeBatch(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device), ns)
+    if ns:
+        if inv_freq is None:
+            raise ValueError("streaming attention needs the model's rotary inv_freq")
+        dec.sink_keys = torch.from_numpy(sink_keys).to(device)
+        dec.cos, dec.sin = _rotation(shifts, inv_freq, device)
+    if policy == "h2o":
+        dec.mass = torch.zeros((n, C), dtype=torch.float32, device=device)
+    out.decode = dec
+    for i, cols in enumerate(cols_l):
+        c = len(cols)
+        out.plans.append(BoundedPlan(
+            cols=cols, block_ids=dec.block_ids[i, :c], kpos=torch.from_numpy(
+                (cols[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)),
+            mask=dec.mask[i:i + 1, :c * bs], num_sink_keys=sb_l[i] * bs,
+            sink_cos=dec.cos[i:i + 1] if sb_l[i] else None, sink_sin=dec.sin[i:i + 1] if sb_l[i] else None,
+            mass=dec.mass[i, :c] if dec.mass is not None else None))
+
+
+def _decode_attention(query: torch.Tensor, cache: torch.Tensor, kv_cache: torch.Tensor, dec: DecodeBatch,
+                      fmt, scale: float, out: torch.Tensor) -> None:
+    """One batched attention for the ``n`` leading decode requests (padded to ``C`` blocks)."""
+    n, C = dec.block_ids.shape
+    _, _, bs, hkv, _ = kv_cache.shape
+    d = query.shape[2]
+    g = query.shape[1] // hkv
+    ids = dec.block_ids.reshape(-1)
+    k = dequantize_pages(cache[0].index_select(0, ids).view(kv_cache.dtype), d, torch.float32,
+                         fmt).reshape(n, C * bs, hkv, d)
+    v = dequantize_pages(cache[1].index_select(0, ids).view(kv_cache.dtype), d, torch.float32,
+                         fmt).reshape(n, C * bs, hkv, d)
+    v.masked_fill_(~dec.mask.view(n, C * bs, 1, 1), 0.0)  # padding reads the null block: any bits, even NaN
+    q = query[:n].float()
+    scores = torch.einsum("rkgd,rlkd->rkgl", q.view(n, hkv, g, d), k)
+    ns = dec.num_sink_keys
+    if ns:
+        qs = rotate_back(q, dec.cos, dec.sin).view(n, hkv, g, d)
+        ss = torch.einsum("rkgd,rlkd->rkgl", qs, k[:, :ns])
+        scores[..., :ns] = torch.where(dec.sink_keys[:, None, None, :], ss, scores[..., :ns])
+    scores.mul_(scale)
+    scores.masked_fill_(~dec.mask[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    out[:n] = torch.einsum("rkgl,rlkd->rkgd", p, v).reshape(n, hkv * g, d).to(query.dtype)
+    if dec.mass is not None:
+        dec.mass += p.sum(dim=(1, 2)).view(n, C, bs).sum(dim=-1)
+
+
 def rotate_back(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary (neox, rotate-half) rotation of ``q [n, H, d]`` by minus the angles ``cos/sin [n, d]``."""
     half = q.shape[-1] // 2
@@ -160,7 +271,12 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
     g = query.shape[1] // hkv
     fmt = cache_format(kv_cache, d)
     cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
-    for i, plan in enumerate(bounded.plans):
+    start = 0
+    if bounded.decode is not None:
+        _decode_attention(query, cache, kv_cache, bounded.decode, fmt, scale, out)
+        start = bounded.decode.block_ids.shape[0]
+    for i in range(start, len(bounded.plans)):
+        plan = bounded.plans[i]
         s, e = query_start_loc[i], query_start_loc[i + 1]
         c = len(plan.cols)
         # Whole pages, dequantized from the page layout (codes, then scales, per block).

@@ -213,8 +213,10 @@ class ModelRunner:
             b = m.bounded
             if b is None or b.policy != "h2o":
                 continue
-            for rid, plan in zip(inp.req_ids, b.plans):
-                out.setdefault(rid, {})[gi] = dict(zip(plan.cols.tolist(), plan.mass.tolist()))
+            dec = b.decode.mass.cpu().numpy() if b.decode is not None else None  # one copy for the decodes
+            for i, (rid, plan) in enumerate(zip(inp.req_ids, b.plans)):
+                mass = dec[i, :len(plan.cols)] if dec is not None and i < len(dec) else plan.mass.cpu().numpy()
+                out.setdefault(rid, {})[gi] = dict(zip(plan.cols.tolist(), mass.tolist()))
         return out
 
     def build_dummy_metadata(self, block_table: np.ndarray, lens: list[int]):

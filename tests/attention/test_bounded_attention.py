@@ -104,16 +104,20 @@ def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window):
     value = torch.cat([r[2][r[3]:].float() for r in reqs])
     slots = np.concatenate([table[i, np.arange(r[3], r[4]) // BS].astype(np.int64) * BS + np.arange(r[3], r[4]) % BS
                             for i, r in enumerate(reqs)])
+    # The Triton backend's store kernel needs device tensors on a GPU machine (interpreted on the CPU).
+    dev = torch.device("cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu")
+    query, key, value = query.to(dev), key.to(dev), value.to(dev)
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots), block_tables=torch.from_numpy(table),
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)), seq_lens=torch.from_numpy(seq.astype(np.int32)),
+        slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(table).to(dev),
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+        seq_lens=torch.from_numpy(seq.astype(np.int32)).to(dev),
         query_lens_cpu=ql.tolist(), seq_lens_cpu=seq.tolist(), max_query_len=int(ql.max()),
         max_seq_len=int(seq.max()), num_decodes=int((ql == 1).sum()))
     meta.bounded = build_plans(policy, table, seq, ql, [sinks] * len(reqs), [window] * len(reqs), BS,
-                               torch.device("cpu"), INV.float())
-    kv = cache.clone()
+                               dev, INV.float().to(dev))
+    kv = cache.clone().to(dev)
     out = get_attn_backend(backend_name).forward_bounded(query, key, value, kv, meta, 1 / math.sqrt(D))
-    return out, meta, reqs, table, qsl
+    return out.cpu(), meta, reqs, table, qsl
 
 
 @pytest.mark.parametrize("backend,kv_dtype", [("cpu", None), ("torch_ref", None), ("triton", None),
