@@ -94,17 +94,17 @@ def main() -> None:
     ap.add_argument("--parts", default="cost,endless")
     ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "8b"])
     ap.add_argument("--cpu-smoke", action="store_true")
-    ap.add_argument("--endless-tokens", type=int, default=100_000)
+    ap.add_argument("--endless-tokens", type=int, default=None, help="default 100,000 (400 with --cpu-smoke)")
     ap.add_argument("--endless-seconds", type=float, default=150.0)
-    ap.add_argument("--every", type=int, default=5000)
+    ap.add_argument("--every", type=int, default=None, help="default 5,000 (100 with --cpu-smoke)")
     a = ap.parse_args()
     smoke = a.cpu_smoke
     if smoke:  # decode_latency syncs the device
         torch.cuda.synchronize = torch.cuda.empty_cache = lambda *args: None
     a.dtype = "float32" if smoke else "bfloat16"
     a.batch, a.prompt, a.budget, a.steps, a.max_len = (4, 96, 64, 8, 256) if smoke else (64, 2048, 1024, 32, 4096)
-    if smoke:
-        a.endless_tokens, a.every = min(a.endless_tokens, 400), min(a.every, 100)
+    a.endless_tokens = a.endless_tokens or (400 if smoke else 100_000)
+    a.every = a.every or (100 if smoke else 5000)
     shape = TINY if smoke else (QWEN3_06B if a.shape == "qwen3-0.6b" else LLAMA31_8B)
     recs: list[dict] = []
     os.makedirs(a.out, exist_ok=True)
