@@ -271,6 +271,8 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
     g = query.shape[1] // hkv
     fmt = cache_format(kv_cache, d)
     cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+    if query.shape[0] > query_start_loc[-1]:  # piecewise CUDA graphs pad the step's rows
+        out[query_start_loc[-1]:].zero_()
     start = 0
     if bounded.decode is not None:
         _decode_attention(query, cache, kv_cache, bounded.decode, fmt, scale, out)

@@ -239,14 +239,16 @@ class ModelRunner:
         for decode-only steps and piecewise graphs, attention eager, for steps with prefill."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.cuda_graph_safe:
             return
-        if self.config.cache_config.kv_eviction_policy != "none":
-            logger.info("bounded KV (--kv-eviction-policy): CUDA graphs off (per-request host plans)")
-            return
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
 
         sc = self.config.scheduler_config
         self.piecewise_runner = PiecewiseCUDAGraphRunner(self.model, sc.max_num_batched_tokens, self.device)
         self.piecewise_runner.capture()
+        if self.config.cache_config.kv_eviction_policy != "none":
+            # Attention reads per-step host plans (kvserve.attention.bounded): it stays eager
+            # between the graphed pieces, for decode steps too.
+            logger.info("bounded KV (--kv-eviction-policy): piecewise CUDA graphs only (attention eager)")
+            return
         widths = [-(-sc.max_model_len // self.block_size)] * len(self.kv_cache_config.groups)
         self.graph_runner = CUDAGraphRunner(self.model, sc.max_num_seqs, widths, sc.max_model_len,
                                             self.block_size, self.device, self.max_query_len_decode)
@@ -306,13 +308,14 @@ class ModelRunner:
         tp = pw.padded_size(len(inp.token_ids)) if pw is not None else None
         mass = None
         if tp is not None:
-            hidden = pw.run(input_ids, positions, self._metadata(inp, pad_to=tp))
+            metas = self._metadata(inp, pad_to=tp)
+            hidden = pw.run(input_ids, positions, metas)
         else:
             metas = self._metadata(inp)
             with forward_context(metas):
                 hidden = self.model(input_ids, positions)
-            if any(m.bounded is not None and m.bounded.policy == "h2o" for m in metas):
-                mass = self._block_mass(inp, metas)
+        if any(m.bounded is not None and m.bounded.policy == "h2o" for m in metas):
+            mass = self._block_mass(inp, metas)
         if conn is not None:
             conn.start_save_kv()
         res = self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)

@@ -269,3 +269,26 @@ def test_long_max_model_len_needs_bounded_distances(tiny, monkeypatch):
         _llm(path, max_model_len=1000, kv_eviction_policy="none", attention_sinks=None, max_attention_window=None)
     with pytest.raises(ValueError, match="longer than the model's context"):  # window 60: distances reach 72
         _llm(path, max_model_len=1000, max_attention_window=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_cuda_piecewise_graphs_equal_eager(tiny, policy):
+    """On CUDA a bounded engine runs piecewise CUDA graphs (attention eager between the graphed
+    pieces, decode steps too): the same greedy tokens as ``--enforce-eager`` (and, for
+    streaming, as the plain-torch reference)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path, hf = tiny
+    prompts = _prompts([1, 6, 13, 30])
+    kw = dict(kv_eviction_policy="h2o", kv_budget_tokens=24) if policy == "h2o" else {}
+    bound = 24 // BS + -(-16 // BS) + 1 if policy == "h2o" else None
+    outs = []
+    for eager in (True, False):
+        llm = _llm(path, enforce_eager=eager, attention_backend="triton", **kw)
+        got, _ = _run_checked(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), bound)
+        llm.shutdown()
+        outs.append(got)
+    assert outs[0] == outs[1]
+    if policy == "streaming":
+        assert outs[1] == [streaming_greedy(hf, p, 40, SINKS, WINDOW, BS) for p in prompts]
