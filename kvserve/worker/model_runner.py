@@ -197,9 +197,17 @@ class ModelRunner:
         if ropes is None:
             ropes = self._ropes = [m for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
         top = int(inp.seq_lens.max())
+        grown = False
         for r in ropes:
             if top > r.max_position:
                 r.extend(max(top, 2 * r.max_position))
+                grown = True
+        if grown and self.piecewise_runner is not None:
+            # The graphed pieces read the rotary tables by address: capture them again (the
+            # tables double, so this happens O(log length) times).
+            logger.info("rotary tables grown to %d positions: capturing piecewise CUDA graphs again",
+                        ropes[0].max_position)
+            self.piecewise_runner.capture()
         states = self.input_batch.states
         lims = [request_limits(states[r].sampling_params, spec.sink_tokens, spec.window) for r in inp.req_ids]
         return build_plans(spec.policy, bt, inp.seq_lens, inp.query_lens, [a for a, _ in lims],
