@@ -110,5 +110,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     def wait_for_save(self) -> None:
         """Block until earlier saves no longer read the device cache."""
 
+    def take_kv_connector_output(self, wait_s: float = 0.0):
+        """Worker role: transfers between engines finished since the last call
+        (``kvserve.core.sched_output.KVConnectorOutput``), or None; may wait up to ``wait_s``
+        seconds for one while transfers are under way."""
+        return None
+
     def shutdown(self) -> None:
         """Stop transfer threads."""
