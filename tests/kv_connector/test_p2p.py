@@ -23,12 +23,12 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 PROMPT = [1] + [(7 * i) % 250 + 3 for i in range(45)]  # 46 tokens: 2 full blocks of 16 + 14
 
 
-def _llm(path, role, kv_cache_dtype="auto", **extra):
+def _llm(path, role, kv_cache_dtype="auto", engine_kw=None, **extra):
     ktc = {"kv_connector": "P2PKVConnector", "kv_role": role,
            "kv_connector_extra_config": {"kv_host": "127.0.0.1", "kv_port": 0, **extra}}
     return LLM(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=40, max_model_len=256,
                dtype="float32", kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=128, max_num_seqs=8,
-               disable_log_stats=True, kv_transfer_config=json.dumps(ktc))
+               disable_log_stats=True, kv_transfer_config=json.dumps(ktc), **(engine_kw or {}))
 
 
 def _core(llm):
@@ -126,6 +126,28 @@ def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
         assert _free_all(consumer)
         stats = _core(consumer).scheduler.get_stats().kv_connector_stats
         assert stats["kv_transfers"] == 1 and stats["kv_transfer_bytes"] > 0 and stats["load_failures"] == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("engine_kw", [dict(async_scheduling=True), dict(distributed_executor_backend="mp")],
+                         ids=["async", "mp"])
+def test_round_trip_async_and_mp(tiny_llama_dir, colocated, engine_kw):
+    """Async scheduling and worker processes: the consumer's idle engine keeps polling its
+    pull (no hang), other requests decode meanwhile, and outputs equal a colocated run's."""
+    producer = _llm(tiny_llama_dir, "kv_both", engine_kw=engine_kw)
+    consumer = _llm(tiny_llama_dir, "kv_both", engine_kw=engine_kw)
+    try:
+        _, params = _prefill(producer)
+        other = [5, 6, 7, 8, 9, 10]
+        sp = SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": params}, **GREEDY)
+        outs = consumer.generate([PROMPT, other], [sp, SamplingParams(max_tokens=8, **GREEDY)], use_tqdm=False)
+        ref = colocated.generate([PROMPT, other], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.outputs[0].token_ids) for o in ref]
+        assert outs[0].num_cached_tokens == len(PROMPT) - 1
+        assert _core(consumer).scheduler.get_stats().kv_connector_stats["kv_transfers"] == 1
+        _poll(producer, lambda: _free_all(producer) and not _core(producer).has_kv_transfers())
     finally:
         producer.shutdown()
         consumer.shutdown()

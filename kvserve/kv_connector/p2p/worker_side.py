@@ -186,6 +186,7 @@ class P2PWorker:
                 e = None  # expired: take_output frees it
             if e is not None:
                 e.busy += 1
+            self.stats["transfer_requests"] += 1
         if e is None:
             send_frame(conn, {"op": "error", "error": f"unknown or expired KV transfer id {rid!r}"})
             return
