@@ -42,6 +42,7 @@ from operator import attrgetter
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
+from kvserve.core import remote_kv
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.prefix_cache import PrefixMatch
 from kvserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -382,57 +383,7 @@ class Scheduler:
         return self._make_output(out, scheduled, num_cached, new_blocks)
 
     def _admit_remote(self, req: Request, hits, num_hit: int, num_ext: int) -> bool:
-        """Allocate blocks for ``num_ext`` tokens a remote engine sends (not registered in the
-        prefix cache until they land) and park the request; False if blocks are short."""
-        req.delay_cache_blocks = True
-        if self.kv.allocate_slots(req, num_ext, hits) is None:
-            req.delay_cache_blocks = False
-            return False
-        self.waiting.pop()
-        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id)[0], num_ext)
-        req.num_computed_tokens = num_hit
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.waiting_for_remote[req.request_id] = (req, num_hit + num_ext)
-        if req.num_cached_tokens < 0:
-            self.prefix_cache_queries += req.num_tokens
-            self.prefix_cache_hits += num_hit
-        return True
-
-    def _update_kv_transfers(self, kvo) -> list[RequestUpdate]:
-        """Apply the connector's finished transfers: resume requests whose KV landed (or, on
-        a failed pull, recompute them or end them per ``load_failure_policy``), free blocks
-        held for finished transfers. Returns updates of requests it ended."""
-        self.connector.on_kv_connector_output(kvo)
-        ended: list[RequestUpdate] = []
-        for rid in kvo.finished_recving:
-            entry = self.waiting_for_remote.pop(rid, None)
-            if entry is None:
-                held = self.kv_held.pop(rid, None)
-                if held is not None:
-                    self.kv.free(held)
-                continue
-            req, target = entry
-            req.delay_cache_blocks = False
-            failed = rid in kvo.failed_recving
-            if failed and getattr(self.connector, "load_failure_policy", "recompute") == "fail":
-                req.status = RequestStatus.WAITING
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
-                ended.append((req, [], None))
-                continue
-            if not failed:
-                req.num_computed_tokens = target
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            # Window groups: blocks no later query reads go back now (never registered).
-            self.kv.remove_skipped_blocks(req, req.num_computed_tokens)
-            req.kv_ready = True
-            req.status = RequestStatus.WAITING
-            self.waiting.add(req, front=True)
-        for rid in kvo.finished_sending:
-            held = self.kv_held.pop(rid, None)
-            if held is not None:
-                self.kv.free(held)
-        return ended
+        return remote_kv.admit_remote(self, req, hits, num_hit, num_ext)
 
     def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_cached: int,
                      new_blocks: dict) -> SchedulerOutput:
@@ -517,7 +468,7 @@ class Scheduler:
         now = time.time()
         updated: list[RequestUpdate] = []
         if output.kv_connector_output is not None and self.connector is not None:
-            updated.extend(self._update_kv_transfers(output.kv_connector_output))
+            updated.extend(remote_kv.update_kv_transfers(self, output.kv_connector_output))
         spec = sched.scheduled_spec_decode_tokens
         all_lps = output.logprobs
         for rid, (start, entries) in output.prompt_logprobs.items():

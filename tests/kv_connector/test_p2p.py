@@ -100,8 +100,8 @@ def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
 
         def spy(kvo):
             for rid in kvo.finished_recving:
-                seen[rid] = (rid in kvo.failed_recving,
-                             _pages(consumer, [g[:n_full] for g in _core(consumer).kv_cache_manager.get_block_ids(rid)]))
+                ids = _core(consumer).kv_cache_manager.get_block_ids(rid)
+                seen[rid] = (rid in kvo.failed_recving, _pages(consumer, [g[:n_full] for g in ids]))
             orig(kvo)
 
         conn.on_kv_connector_output = spy

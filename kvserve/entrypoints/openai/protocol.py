@@ -347,7 +347,7 @@ _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
                 "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority", "cache_salt",
                 "echo", "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "tools", "tool_choice", "prompt_logprobs", "attention_sinks",
-                "max_attention_window"}
+                "max_attention_window", "kv_transfer_params"}
 
 
 def param_of(message: str) -> Optional[str]:
