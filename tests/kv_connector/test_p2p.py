@@ -269,3 +269,55 @@ def test_bad_config_refused(tiny_llama_dir):
         _llm(tiny_llama_dir, "kv_producer", transport="nixl")
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
         _llm(tiny_llama_dir, "kv_producer", bogus=1)
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A tiny random Qwen2 with full (layers 0-1) and 8-token sliding-window (2-3) layers."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False, num_hidden_layers=4, use_sliding_window=True,
+                      sliding_window=8, max_window_layers=2, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+    d = tmp_path_factory.mktemp("hybrid")
+    model.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("chunk", [128, 16])
+def test_hybrid_groups_round_trip(hybrid_dir, chunk):
+    """Two KV cache groups (full + sliding window), prefilled in one or several chunks (the
+    producer's window group then nulls early blocks: those ids are 0 and skipped)."""
+    kw = dict(block_size=4, num_gpu_blocks_override=96, max_num_batched_tokens=chunk, enable_chunked_prefill=True)
+
+    def mk(role):
+        ktc = {"kv_connector": "P2PKVConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": 0}}
+        return LLM(model=hybrid_dir, skip_tokenizer_init=True, max_model_len=256, dtype="float32",
+                   disable_log_stats=True, kv_transfer_config=json.dumps(ktc), **kw)
+
+    prompt = [1] + [(11 * i) % 380 + 3 for i in range(40)]
+    plain = LLM(model=hybrid_dir, skip_tokenizer_init=True, max_model_len=256, dtype="float32",
+                disable_log_stats=True, **kw)
+    producer, consumer = mk("kv_producer"), mk("kv_consumer")
+    try:
+        assert len(_core(producer).kv_cache_config.groups) == 2
+        ref = plain.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+        _, params = _prefill(producer, prompt)
+        assert len(params["remote_block_ids"]) == 2
+        if chunk == 16:
+            assert 0 in params["remote_block_ids"][1]  # window blocks freed between chunks
+        out = _decode(consumer, params, prompt)
+        assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+        assert out.num_cached_tokens == len(prompt) - 1
+        _poll(producer, lambda: _free_all(producer) and not _core(producer).has_kv_transfers())
+        assert _free_all(consumer)
+    finally:
+        for x in (plain, producer, consumer):
+            x.shutdown()
