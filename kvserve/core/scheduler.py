@@ -198,6 +198,8 @@ class Scheduler:
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
+            if req is None and rid in self.kv_held and status == RequestStatus.FINISHED_ABORTED:
+                self.connector.release_held(rid)  # stop lending its blocks (freed when the worker says so)
             if req is None or req.is_finished:
                 continue
             if req.status == RequestStatus.RUNNING:
@@ -576,7 +578,7 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.waiting_for_remote),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_recompute_queries=self.prefix_cache_recompute_queries,

@@ -76,6 +76,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         """A request finished; returns ``(delay freeing its blocks, params for the client)``."""
         return False, None
 
+    def release_held(self, request_id: str) -> None:
+        """A finished request whose blocks ``request_finished`` kept (delay free) was aborted:
+        end its transfer; the worker then reports it finished and the scheduler frees them."""
+
     def request_preempted(self, request: "Request", block_ids: list[int]) -> None:
         """A running request is about to lose its device blocks (swap preemption keeps them)."""
 

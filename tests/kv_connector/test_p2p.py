@@ -321,3 +321,30 @@ def test_hybrid_groups_round_trip(hybrid_dir, chunk):
     finally:
         for x in (plain, producer, consumer):
             x.shutdown()
+
+
+def test_producer_abort_and_cached_prompt_release(tiny_llama_dir):
+    """Aborting a finished, lending request on the producer frees its blocks; a consumer whose
+    prefix cache already holds the prompt pulls nothing and releases the producer's blocks."""
+    producer = _llm(tiny_llama_dir, "kv_producer")
+    consumer = _llm(tiny_llama_dir, "kv_consumer")
+    try:
+        _, params = _prefill(producer)
+        core = _core(producer)
+        core.abort_requests([params["remote_request_id"]])
+        _poll(producer, lambda: _free_all(producer) and not core.has_kv_transfers())
+        # The consumer computes the prompt once (plain), then a decode leg finds it all cached.
+        consumer.generate([PROMPT + [9]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
+        _, params = _prefill(producer)
+        out = _decode(consumer, params)
+        assert out.num_cached_tokens >= 32  # its own prefix cache, no pull
+        _poll(producer, lambda: _free_all(producer) and not core.has_kv_transfers())
+        assert _core(consumer).scheduler.get_stats().kv_connector_stats.get("kv_transfers", 0) == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_tensor_parallel_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="tensor/pipeline parallelism"):
+        _llm(tiny_llama_dir, "kv_consumer", engine_kw=dict(tensor_parallel_size=2))

@@ -55,14 +55,17 @@ class RecvSpec:
 @dataclass
 class P2PMetadata(KVConnectorMetadata):
     """A step's P2P work: ``send`` (request id, block ids per group) to lend, ``recv`` pulls
-    to start, ``cancel`` pulls to abandon (their requests were aborted)."""
+    to start, ``cancel`` pulls to abandon or blocks to stop lending (their requests were
+    aborted), ``release`` ``(host, port, remote request id)`` remote blocks not needed."""
 
     send: list[tuple[str, list[list[int]]]] = field(default_factory=list)
     recv: list[RecvSpec] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)
+    # Remote blocks this engine will not pull (prompt cached here, bad params): release them.
+    release: list[tuple[str, int, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.send or self.recv or self.cancel)
+        return bool(self.send or self.recv or self.cancel or self.release)
 
 
 def parse_extra_config(config) -> dict[str, Any]:
@@ -180,21 +183,33 @@ class P2PKVConnector(KVConnectorBase_V1):
         if n_prompt != request.num_prompt_tokens:
             logger.warning("P2P KV: request %s: remote prompt has %d tokens, this one %d; computing the prompt",
                            rid, n_prompt, request.num_prompt_tokens)
-            self._consumed.add(rid)
+            self._skip(rid, p)
             return 0, False
         n = n_prompt - 1 - num_computed_tokens
-        if n <= 0:
-            self._consumed.add(rid)
+        if n <= 0:  # the local prefix cache holds it all
+            self._skip(rid, p)
             return 0, False
         self._lookups[rid] = (num_computed_tokens, p)
         return n, True
 
+    def _skip(self, rid: str, p: dict) -> None:
+        """Pull nothing for ``rid``; tell the producer it may free the blocks now."""
+        self._consumed.add(rid)
+        self._meta.release.append((str(p["remote_host"]), int(p["remote_port"]), str(p["remote_request_id"])))
+
+    def release_held(self, request_id: str) -> None:
+        if request_id in self._sending:
+            self._meta.cancel.append(request_id)
+
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         rid = request.request_id
         look = self._lookups.pop(rid, None)
-        if look is None or num_external_tokens <= 0:
+        if look is None:
             return
         base, p = look
+        if num_external_tokens <= 0:  # the scheduler kept its own (longer) prefix hit
+            self._skip(rid, p)
+            return
         self._consumed.add(rid)
         bs = self.block_size
         first, end = base // bs, math.ceil((base + num_external_tokens) / bs)

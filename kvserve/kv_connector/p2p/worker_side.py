@@ -68,6 +68,7 @@ class P2PWorker:
         self._recving_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._cancel: dict[str, threading.Event] = {}
+        self._early_release: set[str] = set()  # released before registered (bounded below)
         self._progress = threading.Event()
         self.stats = dict(transfer_bytes=0, transfer_seconds=0.0, transfers=0, transfer_failures=0,
                           transfer_requests=0, bytes_sent=0, blocks_expired=0, requests_expired=0)
@@ -94,6 +95,10 @@ class P2PWorker:
         now = time.monotonic()
         with self._lock:
             for rid, block_ids in meta.send:
+                if rid in self._early_release:  # its consumer released before we lent it
+                    self._early_release.discard(rid)
+                    self._sending_done.add(rid)
+                    continue
                 self._exposed[rid] = _Exposed(block_ids, now + self.lease_s)
             if meta.send:
                 self._lock.notify_all()
@@ -105,6 +110,11 @@ class P2PWorker:
             ev = self._cancel.get(rid)
             if ev is not None:
                 ev.set()
+            else:  # a producer-side abort of lent blocks
+                self.release_local(rid)
+        for host, port, remote_rid in meta.release:
+            threading.Thread(target=self._release_remote, args=(host, port, remote_rid),
+                             name="kvserve-p2p-release", daemon=True).start()
 
     def take_output(self, wait_s: float = 0.0) -> Optional[KVConnectorOutput]:
         """Transfers finished since the last call (lease expiry applied first), and the
@@ -130,11 +140,14 @@ class P2PWorker:
             self._sending_done, self._recving_done, self._recv_failed = set(), set(), set()
         return out
 
-    def release_local(self, rid: str) -> None:
-        """Producer-side abort: stop lending ``rid``'s blocks (reported as finished sending)."""
+    def release_local(self, rid: str, early_ok: bool = False) -> None:
+        """Stop lending ``rid``'s blocks (reported as finished sending). ``early_ok``: a
+        consumer's release may arrive before this engine registered the blocks; remember it."""
         with self._lock:
             if self._exposed.pop(rid, None) is not None:
                 self._sending_done.add(rid)
+            elif early_ok and len(self._early_release) < 4096:
+                self._early_release.add(rid)
 
     # ---- producer ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -164,7 +177,7 @@ class P2PWorker:
                 if op == "pull":
                     self._send_blocks(conn, str(msg.get("req")), msg.get("blocks") or [])
                 elif op == "release":
-                    self.release_local(str(msg.get("req")))
+                    self.release_local(str(msg.get("req")), early_ok=True)
                     self._progress.set()
                 elif op == "bye":
                     return
@@ -292,6 +305,17 @@ class P2PWorker:
                          spec.port, nbytes, dt * 1e3, nbytes / max(dt, 1e-9) / 1e6)
         elif not cancel.is_set():
             logger.warning("P2P KV: pull of %s from %s:%d failed: %s", rid, spec.host, spec.port, err)
+
+    def _release_remote(self, host: str, port: int, remote_rid: str) -> None:
+        """Tell a producer that ``remote_rid``'s blocks will not be pulled (best effort)."""
+        try:
+            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
+                sock.settimeout(IO_TIMEOUT_S)
+                client_handshake(sock, self.layout, self.engine_id)
+                send_frame(sock, {"op": "release", "req": remote_rid})
+                send_frame(sock, {"op": "bye"})
+        except (OSError, ValueError) as exc:
+            logger.warning("P2P KV: could not release %s at %s:%d: %s", remote_rid, host, port, exc)
 
     def shutdown(self) -> None:
         self._stop.set()
