@@ -110,6 +110,18 @@ def test_pd_over_http(servers):
         assert conf.metric_value(metrics, "kvserve:kv_transfer_failures_total") == 0
         assert conf.metric_value(metrics, "kvserve:kv_transfer_seconds_count") == 1
 
+        # The chat route, not streamed: prefill leg, decode leg, equal to a plain chat.
+        chat = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 6,
+                "temperature": 0, "ignore_eos": True}
+        plain = c.post(cons.url + "/v1/chat/completions", json=dict(chat, cache_salt="plain")).json()
+        pre = c.post(prod.url + "/v1/chat/completions",
+                     json=dict(chat, max_tokens=1, kv_transfer_params={"do_remote_decode": True})).json()
+        assert pre["kv_transfer_params"]["do_remote_prefill"] is True
+        dec = c.post(cons.url + "/v1/chat/completions", json=dict(chat, kv_transfer_params=pre["kv_transfer_params"]))
+        assert dec.status_code == 200, dec.text
+        assert dec.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        assert dec.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == plain["usage"]["prompt_tokens"] - 1
+
         # Chat with return_token_ids, streamed and not (a plain request on the producer).
         chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0,
                 "return_token_ids": True}
