@@ -11,6 +11,7 @@ prefix lookup) and frees blocks held past a request's end (``Scheduler.kv_held``
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from kvserve.request import Request, RequestStatus
@@ -18,6 +19,8 @@ from kvserve.request import Request, RequestStatus
 if TYPE_CHECKING:
     from kvserve.core.sched_output import KVConnectorOutput
     from kvserve.core.scheduler import RequestUpdate, Scheduler
+
+logger = logging.getLogger("kvserve")
 
 
 def admit_remote(sched: "Scheduler", req: Request, hits, num_hit: int, num_ext: int) -> bool:
@@ -55,6 +58,8 @@ def update_kv_transfers(sched: "Scheduler", kvo: "KVConnectorOutput") -> list["R
         req.delay_cache_blocks = False
         failed = rid in kvo.failed_recving
         if failed and getattr(sched.connector, "load_failure_policy", "recompute") == "fail":
+            logger.error("request %s: its remote KV did not arrive; finished with finish_reason abort "
+                         "(kv_load_failure_policy fail)", rid)
             req.status = RequestStatus.WAITING
             sched._finish(req, RequestStatus.FINISHED_ABORTED)
             ended.append((req, [], None))

@@ -20,6 +20,11 @@ __all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "make
 
 def _connector_class(config):
     name = None
+    kvt = config.kv_transfer_config
+    if config.cache_config.kv_offloading_size and kvt is not None and kvt.kv_connector \
+            and kvt.kv_connector != "OffloadingConnector":
+        raise ValueError(f"--kv-offloading-size and --kv-transfer-config kv_connector {kvt.kv_connector!r} "
+                         "cannot be combined (one KV connector per engine)")
     if config.cache_config.kv_offloading_size:
         name = "OffloadingConnector"
     elif config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:

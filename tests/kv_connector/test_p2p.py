@@ -269,6 +269,10 @@ def test_bad_config_refused(tiny_llama_dir):
         _llm(tiny_llama_dir, "kv_producer", transport="nixl")
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
         _llm(tiny_llama_dir, "kv_producer", bogus=1)
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        _llm(tiny_llama_dir, "kv_consumer", kv_load_failure_policy="maybe")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        _llm(tiny_llama_dir, "kv_producer", engine_kw=dict(kv_offloading_size=0.01))
 
 
 @pytest.fixture(scope="module")
