@@ -148,7 +148,8 @@ class P2PKVConnector(KVConnectorBase_V1):
         self._consumed: set[str] = set()  # consumer requests whose params were used (no second pull)
         self._receiving: set[str] = set()
         self._sending: set[str] = set()
-        self._worker_stats: dict[str, float] = {}
+        self._worker_stats: dict[str, float] = dict(transfer_bytes=0, transfer_seconds=0.0, transfers=0,
+                                                    transfer_failures=0, transfer_requests=0)
         self.stats = dict(remote_prefill_requests=0, remote_prefill_tokens=0, load_failures=0,
                           remote_decode_requests=0)
 
@@ -267,6 +268,12 @@ class P2PKVConnector(KVConnectorBase_V1):
             self._worker_stats = out.stats
 
     def get_stats(self) -> dict[str, float]:
+        """Cumulative counters: ``remote_prefill_requests`` / ``remote_prefill_tokens`` (pulls
+        scheduled, prompt tokens they carry), ``load_failures`` (pulls that ended without KV,
+        cancelled ones included), ``remote_decode_requests`` (requests whose blocks were lent);
+        the worker's ``kv_transfer_bytes`` (sent + received), ``kv_transfer_seconds``,
+        ``kv_transfers`` (completed), ``kv_transfer_failures``, ``kv_transfer_requests`` (pulls
+        made + served), ``kv_requests_expired``; gauges ``receiving`` / ``sending`` (requests)."""
         s = dict(self.stats)
         s.update({f"kv_{k}": v for k, v in self._worker_stats.items()})
         s["receiving"] = len(self._receiving)
