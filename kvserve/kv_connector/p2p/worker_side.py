@@ -39,10 +39,10 @@ def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
 
 
 class _Exposed:
-    __slots__ = ("block_ids", "deadline", "busy")
+    __slots__ = ("block_ids", "deadline", "busy", "released")
 
     def __init__(self, block_ids: list[list[int]], deadline: float) -> None:
-        self.block_ids, self.deadline, self.busy = block_ids, deadline, 0
+        self.block_ids, self.deadline, self.busy, self.released = block_ids, deadline, 0, False
 
 
 class P2PWorker:
@@ -132,6 +132,8 @@ class P2PWorker:
                 if e.deadline <= now and not e.busy:
                     del self._exposed[rid]
                     self._sending_done.add(rid)
+                    if e.released:
+                        continue
                     self.stats["requests_expired"] += 1
                     self.stats["blocks_expired"] += sum(len(g) for g in e.block_ids)
                     logger.warning("P2P KV: lease of %s expired after %.1f s with no consumer; blocks freed",
@@ -144,10 +146,15 @@ class P2PWorker:
         """Stop lending ``rid``'s blocks (reported as finished sending). ``early_ok``: a
         consumer's release may arrive before this engine registered the blocks; remember it."""
         with self._lock:
-            if self._exposed.pop(rid, None) is not None:
+            e = self._exposed.get(rid)
+            if e is None:
+                if early_ok and len(self._early_release) < 4096:
+                    self._early_release.add(rid)
+            elif e.busy:  # a pull reads the blocks now: freed once it is over (take_output)
+                e.deadline, e.released = 0.0, True
+            else:
+                del self._exposed[rid]
                 self._sending_done.add(rid)
-            elif early_ok and len(self._early_release) < 4096:
-                self._early_release.add(rid)
 
     # ---- producer ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -195,8 +202,8 @@ class P2PWorker:
                     break
                 self._lock.wait(left)
             e = self._exposed.get(rid)
-            if e is not None and e.deadline <= time.monotonic():
-                e = None  # expired: take_output frees it
+            if e is not None and (e.deadline <= time.monotonic() or e.released):
+                e = None  # expired or released: take_output frees it
             if e is not None:
                 e.busy += 1
             self.stats["transfer_requests"] += 1
