@@ -352,3 +352,48 @@ def test_producer_abort_and_cached_prompt_release(tiny_llama_dir):
 def test_tensor_parallel_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor/pipeline parallelism"):
         _llm(tiny_llama_dir, "kv_consumer", engine_kw=dict(tensor_parallel_size=2))
+
+
+def test_producer_abort_during_pull_waits_for_it(tiny_llama_dir, colocated, monkeypatch):
+    """A producer-side abort while a consumer reads the blocks frees them only after that read:
+    the consumer still gets valid KV (its output equals the colocated run's)."""
+    import threading
+
+    from kvserve.kv_connector.p2p import worker_side
+
+    producer = _llm(tiny_llama_dir, "kv_producer")
+    consumer = _llm(tiny_llama_dir, "kv_consumer")
+    gate, reading = threading.Event(), threading.Event()
+    orig = worker_side.send_frame
+
+    def gated(sock, header, payload=None):
+        if header.get("op") == "layer" and not gate.is_set():
+            reading.set()
+            gate.wait(10)
+        orig(sock, header, payload)
+
+    try:
+        _, params = _prefill(producer)
+        rid = params["remote_request_id"]
+        monkeypatch.setattr(worker_side, "send_frame", gated)
+        sp = SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": params}, **GREEDY)
+        consumer.llm_engine.add_request("c1", PROMPT, sp)
+        _poll(consumer, reading.is_set)
+        core = _core(producer)
+        core.abort_requests([rid])
+        for _ in range(5):
+            core.step()
+        assert not _free_all(producer)  # still read by the pull
+        gate.set()
+        outs, end = [], time.monotonic() + 10
+        while not outs:  # the engine's own step: its outputs reach the output processor
+            assert time.monotonic() < end
+            outs.extend(o for o in consumer.llm_engine.step() if o.finished)
+        ref = colocated.generate([PROMPT], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+        assert list(outs[0].outputs[0].token_ids) == list(ref.outputs[0].token_ids)
+        assert outs[0].num_cached_tokens == len(PROMPT) - 1
+        _poll(producer, lambda: _free_all(producer) and not core.has_kv_transfers())
+    finally:
+        gate.set()
+        producer.shutdown()
+        consumer.shutdown()
