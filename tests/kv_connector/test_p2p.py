@@ -1,7 +1,8 @@
 """P2PKVConnector (disaggregated prefill/decode) on a tiny random Llama: two offline engines
 in one process, a producer and a consumer, talking TCP on 127.0.0.1.
 
-Checked: the consumer's KV blocks equal the producer's bit for bit (float32, fp8_e4m3, int4),
+Checked: the consumer's KV blocks equal the producer's bit for bit (every KV dtype: float32, bfloat16,
+fp8_e4m3 / e5m2, int8, int4, int2),
 greedy outputs equal a colocated run's, the consumer computes one prompt token, the
 handshake refuses a layout mismatch, leases expire, aborts free blocks on both sides, and an
 unreachable producer falls back to recompute (or "fail").
@@ -82,7 +83,7 @@ def colocated(tiny_llama_dir):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"])
 def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
     producer = _llm(tiny_llama_dir, "kv_producer", kv_dtype)
     consumer = _llm(tiny_llama_dir, "kv_consumer", kv_dtype)
