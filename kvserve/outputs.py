@@ -65,7 +65,9 @@ class RequestOutput:
 
     ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``): per prompt token
     ``{token_id: (logprob, rank)}`` (the prompt token itself and the top alternatives; None
-    for the first token), as vLLM returns it.
+    for the first token), as vLLM returns it. ``kv_transfer_params``: with a KV transfer
+    connector (disaggregated prefill/decode), a finished prefill's params for the decode
+    engine (vLLM's field), else None.
     """
 
     request_id: str
@@ -76,3 +78,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list] = field(default=None)
+    kv_transfer_params: Optional[dict] = field(default=None)

@@ -16,6 +16,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
+    # Holds blocks whose KV a remote engine is sending (disaggregated prefill/decode).
+    WAITING_FOR_REMOTE_KVS = -1
 
     @property
     def finished(self) -> bool:
@@ -92,6 +94,12 @@ class Request:
         self.block_hashes: list[int] = []
         # Grammar matcher state (kvserve.structured_output) when the request is constrained.
         self.structured_output = None
+        # KV transfer between engines (kvserve.kv_connector.p2p): blocks allocated and not
+        # registered in the prefix cache until their KV landed; whether they hold the prompt
+        # KV (admit without a lookup); the params handed to the client when it finished.
+        self.delay_cache_blocks = False
+        self.kv_ready = False
+        self.kv_transfer_params: Optional[dict] = None
 
     @property
     def num_tokens(self) -> int:

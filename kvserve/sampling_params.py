@@ -93,6 +93,8 @@ class SamplingParams:
         attention_sinks / max_attention_window: kvserve extension, bounded KV only
             (``--kv-eviction-policy``, docs/bounded-kv.md): this request's attention sinks
             (>= 0) and window (>= 1) in tokens, each at most the engine's (None: the engine's).
+        extra_args: free-form extension arguments (vLLM's field), e.g. ``{"kv_transfer_params":
+            {...}}`` for disaggregated prefill/decode (``kvserve.kv_connector.p2p``).
     """
 
     n: int = 1
@@ -115,6 +117,7 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     attention_sinks: Optional[int] = None
     max_attention_window: Optional[int] = None
+    extra_args: Optional[dict] = None
     # Filled by the engine (not by users): eos ids of the model.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -169,6 +172,8 @@ class SamplingParams:
             raise bad("max_attention_window", "must be an integer >= 1")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict")
 
     @property
     def greedy(self) -> bool:

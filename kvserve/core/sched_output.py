@@ -137,6 +137,27 @@ class SchedulerOutput:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker half reports with a step (KV transfer between engines).
+
+    Attributes:
+        finished_sending: request ids whose lent blocks the producer may free now (the
+            consumer released them, the lease expired, or the producer aborted).
+        finished_recving: request ids whose remote KV pull ended (landed or failed).
+        failed_recving: the subset of ``finished_recving`` that failed (their KV is not valid).
+        stats: the worker's cumulative transfer counters (bytes, seconds, counts).
+    """
+
+    finished_sending: set = field(default_factory=set)
+    finished_recving: set = field(default_factory=set)
+    failed_recving: set = field(default_factory=set)
+    stats: Optional[dict] = None
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving)
+
+
+@dataclass
 class ModelRunnerOutput:
     """What a step returns to the scheduler.
 
@@ -151,6 +172,7 @@ class ModelRunnerOutput:
         kv_block_mass: h2o: request id -> group id -> ``{block-table column: attention mass}``
             summed over the step's queries, layers and heads (probabilities, so a step adds at most
             ``queries * layers * heads``).
+        kv_connector_output: a KV connector's finished transfers (``KVConnectorOutput``), or None.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -158,6 +180,7 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
     kv_block_mass: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
+    kv_connector_output: Optional[KVConnectorOutput] = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

@@ -42,6 +42,7 @@ from operator import attrgetter
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
+from kvserve.core import remote_kv
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.prefix_cache import PrefixMatch
 from kvserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -138,6 +139,11 @@ class Scheduler:
         self.waiting = _WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # KV transfer between engines (kvserve.kv_connector.p2p): requests whose blocks a remote
+        # engine is filling (-> the KV they will hold), and finished requests whose blocks stay
+        # held until the connector reports the transfer over (delayed free).
+        self.waiting_for_remote: dict[str, tuple[Request, int]] = {}
+        self.kv_held: dict[str, Request] = {}
         if connector is not None:
             connector.bind_scheduler(self.requests, kv_cache_manager)
         self.num_preemptions = 0
@@ -192,10 +198,14 @@ class Scheduler:
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
+            if req is None and rid in self.kv_held and status == RequestStatus.FINISHED_ABORTED:
+                self.connector.release_held(rid)  # stop lending its blocks (freed when the worker says so)
             if req is None or req.is_finished:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote[rid]
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -205,14 +215,22 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.finished_time = time.time()
+        delay = False
         if self.connector is not None:
-            self.connector.request_finished(req, [])
-        self.kv.free(req)
+            delay, req.kv_transfer_params = self.connector.request_finished(req, [])
+        if delay:  # a remote engine reads (or writes) its blocks: freed when that ends
+            self.kv_held[req.request_id] = req
+        else:
+            self.kv.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_remote)
+
+    def has_kv_transfers(self) -> bool:
+        """Whether KV transfers between engines are under way (the workers must be polled)."""
+        return bool(self.waiting_for_remote) or bool(self.kv_held)
 
     # ---- scheduling --------------------------------------------------------------------
 
@@ -225,6 +243,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_pending_tokens = 0  # a token still on the GPU is appended when it arrives
         req.spec_token_ids = []
+        req.kv_ready = False
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
@@ -290,17 +309,40 @@ class Scheduler:
         # Admit waiting requests; none while this step had to preempt (memory is short).
         while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
+            if req.kv_ready:  # its blocks hold KV from another engine (or a failed pull's recompute)
+                n = req.num_tokens - req.num_computed_tokens
+                if not cfg.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                if self.kv.allocate_slots(req, n) is None:
+                    break
+                self.waiting.pop()
+                req.kv_ready = False
+                req.status = RequestStatus.RUNNING
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.time()
+                self.running.append(req)
+                scheduled.append((req, n, 0))
+                budget -= n
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             if req.sampling_params.prompt_logprobs is not None and num_hit:
                 hits, num_hit = tuple(PrefixMatch() for _ in hits), 0  # every prompt position's logits
             num_ext = 0  # tokens the connector (a tier) loads past the device hit
+            load_async = False
             if self.connector is not None and req.sampling_params.prompt_logprobs is None:
                 base = num_hit - num_hit % self.kv.block_size
-                ext, _ = self.connector.get_num_new_matched_tokens(req, base)
+                ext, load_async = self.connector.get_num_new_matched_tokens(req, base)
                 if ext and base + ext > num_hit:
                     for h in hits:
                         h.partial = None
                     num_hit, num_ext = base, ext
+                else:
+                    load_async = False
+            if load_async:
+                if not self._admit_remote(req, hits, num_hit, num_ext):
+                    break
+                continue
             n = req.num_tokens - num_hit - num_ext
             if not cfg.enable_chunked_prefill and n > budget:
                 break
@@ -341,6 +383,9 @@ class Scheduler:
             budget -= n
 
         return self._make_output(out, scheduled, num_cached, new_blocks)
+
+    def _admit_remote(self, req: Request, hits, num_hit: int, num_ext: int) -> bool:
+        return remote_kv.admit_remote(self, req, hits, num_hit, num_ext)
 
     def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_cached: int,
                      new_blocks: dict) -> SchedulerOutput:
@@ -424,6 +469,8 @@ class Scheduler:
         """
         now = time.time()
         updated: list[RequestUpdate] = []
+        if output.kv_connector_output is not None and self.connector is not None:
+            updated.extend(remote_kv.update_kv_transfers(self, output.kv_connector_output))
         spec = sched.scheduled_spec_decode_tokens
         all_lps = output.logprobs
         for rid, (start, entries) in output.prompt_logprobs.items():
@@ -531,7 +578,7 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.waiting_for_remote),
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_recompute_queries=self.prefix_cache_recompute_queries,

@@ -223,6 +223,8 @@ class SingleTypeKVCacheManager:
             self.pool.free(reversed(tail))
 
     def _cache_full_blocks(self, request: Request, st: _ReqBlocks, num_tokens: int) -> None:
+        if getattr(request, "delay_cache_blocks", False):  # KV still on its way from another engine
+            return
         # Only tokens whose ids are known can be hashed (the prompt, and outputs so far).
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         if num_full <= st.num_cached:

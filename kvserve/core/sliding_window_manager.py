@@ -191,6 +191,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return m, len(m) * self.block_size
 
     def _cache_full_blocks(self, request: Request, st: _ReqBlocks, num_tokens: int) -> None:
+        if getattr(request, "delay_cache_blocks", False):  # KV still on its way from another engine
+            return
         bs = self.block_size
         num_full = min(num_tokens, request.num_tokens) // bs
         if num_full <= st.num_cached:

@@ -192,6 +192,7 @@ class AsyncLLM:
             raise
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.num_blocks, self.block_size = ready.num_blocks, ready.block_size
+        self.kv_transfer_info = ready.kv_transfer  # None without a KV transfer connector
         self.eos_token_id = resolve_eos_token_id(self.tokenizer, config.model_config.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         loop = asyncio.get_running_loop()

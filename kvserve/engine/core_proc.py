@@ -44,7 +44,8 @@ def _token_output(o):
 
     return TokenOutput(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
                        o.num_cached_tokens, o.first_scheduled_time, o.first_token_time, o.finished_time,
-                       o.num_preemptions, o.prompt_logprobs, o.num_draft_tokens, o.num_accepted_tokens)
+                       o.num_preemptions, o.prompt_logprobs, o.num_draft_tokens, o.num_accepted_tokens,
+                       o.kv_transfer_params)
 
 
 class EngineCoreProc:
@@ -127,11 +128,20 @@ class EngineCoreProc:
                                  s.num_recomputed_tokens, s.kv_connector_stats,
                                  s.num_evicted_blocks, s.num_evicted_tokens)
 
+    def _urgent_kv(self) -> bool:
+        f = getattr(self.core, "has_urgent_kv_work", None)
+        return bool(f and f())
+
+    def _kv_transfers(self) -> bool:
+        """KV transfers between engines under way: step (a poll of the workers) every loop turn."""
+        f = getattr(self.core, "has_kv_transfers", None)
+        return bool(f and f())
+
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
         from kvserve.engine.ipc import Heartbeat, StepOutputs
 
-        idle = not self.core.has_unfinished_requests()
+        idle = not self.core.has_unfinished_requests() and not self._urgent_kv()
         handled = self._drain(block=block and idle)
         if not self.running:
             return False
@@ -141,7 +151,7 @@ class EngineCoreProc:
         outputs, n_prompt, n_gen = self.rejected, 0, 0
         self.rejected = []
         stepped = False
-        if self.core.has_unfinished_requests():
+        if self.core.has_unfinished_requests() or self._kv_transfers():
             res = self.core.step()
             stepped = True
             self.num_steps += 1
@@ -222,7 +232,8 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     proc = EngineCoreProc(core, input_addr, output_addr, ctx)
     cfg = core.config
     proc.send(ipc.Ready(cfg.scheduler_config.max_model_len, cfg.model_config.hf_config.vocab_size,
-                        cfg.cache_config.num_blocks, cfg.cache_config.block_size, os.getpid()))
+                        cfg.cache_config.num_blocks, cfg.cache_config.block_size, os.getpid(),
+                        core.kv_transfer_info()))
     logger.info("engine core ready (pid %d; start-up: %s)", os.getpid(), core.startup_breakdown())
     status = 0
     try:

@@ -55,6 +55,8 @@ class EngineCoreOutput:
             per prompt token ``{token_id: (logprob, rank)}`` (None for the first token).
         num_draft_tokens / num_accepted_tokens: speculative decoding, draft tokens verified /
             accepted for this request so far.
+        kv_transfer_params: with a KV transfer connector, in a finished request's last output:
+            what a consumer engine needs to pull its KV (``kvserve.kv_connector.p2p``), else None.
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class EngineCoreOutput:
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass

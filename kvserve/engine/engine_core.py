@@ -89,6 +89,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        from kvserve.kv_connector import prepare_kv_connector_config
+
+        prepare_kv_connector_config(config)  # ports / ids resolved once, before the workers start
         t0 = time.perf_counter()
         self.executor = get_executor_class(config.parallel_config)(config)
         t1 = time.perf_counter()
@@ -141,6 +144,9 @@ class EngineCore:
         if isinstance(request, EngineCoreRequest):
             request = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                               request.arrival_time, request.priority, request.eos_token_id, request.cache_salt)
+        ktp = request.sampling_params.extra_args and request.sampling_params.extra_args.get("kv_transfer_params")
+        if ktp is not None and not isinstance(ktp, dict):
+            raise ValueError("kv_transfer_params must be an object")
         so = request.sampling_params.structured_outputs
         if so is not None and request.structured_output is None:
             request.structured_output = self.structured_output_manager.make_request_state(so)
@@ -156,6 +162,22 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
+    def has_kv_transfers(self) -> bool:
+        """Whether KV transfers between engines are under way (blocks lent to a consumer, or
+        pulls in progress): the loop must keep stepping (``step`` then only polls the workers)."""
+        return self.scheduler.has_kv_transfers()
+
+    def has_urgent_kv_work(self) -> bool:
+        """Whether connector work waits for the next step's metadata (e.g. blocks to lend: a
+        consumer may be connecting already); the loop must not idle then."""
+        conn = self.kv_connector
+        return conn is not None and getattr(conn, "has_unsent_meta", lambda: False)()
+
+    def kv_transfer_info(self) -> Optional[dict]:
+        """``{"kv_role", "engine_id", "kv_connector", "kv_layout"}`` with a transfer connector, else None."""
+        conn = self.kv_connector
+        return conn.transfer_info() if conn is not None and hasattr(conn, "transfer_info") else None
+
     def step(self) -> EngineCoreOutputs:
         """Schedule, run and update one step.
 
@@ -169,8 +191,9 @@ class EngineCore:
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
             if sched.is_empty:
-                if sched.kv_connector_metadata:  # e.g. a swap-out with nothing else to run
-                    self.executor.execute_model(sched).get()
+                if sched.kv_connector_metadata or self.scheduler.has_kv_transfers():
+                    # e.g. a swap-out with nothing else to run, or a poll of KV transfers
+                    return self._update(sched, self.executor.execute_model(sched).get())
                 return EngineCoreOutputs()
             return self._update(sched, self.executor.execute_model(sched).get())
         prev = self._in_flight
@@ -178,13 +201,17 @@ class EngineCore:
         if prev is not None and self._needs_host_tokens():
             return self._update(prev[0], prev[1].get())
         sched = self.scheduler.schedule()
-        if sched.is_empty and sched.kv_connector_metadata:
-            self.executor.execute_model(sched).get()
+        polled = None
+        if sched.is_empty and (sched.kv_connector_metadata or self.scheduler.has_kv_transfers()):
+            polled = self._update(sched, self.executor.execute_model(sched).get())
         elif not sched.is_empty:
             self._in_flight = (sched, self.executor.execute_model(sched))
         if prev is None:
-            return EngineCoreOutputs()
-        return self._update(prev[0], prev[1].get())
+            return polled or EngineCoreOutputs()
+        res = self._update(prev[0], prev[1].get())
+        if polled is not None:
+            res.outputs[:0] = polled.outputs
+        return res
 
     def _needs_host_tokens(self) -> bool:
         for r in self.scheduler.running:
@@ -208,8 +235,14 @@ class EngineCore:
                 req.request_id, toks, lps if req.sampling_params.logprobs is not None else None,
                 req.finish_reason, req.stop_reason, req.num_cached_tokens, req.first_scheduled_time,
                 req.first_token_time, req.finished_time, req.num_preemptions, plps, req.num_draft_tokens,
-                req.num_accepted_tokens))
+                req.num_accepted_tokens, req.kv_transfer_params if req.is_finished else None))
         outs.num_generation_tokens = n_gen
+        if self.has_urgent_kv_work() and self._in_flight is None:
+            # Lend a finished request's blocks now: its consumer may connect before the next step.
+            flush = SchedulerOutput(finished_req_ids=set())
+            flush.kv_connector_metadata = self.kv_connector.build_connector_meta(flush)
+            more = self._update(flush, self.executor.execute_model(flush).get())
+            outs.outputs.extend(more.outputs)
         return outs
 
     def shutdown(self) -> None:

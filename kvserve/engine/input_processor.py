@@ -109,7 +109,11 @@ def log_stats_line(
     if num_draft_tokens:
         spec = (f", Draft acceptance rate: {100 * num_accepted_tokens / num_draft_tokens:.1f}%, "
                 f"Mean acceptance length: {1 + num_accepted_tokens / max(num_drafts, 1):.2f}")
-    if tier:
+    if tier and "kv_transfer_bytes" in tier:  # KV transfer between engines (P2PKVConnector)
+        spec += (f", KV transfers: {tier.get('kv_transfers', 0):.0f} ({tier['kv_transfer_bytes'] / 2**20:.1f} MiB), "
+                 f"{tier.get('kv_transfer_failures', 0):.0f} failed, {tier.get('receiving', 0):.0f} receiving, "
+                 f"{tier.get('sending', 0):.0f} lent")
+    elif tier:
         spec += (f", CPU tier: {tier.get('hit_tokens', 0):.0f} hit tokens, "
                  f"{100 * tier.get('blocks_used', 0) / max(tier.get('blocks_total', 1), 1):.1f}% used, "
                  f"{tier.get('blocks_stored', 0):.0f} blocks stored, {tier.get('blocks_loaded', 0):.0f} loaded")

@@ -68,6 +68,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
     block_size: int
     pid: int
+    # With a KV transfer connector: {"kv_role", "engine_id", "kv_connector", "kv_layout"}.
+    kv_transfer: Optional[dict[str, Any]] = None
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
@@ -107,6 +109,7 @@ class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a finished request's, for a consumer engine
 
 
 class SchedulerStatsMsg(msgspec.Struct, array_like=True):

@@ -20,7 +20,7 @@ class RequestState:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time", "output_token_ids",
                  "logprobs", "finish_reason", "stop_reason", "num_cached_tokens", "first_scheduled_time",
                  "first_token_time", "finished_time", "num_preemptions", "prompt_logprobs",
-                 "num_draft_tokens", "num_accepted_tokens")
+                 "num_draft_tokens", "num_accepted_tokens", "kv_transfer_params")
 
     def __init__(self, req: EngineCoreRequest) -> None:
         self.request_id = req.request_id
@@ -39,6 +39,7 @@ class RequestState:
         self.prompt_logprobs: Optional[list] = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.kv_transfer_params: Optional[dict] = None
 
     def apply(self, o: EngineCoreOutput) -> None:
         """Fold one engine-core output into this state."""
@@ -54,6 +55,8 @@ class RequestState:
             self.prompt_logprobs = o.prompt_logprobs
         self.num_draft_tokens = o.num_draft_tokens
         self.num_accepted_tokens = o.num_accepted_tokens
+        if getattr(o, "kv_transfer_params", None) is not None:
+            self.kv_transfer_params = o.kv_transfer_params
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason
             self.stop_reason = o.stop_reason
@@ -219,6 +222,7 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=outs, finished=parent.finished, metrics=metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0), prompt_logprobs=first.prompt_logprobs,
+            kv_transfer_params=first.kv_transfer_params,
         )
 
     def remove(self, parent: ParentState) -> None:

@@ -11,14 +11,20 @@ from typing import Optional
 
 from kvserve.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-_REGISTRY = {"OffloadingConnector": ("kvserve.kv_connector.offloading", "OffloadingConnector")}
+_REGISTRY = {"OffloadingConnector": ("kvserve.kv_connector.offloading", "OffloadingConnector"),
+             "P2PKVConnector": ("kvserve.kv_connector.p2p.connector", "P2PKVConnector")}
 
-__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "make_kv_connector"]
+__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "make_kv_connector",
+           "prepare_kv_connector_config"]
 
 
-def make_kv_connector(config, role: KVConnectorRole, kv_cache_config) -> Optional[KVConnectorBase_V1]:
-    """The connector for ``config`` in ``role``, or None. Raises ValueError for an unknown name."""
+def _connector_class(config):
     name = None
+    kvt = config.kv_transfer_config
+    if config.cache_config.kv_offloading_size and kvt is not None and kvt.kv_connector \
+            and kvt.kv_connector != "OffloadingConnector":
+        raise ValueError(f"--kv-offloading-size and --kv-transfer-config kv_connector {kvt.kv_connector!r} "
+                         "cannot be combined (one KV connector per engine)")
     if config.cache_config.kv_offloading_size:
         name = "OffloadingConnector"
     elif config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector:
@@ -30,4 +36,18 @@ def make_kv_connector(config, role: KVConnectorRole, kv_cache_config) -> Optiona
     import importlib
 
     mod, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(mod), cls)(config, role, kv_cache_config)
+    return getattr(importlib.import_module(mod), cls)
+
+
+def prepare_kv_connector_config(config) -> None:
+    """Let the configured connector resolve start-up values in ``config`` (ports, ids) once,
+    before workers start. Raises ValueError for an unknown name or a bad connector config."""
+    cls = _connector_class(config)
+    if cls is not None and hasattr(cls, "prepare_config"):
+        cls.prepare_config(config)
+
+
+def make_kv_connector(config, role: KVConnectorRole, kv_cache_config) -> Optional[KVConnectorBase_V1]:
+    """The connector for ``config`` in ``role``, or None. Raises ValueError for an unknown name."""
+    cls = _connector_class(config)
+    return None if cls is None else cls(config, role, kv_cache_config)

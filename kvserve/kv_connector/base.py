@@ -76,6 +76,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         """A request finished; returns ``(delay freeing its blocks, params for the client)``."""
         return False, None
 
+    def release_held(self, request_id: str) -> None:
+        """A finished request whose blocks ``request_finished`` kept (delay free) was aborted:
+        end its transfer; the worker then reports it finished and the scheduler frees them."""
+
     def request_preempted(self, request: "Request", block_ids: list[int]) -> None:
         """A running request is about to lose its device blocks (swap preemption keeps them)."""
 
@@ -109,6 +113,12 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     @abstractmethod
     def wait_for_save(self) -> None:
         """Block until earlier saves no longer read the device cache."""
+
+    def take_kv_connector_output(self, wait_s: float = 0.0):
+        """Worker role: transfers between engines finished since the last call
+        (``kvserve.core.sched_output.KVConnectorOutput``), or None; may wait up to ``wait_s``
+        seconds for one while transfers are under way."""
+        return None
 
     def shutdown(self) -> None:
         """Stop transfer threads."""

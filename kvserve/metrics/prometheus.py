@@ -25,6 +25,9 @@ Exposed families (counters get the ``_total`` suffix in the text format):
   (label ``position``, 0-based draft position); mean acceptance length = 1 + accepted / drafts
 * bounded KV (``--kv-eviction-policy streaming|h2o``): ``kvserve:kv_evicted_blocks`` and
   ``kvserve:kv_evicted_tokens`` (blocks / token slots freed by eviction, cumulative)
+* KV transfer between engines (``P2PKVConnector``): ``kvserve:kv_transfer_bytes_total``,
+  ``kvserve:kv_transfer_requests_total``, ``kvserve:kv_transfer_failures_total`` and the
+  ``kvserve:kv_transfer_seconds`` histogram (per transfer, seconds)
 * the API process's own ``process_*`` metrics (``process_resident_memory_bytes``, ...),
   when the ``registry`` is private (the default)
 """
@@ -51,6 +54,7 @@ _ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
                 20.0, 40.0, 80.0]
 _E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0]
+_XFER_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 class PrometheusStatLogger(StatLogger):
@@ -114,6 +118,14 @@ class PrometheusStatLogger(StatLogger):
         self.tier_usage = gauge("kv_tier_cpu_usage_perc", "Fraction of CPU tier blocks holding KV (0..1).")
         self.tier_queries = counter("kv_tier_queries", "Requests that looked past the device prefix cache.")
         self._tier_last: dict[str, float] = {}
+        # KV transfer between engines (P2PKVConnector): both roles count their side.
+        self.xfer_bytes = counter("kv_transfer_bytes", "KV bytes moved between engines (sent or received).")
+        self.xfer_requests = counter("kv_transfer_requests", "KV transfers between engines started (pulls "
+                                                             "made or served).")
+        self.xfer_failures = counter("kv_transfer_failures", "KV pulls that failed (recomputed or aborted).")
+        self.xfer_seconds = hist("kv_transfer_seconds", "Duration of one KV transfer between engines, seconds "
+                                 "(a step's transfers observed at their mean).", _XFER_BUCKETS)
+        self._xfer_last = dict(b=0.0, r=0.0, f=0.0, n=0.0, s=0.0)
         self._frontend: Optional[tuple] = None
         self.admitted = gauge("num_requests_admitted", "Engine sequences admitted by the API server, "
                                                        "not finished yet.")
@@ -166,7 +178,9 @@ class PrometheusStatLogger(StatLogger):
         self._inc_cumulative("eb", self.evicted_blocks, getattr(stats, "num_evicted_blocks", 0))
         self._inc_cumulative("et", self.evicted_tokens, getattr(stats, "num_evicted_tokens", 0))
         tier = getattr(stats, "kv_tier", None)
-        if tier:
+        if tier and "kv_transfer_bytes" in tier:
+            self._on_transfer_stats(tier)
+        elif tier:
             m = self.model_name
             for key, c in (("hit_tokens", self.tier_hits.labels(m, "cpu")),
                            ("disk_hit_tokens", self.tier_hits.labels(m, "disk")),
@@ -185,6 +199,22 @@ class PrometheusStatLogger(StatLogger):
             self.prompt_tokens.inc(num_prompt_tokens)
         if num_generation_tokens > 0:
             self.gen_tokens.inc(num_generation_tokens)
+
+    def _on_transfer_stats(self, s: dict) -> None:
+        last = self._xfer_last
+        for key, name, c in (("b", "kv_transfer_bytes", self.xfer_bytes),
+                             ("r", "kv_transfer_requests", self.xfer_requests),
+                             ("f", "kv_transfer_failures", self.xfer_failures)):
+            v = float(s.get(name, 0))
+            if v > last[key]:
+                c.inc(v - last[key])
+                last[key] = v
+        n, sec = float(s.get("kv_transfers", 0)), float(s.get("kv_transfer_seconds", 0.0))
+        if n > last["n"]:
+            mean = max(sec - last["s"], 0.0) / (n - last["n"])
+            for _ in range(int(n - last["n"])):
+                self.xfer_seconds.observe(mean)
+            last["n"], last["s"] = n, sec
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(max(ttft_s, 0.0))

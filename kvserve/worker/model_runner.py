@@ -287,7 +287,9 @@ class ModelRunner:
             conn.bind_connector_metadata(sched.kv_connector_metadata)
             conn.start_load_kv()
         if sched.is_empty:
-            return AsyncModelRunnerOutput([], None, None, None, None, self)
+            res = AsyncModelRunnerOutput([], None, None, None, None, self)
+            res.poll = True
+            return res
         self.run_block_ops(sched.block_ops)
         inp = batch.prepare(sched)
         pending = None

@@ -44,6 +44,7 @@ class AsyncModelRunnerOutput:
 
     def __init__(self, req_ids: list[str], packed, md, spec, event, runner, prompt_logprobs=None) -> None:
         self._prompt_logprobs = prompt_logprobs or {}
+        self.poll = False  # an empty step (nothing computed): it only polls the KV connector
         self.kv_block_mass: dict = {}  # h2o: ModelRunnerOutput.kv_block_mass of this step
         self.req_ids = req_ids
         self._packed = packed
@@ -54,6 +55,10 @@ class AsyncModelRunnerOutput:
 
     def get(self) -> ModelRunnerOutput:
         out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs, kv_block_mass=self.kv_block_mass)
+        conn = getattr(self._runner, "kv_connector", None)
+        if conn is not None:
+            # Transfers between engines that ended by now (an empty step polls: it may wait briefly).
+            out.kv_connector_output = conn.take_kv_connector_output(0.005 if self.poll else 0.0)
         if self._event is not None:
             self._event.synchronize()
         runner = self._runner

@@ -6,6 +6,10 @@ import random
 
 import pytest
 
+# Imported before the tests below add a temporary format: kv_quant snapshots the unquantized
+# formats by torch dtype at import, and an unquantized uint8 test format seen there would
+# make every later int4 / int8 cache read as unquantized in this process.
+import kvserve.attention.kv_quant  # noqa: F401
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_cache_spec import (

@@ -5,7 +5,8 @@ is ``kvserve serve``: it starts the engine-core process, then uvicorn.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200, or 503 when the engine is dead or the server drains),
-``GET /version``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``.
+``GET /version``, ``GET /metrics`` (Prometheus text), ``POST /tokenize``, ``POST /detokenize``,
+``GET /v1/kv_transfer`` (the KV transfer role, engine id and ``kv_layout``; nulls without one).
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad
 parameters (FastAPI's 422 validation errors and unparsable bodies included) and context
 overflow (and a ``Host`` header outside ``--allowed-hosts``), 401 for a missing/wrong
@@ -272,6 +273,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
             raise APIError(404, f"The model `{model_id}` does not exist.", "model")
         return {"id": model_id, "object": "model", "created": created, "owned_by": "kvserve",
                 "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/kv_transfer")
+    async def kv_transfer():
+        """This worker's KV transfer role and layout, for a router's compatibility check."""
+        info = getattr(engine, "kv_transfer_info", None) or {}
+        return {"kv_role": info.get("kv_role"), "engine_id": info.get("engine_id"),
+                "kv_connector": info.get("kv_connector"), "kv_layout": info.get("kv_layout")}
 
     @app.get("/ping")
     @app.get("/health")

@@ -116,6 +116,13 @@ class _SamplingFields(OpenAIBaseModel):
     # kvserve extension: bounded KV per request (--kv-eviction-policy; docs/bounded-kv.md)
     attention_sinks: Optional[UInt63] = None
     max_attention_window: Optional[UInt63] = None
+    # vLLM extra: each choice also carries ``token_ids`` (the generated ids; per chunk, the new
+    # ones) and the response ``prompt_token_ids``. Always on for completions when the server has
+    # no tokenizer (``--skip-tokenizer-init``), whose ``text`` is empty.
+    return_token_ids: bool = False
+    # vLLM extra: disaggregated prefill/decode (kvserve.kv_connector.p2p). Prefill leg:
+    # ``{"do_remote_decode": true}``; decode leg: the prefill response's ``kv_transfer_params``.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     # Fields not implemented here are a 400 naming the field, never silently ignored.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -192,6 +199,8 @@ class _SamplingFields(OpenAIBaseModel):
             structured_outputs=self.structured_outputs_params(),
             attention_sinks=self.attention_sinks,
             max_attention_window=self.max_attention_window,
+            extra_args={"kv_transfer_params": dict(self.kv_transfer_params)}
+            if self.kv_transfer_params is not None else None,
         )
 
     @property
@@ -208,10 +217,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[Int64] = None
     suffix: Optional[str] = None
-    # vLLM extra: each choice also carries ``token_ids`` (the generated ids; per chunk, the new
-    # ones) and, unstreamed, ``prompt_token_ids``. Always on when the server has no tokenizer
-    # (``--skip-tokenizer-init``), whose ``text`` is empty.
-    return_token_ids: bool = False
     # vLLM extra: per prompt token its logprob and the top ``prompt_logprobs`` alternatives,
     # in each choice's ``prompt_logprobs`` (perplexity through the server). Not streamed.
     prompt_logprobs: Optional[Int64] = None
@@ -342,7 +347,7 @@ _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "presence_penalty
                 "messages", "logit_bias", "best_of", "suffix", "top_logprobs", "stream_options", "priority", "cache_salt",
                 "echo", "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "tools", "tool_choice", "prompt_logprobs", "attention_sinks",
-                "max_attention_window"}
+                "max_attention_window", "kv_transfer_params"}
 
 
 def param_of(message: str) -> Optional[str]:

@@ -191,6 +191,32 @@ class OpenAIServing:
         if req.top_k is not None and req.top_k >= v:
             req.top_k = 0  # keeping every token is no top-k at all
 
+    def check_kv_transfer(self, req, num_prompts: int) -> None:
+        """``kv_transfer_params`` (disaggregated prefill/decode): this server must play the role
+        the params ask for, one prompt and ``n == 1`` only, and a decode leg's ``kv_layout``
+        must equal this engine's. Raises APIError(400) naming what differs."""
+        ktp = req.kv_transfer_params
+        if ktp is None:
+            return
+        info = getattr(self.engine, "kv_transfer_info", None) or {}
+        role = info.get("kv_role")
+        if num_prompts != 1 or req.n != 1:
+            raise APIError(400, "kv_transfer_params needs exactly one prompt and n == 1", "kv_transfer_params")
+        if ktp.get("do_remote_decode") and role not in ("kv_producer", "kv_both"):
+            raise APIError(400, f"kv_transfer_params.do_remote_decode needs a server started with kv_role "
+                                f"kv_producer or kv_both (this one: {role})", "kv_transfer_params")
+        if ktp.get("do_remote_prefill"):
+            if role not in ("kv_consumer", "kv_both"):
+                raise APIError(400, f"kv_transfer_params.do_remote_prefill needs a server started with kv_role "
+                                    f"kv_consumer or kv_both (this one: {role})", "kv_transfer_params")
+            if "kv_layout" in ktp:
+                from kvserve.kv_connector.p2p.wire import layout_mismatch
+
+                diff = layout_mismatch(info.get("kv_layout") or {}, ktp["kv_layout"])
+                if diff:
+                    raise APIError(400, f"kv_transfer_params.kv_layout does not match this engine's KV layout: "
+                                        f"{diff}", "kv_transfer_params")
+
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
@@ -269,6 +295,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.engine.check_alive()
         self.check_n(req.n)
         prompts = req.prompts()
+        self.check_kv_transfer(req, len(prompts))
         pool = self.tokenizer_pool
         ids_list = [await pool.tokenize(self, p) if pool else self.tokenize(p) for p in prompts]
         self.check_extras(ids_list, req)
@@ -332,8 +359,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 if sp.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = P.prompt_logprobs_json(tok, out.prompt_logprobs)
                 choices.append(choice)
-        return {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name,
+        body = {"id": rid, "object": "text_completion", "created": P.now(), "model": self.model_name,
                 "choices": choices, "usage": P.usage(n_prompt, n_gen, n_cached), "system_fingerprint": None}
+        if req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = outs[0].kv_transfer_params if outs else None
+        return body
 
     async def _stream(self, req, rid, gens, ids_list, sp: SamplingParams) -> AsyncIterator[str]:
         created, model, tok = P.now(), self.model_name, self.engine.tokenizer
@@ -342,14 +372,20 @@ class OpenAIServingCompletion(OpenAIServing):
         cached_seen: set[int] = set()
 
         with_ids = self._with_token_ids(req)
+        first_sent: set[int] = set()
 
-        def chunk(index: int, text: str, lp=None, finish=None, stop_reason=None, token_ids=None) -> str:
+        def chunk(index: int, text: str, lp=None, finish=None, stop_reason=None, token_ids=None, ktp=None) -> str:
             ch = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
             if with_ids:
                 ch["token_ids"] = list(token_ids or [])
+                if index not in first_sent:  # the first chunk of a choice carries its prompt
+                    first_sent.add(index)
+                    ch["prompt_token_ids"] = list(ids_list[index // sp.n])
             body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [ch]}
             if req.include_usage:
                 body["usage"] = None
+            if ktp is not None:
+                body["kv_transfer_params"] = ktp
             return sse(body)
 
         try:
@@ -370,7 +406,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     if sp.logprobs is not None and co.token_ids:
                         lp = P.completion_logprobs(tok, co.token_ids, co.logprobs or [], offsets.get(idx, 0))
                         offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                    yield chunk(idx, co.text, lp, co.finish_reason, co.stop_reason, co.token_ids)
+                    yield chunk(idx, co.text, lp, co.finish_reason, co.stop_reason, co.token_ids,
+                                out.kv_transfer_params if co.finish_reason is not None else None)
             if req.include_usage:
                 n_prompt = sum(len(ids) for ids in ids_list)
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -392,6 +429,7 @@ class OpenAIServingChat(OpenAIServing):
         mode = resolve_tool_mode(req, self.enable_auto_tool_choice, self.tool_call_parser)
         tools = template_tools(req, mode)
         pool = self.tokenizer_pool
+        self.check_kv_transfer(req, 1)
         ids = (await pool.chat_prompt_ids(self, req.messages, req.add_generation_prompt, tools) if pool
                else self.chat_prompt_ids(req.messages, req.add_generation_prompt, tools))
         self.check_extras([ids], req)
@@ -411,7 +449,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             if mode.active:
                 return _released(stream_tool_chat(self, req, rid, gen, len(ids), sp, mode), ticket)
-            return _released(self._stream(req, rid, gen, len(ids), sp), ticket)
+            return _released(self._stream(req, rid, gen, ids, sp), ticket)
         final: list[RequestOutput] = []
 
         async def collect() -> None:
@@ -429,28 +467,42 @@ class OpenAIServingChat(OpenAIServing):
             lp = P.chat_logprobs(tok, co.token_ids, co.logprobs or [], sp.logprobs or 0) \
                 if sp.logprobs is not None else None
             message, finish = tool_message(mode, co.text, co.finish_reason)
-            choices.append({"index": co.index, "message": message,
-                            "logprobs": lp, "finish_reason": finish, "stop_reason": co.stop_reason})
+            choice = {"index": co.index, "message": message,
+                      "logprobs": lp, "finish_reason": finish, "stop_reason": co.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(co.token_ids)
+            choices.append(choice)
         n_gen = sum(len(co.token_ids) for co in out.outputs)
-        return {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name,
+        body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": self.model_name,
                 "choices": choices, "usage": P.usage(len(ids), n_gen, out.num_cached_tokens),
                 "system_fingerprint": None}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(ids)
+        if req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = out.kv_transfer_params
+        return body
 
-    async def _stream(self, req, rid, gen, n_prompt: int, sp: SamplingParams) -> AsyncIterator[str]:
+    async def _stream(self, req, rid, gen, prompt_ids: list[int], sp: SamplingParams) -> AsyncIterator[str]:
         created, model, tok = P.now(), self.model_name, self.engine.tokenizer
+        n_prompt = len(prompt_ids)
+        with_ids = bool(req.return_token_ids)
 
-        def chunk(index: int, delta: dict, lp=None, finish=None, stop_reason=None) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                                 "stop_reason": stop_reason}]}
+        def chunk(index: int, delta: dict, lp=None, finish=None, stop_reason=None, token_ids=None, extra=None) -> str:
+            ch = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+            if with_ids:
+                ch["token_ids"] = list(token_ids or [])
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [ch]}
             if req.include_usage:
                 body["usage"] = None
+            if extra:
+                body.update(extra)
             return sse(body)
 
         n_gen, n_cached = 0, 0
         try:
             for i in range(sp.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
+                yield chunk(i, {"role": "assistant", "content": ""},
+                            extra={"prompt_token_ids": list(prompt_ids)} if with_ids and i == 0 else None)
             async for out in merge([gen]):
                 out = out[1]
                 if out.finished:
@@ -461,10 +513,12 @@ class OpenAIServingChat(OpenAIServing):
                         lp = None
                         if sp.logprobs is not None and co.token_ids:
                             lp = P.chat_logprobs(tok, co.token_ids, co.logprobs or [], sp.logprobs)
-                        if co.text or lp is not None:
-                            yield chunk(co.index, {"content": co.text}, lp)
+                        if co.text or lp is not None or (with_ids and co.token_ids):
+                            yield chunk(co.index, {"content": co.text}, lp, token_ids=co.token_ids)
                     if co.finish_reason is not None:
-                        yield chunk(co.index, {}, None, co.finish_reason, co.stop_reason)
+                        ktp = out.kv_transfer_params
+                        yield chunk(co.index, {}, None, co.finish_reason, co.stop_reason,
+                                    extra={"kv_transfer_params": ktp} if ktp is not None else None)
             if req.include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "choices": [], "usage": P.usage(n_prompt, n_gen, n_cached)})

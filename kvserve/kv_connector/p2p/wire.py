@@ -1,0 +1,129 @@
+"""P2P KV transfer: the layout descriptor, its comparison, and the TCP wire protocol.
+
+A frame is a 4-byte big-endian header length, a JSON header, then ``header["nbytes"]`` raw
+bytes when the header names them. One TCP connection carries one pull:
+
+1. consumer -> ``{"op": "hello", "layout": {...}, "engine_id": str}``; producer ->
+   ``{"op": "hello", "ok": true}`` or ``{"ok": false, "error": "kv_layout mismatch: ..."}``
+   (then it closes the connection).
+2. consumer -> ``{"op": "pull", "req": remote_request_id, "blocks": [[int, ...] per group]}``;
+   producer -> one ``{"op": "layer", "layer": i, "group": g, "nbytes": n}`` frame per layer
+   (raw pages of the named blocks, ``cache[:, ids]`` bytes), then ``{"op": "done"}``, or
+   ``{"op": "error", "error": str}`` (unknown id, lease expired).
+3. consumer -> ``{"op": "release", "req": remote_request_id}`` once the pages landed (or
+   the consumer gave up): the producer frees the blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from typing import Any, Optional
+
+_HDR = struct.Struct(">I")
+MAX_HEADER = 1 << 24
+
+
+class KVLayoutMismatch(ValueError):
+    """The producer refused the consumer's KV layout; the message names the differing fields."""
+
+
+def kv_layout(config, kv_cache_config) -> dict[str, Any]:
+    """A JSON-able descriptor of this engine's KV cache pages.
+
+    Keys: ``model`` (basename), ``fingerprint`` (``block_hash.model_fingerprint``),
+    ``num_layers``, ``block_size``, ``kv_cache_dtype``, ``dtype`` (model torch dtype name),
+    ``tp_size``, and ``groups``: per KV cache group ``{"kind", "layers", "num_kv_heads",
+    "head_size", "sliding_window", "page_shape" (one block of one layer: [2, block_size,
+    kv_heads, row elements]), "page_bytes" (per layer)}``.
+    """
+    from kvserve.kv_connector.block_hash import model_fingerprint
+
+    mc, cc = config.model_config, config.cache_config
+    groups = []
+    for g in kv_cache_config.groups:
+        s = g.spec
+        groups.append({
+            "kind": type(s).__name__, "layers": list(g.layer_indices), "num_kv_heads": s.num_kv_heads,
+            "head_size": s.head_size, "sliding_window": getattr(s, "sliding_window", None),
+            "page_shape": [2, s.block_size, s.num_kv_heads, s.format.row_elems(s.head_size)],
+            "page_bytes": s.page_size_bytes,
+        })
+    return {
+        "model": os.path.basename(str(mc.model or "").rstrip("/")), "fingerprint": model_fingerprint(config),
+        "num_layers": kv_cache_config.num_layers, "block_size": kv_cache_config.block_size,
+        "kv_cache_dtype": str(cc.kv_cache_dtype), "dtype": str(mc.dtype),
+        "tp_size": config.parallel_config.tensor_parallel_size, "groups": groups,
+    }
+
+
+def layout_mismatch(mine: dict, theirs: Any) -> Optional[str]:
+    """None when the layouts match, else ``"field (here X, remote Y), ..."`` naming each
+    differing field (``model`` alone is informational and never compared)."""
+    if not isinstance(theirs, dict):
+        return f"kv_layout must be an object, got {type(theirs).__name__}"
+    diffs = []
+    for k in sorted(set(mine) | set(theirs)):
+        if k == "model":
+            continue
+        a, b = mine.get(k), theirs.get(k)
+        if k == "groups" and isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (ga, gb) in enumerate(zip(a, b)):
+                for f in sorted(set(ga) | set(gb if isinstance(gb, dict) else {})):
+                    va, vb = ga.get(f), gb.get(f) if isinstance(gb, dict) else None
+                    if va != vb:
+                        diffs.append(f"groups[{i}].{f} (here {va!r}, remote {vb!r})")
+        elif a != b:
+            diffs.append(f"{k} (here {a!r}, remote {b!r})")
+    return ", ".join(diffs) if diffs else None
+
+
+def send_frame(sock: socket.socket, header: dict, payload: Optional[memoryview | bytes] = None) -> None:
+    """Send one frame; ``payload`` (if any) must have ``header["nbytes"]`` bytes."""
+    h = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(_HDR.pack(len(h)) + h)
+    if payload is not None and len(payload):
+        sock.sendall(payload)
+
+
+def recv_exact(sock: socket.socket, n: int, into: Optional[bytearray] = None) -> bytearray:
+    """Read exactly ``n`` bytes. Raises ConnectionError when the peer closes early."""
+    buf = into if into is not None else bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the KV transfer connection")
+        got += k
+    return buf
+
+
+def recv_frame(sock: socket.socket, with_payload: bool = True) -> tuple[dict, Optional[bytearray]]:
+    """Read one frame: ``(header, payload or None)``. Raises ConnectionError / ValueError."""
+    (n,) = _HDR.unpack(bytes(recv_exact(sock, 4)))
+    if n > MAX_HEADER:
+        raise ValueError(f"KV transfer header of {n} bytes")
+    header = json.loads(bytes(recv_exact(sock, n)))
+    payload = None
+    nbytes = header.get("nbytes")
+    if with_payload and nbytes:
+        payload = recv_exact(sock, int(nbytes))
+    return header, payload
+
+
+def client_handshake(sock: socket.socket, layout: dict, engine_id: str) -> None:
+    """Consumer side of step 1. Raises KVLayoutMismatch when refused, ConnectionError on I/O."""
+    send_frame(sock, {"op": "hello", "layout": layout, "engine_id": engine_id})
+    reply, _ = recv_frame(sock)
+    if not reply.get("ok"):
+        raise KVLayoutMismatch(reply.get("error") or "KV transfer handshake refused")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,337 @@
+"""P2P KV transfer, worker half: a TCP server that lends held blocks (producer) and pull
+threads that write remote pages into freshly allocated device blocks (consumer).
+
+Pages move as raw bytes of ``cache[:, block_ids]`` per layer (shape ``[2, n, block_size,
+kv_heads, row]``, the cache's own dtype: float, fp8 or packed int4 codes with their scales),
+so every KV format round-trips bit for bit. Layers stream one frame each, written as they
+arrive. Nothing here blocks the engine loop: the scheduler learns of finished transfers from
+``take_output`` (``KVConnectorOutput``) on its next step or poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from kvserve.core.sched_output import KVConnectorOutput
+from kvserve.kv_connector.p2p.wire import (
+    KVLayoutMismatch, client_handshake, layout_mismatch, recv_frame, send_frame,
+)
+
+logger = logging.getLogger("kvserve")
+
+#: Seconds a pull for a not-yet-registered request id waits for the producer's engine to
+#: register it (the HTTP response may reach the consumer before the next producer step).
+REGISTER_WAIT_S = 5.0
+CONNECT_TIMEOUT_S = 10.0
+IO_TIMEOUT_S = 60.0
+
+
+def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as raw bytes ``[2, num_blocks, block_size, kv_heads, row * itemsize]`` uint8
+    (copies of uint8 pages work for every KV dtype, fp8 included, and are bit exact)."""
+    return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+
+
+class _Exposed:
+    __slots__ = ("block_ids", "deadline", "busy", "released")
+
+    def __init__(self, block_ids: list[list[int]], deadline: float) -> None:
+        self.block_ids, self.deadline, self.busy, self.released = block_ids, deadline, 0, False
+
+
+class P2PWorker:
+    """Both transfer roles of one rank.
+
+    Args:
+        role: ``kv_producer`` | ``kv_consumer`` | ``kv_both``.
+        host / port: where the producer listens (port resolved, not 0).
+        lease_s: seconds held blocks wait for their consumer.
+        layout: this engine's ``kv_layout`` (the handshake compares it).
+        engine_id: this engine's id (logged by the peer).
+        group_layers: per KV cache group, its layer indices.
+    """
+
+    def __init__(self, role: str, host: str, port: int, lease_s: float, layout: dict, engine_id: str,
+                 group_layers: list[list[int]]) -> None:
+        self.role, self.host, self.port, self.lease_s = role, host, port, lease_s
+        self.layout, self.engine_id, self.group_layers = layout, engine_id, group_layers
+        self.caches: dict[int, torch.Tensor] = {}
+        self._lock = threading.Condition()
+        self._exposed: dict[str, _Exposed] = {}
+        self._sending_done: set[str] = set()
+        self._recving_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self._cancel: dict[str, threading.Event] = {}
+        self._early_release: set[str] = set()  # released before registered (bounded below)
+        self._progress = threading.Event()
+        self.stats = dict(transfer_bytes=0, transfer_seconds=0.0, transfers=0, transfer_failures=0,
+                          transfer_requests=0, bytes_sent=0, blocks_expired=0, requests_expired=0)
+        self._stop = threading.Event()
+        self._srv: Optional[socket.socket] = None
+
+    # ---- set-up ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[int, torch.Tensor]) -> None:
+        self.caches = kv_caches
+        if self.role in ("kv_producer", "kv_both") and self._srv is None:
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((self.host, self.port))
+            srv.listen(64)
+            self._srv = srv
+            threading.Thread(target=self._accept_loop, name="kvserve-p2p-accept", daemon=True).start()
+            logger.info("P2P KV producer listening on %s:%d (lease %.1f s)", self.host, self.port, self.lease_s)
+
+    # ---- per step ----------------------------------------------------------------------
+    def handle_meta(self, meta) -> None:
+        """Register blocks to lend, start pulls, cancel pulls (``P2PMetadata``)."""
+        if meta is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            for rid, block_ids in meta.send:
+                if rid in self._early_release:  # its consumer released before we lent it
+                    self._early_release.discard(rid)
+                    self._sending_done.add(rid)
+                    continue
+                self._exposed[rid] = _Exposed(block_ids, now + self.lease_s)
+            if meta.send:
+                self._lock.notify_all()
+        for spec in meta.recv:
+            ev = self._cancel[spec.request_id] = threading.Event()
+            threading.Thread(target=self._pull, args=(spec, ev), name=f"kvserve-p2p-pull-{spec.request_id}",
+                             daemon=True).start()
+        for rid in meta.cancel:
+            ev = self._cancel.get(rid)
+            if ev is not None:
+                ev.set()
+            else:  # a producer-side abort of lent blocks
+                self.release_local(rid)
+        for host, port, remote_rid in meta.release:
+            threading.Thread(target=self._release_remote, args=(host, port, remote_rid),
+                             name="kvserve-p2p-release", daemon=True).start()
+
+    def take_output(self, wait_s: float = 0.0) -> Optional[KVConnectorOutput]:
+        """Transfers finished since the last call (lease expiry applied first), and the
+        cumulative counters. With ``wait_s`` > 0 and nothing finished yet, waits up to that
+        many seconds for progress (so an otherwise idle engine does not spin)."""
+        if wait_s > 0 and (self._cancel or self._exposed):
+            with self._lock:
+                idle = not (self._sending_done or self._recving_done)
+            if idle:
+                self._progress.wait(wait_s)
+        self._progress.clear()
+        now = time.monotonic()
+        with self._lock:
+            for rid, e in list(self._exposed.items()):
+                if e.deadline <= now and not e.busy:
+                    del self._exposed[rid]
+                    self._sending_done.add(rid)
+                    if e.released:
+                        continue
+                    self.stats["requests_expired"] += 1
+                    self.stats["blocks_expired"] += sum(len(g) for g in e.block_ids)
+                    logger.warning("P2P KV: lease of %s expired after %.1f s with no consumer; blocks freed",
+                                   rid, self.lease_s)
+            out = KVConnectorOutput(self._sending_done, self._recving_done, self._recv_failed, dict(self.stats))
+            self._sending_done, self._recving_done, self._recv_failed = set(), set(), set()
+        return out
+
+    def release_local(self, rid: str, early_ok: bool = False) -> None:
+        """Stop lending ``rid``'s blocks (reported as finished sending). ``early_ok``: a
+        consumer's release may arrive before this engine registered the blocks; remember it."""
+        with self._lock:
+            e = self._exposed.get(rid)
+            if e is None:
+                if early_ok and len(self._early_release) < 4096:
+                    self._early_release.add(rid)
+            elif e.busy:  # a pull reads the blocks now: freed once it is over (take_output)
+                e.deadline, e.released = 0.0, True
+            else:
+                del self._exposed[rid]
+                self._sending_done.add(rid)
+
+    # ---- producer ----------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvserve-p2p-serve", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(IO_TIMEOUT_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello, _ = recv_frame(conn)
+            diff = layout_mismatch(self.layout, hello.get("layout"))
+            if hello.get("op") != "hello" or diff:
+                msg = f"kv_layout mismatch between producer {self.engine_id} and consumer " \
+                      f"{hello.get('engine_id')}: {diff}" if diff else "expected a hello frame"
+                logger.error("P2P KV: refused a consumer: %s", msg)
+                send_frame(conn, {"op": "hello", "ok": False, "error": msg})
+                return
+            send_frame(conn, {"op": "hello", "ok": True, "engine_id": self.engine_id})
+            while True:
+                msg, _ = recv_frame(conn)
+                op = msg.get("op")
+                if op == "pull":
+                    self._send_blocks(conn, str(msg.get("req")), msg.get("blocks") or [])
+                elif op == "release":
+                    self.release_local(str(msg.get("req")), early_ok=True)
+                    self._progress.set()
+                elif op == "bye":
+                    return
+        except (ConnectionError, OSError, ValueError):
+            return
+        finally:
+            conn.close()
+
+    def _send_blocks(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> None:
+        deadline = time.monotonic() + REGISTER_WAIT_S
+        with self._lock:
+            while rid not in self._exposed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            e = self._exposed.get(rid)
+            if e is not None and (e.deadline <= time.monotonic() or e.released):
+                e = None  # expired or released: take_output frees it
+            if e is not None:
+                e.busy += 1
+            self.stats["transfer_requests"] += 1
+        if e is None:
+            send_frame(conn, {"op": "error", "error": f"unknown or expired KV transfer id {rid!r}"})
+            return
+        t0 = time.perf_counter()
+        sent = 0
+        try:
+            held = [set(g) for g in e.block_ids]
+            for gid, ids in enumerate(blocks):
+                if any(b not in held[gid] for b in ids):
+                    send_frame(conn, {"op": "error", "error": f"block ids not held for {rid!r}"})
+                    return
+            for gid, ids in enumerate(blocks):
+                if not ids:
+                    continue
+                for layer in self.group_layers[gid]:
+                    cache = _bytes_view(self.caches[layer])
+                    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+                    pages = cache.index_select(1, idx)
+                    if pages.device.type != "cpu":
+                        pages = pages.cpu()
+                    raw = pages.reshape(-1).numpy()
+                    send_frame(conn, {"op": "layer", "layer": layer, "group": gid, "nbytes": raw.nbytes}, raw.data)
+                    sent += raw.nbytes
+            send_frame(conn, {"op": "done"})
+        finally:
+            with self._lock:
+                e.busy -= 1
+                self.stats["bytes_sent"] += sent
+                self.stats["transfer_bytes"] += sent
+                self.stats["transfer_seconds"] += time.perf_counter() - t0
+                self.stats["transfers"] += 1
+        logger.debug("P2P KV: sent %s: %d bytes in %.1f ms", rid, sent, (time.perf_counter() - t0) * 1e3)
+
+    # ---- consumer ----------------------------------------------------------------------
+    def _pull(self, spec, cancel: threading.Event) -> None:
+        rid = spec.request_id
+        t0 = time.perf_counter()
+        ok, nbytes, err = False, 0, None
+        with self._lock:
+            self.stats["transfer_requests"] += 1
+        sock = None
+        try:
+            sock = socket.create_connection((spec.host, spec.port), timeout=CONNECT_TIMEOUT_S)
+            sock.settimeout(IO_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, self.layout, self.engine_id)
+            send_frame(sock, {"op": "pull", "req": spec.remote_request_id, "blocks": [r for _, r in spec.pairs]})
+            local = [torch.tensor(loc, dtype=torch.long) for loc, _ in spec.pairs]
+            while True:
+                h, payload = recv_frame(sock)
+                op = h.get("op")
+                if op == "done":
+                    if cancel.is_set():
+                        raise InterruptedError("cancelled")
+                    break
+                if op == "error":
+                    raise LookupError(h.get("error"))
+                if op != "layer":
+                    raise ValueError(f"unexpected KV transfer frame {op!r}")
+                if cancel.is_set():  # aborted: drain the stream (the connection then releases)
+                    continue
+                layer, gid = int(h["layer"]), int(h["group"])
+                cache = _bytes_view(self.caches[layer])
+                n = len(spec.pairs[gid][0])
+                src = torch.frombuffer(payload, dtype=torch.uint8).view(2, n, *cache.shape[2:])
+                idx = local[gid]
+                if cache.device.type != "cpu":
+                    src, idx = src.to(cache.device), idx.to(cache.device)
+                cache.index_copy_(1, idx, src)
+                nbytes += len(payload)
+            if any(c.device.type == "cuda" for c in self.caches.values()):
+                torch.cuda.synchronize()
+            ok = True
+        except KVLayoutMismatch as exc:
+            err = f"handshake refused: {exc}"
+        except InterruptedError:
+            err = "cancelled (request aborted)"
+        except Exception as exc:  # noqa: BLE001 - any failure is a load failure (recompute / fail)
+            err = f"{type(exc).__name__}: {exc}"
+        finally:
+            if sock is not None:
+                try:  # done or giving up: either way the producer may free the blocks
+                    send_frame(sock, {"op": "release", "req": spec.remote_request_id})
+                    send_frame(sock, {"op": "bye"})
+                except OSError:
+                    pass
+                sock.close()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._cancel.pop(rid, None)
+            self._recving_done.add(rid)
+            if ok:
+                self.stats["transfer_bytes"] += nbytes
+                self.stats["transfer_seconds"] += dt
+                self.stats["transfers"] += 1
+            else:
+                self._recv_failed.add(rid)
+                if not cancel.is_set():
+                    self.stats["transfer_failures"] += 1
+        self._progress.set()
+        if ok:
+            logger.debug("P2P KV: pulled %s from %s:%d: %d bytes in %.1f ms (%.1f MB/s)", rid, spec.host,
+                         spec.port, nbytes, dt * 1e3, nbytes / max(dt, 1e-9) / 1e6)
+        elif not cancel.is_set():
+            logger.warning("P2P KV: pull of %s from %s:%d failed: %s", rid, spec.host, spec.port, err)
+
+    def _release_remote(self, host: str, port: int, remote_rid: str) -> None:
+        """Tell a producer that ``remote_rid``'s blocks will not be pulled (best effort)."""
+        try:
+            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
+                sock.settimeout(IO_TIMEOUT_S)
+                client_handshake(sock, self.layout, self.engine_id)
+                send_frame(sock, {"op": "release", "req": remote_rid})
+                send_frame(sock, {"op": "bye"})
+        except (OSError, ValueError) as exc:
+            logger.warning("P2P KV: could not release %s at %s:%d: %s", remote_rid, host, port, exc)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for ev in list(self._cancel.values()):
+            ev.set()
+        if self._srv is not None:
+            try:
+                self._srv.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._srv.close()
+            self._srv = None
