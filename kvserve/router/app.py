@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.tracing import install_log_filter, new_tracepare
 from kvserve.router import tracing
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import POLICIES
+from kvserve.router.common import ClientError
 from kvserve.router.proxy import Router, RouterConfig, RouterError
 from kvserve.router.workers import ROLE_TO_POOL, Worker, WorkerRegistry
 
@@ -208,9 +209,7 @@ def build_app(ra: RouterApp) -> FastAPI:
             logger.warning("%s -> %d: %s", request.url.path, exc.status, exc.message)
             return _err(exc, tp)
         except Exception as exc:  # noqa: BLE001 - the client gets an OpenAI-shaped 500
-            from kvserve.router.proxy import _ClientError
-
-            if isinstance(exc, _ClientError):
+            if isinstance(exc, ClientError):
                 ra.metrics.requests.labels(route, "client_error").inc()
                 return Response(exc.content, status_code=exc.status, media_type="application/json",
                                 headers={"traceparent": tp})

@@ -89,12 +89,13 @@ def current_traceparent(fallback: str) -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
-def start_span(name: str, context=None, **attributes):
+def start_span(name: str, context=None, start_time: Optional[int] = None, **attributes):
     """A started (not current) span, or None when tracing is off; end it with ``end_span``.
-    For phases that cross ``yield``s of a streaming body (no context variable is touched)."""
+    For phases that cross ``yield``s of a streaming body (no context variable is touched).
+    ``start_time``: epoch nanoseconds (default: now)."""
     if _tracer is None:
         return None
-    sp = _tracer.start_span(name, context=context)
+    sp = _tracer.start_span(name, context=context, start_time=start_time)
     for k, v in attributes.items():
         if v is not None:
             sp.set_attribute(f"kvserve.{k}", v)

@@ -47,13 +47,13 @@ class Proc:
         log.close()
         return self
 
-    def wait_ready(self, timeout: float = 180.0) -> "Proc":
+    def wait_ready(self, timeout: float = 180.0, path: str = "/health") -> "Proc":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited ({self.proc.returncode}):\n{self.read_log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -97,10 +97,11 @@ def start_workers(tmp_path, n: int, extra: list[str] | None = None, prefix: str 
     return ws
 
 
-def start_router(tmp_path, args: list[str], env: dict | None = None) -> Proc:
+def start_router(tmp_path, args: list[str], env: dict | None = None, path: str = "/health") -> Proc:
+    """``kvserve router`` ready when ``path`` answers 200 (``/health``: a routable worker per pool)."""
     r = Proc(["router", "--health-check-interval", "0.5", *args], str(tmp_path / "router.log"), env=env).start()
     try:
-        r.wait_ready(60)
+        r.wait_ready(60, path)
     except BaseException:
         r.stop()
         raise

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from router_helpers import (
-    WORKER_ARGS,
     Proc,
     kv_transfer_available,
     p2p_connector_known,

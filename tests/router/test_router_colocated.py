@@ -7,10 +7,12 @@ chat); admin routes; errors; trace ids across the router's and the workers' logs
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
-from router_helpers import complete, start_router, start_workers, stream
+from router_helpers import complete, free_port, start_router, start_workers, stream
 
 httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.slow
@@ -25,7 +27,8 @@ def dep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router_colocated")
     ws = start_workers(tmp, 2)
     try:
-        r = start_router(tmp, ["--worker", ws[0].url, "--worker", ws[1].url, "--policy", "round_robin"],
+        r = start_router(tmp, ["--worker", ws[0].url, "--worker", ws[1].url, "--policy", "round_robin",
+                               "--decode-first-token-timeout", "5", "--health-check-timeout", "1"],
                          env={"OTEL_TRACES_EXPORTER": "console"})
     except BaseException:
         for w in ws:
@@ -143,3 +146,54 @@ def test_metrics(dep):
     assert ok >= 1
     listed = json.loads(httpx.get(r.url + "/workers", timeout=10).text)
     assert all(w["healthy"] and w["circuit"] == "closed" for w in listed["workers"])
+
+
+def _wait_all_healthy(r, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ws = httpx.get(r.url + "/workers", timeout=5).json()["workers"]
+        if all(w["healthy"] for w in ws):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers not healthy again: {ws}")
+
+
+def test_hung_worker_is_bounded_and_bypassed(dep):
+    """A worker frozen by SIGSTOP (accepts connections, never answers): every request still
+    succeeds through the other worker within the first-token deadline + a health check."""
+    r, ws = dep
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    want = complete(ws[1].url, body)[0]["choices"][0]["text"]
+    os.killpg(ws[0].proc.pid, signal.SIGSTOP)
+    try:
+        for i in range(4):
+            t0 = time.monotonic()
+            if i % 2:
+                got = complete(r.url, body, timeout=30)[0]["choices"][0]["text"]
+            else:
+                got = stream(r.url, body, timeout=30)[0]
+            assert got == want
+            assert time.monotonic() - t0 < 8.0
+    finally:
+        os.killpg(ws[0].proc.pid, signal.SIGCONT)
+    _wait_all_healthy(r)
+    text = httpx.get(r.url + "/metrics", timeout=10).text
+    assert 'kvserve_router:worker_failures_total{kind="timeout"' in text
+
+
+def test_no_worker_is_a_clear_503(tmp_path):
+    """A router whose only worker is down answers 503 (OpenAI-shaped) after --queue-timeout."""
+    from router_helpers import start_router as start
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = start(tmp_path, ["--worker", dead, "--queue-timeout", "1"], path="/workers")
+    try:
+        time.sleep(1.0)  # a health check has run
+        assert httpx.get(r.url + "/health", timeout=5).status_code == 503
+        t0 = time.monotonic()
+        got, resp = complete(r.url, {"prompt": "x", "max_tokens": 1, "stream": True}, timeout=30)
+        assert resp.status_code == 503 and "no healthy worker" in got["error"]["message"]
+        assert time.monotonic() - t0 < 10
+        assert resp.headers.get("traceparent")
+    finally:
+        r.stop()
