@@ -365,10 +365,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point. Returns the exit status (0 ok, 2 usage/engine input error, 130 Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    ns, extra = parser.parse_known_args(argv)  # argparse exits 2 itself on bad flags
-    if extra and not getattr(ns, "accepts_extra", False):
-        parser.parse_args(argv)  # the usual "unrecognized arguments" error (exit 2)
-    ns.extra_args = extra  # `kvserve launch` passes them to its workers
+    ns = parser.parse_args(argv)  # argparse exits 2 itself on bad flags
+    ns.argv = argv  # `kvserve launch` passes its engine flags on to its workers verbatim
     ns.command_line = shlex.join(["kvserve", *argv])
     try:
         rc = ns.func(ns)

@@ -363,6 +363,11 @@ def run_router(ns) -> int:
         raise ValueError("P/D mode needs at least one --prefill and one --decode worker")
     tracing.setup_tracing(ns.otlp_traces_endpoint)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import signal
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        # uvicorn re-raises the signal it handled after shutting down: exit 0, not -15.
+        signal.signal(s, lambda *_: None)
     try:
         return asyncio.run(serve_router(ns, pools))
     except KeyboardInterrupt:

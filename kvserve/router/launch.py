@@ -129,15 +129,9 @@ def validate_pd(children: list[Child]) -> None:
         raise ValueError(f"KV layouts differ between workers: {layouts}")
 
 
-def register_launch_parser(subparsers) -> argparse.ArgumentParser:
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
     from kvserve.router.app import add_router_args
 
-    p = subparsers.add_parser(
-        "launch", help="Start prefill/decode workers (or replicas) and the router on one machine.",
-        description="Start --prefill N producer and --decode M consumer `kvserve serve` workers (or --replicas K "
-                    "plain ones with --prefill 0 --decode 0) on free ports, check them, and serve the router on "
-                    "--port. Other flags are passed to every worker. SIGTERM/SIGINT stops everything.")
-    p.add_argument("model", nargs="?", default=None, help="Model for every worker (default: the embedded one).")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="Prefill (producer) workers.")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="Decode (consumer) workers.")
     p.add_argument("--replicas", type=int, default=0, metavar="K", help="Colocated replicas (with --prefill 0 --decode 0).")
@@ -146,16 +140,49 @@ def register_launch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="One log file per worker here (default: inherit stdout).")
     p.add_argument("--restart-failed", action="store_true", help="Restart a worker that exits while serving.")
     add_router_args(p, workers=False)
-    p.set_defaults(func=run_launch, accepts_extra=True)
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` (after ``launch``) without the launcher's own flags: MODEL and the engine flags,
+    verbatim, for every worker."""
+    own = argparse.ArgumentParser(add_help=False)
+    _add_launch_args(own)
+    takes_value = {o: a.nargs != 0 for a in own._actions for o in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        name = tok.split("=", 1)[0]
+        if name in takes_value:
+            i += 1 if ("=" in tok or not takes_value[name]) else 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def register_launch_parser(subparsers) -> argparse.ArgumentParser:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "launch", help="Start prefill/decode workers (or replicas) and the router on one machine.",
+        description="Start --prefill N producer and --decode M consumer `kvserve serve` workers (or --replicas K "
+                    "plain ones with --prefill 0 --decode 0) on free ports, check them, and serve the router on "
+                    "--port. Other flags are passed to every worker. SIGTERM/SIGINT stops everything.")
+    _add_launch_args(p)
+    add_engine_args(p)  # MODEL and the engine flags: validated here, passed verbatim to every worker
+    p.set_defaults(func=run_launch)
     return p
 
 
 def run_launch(ns, extra: Optional[list[str]] = None) -> int:
-    """``kvserve launch``. ValueError (exit 2) for bad counts or a failed validation."""
+    """``kvserve launch``. ``extra``: the workers' MODEL and engine flags (default: from ``ns.argv``).
+    ValueError (exit 2) for bad counts or a failed validation."""
     from kvserve.logger import setup_logging
 
     setup_logging()
-    extra = list(extra or getattr(ns, "extra_args", []) or [])
+    if extra is None:
+        argv = list(getattr(ns, "argv", None) or [])
+        extra = worker_argv(argv[argv.index("launch") + 1:] if "launch" in argv else argv)
     if ns.prefill < 0 or ns.decode < 0 or ns.replicas < 0:
         raise ValueError("--prefill, --decode and --replicas must be >= 0")
     pd = ns.prefill > 0 or ns.decode > 0
@@ -167,7 +194,7 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
         raise ValueError("give --replicas K with --prefill 0 --decode 0")
     if ns.log_dir:
         os.makedirs(ns.log_dir, exist_ok=True)
-    base = ([ns.model] if ns.model else []) + ["--disable-access-log", "--uvicorn-log-level", "warning"] + extra
+    base = ["--disable-access-log", "--uvicorn-log-level", "warning"] + extra
     children: list[Child] = []
     if pd:
         for i in range(ns.prefill):
@@ -208,8 +235,10 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
         wait_healthy(children, ns.startup_timeout)
         if pd:
             validate_pd(children)
-        for s, h in prev.items():
-            signal.signal(s, h)  # uvicorn installs its own handlers while serving
+        for s in prev:
+            # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal under the
+            # handler it found: a no-op here, so that the workers are stopped below and we exit 0.
+            signal.signal(s, lambda *_: None)
         if ns.restart_failed:
             threading.Thread(target=_supervise, args=(children, stopping), daemon=True).start()
         import asyncio
