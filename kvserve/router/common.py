@@ -73,6 +73,8 @@ class StreamState:
     model: Optional[str] = None
     #: (monotonic s, epoch ns) when the prefill leg answered (P/D), for the transfer-wait phase.
     prefill_done: Optional[tuple[float, int]] = None
+    #: Text of choice 0 the client got so far (recovered legs recompute text from all ids).
+    sent_text: str = ""
 
 
 def routing_text(route: str, body: dict) -> str:

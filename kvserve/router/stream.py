@@ -52,6 +52,36 @@ class StreamRelay:
         except ClientError as exc:
             raise RouterError(502, f"re-prefill refused by the worker: {exc.content[:200]!r}") from None
 
+    async def _recovered_text(self, w: Worker, obj: dict, st: StreamState, headers: dict, deadline: float) -> None:
+        """On a re-prefilled leg, set the chunk's text to what one uninterrupted worker would have
+        sent: the text of all generated ids (``POST /detokenize`` on ``w``) past what the client
+        already got. This restores text the failed worker held back (a possible stop-string
+        prefix, a UTF-8 character split over tokens), which the new worker, decoding only its
+        own tokens, cannot know. A trailing partial character stays held until it completes;
+        an EOS / stop token id adds no text; a stop string cuts the text as the worker would."""
+        for ch in obj.get("choices") or []:
+            ids = ch.get("token_ids")
+            if ids is None or ch.get("index", 0) != 0:
+                continue
+            finish, stop_reason = ch.get("finish_reason"), ch.get("stop_reason")
+            use = st.gen_ids + list(ids)
+            if finish == "stop" and not isinstance(stop_reason, str) and ids:
+                use = use[:-1]  # EOS or a stop_token_ids id: not part of the text
+            try:
+                resp = await self._post(w, "/detokenize", {"tokens": use}, headers,
+                                        max(0.1, min(10.0, deadline - time.monotonic())), False)
+                full = resp.json()["prompt"]
+            except (LegFailed, ClientError, KeyError, ValueError) as exc:
+                raise LegFailed(w, "stream", f"detokenize failed during recovery: {exc}") from None
+            if isinstance(stop_reason, str) and stop_reason:
+                cut = full.find(stop_reason, max(0, len(st.sent_text) - len(stop_reason) + 1))
+                if cut >= 0:
+                    full = full[:cut]
+            if finish is None:
+                while full.endswith("\ufffd"):
+                    full = full[:-1]
+            ch["text"] = full[len(st.sent_text):] if full.startswith(st.sent_text) else ch.get("text", "")
+
     async def _tokenize(self, w: Worker, route, body, headers, deadline) -> list[int]:
         if route == "chat":
             tb = {"messages": body.get("messages"), "add_generation_prompt": body.get("add_generation_prompt", True)}
@@ -120,6 +150,8 @@ class StreamRelay:
                 st.ids_ok = False
             if content or ids:
                 st.content_sent = True
+            if content:
+                st.sent_text += content
             if ch.get("finish_reason") is not None:
                 st.finished = True
             if not want_ids:
@@ -167,6 +199,8 @@ class StreamRelay:
                             if obj == "[DONE]":
                                 yield "data: [DONE]\n\n"
                                 return
+                            if recovered:
+                                await self._recovered_text(w, obj, st, headers, deadline)
                             out = self._rewrite(route, obj, st, want_ids, recovered)
                             if first and st.content_sent:
                                 first = False

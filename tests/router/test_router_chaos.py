@@ -144,3 +144,56 @@ def test_chaos_kill_and_restart(deployment):
     assert kills, "no worker was killed"
     assert reprefills + retries > 0, "no request was recovered: the kills missed every stream"
     assert max(r[4] for r in results) < REQUEST_TIMEOUT
+
+
+def _wait_healthy(router, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(w["healthy"] for w in httpx.get(router.url + "/workers", timeout=5).json()["workers"]):
+            return
+        time.sleep(0.25)
+    raise AssertionError("workers not healthy")
+
+
+def test_kill_mid_stream_keeps_held_back_text(deployment):
+    """A worker killed mid-stream while it holds text back (a 10-character stop string that never
+    matches makes it hold the last 9 characters): the client still gets every character once."""
+    import json
+    import os
+    import signal
+
+    mode, router, targets = deployment
+    _wait_healthy(router)
+    body = {"prompt": "Write a short poem about the sea:\n", "max_tokens": 16, "temperature": 0,
+            "stop": ["ZZZZZZZZZZ"], "return_token_ids": True, "stream": True}
+    ref_text, ref_chunks = stream(router.url, body)
+    ref_ids = [t for c in ref_chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    before = _metric(httpx.get(router.url + "/metrics", timeout=10).text, "kvserve_router:reprefills_total")
+    text, ids, victim, done = [], [], None, False
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            obj = json.loads(data)
+            assert "error" not in obj, obj
+            for ch in obj["choices"]:
+                text.append(ch["text"])
+                ids.extend(ch.get("token_ids", []))
+            if victim is None and ids:
+                busy = [w["url"] for w in httpx.get(router.url + "/workers", timeout=5).json()["workers"]
+                        if w["in_flight"] > 0]
+                victim = next(t for t in targets if t.url in busy)
+                os.killpg(victim.proc.pid, signal.SIGSTOP)  # freeze at once, then kill
+                victim.kill()
+    assert victim is not None and done
+    victim.start()
+    victim.wait_ready(120)
+    after = _metric(httpx.get(router.url + "/metrics", timeout=10).text, "kvserve_router:reprefills_total")
+    assert after > before, "the stream was not re-prefilled"
+    assert ids == ref_ids
+    assert "".join(text) == ref_text
