@@ -121,6 +121,16 @@ def test_launch_pd_equality_and_prefill_failover(tmp_path):
             chat = {"messages": [{"role": "user", "content": p}], "max_tokens": 8, "temperature": 0}
             want = complete(decode_url, chat, "/v1/chat/completions")[0]["choices"][0]["message"]["content"]
             assert stream(ln.url, chat, "/v1/chat/completions")[0] == want
+        # One trace id across the router's, a prefill worker's and the decode worker's logs.
+        trace_id = "0af7651916cd43dd8448eb211c80319c"
+        tp = f"00-{trace_id}-b7ad6b7169203331-01"
+        _, resp = complete(ln.url, {"prompt": "Trace me", "max_tokens": 2}, headers={"traceparent": tp})
+        assert resp.status_code == 200 and resp.headers["traceparent"] == tp
+        time.sleep(1.0)
+        logs = {p.stem: p.read_text(errors="replace") for p in (tmp_path / "workers").glob("*.log")}
+        assert trace_id in ln.log()
+        assert any(f"[trace_id={trace_id}]" in t for k, t in logs.items() if k.startswith("prefill"))
+        assert f"[trace_id={trace_id}]" in logs["decode0"]
         # A prefill worker dies: requests are retried on the other one.
         os.killpg(ln.worker_pids()["prefill0"], signal.SIGKILL)
         for p in prompts:
