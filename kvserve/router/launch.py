@@ -267,3 +267,4 @@ def _supervise(children: list[Child], stopping: threading.Event) -> None:
                 logger.warning("worker %s exited (%s); restarting on port %d", c.name, c.proc.returncode, c.port)
                 c.restarts += 1
                 c.start()
+                logger.info("started %s (pid %d) on %s again", c.name, c.proc.pid, c.url)

@@ -77,7 +77,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_launch_colocated_serves_and_stops_cleanly(tmp_path):
-    ln = Launch(tmp_path, ["--prefill", "0", "--decode", "0", "--replicas", "2"])
+    ln = Launch(tmp_path, ["--prefill", "0", "--decode", "0", "--replicas", "2", "--restart-failed"])
     try:
         ln.wait_ready()
         pids = ln.worker_pids()
@@ -88,6 +88,16 @@ def test_launch_colocated_serves_and_stops_cleanly(tmp_path):
         direct = complete(listed["workers"][0]["url"], body)[0]["choices"][0]["text"]
         assert complete(ln.url, body)[0]["choices"][0]["text"] == direct
         assert stream(ln.url, body)[0] == direct
+        # --restart-failed: a replica that dies comes back on its port; meanwhile the other serves.
+        os.killpg(pids["replica0"], signal.SIGKILL)
+        assert complete(ln.url, body)[0]["choices"][0]["text"] == direct
+        deadline = time.monotonic() + 120
+        while ln.worker_pids()["replica0"] == pids["replica0"] or not all(
+                w["healthy"] for w in httpx.get(ln.url + "/workers", timeout=5).json()["workers"]):
+            assert time.monotonic() < deadline, ln.log()[-3000:]
+            time.sleep(0.5)
+        pids = ln.worker_pids()
+        assert complete(listed["workers"][0]["url"], body)[0]["choices"][0]["text"] == direct
     finally:
         t0 = time.monotonic()
         rc = ln.stop()
