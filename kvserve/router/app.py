@@ -297,6 +297,14 @@ def add_router_args(p: argparse.ArgumentParser, workers: bool = True) -> None:
                        help="Prefill worker for long prompts (repeatable; see --long-prompt-threshold).")
         p.add_argument("--decode", action="append", default=[], metavar="URL", help="Decode worker (repeatable).")
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="Routing policy (default: %(default)s).")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="cache_aware: the prefix match must cover this fraction of the request (0..1) to win.")
+    p.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="cache_aware: load imbalance when max - min in-flight requests exceeds this ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="... and max > this x min; then the least-loaded worker wins.")
+    p.add_argument("--max-tree-chars", type=int, default=1 << 22,
+                   help="cache_aware: bound of the prefix tree in characters (LRU eviction past it).")
     p.add_argument("--long-prompt-threshold", type=int, default=0, metavar="TOKENS",
                    help="Prompts of at least this many tokens (estimated as characters / 4) go to --prefill-long "
                         "(0: off).")
@@ -323,7 +331,9 @@ def config_from_ns(ns) -> RouterConfig:
     return RouterConfig(policy=ns.policy, prefill_timeout=ns.prefill_timeout,
                         decode_first_token_timeout=ns.decode_first_token_timeout,
                         request_timeout=ns.request_timeout, queue_timeout=ns.queue_timeout,
-                        max_attempts=ns.max_attempts, long_prompt_threshold=ns.long_prompt_threshold)
+                        max_attempts=ns.max_attempts, long_prompt_threshold=ns.long_prompt_threshold,
+                        cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
+                        balance_rel_threshold=ns.balance_rel_threshold, max_tree_chars=ns.max_tree_chars)
 
 
 async def serve_router(ns, pools: list[tuple[str, str]], sock=None) -> int:

@@ -56,6 +56,11 @@ class RouterConfig:
     connect_timeout: float = 5.0
     max_attempts: int = 4
     long_prompt_threshold: int = 0
+    #: cache_aware: min matched fraction of the request, imbalance test (requests, ratio), tree bound (chars).
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    max_tree_chars: int = 1 << 22
 
 
 @dataclass

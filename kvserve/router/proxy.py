@@ -58,7 +58,11 @@ class Router(StreamRelay):
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
                  client: httpx.AsyncClient) -> None:
         self.config, self.registry, self.metrics, self.client = config, registry, metrics, client
-        self.policies = {pool: make_policy(config.policy) for pool in ("worker", "prefill", "prefill_long", "decode")}
+        kw = {}
+        if config.policy == "cache_aware":
+            kw = dict(cache_threshold=config.cache_threshold, balance_abs=config.balance_abs_threshold,
+                      balance_rel=config.balance_rel_threshold, max_tree_chars=config.max_tree_chars)
+        self.policies = {pool: make_policy(config.policy, **kw) for pool in ("worker", "prefill", "prefill_long", "decode")}
         registry.on_remove.append(lambda url: [p.remove_worker(url) for p in self.policies.values()])
         self.queued = {pool: 0 for pool in self.policies}
 
