@@ -130,7 +130,8 @@ class RouterApp:
         if ok and self.load_from_metrics:
             try:
                 r = await self.client.get(w.url + "/metrics", timeout=self.health_timeout)
-                w.reported_load = _metric_sum(r.text, ("kvserve:num_requests_running", "kvserve:num_requests_waiting"))
+                w.reported_load = _metric_sum(r.text, ("kvserve:num_requests_running{", "kvserve:num_requests_running ",
+                                                       "kvserve:num_requests_waiting{", "kvserve:num_requests_waiting "))
             except httpx.HTTPError:
                 pass
 

@@ -157,3 +157,11 @@ def test_routing_text_and_traceparent():
     assert len(tid) == 32 and len(parent) == 16 and flags == "01"
     assert parse_traceparent("00-" + "0" * 32 + "-" + "1" * 16 + "-01") is None
     assert parse_traceparent("garbage") is None
+
+
+def test_load_from_worker_metrics_text():
+    from kvserve.router.app import _metric_sum
+
+    text = ('# HELP kvserve:num_requests_running x\nkvserve:num_requests_running{model_name="m"} 3.0\n'
+            'kvserve:num_requests_waiting{model_name="m"} 2.0\nkvserve:num_requests_waiting_other 9\n')
+    assert _metric_sum(text, ("kvserve:num_requests_running{", "kvserve:num_requests_waiting{")) == 5

@@ -130,7 +130,9 @@ def test_trace_id_in_logs_and_headers(dep):
     assert f"[trace_id={trace_id}] route worker" in router_log
     assert f"[trace_id={trace_id}] POST /v1/completions -> 200" in worker_logs
     # OpenTelemetry spans (OTEL_TRACES_EXPORTER=console) carry the client's trace id.
-    assert '"name": "router.request"' in router_log and f'"trace_id": "0x{trace_id}"' in router_log
+    for name in ("router.request", "router.route", "router.decode"):
+        assert f'"name": "{name}"' in router_log, name
+    assert f'"trace_id": "0x{trace_id}"' in router_log
 
 
 def test_metrics(dep):
