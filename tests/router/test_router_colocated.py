@@ -28,7 +28,8 @@ def dep(tmp_path_factory):
     ws = start_workers(tmp, 2)
     try:
         r = start_router(tmp, ["--worker", ws[0].url, "--worker", ws[1].url, "--policy", "round_robin",
-                               "--decode-first-token-timeout", "5", "--health-check-timeout", "1"],
+                               "--decode-first-token-timeout", "5", "--health-check-timeout", "1",
+                               "--load-from-metrics"],
                          env={"OTEL_TRACES_EXPORTER": "console"})
     except BaseException:
         for w in ws:
