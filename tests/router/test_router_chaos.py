@@ -73,12 +73,28 @@ def deployment(request, tmp_path_factory):
         w.stop()
 
 
-def _reference(url: str) -> dict[str, tuple[str, list[int]]]:
+def _body(kind: str, prompt: str, ids: bool) -> dict:
+    if kind == "chat":
+        return {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": ids}
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": ids}
+
+
+ROUTE = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _chat_token_ids(url: str) -> bool:
+    """Whether the workers give token ids on chat (needed to resume a chat stream)."""
+    r = httpx.post(url + "/v1/chat/completions", json=_body("chat", "Hi", True) | {"max_tokens": 1}, timeout=60)
+    return r.status_code == 200 and "token_ids" in r.json()["choices"][0]
+
+
+def _reference(url: str, kinds: list[str]) -> dict[tuple[str, str], tuple[str, list[int]]]:
     ref = {}
-    for p in PROMPTS:
-        text, chunks = stream(url, {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                    "return_token_ids": True})
-        ref[p] = (text, [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])])
+    for kind in kinds:
+        for p in PROMPTS:
+            text, chunks = stream(url, _body(kind, p, True), ROUTE[kind])
+            ref[kind, p] = (text, [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])])
     return ref
 
 
@@ -89,8 +105,10 @@ def _metric(text: str, name: str) -> float:
 def test_chaos_kill_and_restart(deployment):
     mode, router, targets = deployment
     t_start = time.monotonic()
+    # Chat streams too (every 4th request) once the workers send token ids on chat.
+    kinds = ["completions", "chat"] if _chat_token_ids(targets[0].url) else ["completions"]
     # The reference: the router before any kill, one request at a time (greedy).
-    ref = _reference(router.url)
+    ref = _reference(router.url, kinds)
     rng = random.Random(1234)
     stop = threading.Event()
     kills: list[str] = []
@@ -109,12 +127,12 @@ def test_chaos_kill_and_restart(deployment):
     results: list = [None] * N_REQUESTS
 
     def one(i: int) -> None:
-        p = PROMPTS[i % len(PROMPTS)]
+        kind = "chat" if "chat" in kinds and i % 4 == 3 else "completions"
+        p = (kind, PROMPTS[i % len(PROMPTS)])
         ids = i % 2 == 0
         t0 = time.monotonic()
         try:
-            text, chunks = stream(router.url, {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                               "return_token_ids": ids}, timeout=REQUEST_TIMEOUT)
+            text, chunks = stream(router.url, _body(kind, p[1], ids), ROUTE[kind], timeout=REQUEST_TIMEOUT)
             got_ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
             results[i] = ("ok", p, text, got_ids if ids else None, time.monotonic() - t0)
         except Exception as exc:  # noqa: BLE001 - counted as lost
@@ -136,7 +154,7 @@ def test_chaos_kill_and_restart(deployment):
     reprefills = _metric(metrics, "kvserve_router:reprefills_total")
     retries = _metric(metrics, "kvserve_router:retries_total")
     elapsed = time.monotonic() - t_start
-    print(f"chaos[{mode}]: {N_REQUESTS} requests, {len(kills)} kills, {reprefills:.0f} re-prefills, "
+    print(f"chaos[{mode}]: {N_REQUESTS} requests ({'/'.join(kinds)}), {len(kills)} kills, {reprefills:.0f} re-prefills, "
           f"{retries:.0f} retries, slowest {max(r[4] for r in results):.1f} s, {elapsed:.0f} s in all")
     assert not lost, lost[:5]
     assert not wrong, wrong[:5]
