@@ -199,7 +199,7 @@ def build_app(ra: RouterApp) -> FastAPI:
                 ra.metrics.requests.labels(route, "ok" if status == 200 else "client_error").inc()
                 logger.info("%s -> %d", request.url.path, status)
                 return JSONResponse(data, status_code=status, headers={"traceparent": tp})
-            ra.metrics.requests.labels(route, "ok").inc()
+            # The stream counts its own outcome (ok / failed / client_disconnect) when it ends.
             return StreamingResponse(result, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "traceparent": tp})
         except RouterError as exc:

@@ -3,7 +3,7 @@
 Counters (``_total`` in the text format):
 
 * ``kvserve_router:requests`` (labels ``route``: completions | chat; ``outcome``: ok |
-  client_error | no_worker | failed | timeout)
+  client_error | no_worker | failed | timeout | client_disconnect; a stream is counted when it ends)
 * ``kvserve_router:routing_decisions`` (``policy``, ``pool``, ``worker``, ``reason``)
 * ``kvserve_router:cache_matched_chars`` / ``kvserve_router:cache_request_chars`` (cache-aware
   hit rate = matched / request characters; also the gauge ``kvserve_router:cache_hit_rate``)

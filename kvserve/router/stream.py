@@ -188,6 +188,7 @@ class StreamRelay:
         """The client's SSE stream: relay, and on a worker failure restart or re-prefill elsewhere."""
         want_ids = bool(body.get("return_token_ids"))
         can_recover = n_choices(route, body) == 1
+        outcome, done = None, False
         recovered, t0, first = False, time.monotonic(), True
         span = tracing.start_span("router.decode", tracing.parent_context(headers["traceparent"]), worker=w.url)
         exclude: set = set()
@@ -197,6 +198,7 @@ class StreamRelay:
                     try:
                         async for obj in self._chunks(w, resp, deadline):
                             if obj == "[DONE]":
+                                done = True
                                 yield "data: [DONE]\n\n"
                                 return
                             if recovered:
@@ -221,6 +223,7 @@ class StreamRelay:
                     self.failed(exc)
                     exclude.add(w.url)
                 if st.finished:  # the worker died after the last token: only [DONE] / usage lost
+                    done = True
                     yield "data: [DONE]\n\n"
                     return
                 try:
@@ -233,6 +236,7 @@ class StreamRelay:
                         got = await self._recovery_leg(route, body, text, headers, deadline, pd, st, exclude)
                         if got is None:  # max_tokens reached exactly when the worker died
                             yield self._final_chunk(route, st, "length")
+                            done = True
                             yield "data: [DONE]\n\n"
                             return
                         w, resp = got
@@ -243,12 +247,16 @@ class StreamRelay:
                 except (RouterError, ClientError) as exc:
                     err = exc if isinstance(exc, RouterError) else RouterError(502, f"worker answered {exc.status}")
                     logger.error("stream failed: %s", err.message)
-                    self.metrics.requests.labels(route, "failed").inc()
+                    outcome = "failed"
                     yield f"data: {json.dumps(err.body())}\n\n"
+                    done = True
                     yield "data: [DONE]\n\n"
                     return
         finally:
-            tracing.end_span(span, outcome="done" if st.finished else "ended", recovered=recovered)
+            if outcome is None:  # no error event: "ok" once the client got [DONE], else it left early
+                outcome = "ok" if done else "client_disconnect"
+            self.metrics.requests.labels(route, outcome).inc()
+            tracing.end_span(span, outcome=outcome, recovered=recovered)
             self.metrics.phase.labels("total").observe(time.monotonic() - t0)
 
     def _final_chunk(self, route: str, st: StreamState, reason: str) -> str:
