@@ -9,7 +9,8 @@ a clear error otherwise) and then serves the router on ``--port``. ``--prefill 0
 every worker (engine flags).
 
 Stopping: SIGTERM or SIGINT stops the router, then each worker gets SIGTERM (its process
-group, so its engine core too) and SIGKILL after ``--grace`` seconds. A worker that exits
+group, so its engine core too) and SIGKILL after ``--grace`` seconds. A worker also gets
+SIGTERM if the launcher dies any other way (Linux parent-death signal). A worker that exits
 during start-up fails the launch (its log's tail is printed). ``--restart-failed`` restarts a
 worker that exits while serving, on the same port. Worker logs: ``--log-dir`` (one file per
 worker), else the launcher's own stdout/stderr.
@@ -44,6 +45,17 @@ def kv_transfer_config(role: str) -> str:
                        "kv_connector_extra_config": {"kv_port": 0}})
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL, so that
+    no worker outlives it. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class Child:
     """One ``kvserve serve`` subprocess (own process group)."""
 
@@ -58,7 +70,7 @@ class Child:
         out = open(self.log_path, "a") if self.log_path else None
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         if out:
             out.close()
 

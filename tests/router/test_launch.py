@@ -76,6 +76,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _reap(ln: Launch) -> list[int]:
+    """Workers of ``ln`` still alive (then SIGKILLed: a test never leaves one behind)."""
+    time.sleep(0.5)
+    left = [pid for pid in ln.worker_pids().values() if _alive(pid)]
+    for pid in left:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
 def test_launch_colocated_serves_and_stops_cleanly(tmp_path):
     ln = Launch(tmp_path, ["--prefill", "0", "--decode", "0", "--replicas", "2", "--restart-failed"])
     try:
@@ -101,9 +113,10 @@ def test_launch_colocated_serves_and_stops_cleanly(tmp_path):
     finally:
         t0 = time.monotonic()
         rc = ln.stop()
+        leftover = _reap(ln)
     assert rc == 0, ln.log()[-3000:]
     assert time.monotonic() - t0 < 30
-    assert not any(_alive(p) for p in pids.values()), "a worker outlived kvserve launch"
+    assert not leftover, "a worker outlived kvserve launch"
     assert "all workers stopped" in ln.log()
 
 
@@ -148,3 +161,4 @@ def test_launch_pd_equality_and_prefill_failover(tmp_path):
             assert stream(ln.url, body)[0] == complete(decode_url, body)[0]["choices"][0]["text"]
     finally:
         ln.stop()
+        _reap(ln)
