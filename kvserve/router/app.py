@@ -193,7 +193,7 @@ def build_app(ra: RouterApp) -> FastAPI:
             with tracing.span("router.request", tracing.parent_context(tp), route=route,
                               policy=ra.config.policy) as sp:
                 up = tracing.current_traceparent(tp) if sp is not None else tp
-                result = await ra.router.handle(route, body, up)
+                result = await ra.router.handle(route, body, up, request.headers.get("authorization"))
             if isinstance(result, tuple):
                 status, data = result
                 ra.metrics.requests.labels(route, "ok" if status == 200 else "client_error").inc()
@@ -228,12 +228,14 @@ def build_app(ra: RouterApp) -> FastAPI:
         return await forward("chat", request)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        auth = request.headers.get("authorization")
         for w in list(ra.registry.workers.values()):
             if not w.routable():
                 continue
             try:
-                r = await ra.client.get(w.url + "/v1/models", timeout=5.0)
+                r = await ra.client.get(w.url + "/v1/models", timeout=5.0,
+                                        headers={"authorization": auth} if auth else None)
                 if r.status_code == 200:
                     return JSONResponse(r.json())
             except httpx.HTTPError:

@@ -262,7 +262,7 @@ class Router(StreamRelay):
 
     # ------------------------------------------------------------------ entry
 
-    async def handle(self, route: str, body: dict, traceparent: str):
+    async def handle(self, route: str, body: dict, traceparent: str, authorization: Optional[str] = None):
         """Returns ``(status, json_dict)`` or an async iterator of SSE strings. Raises RouterError."""
         if not isinstance(body, dict):
             raise RouterError(400, "the request body must be a JSON object")
@@ -270,6 +270,8 @@ class Router(StreamRelay):
         deadline = t0 + cfg.request_timeout
         text = routing_text(route, body)
         headers = {"traceparent": traceparent}
+        if authorization:  # the client's API key goes to the workers as is
+            headers["authorization"] = authorization
         pd = self.registry.mode() == "pd"
         stream = bool(body.get("stream"))
         if not stream:
