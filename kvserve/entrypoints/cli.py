@@ -6,6 +6,8 @@ Subcommands::
     kvserve chat [MODEL] [--system TEXT] [sampling flags] [engine flags]
     kvserve bench throughput [MODEL] [workload flags] [engine flags]
     kvserve serve [MODEL] [--host H] [--port P] [--api-key KEY] [engine flags]
+    kvserve router --port P (--worker URL ... | --prefill URL ... --decode URL ...) [--policy ...]
+    kvserve launch --prefill N --decode M [MODEL] [--port P] [engine flags]
 
 Every subcommand that builds an engine gets every ``EngineArgs`` field as a flag, registered
 by the engine layer (``EngineArgs.add_cli_args``): ``--kebab-case`` names, help text and
@@ -240,6 +242,20 @@ def _register_serve(subparsers: argparse._SubParsersAction) -> None:
     register_serve_parser(subparsers)
 
 
+# --------------------------------------------------------------------------- router, launch
+
+def _register_router(subparsers: argparse._SubParsersAction) -> None:
+    from kvserve.router.app import register_router_parser
+
+    register_router_parser(subparsers)
+
+
+def _register_launch(subparsers: argparse._SubParsersAction) -> None:
+    from kvserve.router.launch import register_launch_parser
+
+    register_launch_parser(subparsers)
+
+
 # --------------------------------------------------------------------------- plan-kv
 
 def _register_plan_kv(subparsers: argparse._SubParsersAction) -> None:
@@ -324,6 +340,8 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_serve,
     _register_plan_kv,
     _register_export,
+    _register_router,
+    _register_launch,
 ]
 
 
@@ -348,6 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     ns = parser.parse_args(argv)  # argparse exits 2 itself on bad flags
+    ns.argv = argv  # `kvserve launch` passes its engine flags on to its workers verbatim
     ns.command_line = shlex.join(["kvserve", *argv])
     try:
         rc = ns.func(ns)

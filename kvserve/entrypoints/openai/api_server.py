@@ -49,6 +49,7 @@ from kvserve.entrypoints.openai.serving import (
     OpenAIServingCompletion,
 )
 from kvserve.entrypoints.openai.tokenization import DEFAULT_MAX_CONCURRENCY, TokenizerPool
+from kvserve.entrypoints.openai.tracing import TraceMiddleware
 
 logger = logging.getLogger("kvserve")
 
@@ -210,6 +211,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         stat_logger.attach_frontend(lambda: admission.admitted, lambda: admission.rejected,
                                     engine.num_unfinished)
     app.add_middleware(_GateMiddleware, state=state)
+    app.add_middleware(TraceMiddleware)  # outermost: traceparent -> log lines, echoed (see tracing)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)

@@ -123,6 +123,14 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM extra: disaggregated prefill/decode (kvserve.kv_connector.p2p). Prefill leg:
     # ``{"do_remote_decode": true}``; decode leg: the prefill response's ``kv_transfer_params``.
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # SGLang's fields that sglang-router adds to every request it forwards (docs/disaggregation.md):
+    # accepted at the values kvserve's behaviour matches, a 400 otherwise. No reasoning parser
+    # here, so the reasoning switches change nothing.
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
+    continue_final_message: Literal[False] = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     # Fields not implemented here are a 400 naming the field, never silently ignored.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -1,0 +1,282 @@
+"""``kvserve launch``: a small deployment on one machine, workers + router, from one command.
+
+``kvserve launch --prefill N --decode M [MODEL] [--host H] [--port P] [engine flags]`` starts N
+producer and M consumer ``kvserve serve`` processes on free loopback ports (``--kv-transfer-config``
+with ``P2PKVConnector``, ``kv_role`` ``kv_producer`` / ``kv_consumer``, ``kv_port`` 0), waits for
+their ``/health``, checks ``GET /v1/kv_transfer`` on each (roles, equal ``kv_layout`` on both sides:
+a clear error otherwise) and then serves the router on ``--port``. ``--prefill 0 --decode 0
+--replicas K`` starts K plain replicas behind the router (colocated mode). Unknown flags go to
+every worker (engine flags).
+
+Stopping: SIGTERM or SIGINT stops the router, then each worker gets SIGTERM (its process
+group, so its engine core too) and SIGKILL after ``--grace`` seconds. A worker also gets
+SIGTERM if the launcher dies any other way (Linux parent-death signal). A worker that exits
+during start-up fails the launch (its log's tail is printed). ``--restart-failed`` restarts a
+worker that exits while serving, on the same port. Worker logs: ``--log-dir`` (one file per
+worker), else the launcher's own stdout/stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+logger = logging.getLogger("kvserve")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def kv_transfer_config(role: str) -> str:
+    """The ``--kv-transfer-config`` JSON of a P/D worker (``role``: kv_producer | kv_consumer)."""
+    return json.dumps({"kv_connector": "P2PKVConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"kv_port": 0}})
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL, so that
+    no worker outlives it. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Child:
+    """One ``kvserve serve`` subprocess (own process group)."""
+
+    def __init__(self, name: str, pool: str, args: list[str], port: int, log_dir: Optional[str]) -> None:
+        self.name, self.pool, self.args, self.port = name, pool, args, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(log_dir, f"{name}.log") if log_dir else None
+        self.proc: Optional[subprocess.Popen] = None
+        self.restarts = 0
+
+    def start(self) -> None:
+        out = open(self.log_path, "a") if self.log_path else None
+        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        if out:
+            out.close()
+
+    def tail(self) -> str:
+        if not self.log_path:
+            return "(see the output above)"
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def wait_healthy(children: list[Child], timeout: float) -> None:
+    """Block until every child answers 200 on /health; RuntimeError on an exit or the timeout."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        for c in list(pending):
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"worker {c.name} exited with {c.proc.returncode} during start-up:\n{c.tail()}")
+            try:
+                if httpx.get(c.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(c)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"workers not healthy within {timeout:.0f} s: {', '.join(c.name for c in pending)}")
+        if pending:
+            time.sleep(0.5)
+
+
+def validate_pd(children: list[Child]) -> None:
+    """Every P/D worker has /v1/kv_transfer with its role, and one kv_layout overall (ValueError)."""
+    import httpx
+
+    layouts = {}
+    for c in children:
+        r = httpx.get(c.url + "/v1/kv_transfer", timeout=10)
+        if r.status_code == 404:
+            raise ValueError(f"worker {c.name} has no /v1/kv_transfer: this kvserve build has no KV transfer "
+                             "(P2PKVConnector); use --prefill 0 --decode 0 --replicas K for colocated mode")
+        info = r.json()
+        want = "kv_producer" if c.pool == "prefill" else "kv_consumer"
+        if info.get("kv_role") not in (want, "kv_both"):
+            raise ValueError(f"worker {c.name} reports kv_role {info.get('kv_role')!r}, expected {want}")
+        layouts[c.name] = info.get("kv_layout")
+    if len({json.dumps(v, sort_keys=True) for v in layouts.values()}) > 1:
+        raise ValueError(f"KV layouts differ between workers: {layouts}")
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    from kvserve.router.app import add_router_args
+
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="Prefill (producer) workers.")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="Decode (consumer) workers.")
+    p.add_argument("--replicas", type=int, default=0, metavar="K", help="Colocated replicas (with --prefill 0 --decode 0).")
+    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--grace", type=float, default=10.0, metavar="S", help="SIGTERM -> SIGKILL delay for workers.")
+    p.add_argument("--log-dir", default=None, help="One log file per worker here (default: inherit stdout).")
+    p.add_argument("--restart-failed", action="store_true", help="Restart a worker that exits while serving.")
+    add_router_args(p, workers=False)
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """``argv`` (after ``launch``) without the launcher's own flags: MODEL and the engine flags,
+    verbatim, for every worker."""
+    own = argparse.ArgumentParser(add_help=False)
+    _add_launch_args(own)
+    takes_value = {o: a.nargs != 0 for a in own._actions for o in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        name = tok.split("=", 1)[0]
+        if name in takes_value:
+            i += 1 if ("=" in tok or not takes_value[name]) else 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def register_launch_parser(subparsers) -> argparse.ArgumentParser:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "launch", help="Start prefill/decode workers (or replicas) and the router on one machine.",
+        description="Start --prefill N producer and --decode M consumer `kvserve serve` workers (or --replicas K "
+                    "plain ones with --prefill 0 --decode 0) on free ports, check them, and serve the router on "
+                    "--port. Other flags are passed to every worker. SIGTERM/SIGINT stops everything.")
+    _add_launch_args(p)
+    add_engine_args(p)  # MODEL and the engine flags: validated here, passed verbatim to every worker
+    p.set_defaults(func=run_launch)
+    return p
+
+
+def run_launch(ns, extra: Optional[list[str]] = None) -> int:
+    """``kvserve launch``. ``extra``: the workers' MODEL and engine flags (default: from ``ns.argv``).
+    ValueError (exit 2) for bad counts or a failed validation."""
+    from kvserve.logger import setup_logging
+
+    setup_logging()
+    if extra is None:
+        argv = list(getattr(ns, "argv", None) or [])
+        extra = worker_argv(argv[argv.index("launch") + 1:] if "launch" in argv else argv)
+    if ns.prefill < 0 or ns.decode < 0 or ns.replicas < 0:
+        raise ValueError("--prefill, --decode and --replicas must be >= 0")
+    pd = ns.prefill > 0 or ns.decode > 0
+    if pd and (ns.prefill == 0 or ns.decode == 0):
+        raise ValueError("P/D needs --prefill >= 1 and --decode >= 1 (or --prefill 0 --decode 0 --replicas K)")
+    if pd and ns.replicas:
+        raise ValueError("--replicas is for colocated mode (--prefill 0 --decode 0)")
+    if not pd and ns.replicas == 0:
+        raise ValueError("give --replicas K with --prefill 0 --decode 0")
+    if ns.log_dir:
+        os.makedirs(ns.log_dir, exist_ok=True)
+    base = ["--disable-access-log", "--uvicorn-log-level", "warning"] + extra
+    children: list[Child] = []
+    if pd:
+        for i in range(ns.prefill):
+            children.append(Child(f"prefill{i}", "prefill", base + ["--kv-transfer-config",
+                                                                      kv_transfer_config("kv_producer")],
+                                  free_port(), ns.log_dir))
+        for i in range(ns.decode):
+            children.append(Child(f"decode{i}", "decode", base + ["--kv-transfer-config",
+                                                                    kv_transfer_config("kv_consumer")],
+                                  free_port(), ns.log_dir))
+    else:
+        for i in range(ns.replicas):
+            children.append(Child(f"replica{i}", "worker", base, free_port(), ns.log_dir))
+    stopping = threading.Event()
+
+    def stop_all() -> None:
+        stopping.set()
+        for c in children:
+            if c.proc is not None and c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for c in children:
+            c.stop(ns.grace)
+
+    prev = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(signum, frame):  # during start-up: stop the children, then leave
+        raise KeyboardInterrupt
+
+    try:
+        for s in prev:
+            signal.signal(s, on_signal)
+        for c in children:
+            c.start()
+            logger.info("started %s (pid %d) on %s", c.name, c.proc.pid, c.url)
+        wait_healthy(children, ns.startup_timeout)
+        if pd:
+            validate_pd(children)
+        for s in prev:
+            # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal under the
+            # handler it found: a no-op here, so that the workers are stopped below and we exit 0.
+            signal.signal(s, lambda *_: None)
+        if ns.restart_failed:
+            threading.Thread(target=_supervise, args=(children, stopping), daemon=True).start()
+        import asyncio
+
+        from kvserve.router import tracing
+        from kvserve.router.app import serve_router
+
+        tracing.setup_tracing(ns.otlp_traces_endpoint)
+        return asyncio.run(serve_router(ns, [(c.url, c.pool) for c in children]))
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+        stop_all()
+        logger.info("all workers stopped")
+
+
+def _supervise(children: list[Child], stopping: threading.Event) -> None:
+    while not stopping.wait(1.0):
+        for c in children:
+            if c.proc is not None and c.proc.poll() is not None and not stopping.is_set():
+                logger.warning("worker %s exited (%s); restarting on port %d", c.name, c.proc.returncode, c.port)
+                c.restarts += 1
+                c.start()
+                logger.info("started %s (pid %d) on %s again", c.name, c.proc.pid, c.url)

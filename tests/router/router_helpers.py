@@ -1,0 +1,151 @@
+"""Real ``kvserve serve`` workers and ``kvserve router`` processes on free loopback ports.
+
+Workers run the embedded default model (``--max-model-len 512``, 64 MiB KV); each module
+starts its own (module-scoped fixtures) because the chaos test kills them. No API key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+WORKER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-access-log",
+               "--uvicorn-log-level", "warning"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A ``kvserve`` subprocess (own process group) logging to a file."""
+
+    def __init__(self, args: list[str], log_path: str, port: int | None = None, env: dict | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_args, self.log_path, self.env = args, log_path, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Proc":
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(self.env or {}))
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", *self.base_args,
+                                      "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 180.0, path: str = "/health") -> "Proc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited ({self.proc.returncode}):\n{self.read_log()}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"not ready in {timeout} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server and engine core)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            except ProcessLookupError:
+                pass
+
+
+def start_workers(tmp_path, n: int, extra: list[str] | None = None, prefix: str = "worker") -> list[Proc]:
+    ws = [Proc(["serve", *WORKER_ARGS, *(extra or [])], str(tmp_path / f"{prefix}{i}.log")).start()
+          for i in range(n)]
+    try:
+        for w in ws:
+            w.wait_ready()
+    except BaseException:
+        for w in ws:
+            w.stop()
+        raise
+    return ws
+
+
+def start_router(tmp_path, args: list[str], env: dict | None = None, path: str = "/health") -> Proc:
+    """``kvserve router`` ready when ``path`` answers 200 (``/health``: a routable worker per pool)."""
+    r = Proc(["router", "--health-check-interval", "0.5", *args], str(tmp_path / "router.log"), env=env).start()
+    try:
+        r.wait_ready(60, path)
+    except BaseException:
+        r.stop()
+        raise
+    return r
+
+
+def complete(url: str, body: dict, route: str = "/v1/completions", timeout: float = 60.0,
+             headers: dict | None = None) -> tuple[dict, httpx.Response]:
+    """Non-streamed request: (json, response)."""
+    r = httpx.post(url + route, json=body, timeout=timeout, headers=headers)
+    return r.json(), r
+
+
+def stream(url: str, body: dict, route: str = "/v1/completions", timeout: float = 60.0) -> tuple[str, list[dict]]:
+    """Streamed request: (concatenated text, the chunks); AssertionError without [DONE]."""
+    chunks, text, done = [], [], False
+    with httpx.stream("POST", url + route, json=dict(body, stream=True), timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            obj = json.loads(data)
+            chunks.append(obj)
+            assert "error" not in obj, obj
+            for ch in obj.get("choices") or []:
+                text.append(ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content") or "")
+    assert done, "stream ended without [DONE]"
+    return "".join(t or "" for t in text), chunks
+
+
+def kv_transfer_available(url: str) -> bool:
+    try:
+        return httpx.get(url + "/v1/kv_transfer", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def p2p_connector_known() -> bool:
+    try:
+        from kvserve.kv_connector import _REGISTRY
+    except ImportError:
+        return False
+    return "P2PKVConnector" in _REGISTRY
