@@ -318,12 +318,7 @@ class Scheduler:
                     break
                 self.waiting.pop()
                 req.kv_ready = False
-                req.status = RequestStatus.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.time()
-                self.running.append(req)
-                scheduled.append((req, n, 0))
-                budget -= n
+                budget -= self._start(req, n, scheduled)
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             if req.sampling_params.prompt_logprobs is not None and num_hit:
@@ -375,14 +370,18 @@ class Scheduler:
                 self.prefix_cache_recompute_hits += num_hit
                 self.num_recomputed_tokens += max(req.num_computed_at_preemption - num_hit, 0)
             req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.time()
-            self.running.append(req)
-            scheduled.append((req, n, 0))
-            budget -= n
+            budget -= self._start(req, n, scheduled)
 
         return self._make_output(out, scheduled, num_cached, new_blocks)
+
+    def _start(self, req: Request, n: int, scheduled: list) -> int:
+        """A waiting request joins the running ones with ``n`` tokens this step; returns ``n``."""
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+        self.running.append(req)
+        scheduled.append((req, n, 0))
+        return n
 
     def _admit_remote(self, req: Request, hits, num_hit: int, num_ext: int) -> bool:
         return remote_kv.admit_remote(self, req, hits, num_hit, num_ext)
