@@ -163,7 +163,7 @@ class Scheduler:
             from kvserve.spec_decode.dynamic import DynamicSpeculation
 
             self.spec_policy = DynamicSpeculation(k_max, sc.dynamic_max_batch, sc.dynamic_min_acceptance)
-        self._k_cap = k_max  # drafts per request allowed this step
+        self._k_max = self._k_cap = k_max  # configured / allowed this step: drafts per request
         # Requests the workers must drop before the next step (finished or aborted).
         self.finished_req_ids: set[str] = set()
         # Bounded KV: requests run to max_tokens past max_model_len (their KV stays bounded).
@@ -247,6 +247,13 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
+
+    def wants_drafts(self) -> bool:
+        """Whether the next step would verify drafts: the engine then runs it after the previous
+        step's tokens reached the host (drafts need them), not overlapped with it."""
+        if not self._k_max:
+            return False
+        return self.spec_policy is None or self.spec_policy.peek(len(self.running)) > 0
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """How many of ``req``'s draft tokens fit beside its ``n`` tokens: a plain decode

@@ -241,8 +241,10 @@ class EngineArgs:
             raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
                              "are not supported with bounded KV")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
-        if spec_config is not None:
+        if spec_config is not None and not spec_config.dynamic:
             async_sched = False  # drafts of step N are needed to schedule step N+1
+        # Dynamic speculation keeps async scheduling: steps overlap while the policy has it off
+        # (large batches), and run one at a time while it is on (EngineCore._needs_host_tokens).
 
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,

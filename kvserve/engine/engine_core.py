@@ -185,8 +185,8 @@ class EngineCore:
         returned is step N's: the host schedules and prepares N+1 while the device still
         runs N, so the device does not idle between steps. Requests whose sampling reads
         their own output history (penalties, min_tokens not reached, a grammar bitmask) need
-        step N's token on the host first; while one is running, the engine runs steps one at
-        a time.
+        step N's token on the host first; while one is running, and while speculation is on
+        (drafts follow step N's tokens), the engine runs steps one at a time.
         """
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
@@ -214,6 +214,8 @@ class EngineCore:
         return res
 
     def _needs_host_tokens(self) -> bool:
+        if self.scheduler.wants_drafts():  # speculation on for the next step: drafts need step N
+            return True
         for r in self.scheduler.running:
             if r.num_pending_tokens:
                 sp = r.sampling_params

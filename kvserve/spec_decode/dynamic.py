@@ -58,6 +58,15 @@ class DynamicSpeculation:
             self.enabled = True
         return self.k if self.enabled else 0
 
+    def peek(self, batch_size: int) -> int:
+        """What ``num_speculative_tokens(batch_size)`` would return, without changing state."""
+        on = self.enabled
+        if on and batch_size >= self.max_batch:
+            on = False
+        elif not on and batch_size <= self.on_batch:
+            on = True
+        return self.k if on else 0
+
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request's verification: ``num_accepted`` of ``num_draft_tokens`` drafts kept."""
         if num_draft_tokens <= 0:

@@ -214,3 +214,21 @@ def test_dynamic_speculation_turns_off_under_load(tiny_model):
         got[dyn] = (eng.generate(prompts, sp, use_tqdm=False), eng.llm_engine.stats.num_draft_tokens)
         assert [o.outputs[0].token_ids for o in got[dyn][0]] == ref
     assert got[True][1] == 0 and got[False][1] > 0
+
+
+def test_dynamic_speculation_with_async_scheduling(tiny_model):
+    """Dynamic speculation keeps async scheduling: steps overlap while the batch is large
+    (speculation off), and run one at a time once it shrinks and drafts flow; greedy
+    outputs equal no speculation's."""
+    common = dict(model=tiny_model, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True,
+                  async_scheduling=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8, (12,), generator=g).tolist() for _ in range(8)]
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4,) * 5 + (32,) * 3]
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sps, use_tqdm=False)]
+    eng = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                            "dynamic": True, "dynamic_max_batch": 4})
+    assert eng.llm_engine.engine_core.async_scheduling
+    out = eng.generate(prompts, sps, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert eng.llm_engine.stats.num_draft_tokens > 0  # on once 3 requests were left
