@@ -374,6 +374,11 @@ def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> Non
     if v_draft != v_target:
         raise ValueError(f"speculative model {spec_config.model!r} has vocab_size {v_draft}, the target has "
                          f"{v_target}: a draft must share the target's vocabulary")
+    if spec_config.method in ("eagle", "eagle3"):
+        h_head, h_target = getattr(hf, "hidden_size", None), getattr(target_hf_config, "hidden_size", None)
+        if h_head != h_target:
+            raise ValueError(f"EAGLE head {spec_config.model!r} has hidden_size {h_head}, the target has "
+                             f"{h_target}: the head must be trained for this target")
     spec_config.draft_model_path, spec_config.draft_load_format, spec_config.draft_hf_config = path, fmt, hf
 
 
