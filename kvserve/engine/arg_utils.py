@@ -368,6 +368,10 @@ def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> Non
     target's. Raises ValueError / FileNotFoundError."""
     from kvserve.model_loader import load_hf_config, resolve_model
 
+    if spec_config.method == "eagle" and spec_config.model == "default":  # the shipped head (default model)
+        from kvserve.spec_decode.eagle import DEFAULT_EAGLE_HEAD
+
+        spec_config.model = DEFAULT_EAGLE_HEAD
     path, fmt = resolve_model(spec_config.model, spec_config.extra.get("load_format", "auto"))
     hf = load_hf_config(path, fmt)
     v_draft, v_target = getattr(hf, "vocab_size", None), getattr(target_hf_config, "vocab_size", None)

@@ -20,6 +20,7 @@ Drafts are greedy point proposals, verified losslessly at any temperature (``rej
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from kvserve.layers.attention import attention_layers, bind_attention, bind_kv_c
 from kvserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger("kvserve")
+
+#: The head shipped for the default model (``"model": "default"``), trained by ``train_eagle``.
+DEFAULT_EAGLE_HEAD = os.path.join(os.path.dirname(__file__), "data", "eagle-smollm2-135m")
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, int, int]:

@@ -128,7 +128,8 @@ def chat_prompts(llm):
     tok = llm.get_tokenizer()
     qs = ["What are three good habits for staying healthy?", "Explain what a hash table is.",
           "Write a short poem about the sea.", "Why is the sky blue?"]
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in qs]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in qs]
 
 
 @pytest.mark.slow
