@@ -70,6 +70,8 @@ class EagleProposer(Proposer):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         sc = config.speculative_config
+        if config.parallel_config.world_size > 1:
+            raise ValueError("EAGLE speculation runs with one worker (tensor_parallel_size 1) for now")
         self.eagle3 = sc.method == "eagle3"
         self.device = torch.device(config.device)
         self.block_size = config.cache_config.block_size
@@ -135,6 +137,12 @@ class EagleProposer(Proposer):
         self.free_blocks.extend(st.blocks)
         st.blocks, st.base, st.n = [], -1, 0
 
+    def _drop_backlog(self, st: _EagleState) -> None:
+        """Forget unfed features but the newest (a later ``propose`` restarts the head there)."""
+        if st.pend is not None and len(st.pend) > 1:
+            st.pend_start += len(st.pend) - 1
+            st.pend = st.pend[-1:].clone()
+
     @torch.no_grad()
     def record_hidden_states(self, req_ids: list[str], starts, query_lens, hidden: torch.Tensor,
                              row_start) -> None:
@@ -160,7 +168,11 @@ class EagleProposer(Proposer):
     def propose(self, requests: list, batch) -> list[list[int]]:
         k = self.k
         out: list[list[int]] = [[] for _ in requests]
-        if k <= 0:
+        if k <= 0:  # speculation off for now: keep no backlog (the head restarts when it resumes)
+            for req in requests:
+                st = self.states.get(req.req_id)
+                if st is not None:
+                    self._drop_backlog(st)
             return out
         rows = []  # (index, state, tokens, first pair to feed, pairs after feeding)
         for i, req in enumerate(requests):
@@ -177,6 +189,7 @@ class EagleProposer(Proposer):
                 continue  # features missing (or nothing new): no drafts this step
             total = last + 1 - st.base
             if not self._ensure_blocks(st, total + k - 1):
+                self._drop_backlog(st)  # no room in the head's pool: no drafts this step
                 continue
             rows.append((i, st, toks, first, total))
         if not rows:

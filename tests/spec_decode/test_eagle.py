@@ -123,6 +123,24 @@ def test_tiny_target_proposals_lossless_and_no_leaked_blocks(tiny_target, tmp_pa
     assert spec.llm_engine.engine_core.kv_cache_manager.usage == 0.0
 
 
+def test_tiny_target_dynamic_off_then_on(tiny_target, tmp_path):
+    """8 requests with dynamic_max_batch=4: speculation is off while many run (the head keeps
+    no backlog), back on as they finish; outputs identical to no speculation."""
+    path, cfg = tiny_target
+    save_random_eagle_head(str(tmp_path), cfg, seed=3, std=0.2)
+    common = dict(model=path, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 64, (10,), generator=g).tolist() for _ in range(8)]
+    sps = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(8)]
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sps, use_tqdm=False)]
+    spec = LLM(**common, speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2,
+                                             "dynamic_max_batch": 4})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sps, use_tqdm=False)] == ref
+    assert spec.llm_engine.stats.num_draft_tokens > 0
+    proposer = spec.llm_engine.engine_core.model_runner.proposer
+    assert all(s.pend is None or len(s.pend) <= 1 for s in proposer.states.values())
+
+
 @pytest.fixture(scope="module")
 def chat_prompts(llm):
     tok = llm.get_tokenizer()
