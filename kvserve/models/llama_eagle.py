@@ -110,6 +110,7 @@ class EagleHead(nn.Module):
             self.lm_head = ParallelLMHead(dv, h, dtype=dtype)
             self.register_buffer("d2t", torch.zeros(dv, dtype=torch.long))
         self.target = None  # [the target model]: its embedding (and EAGLE-1 lm_head) are shared
+        self.draft_vocab: int | None = None  # EAGLE-1/2: draft only token ids < this (None: all)
 
     def share_target(self, target: nn.Module) -> None:
         """Use ``target``'s embedding (and for EAGLE-1/2 its lm_head)."""
@@ -127,11 +128,24 @@ class EagleHead(nn.Module):
             return self.layers[0](positions, hidden, emb)
         return self.layers[0](positions, self.fc(torch.cat([emb, hidden], dim=-1)), None)
 
+    def limit_draft_vocab(self, n: int | None) -> None:
+        """EAGLE-1/2: score only token ids ``< n`` when drafting (BPE vocabularies are ordered
+        by merge rank, roughly frequency); cuts the shared lm_head's cost by ``vocab / n``.
+        Drafts are proposals, so outputs stay exact. Raises ValueError for ``n < 1``."""
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"draft_vocab_size must be a positive integer, got {n!r}")
+        self.draft_vocab = None if n is None or n >= self.config.vocab_size or self.eagle3 else n
+
     def compute_logits(self, feats: torch.Tensor) -> torch.Tensor:
-        """features ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (EAGLE-3: ``[N, draft_vocab]``)."""
+        """features ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (EAGLE-3: ``[N, draft_vocab]``;
+        EAGLE-1/2 with ``limit_draft_vocab(n)``: ``[N, n]``)."""
         if self.eagle3:
             return torch.nn.functional.linear(self.norm(feats), self.lm_head.weight).float()
-        return self.target[0].compute_logits(feats)
+        target = self.target[0]
+        if self.draft_vocab is not None:
+            w = (target.model.embed_tokens if target.lm_head is None else target.lm_head).weight
+            return torch.nn.functional.linear(feats, w[:self.draft_vocab]).float()
+        return target.compute_logits(feats)
 
     def greedy_tokens(self, feats: torch.Tensor) -> torch.Tensor:
         """features ``[N, hidden]`` -> the drafted target token ids ``[N]`` int64."""

@@ -60,7 +60,9 @@ class EagleProposer(Proposer):
 
     ``HEAD_DIR`` holds a published EAGLE head (``kvserve.models.llama_eagle``). Extra keys:
     ``eagle_num_blocks`` (KV blocks of the head's pool; default: ``min(max_num_seqs, 32)``
-    requests of ``max_model_len`` tokens). A request that finds no room gets no drafts.
+    requests of ``max_model_len`` tokens; a request that finds no room gets no drafts) and,
+    for EAGLE-1/2, ``draft_vocab_size`` (draft among token ids below it; default: the head's
+    ``config.json`` value, else the whole vocabulary).
 
     Raises ValueError at start-up for a head whose hidden / vocab size differ from the target's.
     """
@@ -103,6 +105,9 @@ class EagleProposer(Proposer):
         self.head = load_eagle_head(self.head_path, hf, dtype, self.device, self.eagle3,
                                     self.config.scheduler_config.max_model_len)
         self.head.share_target(target)
+        if not self.eagle3:
+            self.head.limit_draft_vocab(self.config.speculative_config.extra.get(
+                "draft_vocab_size", getattr(self.head.config, "draft_vocab_size", None)))
         self.target = target
         if self.eagle3:
             self.aux_layers = tuple(getattr(self.head.config, "eagle_aux_hidden_state_layer_ids", None)

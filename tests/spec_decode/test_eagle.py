@@ -86,7 +86,7 @@ def test_mismatched_hidden_size_is_a_startup_error(tiny_target, tmp_path):
 @pytest.mark.parametrize("eagle3", [False, True])
 def test_tiny_target_proposals_lossless_and_no_leaked_blocks(tiny_target, tmp_path, eagle3):
     """Batched greedy with chunked prefill: identical to no speculation; each proposal is k
-    in-vocabulary tokens; after the requests finish (and a later step tells the worker), every
+    in-vocabulary tokens (EAGLE-1 with draft_vocab_size 16: ids < 16); after the requests finish (and a later step tells the worker), every
     head block is free again."""
     path, cfg = tiny_target
     save_random_eagle_head(str(tmp_path), cfg, eagle3=eagle3, draft_vocab_size=32, seed=2, std=0.2)
@@ -96,8 +96,9 @@ def test_tiny_target_proposals_lossless_and_no_leaked_blocks(tiny_target, tmp_pa
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp, use_tqdm=False)]
+    extra = {} if eagle3 else {"draft_vocab_size": 16}  # EAGLE-1: draft among ids < 16 only
     spec = LLM(**common, speculative_config={"method": "eagle3" if eagle3 else "eagle", "model": str(tmp_path),
-                                             "num_speculative_tokens": 3, "dynamic": False})
+                                             "num_speculative_tokens": 3, "dynamic": False, **extra})
     proposer = spec.llm_engine.engine_core.model_runner.proposer
     seen = []
     orig = proposer.propose
@@ -110,7 +111,7 @@ def test_tiny_target_proposals_lossless_and_no_leaked_blocks(tiny_target, tmp_pa
     proposer.propose = spy
     outs = spec.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert seen and all(len(d) == 3 and all(0 <= t < 64 for t in d) for d in seen if d)
+    assert seen and all(len(d) == 3 and all(0 <= t < (64 if eagle3 else 16) for t in d) for d in seen if d)
     assert sum(1 for d in seen if d) >= len(seen) - len(prompts)  # every request drafts after its prefill
     st = spec.llm_engine.stats
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens <= st.num_draft_tokens
