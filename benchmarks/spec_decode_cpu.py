@@ -95,19 +95,24 @@ def main() -> None:
     ap.add_argument("--eagle", default=None, help="also EAGLE with this head directory ('default': the shipped "
                                                   "head for the default model)")
     ap.add_argument("--eagle-ks", default="2,3,4")
+    ap.add_argument("--eagle-vocab", default="", help="comma list of draft_vocab_size values to run beside the "
+                                                      "head's own setting (0: the whole vocabulary)")
     ap.add_argument("--chat-prompts", type=int, default=4, help="how many of the chat questions")
     ns = ap.parse_args()
     from kvserve.bench import env
     from kvserve.model_loader import resolve_model
 
     path = resolve_model(None, "auto")[0]
+    load0 = os.getloadavg()
     methods = [None] + [{"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": 2,
                          "prompt_lookup_max": 4} for k in ns.ks.split(",") if k]
     if ns.draft:
         methods.append({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
     if ns.eagle:
-        methods += [{"method": "eagle", "model": ns.eagle, "num_speculative_tokens": int(k), "dynamic": False}
-                    for k in ns.eagle_ks.split(",") if k]
+        vocabs = [None] + [int(v) for v in ns.eagle_vocab.split(",") if v]
+        methods += [{"method": "eagle", "model": ns.eagle, "num_speculative_tokens": int(k), "dynamic": False,
+                     **({} if v is None else {"draft_vocab_size": v or 10**9})}
+                    for k in ns.eagle_ks.split(",") if k for v in vocabs]
     records = []
     for wl in ns.workloads.split(","):
         prompts = edit_prompts() if wl == "edit" else CHAT[:ns.chat_prompts]
@@ -126,7 +131,8 @@ def main() -> None:
         del r["token_ids"]
     with open(ns.out, "w") as f:
         json.dump({"env": {"commit": env.git_commit(), "device": env.device_description("cpu"),
-                           "cores": os.cpu_count(), "torch": __import__("torch").__version__},
+                           "cores": os.cpu_count(), "torch": __import__("torch").__version__,
+                           "loadavg_start": load0, "loadavg_end": os.getloadavg()},
                    "max_tokens": ns.max_tokens, "records": records}, f, indent=1)
     print("wrote", ns.out)
 
