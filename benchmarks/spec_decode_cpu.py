@@ -4,7 +4,9 @@ Workloads (real text shipped in the repo):
 
 * ``edit``: code editing -- the chat model is asked to return one of kvserve's own source
   functions with a small change (input-grounded: the answer copies most of the prompt);
-* ``chat``: open questions (nothing to copy: the n-gram proposer rarely fires).
+* ``chat``: open questions (nothing to copy: the n-gram proposer rarely fires);
+* ``seen``: the first of the shipped EAGLE head's own training prompts (what a head trained
+  on the traffic it serves reaches; not held out).
 
 Methods: no speculation, n-gram (k = 2, 4), draft_model with the target itself as its
 own draft (full acceptance: shows the cost of a same-size draft; a real draft is smaller), and
@@ -115,7 +117,12 @@ def main() -> None:
                     for k in ns.eagle_ks.split(",") if k for v in vocabs]
     records = []
     for wl in ns.workloads.split(","):
-        prompts = edit_prompts() if wl == "edit" else CHAT[:ns.chat_prompts]
+        if wl == "seen":  # the EAGLE head's own training prompts (an upper bound, not held out)
+            from kvserve.spec_decode.train_eagle import chat_prompts
+
+            prompts = chat_prompts(128, 0)[:ns.chat_prompts]
+        else:
+            prompts = edit_prompts() if wl == "edit" else CHAT[:ns.chat_prompts]
         recs = run_all(methods, prompts, ns.max_tokens)
         base = recs[0]
         for m, r in zip(methods, recs):

@@ -221,13 +221,17 @@ def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float 
     return head
 
 
-def save_head(head: TrainHead, cfg, out: str) -> None:
-    """Write ``out/config.json`` (the target's Llama config, one layer) and bf16 ``model.safetensors``."""
+def save_head(head: TrainHead, cfg, out: str, draft_vocab_size: int | None = None) -> None:
+    """Write ``out/config.json`` (the target's Llama config, one layer; ``draft_vocab_size``:
+    draft among the first N token ids, see ``EagleHead.limit_draft_vocab``) and bf16
+    ``model.safetensors``."""
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
     d = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
     d.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16")
+    if draft_vocab_size:
+        d["draft_vocab_size"] = draft_vocab_size
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(d, f, indent=1, sort_keys=True)
     save_file({n: t.to(torch.bfloat16).contiguous() for n, t in head.published().items()},
@@ -242,6 +246,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--init", default="random", choices=["random", "target"])
+    ap.add_argument("--draft-vocab-size", type=int, default=8192,
+                    help="written to config.json: draft among the first N token ids (0: the whole vocabulary)")
     ap.add_argument("--seed", type=int, default=0)
     ns = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -253,7 +259,7 @@ def main() -> None:
     head = train(samples, runner.model, cfg, ns.epochs, ns.lr, ns.seed, init=ns.init,
                  log=lambda m: print(m, flush=True))
     print(f"training: {time.perf_counter() - t1:.0f} s", flush=True)
-    save_head(head, cfg, ns.out)
+    save_head(head, cfg, ns.out, ns.draft_vocab_size or None)
     print(f"wrote {ns.out} ({os.path.getsize(os.path.join(ns.out, 'model.safetensors')) / 1e6:.1f} MB), "
           f"total {time.perf_counter() - t0:.0f} s")
 
