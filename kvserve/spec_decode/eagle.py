@@ -64,7 +64,9 @@ class EagleProposer(Proposer):
     for EAGLE-1/2, ``draft_vocab_size`` (draft among token ids below it; default: the head's
     ``config.json`` value, else the whole vocabulary).
 
-    Raises ValueError at start-up for a head whose hidden / vocab size differ from the target's.
+    Raises ValueError at start-up for a head whose hidden / vocab size differ from the target's,
+    an EAGLE-1 checkpoint given as eagle3 (or the reverse), tensor parallelism, or eagle3 on a
+    non-Llama target.
     """
 
     uses_hidden_states = True
@@ -110,6 +112,11 @@ class EagleProposer(Proposer):
                 "draft_vocab_size", getattr(self.head.config, "draft_vocab_size", None)))
         self.target = target
         if self.eagle3:
+            from kvserve.models.llama import LlamaModel
+
+            if not isinstance(getattr(target, "model", None), LlamaModel):
+                raise ValueError(f"eagle3 needs a Llama-family target (it reads mid-layer states), got "
+                                 f"{type(target).__name__}")
             self.aux_layers = tuple(getattr(self.head.config, "eagle_aux_hidden_state_layer_ids", None)
                                     or eagle3_layers(hf.num_hidden_layers))
             target.model.aux_hidden_state_layers = self.aux_layers
