@@ -153,12 +153,12 @@ def target_hidden(runner, token_ids: list[int]) -> torch.Tensor:
     return h.float().cpu()
 
 
-def generate_data(num_prompts: int, max_tokens: int, seed: int):
+def generate_data(num_prompts: int, max_tokens: int, seed: int, kv_cache_memory: str = "256MiB"):
     """Self-distillation data: ``(samples, runner, hf_config)``; each sample is
     ``(token ids [T], answer start, hidden [T, H])``."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory="256MiB", max_model_len=1536, max_num_seqs=32, disable_log_stats=True,
+    llm = LLM(kv_cache_memory=kv_cache_memory, max_model_len=1536, max_num_seqs=32, disable_log_stats=True,
               enable_prefix_caching=False, seed=seed)
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -173,7 +173,7 @@ def generate_data(num_prompts: int, max_tokens: int, seed: int):
 
 
 def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float = 0.2,
-          init: str = "random", log=print) -> TrainHead:
+          init: str = "random", loss_on_prompt: bool = False, log=print) -> TrainHead:
     """Train a head on ``samples`` (``generate_data``); returns it (float32). ``init``:
     "random" (default: measured better) or "target" (the target's last layer; on the
     default model its outputs on final-normed inputs start far off and train slowly)."""
@@ -200,7 +200,7 @@ def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float 
             h_in = hid[:-1] + (torch.rand_like(hid[:-1]) - 0.5) * noise
             feats = head(F.embedding(ids_t[1:], emb_w), h_in)
             mask = torch.zeros(len(ids) - 1, dtype=torch.bool)
-            mask[max(a0 - 1, 0):] = True
+            mask[0 if loss_on_prompt else max(a0 - 1, 0):] = True
             f, tgt_h = feats[mask], hid[1:][mask]
             with torch.no_grad():
                 tp = F.softmax(tgt_h @ lm_w.T, dim=-1)
@@ -246,17 +246,21 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--init", default="random", choices=["random", "target"])
+    ap.add_argument("--loss-on-prompt", action="store_true", help="train on prompt positions too (more text)")
+    ap.add_argument("--kv-cache-memory", default="256MiB", help="the generating engine's KV cache (more: larger "
+                                                                  "batches, faster; outputs may differ slightly)")
     ap.add_argument("--draft-vocab-size", type=int, default=8192,
                     help="written to config.json: draft among the first N token ids (0: the whole vocabulary)")
     ap.add_argument("--seed", type=int, default=0)
     ns = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t0 = time.perf_counter()
-    samples, runner, cfg = generate_data(ns.num_prompts, ns.max_tokens, ns.seed)
+    samples, runner, cfg = generate_data(ns.num_prompts, ns.max_tokens, ns.seed, ns.kv_cache_memory)
     n_tok = sum(len(s[0]) - s[1] for s in samples)
     print(f"data: {len(samples)} conversations, {n_tok} answer tokens, {time.perf_counter() - t0:.0f} s", flush=True)
     t1 = time.perf_counter()
     head = train(samples, runner.model, cfg, ns.epochs, ns.lr, ns.seed, init=ns.init,
+                 loss_on_prompt=ns.loss_on_prompt,
                  log=lambda m: print(m, flush=True))
     print(f"training: {time.perf_counter() - t1:.0f} s", flush=True)
     save_head(head, cfg, ns.out, ns.draft_vocab_size or None)

@@ -86,8 +86,8 @@ def test_mismatched_hidden_size_is_a_startup_error(tiny_target, tmp_path):
 @pytest.mark.parametrize("eagle3", [False, True])
 def test_tiny_target_proposals_lossless_and_no_leaked_blocks(tiny_target, tmp_path, eagle3):
     """Batched greedy with chunked prefill: identical to no speculation; each proposal is k
-    in-vocabulary tokens (EAGLE-1 with draft_vocab_size 16: ids < 16); after the requests finish (and a later step tells the worker), every
-    head block is free again."""
+    in-vocabulary tokens (EAGLE-1 with draft_vocab_size 16: ids < 16); after the requests
+    finish (and a later step tells the worker), every head block is free again."""
     path, cfg = tiny_target
     save_random_eagle_head(str(tmp_path), cfg, eagle3=eagle3, draft_vocab_size=32, seed=2, std=0.2)
     common = dict(model=path, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True,
