@@ -4,10 +4,14 @@ Workloads (real text shipped in the repo):
 
 * ``edit``: code editing -- the chat model is asked to return one of kvserve's own source
   functions with a small change (input-grounded: the answer copies most of the prompt);
-* ``chat``: open questions (nothing to copy: the n-gram proposer rarely fires).
+* ``chat``: open questions (nothing to copy: the n-gram proposer rarely fires);
+* ``seen``: the first of the shipped EAGLE head's own training prompts (what a head trained
+  on the traffic it serves reaches; not held out).
 
-Methods: no speculation, n-gram (k = 2, 4), and draft_model with the target itself as its
-own draft (full acceptance: shows the cost of a same-size draft; a real draft is smaller).
+Methods: no speculation, n-gram (k = 2, 4), draft_model with the target itself as its
+own draft (full acceptance: shows the cost of a same-size draft; a real draft is smaller), and
+with ``--eagle default`` the shipped EAGLE head at k = 2, 3, 4 (``--eagle-ks``; the chat
+questions are not among the head's training prompts).
 Every request runs alone (batch 1), the methods interleaved prompt by prompt (a shared
 machine's load drift hits them alike); outputs are checked identical to no speculation. Writes
 one JSON record per (workload, method): output tok/s, speedup, acceptance rate, mean
@@ -15,6 +19,8 @@ acceptance length, accepted per position, per-request [drafts, accepted].
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/spec_decode_cpu.py \\
         --out benchmarks/results/spec_decode_cpu.json
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/spec_decode_cpu.py --workloads chat --ks "" \\
+        --eagle default --chat-prompts 6 --out benchmarks/results/spec_decode_eagle_cpu.json
 """
 
 from __future__ import annotations
@@ -88,18 +94,35 @@ def main() -> None:
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--ks", default="2,4")
     ap.add_argument("--draft", action="store_true", help="also the draft_model method (target as its own draft)")
+    ap.add_argument("--eagle", default=None, help="also EAGLE with this head directory ('default': the shipped "
+                                                  "head for the default model)")
+    ap.add_argument("--eagle-ks", default="2,3,4")
+    ap.add_argument("--eagle-vocab", default="", help="comma list of draft_vocab_size values to run beside the "
+                                                      "head's own setting (0: the whole vocabulary)")
+    ap.add_argument("--chat-prompts", type=int, default=4, help="how many of the chat questions")
     ns = ap.parse_args()
     from kvserve.bench import env
     from kvserve.model_loader import resolve_model
 
     path = resolve_model(None, "auto")[0]
+    load0 = os.getloadavg()
     methods = [None] + [{"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": 2,
-                         "prompt_lookup_max": 4} for k in ns.ks.split(",")]
+                         "prompt_lookup_max": 4} for k in ns.ks.split(",") if k]
     if ns.draft:
         methods.append({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    if ns.eagle:
+        vocabs = [None] + [int(v) for v in ns.eagle_vocab.split(",") if v]
+        methods += [{"method": "eagle", "model": ns.eagle, "num_speculative_tokens": int(k), "dynamic": False,
+                     **({} if v is None else {"draft_vocab_size": v or 10**9})}
+                    for k in ns.eagle_ks.split(",") if k for v in vocabs]
     records = []
     for wl in ns.workloads.split(","):
-        prompts = edit_prompts() if wl == "edit" else CHAT[:4]
+        if wl == "seen":  # the EAGLE head's own training prompts (an upper bound, not held out)
+            from kvserve.spec_decode.train_eagle import chat_prompts
+
+            prompts = chat_prompts(128, 0)[:ns.chat_prompts]
+        else:
+            prompts = edit_prompts() if wl == "edit" else CHAT[:ns.chat_prompts]
         recs = run_all(methods, prompts, ns.max_tokens)
         base = recs[0]
         for m, r in zip(methods, recs):
@@ -115,7 +138,8 @@ def main() -> None:
         del r["token_ids"]
     with open(ns.out, "w") as f:
         json.dump({"env": {"commit": env.git_commit(), "device": env.device_description("cpu"),
-                           "cores": os.cpu_count(), "torch": __import__("torch").__version__},
+                           "cores": os.cpu_count(), "torch": __import__("torch").__version__,
+                           "loadavg_start": load0, "loadavg_end": os.getloadavg()},
                    "max_tokens": ns.max_tokens, "records": records}, f, indent=1)
     print("wrote", ns.out)
 

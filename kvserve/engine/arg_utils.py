@@ -241,10 +241,13 @@ class EngineArgs:
             raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
                              "are not supported with bounded KV")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
-        if spec_config is not None and not spec_config.dynamic:
+        stateful = spec_config is not None and spec_config.method in ("draft_model", "eagle", "eagle3")
+        if spec_config is not None and (not spec_config.dynamic or stateful):
             async_sched = False  # drafts of step N are needed to schedule step N+1
-        # Dynamic speculation keeps async scheduling: steps overlap while the policy has it off
-        # (large batches), and run one at a time while it is on (EngineCore._needs_host_tokens).
+        # Dynamic speculation with a stateless proposer (n-gram) keeps async scheduling: steps
+        # overlap while the policy has it off (large batches), and run one at a time while it is
+        # on (EngineCore._needs_host_tokens). Proposers with their own KV (draft model, EAGLE)
+        # follow every step synchronously.
 
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
@@ -370,12 +373,21 @@ def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> Non
     target's. Raises ValueError / FileNotFoundError."""
     from kvserve.model_loader import load_hf_config, resolve_model
 
+    if spec_config.method == "eagle" and spec_config.model == "default":  # the shipped head (default model)
+        from kvserve.spec_decode.eagle import DEFAULT_EAGLE_HEAD
+
+        spec_config.model = DEFAULT_EAGLE_HEAD
     path, fmt = resolve_model(spec_config.model, spec_config.extra.get("load_format", "auto"))
     hf = load_hf_config(path, fmt)
     v_draft, v_target = getattr(hf, "vocab_size", None), getattr(target_hf_config, "vocab_size", None)
     if v_draft != v_target:
         raise ValueError(f"speculative model {spec_config.model!r} has vocab_size {v_draft}, the target has "
                          f"{v_target}: a draft must share the target's vocabulary")
+    if spec_config.method in ("eagle", "eagle3"):
+        h_head, h_target = getattr(hf, "hidden_size", None), getattr(target_hf_config, "hidden_size", None)
+        if h_head != h_target:
+            raise ValueError(f"EAGLE head {spec_config.model!r} has hidden_size {h_head}, the target has "
+                             f"{h_target}: the head must be trained for this target")
     spec_config.draft_model_path, spec_config.draft_load_format, spec_config.draft_hf_config = path, fmt, hf
 
 

@@ -117,8 +117,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    #: Layers whose input (the residual stream entering them) is kept in
+    #: ``aux_hidden_states[layer]`` on each forward (EAGLE-3 heads read three); empty: none.
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
     def __init__(self, cfg: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         super().__init__()
+        self.aux_hidden_states: dict[int, torch.Tensor] = {}
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         max_pos = getattr(cfg, "max_position_embeddings", None) or 2048
         self.rotary_emb = RotaryEmbedding(_head_dim(cfg), max_pos, get_rope_params(cfg), max_model_len)
@@ -130,7 +135,12 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = self.aux_hidden_state_layers
+        if aux:
+            self.aux_hidden_states = {}
+        for i, layer in enumerate(self.layers):
+            if aux and i in aux:
+                self.aux_hidden_states[i] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x

@@ -16,6 +16,8 @@ from kvserve.spec_decode.proposer import Proposer
 PROPOSERS: dict[str, str] = {
     "ngram": "kvserve.spec_decode.ngram:NgramProposer",
     "draft_model": "kvserve.spec_decode.draft_model:DraftModelProposer",
+    "eagle": "kvserve.spec_decode.eagle:EagleProposer",
+    "eagle3": "kvserve.spec_decode.eagle:EagleProposer",
 }
 
 

@@ -247,6 +247,9 @@ class ModelRunner:
         for decode-only steps and piecewise graphs, attention eager, for steps with prefill."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.cuda_graph_safe:
             return
+        if getattr(self.proposer, "needs_eager_target", False):
+            logger.info("EAGLE-3 reads the target's mid-layer states: CUDA graphs off")
+            return
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
 
         sc = self.config.scheduler_config
@@ -306,6 +309,7 @@ class ModelRunner:
             if sched.structured_output_request_ids else None
         if gr is not None and gr.can_run(inp):
             hidden, row_start = gr.run(inp, pending)
+            self._record_hidden(inp, hidden, row_start)
             if conn is not None:
                 conn.start_save_kv()
             return self._sample(inp, hidden, row_start, drafts, grammar)
@@ -326,12 +330,19 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         if any(m.bounded is not None and m.bounded.policy == "h2o" for m in metas):
             mass = self._block_mass(inp, metas)
+        self._record_hidden(inp, hidden, inp.query_start_loc[:num_reqs])
         if conn is not None:
             conn.start_save_kv()
         res = self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)
         if mass:
             res.kv_block_mass = mass
         return res
+
+    def _record_hidden(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> None:
+        """Hand the step's target hidden states to a proposer that drafts from them (EAGLE)."""
+        p = self.proposer
+        if p is not None and getattr(p, "uses_hidden_states", False):
+            p.record_hidden_states(inp.req_ids, inp.seq_lens - inp.query_lens, inp.query_lens, hidden, row_start)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
                 drafts: dict[str, list[int]], grammar=None) -> AsyncModelRunnerOutput:
