@@ -19,8 +19,8 @@ SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "kvserve", "spec_d
 def _tiny_cfg(**kw):
     from transformers import LlamaConfig
 
-    args = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    args = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
                 architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
     args.update(kw)
     return LlamaConfig(**args)
