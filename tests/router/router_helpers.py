@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
@@ -115,24 +116,30 @@ def complete(url: str, body: dict, route: str = "/v1/completions", timeout: floa
     return r.json(), r
 
 
+def sse_events(r) -> Iterator[dict]:
+    """The JSON events of an open SSE response ``r`` (httpx); AssertionError on an error event
+    or when the stream ends without [DONE]."""
+    for line in r.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        obj = json.loads(data)
+        assert "error" not in obj, obj
+        yield obj
+    raise AssertionError("stream ended without [DONE]")
+
+
 def stream(url: str, body: dict, route: str = "/v1/completions", timeout: float = 60.0) -> tuple[str, list[dict]]:
     """Streamed request: (concatenated text, the chunks); AssertionError without [DONE]."""
-    chunks, text, done = [], [], False
+    chunks, text = [], []
     with httpx.stream("POST", url + route, json=dict(body, stream=True), timeout=timeout) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            obj = json.loads(data)
+        for obj in sse_events(r):
             chunks.append(obj)
-            assert "error" not in obj, obj
             for ch in obj.get("choices") or []:
                 text.append(ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content") or "")
-    assert done, "stream ended without [DONE]"
     return "".join(t or "" for t in text), chunks
 
 

@@ -18,6 +18,7 @@ from router_helpers import (
     Proc,
     kv_transfer_available,
     p2p_connector_known,
+    sse_events,
     start_router,
     start_workers,
     stream,
@@ -176,7 +177,6 @@ def _wait_healthy(router, timeout: float = 120.0) -> None:
 def test_kill_mid_stream_keeps_held_back_text(deployment):
     """A worker killed mid-stream while it holds text back (a 10-character stop string that never
     matches makes it hold the last 9 characters): the client still gets every character once."""
-    import json
     import os
     import signal
 
@@ -187,18 +187,10 @@ def test_kill_mid_stream_keeps_held_back_text(deployment):
     ref_text, ref_chunks = stream(router.url, body)
     ref_ids = [t for c in ref_chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
     before = _metric(httpx.get(router.url + "/metrics", timeout=10).text, "kvserve_router:reprefills_total")
-    text, ids, victim, done = [], [], None, False
+    text, ids, victim = [], [], None
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            obj = json.loads(data)
-            assert "error" not in obj, obj
+        for obj in sse_events(r):  # asserts the stream ends with [DONE]
             for ch in obj["choices"]:
                 text.append(ch["text"])
                 ids.extend(ch.get("token_ids", []))
@@ -208,7 +200,7 @@ def test_kill_mid_stream_keeps_held_back_text(deployment):
                 victim = next(t for t in targets if t.url in busy)
                 os.killpg(victim.proc.pid, signal.SIGSTOP)  # freeze at once, then kill
                 victim.kill()
-    assert victim is not None and done
+    assert victim is not None
     victim.start()
     victim.wait_ready(120)
     after = _metric(httpx.get(router.url + "/metrics", timeout=10).text, "kvserve_router:reprefills_total")
