@@ -228,4 +228,23 @@ def test_only_int4_int2_rotate_and_the_p2p_layout_says_so():
     # A peer from before the rotation sends no kv_rotation: refused for int4, fine otherwise.
     assert "kv_rotation" in layout_mismatch({"kv_cache_dtype": "int4", "kv_rotation": ROTATION_NAME},
                                             {"kv_cache_dtype": "int4"})
-    assert layout_mismatch({"kv_cache_dtype": "int8", "kv_rotation": None}, {"kv_cache_dtype": "int8"}) is None
+    assert layout_mismatch({"kv_cache_dtype": "int4", "kv_rotation": ROTATION_NAME},
+                           {"kv_cache_dtype": "int4", "kv_rotation": ROTATION_NAME}) is None
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "int8", "int4", "int2"])
+def test_kv_layout_names_the_rotation_only_when_rotated(name):
+    from types import SimpleNamespace as NS
+
+    from kvserve.core.kv_cache_spec import FullAttentionSpec
+    from kvserve.kv_connector.p2p.wire import kv_layout
+
+    config = NS(model_config=NS(model="m", dtype="bfloat16", load_format="dummy", seed=0, hf_config=None),
+                cache_config=NS(kv_cache_dtype=name), parallel_config=NS(tensor_parallel_size=1))
+    spec = FullAttentionSpec(16, 2, 64, name, "bfloat16")
+    kvc = NS(groups=[NS(spec=spec, layer_indices=[0, 1])], num_layers=2, block_size=16)
+    layout = kv_layout(config, kvc)
+    if name in ("int4", "int2"):
+        assert layout["kv_rotation"] == ROTATION_NAME
+    else:  # unrotated layouts are exactly what they were before the rotation existed
+        assert "kv_rotation" not in layout

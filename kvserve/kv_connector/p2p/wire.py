@@ -37,10 +37,10 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
     ``num_layers``, ``block_size``, ``kv_cache_dtype``, ``dtype`` (model torch dtype name),
     ``tp_size``, and ``groups``: per KV cache group ``{"kind", "layers", "num_kv_heads",
     "head_size", "sliding_window", "page_shape" (one block of one layer: [2, block_size,
-    kv_heads, row elements]), "page_bytes" (per layer)}``, and ``kv_rotation``: the basis the
-    pages hold K/V in (``kv_rotation.ROTATION_NAME`` for rotated formats, int4 / int2; None
-    otherwise, so a peer from before the rotation, which sends no such field, still matches
-    on unrotated formats and is refused on int4 / int2).
+    kv_heads, row elements]), "page_bytes" (per layer)}``; for rotated formats (int4 / int2)
+    also ``kv_rotation``: the basis the pages hold K/V in (``kv_rotation.ROTATION_NAME``). It
+    is absent otherwise, so unrotated layouts are unchanged and a peer from before the
+    rotation, which sends no such field, is refused on int4 / int2 only.
     """
     from kvserve.attention.kv_rotation import ROTATION_NAME
     from kvserve.kv_connector.block_hash import model_fingerprint
@@ -55,13 +55,15 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
             "page_shape": [2, s.block_size, s.num_kv_heads, s.format.row_elems(s.head_size)],
             "page_bytes": s.page_size_bytes,
         })
-    return {
+    layout = {
         "model": os.path.basename(str(mc.model or "").rstrip("/")), "fingerprint": model_fingerprint(config),
         "num_layers": kv_cache_config.num_layers, "block_size": kv_cache_config.block_size,
         "kv_cache_dtype": str(cc.kv_cache_dtype), "dtype": str(mc.dtype),
         "tp_size": config.parallel_config.tensor_parallel_size, "groups": groups,
-        "kv_rotation": ROTATION_NAME if any(g.spec.format.rotated for g in kv_cache_config.groups) else None,
     }
+    if any(g.spec.format.rotated for g in kv_cache_config.groups):
+        layout["kv_rotation"] = ROTATION_NAME
+    return layout
 
 
 def layout_mismatch(mine: dict, theirs: Any) -> Optional[str]:
