@@ -14,7 +14,9 @@ from torch import nn
 
 from kvserve.attention.bounded import rotate_back
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.kv_quant import dequantize as dequantize_rows
 from kvserve.attention.kv_quant import dequantize_pages
+from kvserve.attention.kv_quant import quantize as quantize_rows
 from kvserve.attention.kv_rotation import ROTATION_NAME, kv_rotation_for, rotate, rotation_matrix
 from kvserve.attention.registry import get_attn_backend
 from kvserve.core.kv_cache_spec import KVCacheSpec, get_kv_format
@@ -195,7 +197,12 @@ def test_rotation_shrinks_int4_error_on_outlier_channels():
     ref = outs[("float32", False)]
     err_rot = (outs[("int4", True)] - ref).norm() / ref.norm()
     err_raw = (outs[("int4", False)] - ref).norm() / ref.norm()
-    assert err_rot < 0.5 * err_raw, (err_rot, err_raw)
+    assert err_rot < 0.7 * err_raw, (err_rot, err_raw)  # measured 0.20 vs 0.41 (V's error is common to both)
+    # The keys alone: the round trip through int4 in the rotated basis loses far less.
+    fmt, r, kk = get_kv_format("int4"), rotation_matrix(d), k.view(t, hkv, d)
+    e_rot = (dequantize_rows(quantize_rows(kk @ r, fmt), d, torch.float32, fmt) @ r.T - kk).norm()
+    e_raw = (dequantize_rows(quantize_rows(kk, fmt), d, torch.float32, fmt) - kk).norm()
+    assert e_rot < 0.6 * e_raw, (e_rot, e_raw)  # measured ratio 0.40
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "fp8_e4m3", "int8"])
