@@ -85,8 +85,11 @@ class NixlAgent:
         api = load_nixl()
         self.name = name
         t0 = time.perf_counter()
-        # STRICT: pull threads of one worker share the agent.
-        conf = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # No progress thread: it spins a core even when idle. A READ's initiator progresses
+        # while polling it, the producer (``progress``) while its blocks are being read.
+        # STRICT: the pull / lend threads of one worker share the agent.
+        conf = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = api.nixl_agent(name, conf)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL: the UCX backend plugin is missing")
@@ -115,6 +118,11 @@ class NixlAgent:
         agent metadata bytes)``: what a consumer needs to READ this worker's blocks."""
         return ({"agent": self.name, "mem": self.mem, "regions": {str(k): v for k, v in self.regions.items()}},
                 self.agent.get_agent_metadata())
+
+    def progress(self) -> None:
+        """Drive UCX on this agent once (the target side of a READ needs it for its
+        completion, and for the data too over UCX's TCP transport)."""
+        self.agent.get_new_notifs()
 
     # ---- consumer ----------------------------------------------------------------------
     def _load_remote(self, name: str, metadata: bytes) -> None:

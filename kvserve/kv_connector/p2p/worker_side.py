@@ -12,6 +12,7 @@ controls the pull and the consumer READs the pages with NIXL (``nixl_transport.p
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -31,6 +32,8 @@ logger = logging.getLogger("kvserve")
 REGISTER_WAIT_S = 5.0
 CONNECT_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 60.0
+#: Seconds between UCX progress calls of a producer whose blocks a NIXL READ reads.
+NIXL_PROGRESS_S = 2e-4
 
 
 def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
@@ -280,6 +283,12 @@ class P2PWorker:
         try:
             desc, md = self.nixl.descriptor()
             send_frame(conn, {"op": "nixl", **desc, "nbytes": len(md)}, md)
+            deadline = time.monotonic() + IO_TIMEOUT_S
+            # Progress this agent until the consumer reports its READ over.
+            while not select.select([conn], [], [], NIXL_PROGRESS_S)[0]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no end of the NIXL READ of {rid!r} after {IO_TIMEOUT_S:.0f} s")
+                self.nixl.progress()
             reply, _ = recv_frame(conn)
             if reply.get("op") == "read_done" and reply.get("ok"):
                 sent = int(reply.get("bytes_read") or 0)
