@@ -106,7 +106,7 @@ class NixlAgent:
             self._reg.append(self.agent.register_memory(raw))
         self._lock = threading.Lock()
         self._remote: OrderedDict[str, None] = OrderedDict()
-        self.reads = 0
+        self.reads, self.read_bytes, self.read_seconds = 0, 0, 0.0  # completed READs (consumer)
         nbytes = sum(c.numel() * c.element_size() for c in caches.values())
         logger.info("P2P KV: NIXL agent %s registered %d layers (%.1f MiB of %s) in %.2f s, backend UCX "
                     "(UCX_PROTO_INFO=y prints the transports UCX picks)", name, len(caches), nbytes / 2**20,
@@ -228,6 +228,8 @@ class NixlAgent:
         dt = time.perf_counter() - t0
         with self._lock:
             self.reads += 1
+            self.read_bytes += nbytes
+            self.read_seconds += dt
         logger.debug("P2P KV: NIXL READ %d bytes in %d regions from %s: %.2f ms (%.1f GB/s)", nbytes, len(la),
                      name, dt * 1e3, nbytes / max(dt, 1e-9) / 1e9)
         return nbytes
