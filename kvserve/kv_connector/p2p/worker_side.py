@@ -5,7 +5,8 @@ Pages move as raw bytes of ``cache[:, block_ids]`` per layer (shape ``[2, n, blo
 kv_heads, row]``, the cache's own dtype: float, fp8 or packed int4 codes with their scales),
 so every KV format round-trips bit for bit. Over TCP layers stream one frame each, written as
 they arrive; with ``transport="nixl"`` (and a producer offering it) the TCP connection only
-controls the pull and the consumer READs the pages with NIXL (``nixl_transport.py``). Nothing here blocks the engine loop: the scheduler learns of finished transfers from
+controls the pull and the consumer READs the pages with NIXL (``nixl_transport.py``).
+Nothing here blocks the engine loop: the scheduler learns of finished transfers from
 ``take_output`` (``KVConnectorOutput``) on its next step or poll.
 """
 
