@@ -285,8 +285,10 @@ class P2PWorker:
             desc, md = self.nixl.descriptor()
             send_frame(conn, {"op": "nixl", **desc, "nbytes": len(md)}, md)
             deadline = time.monotonic() + IO_TIMEOUT_S
+            poller = select.poll()  # poll, not select: no FD_SETSIZE limit
+            poller.register(conn, select.POLLIN)
             # Progress this agent until the consumer reports its READ over.
-            while not select.select([conn], [], [], NIXL_PROGRESS_S)[0]:
+            while not poller.poll(NIXL_PROGRESS_S * 1e3):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no end of the NIXL READ of {rid!r} after {IO_TIMEOUT_S:.0f} s")
                 self.nixl.progress()
