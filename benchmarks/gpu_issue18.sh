@@ -10,8 +10,10 @@ set -u
 OUT=${OUT:-/tmp/kvserve-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if ls .whl_nixl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --target /tmp/site .whl_nixl/*.whl > "$OUT/nixl_install.txt" 2>&1
+TAG=$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+if ls .whl_nixl/*-$TAG-*.whl >/dev/null 2>&1; then  # this Python's nixl_cu13 + the meta wheel
+  python3 -m pip install -q --no-deps --target /tmp/site .whl_nixl/*-$TAG-*.whl .whl_nixl/*-py3-none-any.whl \
+    > "$OUT/nixl_install.txt" 2>&1
   echo "nixl wheels rc=$?"
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
