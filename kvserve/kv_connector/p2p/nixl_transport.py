@@ -90,10 +90,14 @@ class NixlAgent:
         # STRICT: the pull / lend threads of one worker share the agent.
         conf = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self.agent = api.nixl_agent(name, conf)
+        try:
+            self.agent = api.nixl_agent(name, conf)
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own error types
+            raise RuntimeError(f"NIXL agent {name} failed to start: {type(exc).__name__}: {exc}") from exc
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL: the UCX backend plugin is missing")
-        self.regions: dict[int, list[int]] = {}  # layer -> [base, kv stride, block stride, device]
+        # layer -> [base address, K->V stride, block stride (bytes), device index]
+        self.regions: dict[int, list[int]] = {}
         self.mem = "DRAM"
         self._reg = []
         for layer, cache in caches.items():
@@ -103,7 +107,11 @@ class NixlAgent:
             self.mem = "VRAM" if raw.is_cuda else "DRAM"
             dev = max(raw.get_device(), 0)
             self.regions[layer] = [raw.data_ptr(), raw.stride(0), raw.stride(1), dev]
-            self._reg.append(self.agent.register_memory(raw))
+            try:
+                self._reg.append(self.agent.register_memory(raw))
+            except Exception as exc:  # noqa: BLE001
+                raise RuntimeError(f"NIXL could not register layer {layer}'s KV cache ({self.mem}): "
+                                   f"{type(exc).__name__}: {exc}") from exc
         self._lock = threading.Lock()
         self._remote: OrderedDict[str, None] = OrderedDict()
         self.reads, self.read_bytes, self.read_seconds = 0, 0, 0.0  # completed READs (consumer)
@@ -114,8 +122,9 @@ class NixlAgent:
 
     # ---- producer ----------------------------------------------------------------------
     def descriptor(self) -> tuple[dict[str, Any], bytes]:
-        """``({"agent", "mem", "regions": {layer: [base, kv stride, block stride, device]}},
-        agent metadata bytes)``: what a consumer needs to READ this worker's blocks."""
+        """``({"agent", "mem": "DRAM" | "VRAM", "regions": {str(layer): [base address, K->V
+        stride, block stride (bytes), device index]}}, agent metadata bytes)``: what a consumer
+        needs to READ this worker's blocks."""
         return ({"agent": self.name, "mem": self.mem, "regions": {str(k): v for k, v in self.regions.items()}},
                 self.agent.get_agent_metadata())
 
