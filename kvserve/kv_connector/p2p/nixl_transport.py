@@ -98,13 +98,14 @@ class NixlAgent:
             raise RuntimeError("NIXL: the UCX backend plugin is missing")
         # layer -> [base address, K->V stride, block stride (bytes), device index]
         self.regions: dict[int, list[int]] = {}
-        self.mem = "DRAM"
+        self.mem, self.device = "DRAM", None
         self._reg = []
         for layer, cache in caches.items():
             if not cache.is_contiguous():
                 raise ValueError(f"NIXL transport needs contiguous KV caches (layer {layer})")
             raw = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
             self.mem = "VRAM" if raw.is_cuda else "DRAM"
+            self.device = raw.device if raw.is_cuda else None
             dev = max(raw.get_device(), 0)
             self.regions[layer] = [raw.data_ptr(), raw.stride(0), raw.stride(1), dev]
             try:
@@ -127,6 +128,12 @@ class NixlAgent:
         needs to READ this worker's blocks."""
         return ({"agent": self.name, "mem": self.mem, "regions": {str(k): v for k, v in self.regions.items()}},
                 self.agent.get_agent_metadata())
+
+    def bind_thread(self) -> None:
+        """Make the caches' CUDA device current in the calling thread (UCX's CUDA transports
+        use the thread's current context; a fresh Python thread has none)."""
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
 
     def progress(self) -> None:
         """Drive UCX on this agent once (the target side of a READ needs it for its
@@ -198,6 +205,7 @@ class NixlAgent:
             RuntimeError: NIXL reported an error (e.g. the producer went away).
         """
         name = str(remote["agent"])
+        self.bind_thread()
         self._load_remote(name, metadata)
         la, ra, nbytes = self.descs(remote, pairs, group_layers)
         if not nbytes:

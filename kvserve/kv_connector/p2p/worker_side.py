@@ -282,6 +282,7 @@ class P2PWorker:
         t0 = time.perf_counter()
         sent = 0
         try:
+            self.nixl.bind_thread()
             desc, md = self.nixl.descriptor()
             send_frame(conn, {"op": "nixl", **desc, "nbytes": len(md)}, md)
             deadline = time.monotonic() + IO_TIMEOUT_S
