@@ -20,7 +20,7 @@ fi
 python3 -c "import torch; from kvserve.kv_connector.p2p.nixl_transport import nixl_import_error as e; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, '| nixl:', e() or 'ok')"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout 70 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kv_connector/test_p2p_nixl.py \
+timeout -s INT -k 5 70 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kv_connector/test_p2p_nixl.py \
   tests/kv_connector/test_p2p.py -k "nixl and not mp" > "$OUT/p2p_nixl_tests.txt" 2>&1
 echo "p2p nixl tests rc=$?"; tail -4 "$OUT/p2p_nixl_tests.txt"
 for T in tcp nixl; do
