@@ -22,7 +22,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, '| nixl:', e() or 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout -s INT -k 5 70 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kv_connector/test_p2p_nixl.py \
   tests/kv_connector/test_p2p.py -k "nixl and not mp" > "$OUT/p2p_nixl_tests.txt" 2>&1
-echo "p2p nixl tests rc=$?"; tail -4 "$OUT/p2p_nixl_tests.txt"
+echo "p2p nixl tests rc=$?"; grep -E "^(FAILED|ERROR)| passed| failed" "$OUT/p2p_nixl_tests.txt" | tail -12
 for T in tcp nixl; do
   UCX_PROTO_INFO=y timeout 65 python3 benchmarks/pd_transfer.py --transport $T --out "$OUT" \
     > "$OUT/pd_log_$T.txt" 2>&1
