@@ -10,7 +10,9 @@ connect, handshake, transfer, release). The ceilings measured in the same run: p
 device-to-host copy, device-to-device copy (bytes copied per second) and a loopback TCP socket
 between two threads.
 
-Usage (repo root): python3 benchmarks/pd_transfer.py --out $OUT [--transport nixl] [--cpu-smoke];
+Usage (repo root): python3 benchmarks/pd_transfer.py --out $OUT [--transport nixl] [--producer-executor mp]
+[--cpu-smoke] (``mp``: the producer's worker runs in its own process, as in a real deployment;
+UCX can use CUDA IPC only between processes);
 ``python3 benchmarks/pd_transfer.py --ucx-summary LOG``: the UCX transports of the remote-memory
 READs in the log of a run made with ``UCX_PROTO_INFO=y``.
 """
@@ -131,6 +133,8 @@ def main() -> None:
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--lens", default="1024,4096,8192")
     ap.add_argument("--transport", choices=["tcp", "nixl"], default="tcp")
+    ap.add_argument("--producer-executor", choices=["uni", "mp"], default="uni",
+                    help="mp: the producer's worker in its own process (CUDA IPC needs two processes)")
     ap.add_argument("--ucx-summary", metavar="LOG", help="print the UCX READ transports in LOG and exit")
     a = ap.parse_args()
     if a.ucx_summary:
@@ -163,7 +167,7 @@ def main() -> None:
             return {"kv_connector": "P2PKVConnector", "kv_role": r,
                     "kv_connector_extra_config": {"kv_port": 0, "transport": a.transport}}
 
-        prod = LLM(kv_transfer_config=role("kv_producer"), **common)
+        prod = LLM(kv_transfer_config=role("kv_producer"), distributed_executor_backend=a.producer_executor, **common)
         cons = LLM(kv_transfer_config=role("kv_consumer"), enable_prefix_caching=False, **common)
         g = torch.Generator().manual_seed(0)
         greedy = dict(temperature=0, ignore_eos=True)
@@ -195,7 +199,7 @@ def main() -> None:
                 nbytes = s1.get("kv_transfer_bytes", 0) - s0.get("kv_transfer_bytes", 0)
                 secs = s1.get("kv_transfer_seconds", 0) - s0.get("kv_transfer_seconds", 0)
                 if rep:  # the first of each length warms the allocator and kernels
-                    add(dict(part="transfer", transport=a.transport, prompt_tokens=L,
+                    add(dict(part="transfer", transport=a.transport, producer_executor=a.producer_executor, prompt_tokens=L,
                              producer_prefill_ms=round(t_prefill * 1e3, 1),
                              consumer_ttft_with_transfer_ms=round(t_pull * 1e3, 1),
                              consumer_ttft_recompute_ms=round(t_own * 1e3, 1), transfer_bytes=int(nbytes),
