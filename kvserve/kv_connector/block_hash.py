@@ -22,7 +22,7 @@ import numpy as np
 
 _DIGEST = 16
 #: layout version of the stored block bytes (bump when a KV page layout changes)
-KEY_VERSION = b"kvserve-kv-v2"
+KEY_VERSION = b"kvserve-kv-v3"
 
 
 def model_fingerprint(config) -> str:

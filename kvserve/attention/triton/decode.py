@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, load_k_tile,
-                                               load_v_tile)
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
+                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
+                                               scaled_scores)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -55,6 +56,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
+    FP16_DOT: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,7 +72,9 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None], other=0.0)
-    in_dtype = q_ptr.dtype.element_ty  # tl.dot operand dtype: K/V/P are cast to it
+    # tl.dot operand dtype: K/V/P are cast to it (quantized codes: float16, exact)
+    in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
+    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
         q = q.to(tl.float32)
 
@@ -78,8 +82,10 @@ def _decode_split_kernel(
         kv_lo = tl.maximum(seq_len - window, 0)
     else:
         kv_lo = seq_len * 0
-    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
-    start = kv_lo + split * split_len
+    # Steps start at multiples of BLOCK_N (kv_scale_index needs it); keys below kv_lo masked.
+    kv_lo_a = (kv_lo // BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo_a, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_lo_a + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -90,18 +96,26 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True,
-                                         HEAD_DIM, KV_FMT)
-        k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
-        qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+        if USE_WINDOW:
+            n_mask = n_mask & (pos >= kv_lo)
+        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
+        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
+            sc_idx = kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+                                    HEAD_DIM, KV_FMT, True)
+            ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
+            vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
+        else:
+            ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
+        qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -252,6 +266,7 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
