@@ -86,7 +86,7 @@ def main() -> None:
                      qk_scale="fp32", window="i32", num_splits="i32"),
                 dict(**q, **cs, **o, stride_bt=513),
                 dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=64, DIRECT=direct, USE_WINDOW=False,
-                     DOT_PREC="tf32", WIDEN=False, KV_FMT=code),
+                     DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0),
                 no_spec=("window", "num_splits", "stride_bt"))
             print(f"{name:9s} decode{'(direct)' if direct else '(split) '}", _widths(ck.asm["ptx"]), flush=True)
         ck = _compile(
@@ -95,7 +95,7 @@ def main() -> None:
                  seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", window="i32", req_offset="i32"),
             dict(**q, **cs, **o, stride_bt=513),
             dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, USE_WINDOW=False,
-                 DOT_PREC="tf32", WIDEN=False, KV_FMT=code),
+                 DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0),
             no_spec=("window", "req_offset", "stride_bt"), num_warps=8)
         print(f"{name:9s} prefill        ", _widths(ck.asm["ptx"]), flush=True)
         ck = _compile(

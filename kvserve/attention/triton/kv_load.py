@@ -75,13 +75,13 @@ def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
 @triton.jit
 def kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
-    """Indices ``[NP, SLOTS]`` (``NP * SLOTS = BLOCK_N``; ``NP`` pages of ``SLOTS`` keys) of the
-    scales of keys ``n0 .. n0 + BLOCK_N - 1`` of one KV head, in units of one scale entry
-    (float16, or a 4-byte scale + minimum word) from the cache base. ``n0`` must be a
-    multiple of ``BLOCK_N`` (the kernels align their loops): then each page contributes
-    ``SLOTS`` consecutive entries of its head-major scales region, which the compiler can
-    prove contiguous and load as vectors. Every index lies in a real page (pages of fully
-    masked rows read page 0), so ``load_scales`` needs no mask on the load itself."""
+    """Indices ``[NP, W]`` of the 4-byte words holding the scales of keys ``n0 .. n0 + BLOCK_N - 1``
+    of one KV head (``NP`` pages, ``W`` words each; a word holds two float16 scales, or one
+    scale + minimum), in words from the cache base. ``n0`` must be a multiple of ``BLOCK_N``
+    (the kernels align their loops): then each page contributes consecutive words of its
+    head-major scales region, which the compiler can prove contiguous and 4-byte aligned, so
+    the load is an asynchronous copy pipelined with the codes (2-byte loads are not). Every
+    index lies in a real page (pages of fully masked keys read page 0): no load mask needed."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     SB: tl.constexpr = 4 if KV_FMT >= 4 else 2  # scale bytes per row
     CB: tl.constexpr = HEAD_DIM * BITS // 8
@@ -94,23 +94,25 @@ def kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_
     else:
         page = tl.load(bt_row + pidx).to(tl.int64)
     kvh = kv_head_off // CB
-    base = BLOCK_SIZE * (stride_co // SB) + kvh * BLOCK_SIZE  # the head's scales, page-relative
-    if NP == 1:  # BLOCK_N <= BLOCK_SIZE: one page, keys at n0 % BLOCK_SIZE (a multiple of BLOCK_N)
-        base += tl.multiple_of(n0 % BLOCK_SIZE, BLOCK_N)
-    return page[:, None] * (stride_cb // SB) + base + tl.arange(0, SLOTS)[None, :]
+    # the head's scales, page-relative, in words (page, codes region and rows are 4-byte multiples)
+    base = (BLOCK_SIZE * stride_co) // 4 + kvh * (BLOCK_SIZE * SB // 4)
+    if NP == 1:  # BLOCK_N <= BLOCK_SIZE: one page, keys from n0 % BLOCK_SIZE (a multiple of BLOCK_N)
+        base += tl.multiple_of((n0 % BLOCK_SIZE) * SB // 4, BLOCK_N * SB // 4)
+    return page[:, None] * (stride_cb // 4) + base + tl.arange(0, SLOTS * SB // 4)[None, :]
 
 
 @triton.jit
 def load_scales(cache_ptr, sc_idx, n_mask, KV_FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per key ``[BLOCK_N]``: the float32 scale and minimum (0 for symmetric formats) at
-    ``sc_idx`` (``kv_scale_index``), one vector load per page; masked keys get 0 for both."""
-    if KV_FMT >= 4:  # scale in the low half of a 4-byte word, minimum in the high half
-        w = tl.reshape(tl.load(cache_ptr.to(tl.pointer_type(tl.int32)) + sc_idx), [BLOCK_N])
-        s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z = tl.where(n_mask, z, 0.0)
-    else:
-        s = tl.reshape(tl.load(cache_ptr.to(tl.pointer_type(tl.float16)) + sc_idx), [BLOCK_N]).to(tl.float32)
+    """Per key ``[BLOCK_N]``: the float32 scale and minimum (0 for symmetric formats) from the
+    words at ``sc_idx`` (``kv_scale_index``); masked keys get 0 for both."""
+    w = tl.load(cache_ptr.to(tl.pointer_type(tl.int32)) + sc_idx)
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if KV_FMT >= 4:  # scale in the low half of a word, minimum in the high half
+        s = tl.reshape(lo, [BLOCK_N])
+        z = tl.where(n_mask, tl.reshape(hi, [BLOCK_N]), 0.0)
+    else:  # two consecutive slots' scales, the first in the low half
+        s = tl.reshape(tl.join(lo, hi), [BLOCK_N])
         z = s * 0.0
     return tl.where(n_mask, s, 0.0), z
 
