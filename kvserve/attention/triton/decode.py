@@ -171,10 +171,14 @@ def choose_num_splits(
 ) -> int:
     """Splits per request so that ~2 waves of programs cover ``num_sms`` SMs.
 
-    At most one split per ``block_n`` keys of the longest request, and at most 32.
+    At most one split per ``block_n`` keys of the longest request, and at most 32. Long
+    requests also get enough splits for ~8 programs per SM (while each split keeps >= 8
+    tiles of keys): with 2-4 resident programs per SM (the quantized tiles' registers), a
+    grid of one program per (request, KV head) can end in a mostly idle last wave.
     """
     programs = max(1, num_reqs * num_kv_heads)
     want = triton.cdiv(2 * num_sms, programs)
+    want = max(want, min(triton.cdiv(8 * num_sms, programs), max_seq_len // (8 * block_n)))
     cap = max(1, triton.cdiv(max_seq_len, block_n))
     return max(1, min(want, cap, 32))
 
@@ -187,10 +191,13 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0)
         return 16, 4, 2
     if head_dim >= 256:
         return 32, 4, 2
+    # Quantized tiles (codes converted in the dot-operand layout, scales folded in) need more
+    # registers per thread than bf16 (sm_90 ptxas, head dim 128: bf16 64 x 4 warps 80; 8-bit
+    # 64 x 4: 154, 64 x 8: 128; int4/int2 64 x 4: 150-162, 32 x 4: 96), so these configs keep
+    # more warps resident per SM; benchmarks/gpu_issue12.py times the alternatives.
     if 1 <= kv_fmt <= 3:
-        # 8-bit codes dequantized in the dot-operand layout: ~150 registers per thread at 64
-        # keys (sm_90 ptxas; bf16: 80), i.e. 3 programs per SM; 32 keys: 128, 4 per SM
-        # (benchmarks/gpu_issue12.py times both).
+        return 64, 8, 2
+    if kv_fmt >= 4:
         return 32, 4, 2
     return 64, 4, 2
 
@@ -209,6 +216,7 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -222,7 +230,8 @@ def decode_attention(
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
         num_splits: override the heuristic (``choose_num_splits``).
-        block_n / num_warps: override the tile config (``_config``; benchmarks sweep them).
+        block_n / num_warps / num_stages: override the tile config (``_config``; benchmarks
+            sweep them).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -236,10 +245,11 @@ def decode_attention(
     kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)  # bytes + format code when quantized
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert block_size >= 2 or not kv_fmt, "quantized caches: scales are read as 4-byte words"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    cfg_n, cfg_warps, num_stages = _config(d, query.dtype, interpret, kv_fmt)
-    block_n, num_warps = block_n or cfg_n, num_warps or cfg_warps
+    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt)
+    block_n, num_warps, num_stages = block_n or cfg_n, num_warps or cfg_warps, num_stages or cfg_stages
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
