@@ -19,9 +19,11 @@ Stage 2, ``_decode_reduce_kernel``, grid ``(num_decodes, num_heads)``: combines 
 writes the final output directly and stage 2 is skipped.
 
 Splits: each request's key range ``[lo, seq_len)`` (``lo = seq_len - window`` with a sliding
-window) is cut into ``num_splits`` slices of equal length rounded up to BLOCK_N, so every
-split of a long request has work; ``num_splits`` is chosen on the host from ``max_seq_len``
-and the number of (request, kv_head) programs so that ~2 waves fill the GPU's SMs. It is a
+window, rounded down to a multiple of BLOCK_N, the keys below ``lo`` masked: every step
+starts at a multiple of BLOCK_N, which the scale loads of quantized caches rely on) is cut
+into ``num_splits`` slices of equal length rounded up to BLOCK_N, so every split of a long
+request has work; ``num_splits`` is chosen on the host from ``max_seq_len`` and the number
+of (request, kv_head) programs (``choose_num_splits``) so that the SMs stay busy. It is a
 runtime argument (only "one split or several" is a compile-time constant), so changing
 ``max_seq_len`` never recompiles; the reduce kernel compiles once per power-of-two bound.
 Keys past ``seq_len`` are never loaded (masked loads), so stale or poisoned cache slots

@@ -2,24 +2,32 @@
 
 The decode and prefill kernels call these for every ``BLOCK_N`` keys: ``kv_row_offsets``
 maps key positions through the block table to cache offsets, ``load_k_tile`` /
-``load_v_tile`` load the tiles and convert them to the ``tl.dot`` operand dtype. A new KV
-storage format changes these functions (and ``cache_strides``), not the kernels.
+``load_v_tile`` load the tiles and convert them to the ``tl.dot`` operand dtype, and
+``prepare_query`` / ``scaled_scores`` / ``pv_update`` do the two products. A new KV storage
+format changes these functions (and ``cache_strides``), not the kernels.
 
 Unquantized formats: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` elements of
 the cache dtype (K and V halves passed as separate pointers, same strides), read and cast.
 Quantized formats (``KV_FMT`` > 0; scheme and page layout in ``kvserve/attention/kv_quant.py``):
 the cache is passed as bytes; each block's page holds the codes of its ``[block_size,
 num_kv_heads]`` rows (``C = head_dim * bits / 8`` bytes each, contiguous), then their
-float16 scales (and minima). ``cache_strides`` passes the page stride and the *code*
-strides (``num_kv_heads * C`` per slot, ``C`` per head); Triton specializes int arguments
-divisible by 16, so when ``C`` and the page size are multiples of 16 the compiler can prove
-every code row 16-byte aligned and load it as 16-byte vectors (no hint that could be
-false). V's codes are loaded as ``[BLOCK_N, C]`` and K's, transposed, as ``[C, BLOCK_N]``:
-both contiguous along the channel axis. They are unpacked in registers (int4/int2: shifts,
-``tl.join``, ``tl.permute``, ``tl.reshape``; no per-element ``d // per_byte`` gather) and
-scaled by one float16 scale (and minimum) per key, loaded as a ``[BLOCK_N]`` vector from
-the page's scales region. No dequantized copy of the cache exists. (Compiled for sm_90 the
-code tiles become 16-byte / 8-byte ``cp.async`` copies, pipelined: ``benchmarks/ptx_kv_loads.py``.)
+float16 scales (and minima), head-major. ``cache_strides`` passes the page stride and the
+*code* strides (``num_kv_heads * C`` per slot, ``C`` per head); Triton specializes int
+arguments divisible by 16, so when ``C`` and the page size are multiples of 16 the compiler
+can prove every code row 16-byte aligned and load it as 16-byte vectors (no hint that
+could be false). V's codes are loaded as ``[BLOCK_N, C]`` and K's, transposed, as ``[C,
+BLOCK_N]``: both contiguous along the channel axis; they are unpacked in registers (int4/
+int2: shifts, ``tl.join``, ``tl.permute``, ``tl.reshape``) and converted to float16, which
+holds every code exactly; they are never multiplied by their scales. The scales are folded
+into the math instead (per key ``j`` with scale ``s_j`` and minimum ``m_j``, 0 for the
+symmetric formats): ``q . k_j = s_j (q . c_j) + m_j sum(q)`` scales the columns of the
+score tile, and ``sum_j p_j v_j = sum_j (p_j s_j) c_j + sum_j p_j m_j`` scales P before the
+P V dot (``pv_update``). The query is divided by its row maximum before it becomes a
+float16 operand (``prepare_query``), so any bfloat16 query fits. The scales of a tile of
+keys are read as 4-byte words, one contiguous run per page (``kv_scale_index``: the page's
+head-major scales region holds one head's slots consecutively); Triton turns those into
+``cp.async`` copies pipelined with the codes. No dequantized copy of the cache exists.
+(Compiled for sm_90: ``benchmarks/ptx_kv_loads.py`` shows the load widths.)
 """
 
 from __future__ import annotations
