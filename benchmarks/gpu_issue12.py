@@ -78,7 +78,11 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     q = torch.randn(batch, h, d, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     out = torch.empty_like(q)
     recs = []
-    for cfg in [None, *configs]:
+    from kvserve.attention.triton.decode import _config
+    from kvserve.attention.triton.kv_load import KV_FMT_CODES
+
+    default = (*_config(d, q.dtype, device != "cuda", KV_FMT_CODES.get(dtype, 0)), None)
+    for cfg in [None, *(c for c in configs if c != default)]:  # the default config is timed once
         bn, nw, ns, sp = cfg or (None, None, None, None)
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
                                       block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
