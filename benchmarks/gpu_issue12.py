@@ -42,13 +42,12 @@ def _record(out_dir: str, rec: dict) -> None:
 
 
 #: decode configs timed beside the default one, ``(block_n, num_warps, num_stages, num_splits)``
-#: (None: the default): quantized tiles use more registers per thread than bf16 (sm_90 ptxas,
-#: ``benchmarks/ptx_kv_loads.py --regs``), so fewer programs fit an SM; the default
-#: (``decode._config``) is 64 x 4 warps for bf16, 64 x 8 for 8-bit codes, 32 x 4 for int4/int2,
-#: and ``choose_num_splits`` (3 splits at batch 64 x 8k); the last config is one split per
-#: (request, KV head), the grid before that heuristic
+#: (None: the default; ``decode._config``, ``choose_num_splits``): quantized tiles use more
+#: registers per thread than bf16 (sm_90 ptxas: ``benchmarks/ptx_kv_loads.py --regs``), so
+#: fewer programs fit an SM; the last config splits each request's keys 4 ways (the default
+#: is one split per (request, KV head) at batch 64 x 8k)
 KERNEL_CONFIGS = [(64, 4, 2, None), (64, 8, 2, None), (32, 4, 2, None), (32, 4, 3, None), (64, 8, 3, None),
-                  (None, None, None, 1)]
+                  (None, None, None, 4)]
 
 
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,

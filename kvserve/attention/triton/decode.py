@@ -23,7 +23,7 @@ window, rounded down to a multiple of BLOCK_N, the keys below ``lo`` masked: eve
 starts at a multiple of BLOCK_N, which the scale loads of quantized caches rely on) is cut
 into ``num_splits`` slices of equal length rounded up to BLOCK_N, so every split of a long
 request has work; ``num_splits`` is chosen on the host from ``max_seq_len`` and the number
-of (request, kv_head) programs (``choose_num_splits``) so that the SMs stay busy. It is a
+of (request, kv_head) programs (``choose_num_splits``) so that ~2 waves fill the SMs. It is a
 runtime argument (only "one split or several" is a compile-time constant), so changing
 ``max_seq_len`` never recompiles; the reduce kernel compiles once per power-of-two bound.
 Keys past ``seq_len`` are never loaded (masked loads), so stale or poisoned cache slots
@@ -103,7 +103,7 @@ def _decode_split_kernel(
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
         k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
         if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
-            sc_idx = kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+            sc_idx = kv_scale_index(bt_row, n0, end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
                                     HEAD_DIM, KV_FMT, True)
             ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
             vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
@@ -173,14 +173,12 @@ def choose_num_splits(
 ) -> int:
     """Splits per request so that ~2 waves of programs cover ``num_sms`` SMs.
 
-    At most one split per ``block_n`` keys of the longest request, and at most 32. Long
-    requests also get enough splits for ~8 programs per SM (while each split keeps >= 8
-    tiles of keys): with 2-4 resident programs per SM (the quantized tiles' registers), a
-    grid of one program per (request, KV head) can end in a mostly idle last wave.
+    At most one split per ``block_n`` keys of the longest request, and at most 32. (More
+    splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
+    64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_issue12.py times ``num_splits=1``.)
     """
     programs = max(1, num_reqs * num_kv_heads)
     want = triton.cdiv(2 * num_sms, programs)
-    want = max(want, min(triton.cdiv(8 * num_sms, programs), max_seq_len // (8 * block_n)))
     cap = max(1, triton.cdiv(max_seq_len, block_n))
     return max(1, min(want, cap, 32))
 

@@ -81,7 +81,7 @@ def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
 
 
 @triton.jit
-def kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
+def kv_scale_index(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
     """Indices ``[NP, W]`` of the 4-byte words holding the scales of keys ``n0 .. n0 + BLOCK_N - 1``
     of one KV head (``NP`` pages, ``W`` words each; a word holds two float16 scales, or one
@@ -89,7 +89,8 @@ def kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_
     (the kernels align their loops): then each page contributes consecutive words of its
     head-major scales region, which the compiler can prove contiguous and 4-byte aligned, so
     the load is an asynchronous copy pipelined with the codes (2-byte loads are not). Every
-    index lies in a real page (pages of fully masked keys read page 0): no load mask needed."""
+    index lies in a real page (pages at or past ``kv_end``, the end of the request's keys,
+    read page 0): no load mask needed."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     SB: tl.constexpr = 4 if KV_FMT >= 4 else 2  # scale bytes per row
     CB: tl.constexpr = HEAD_DIM * BITS // 8
@@ -97,8 +98,7 @@ def kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_
     SLOTS: tl.constexpr = BLOCK_N // NP
     pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
     if MASKED:
-        live = tl.max(tl.reshape(n_mask.to(tl.int32), [NP, SLOTS]), 1) > 0
-        page = tl.load(bt_row + pidx, mask=live, other=0).to(tl.int64)
+        page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + pidx).to(tl.int64)
     kvh = kv_head_off // CB
@@ -132,21 +132,32 @@ def _code_rows(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.co
     key's ``C`` contiguous bytes at ``row_off``, unpacked; masked keys are 0."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     CB: tl.constexpr = HEAD_DIM * BITS // 8
-    offs_c = tl.arange(0, CB)
-    ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
-    if MASKED:
-        raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
-    else:
-        raw = tl.load(ptrs)
-    if KV_FMT == 4:  # element 2j in the low nibble of byte j, 2j + 1 in the high one
-        r = raw.to(tl.int32)
-        x = tl.reshape(tl.join(r & 15, r >> 4), [row_off.shape[0], HEAD_DIM]).to(out_dtype)
-    elif KV_FMT == 5:  # element 4j + i in bits 2i of byte j
-        r = raw.to(tl.int32)
-        q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [.., CB, 2 (i//2), 2 (i%2)]
-        x = tl.reshape(q, [row_off.shape[0], HEAD_DIM]).to(out_dtype)
-    else:
+    if KV_FMT <= 3:
+        # 8-bit codes read as 2-byte words and split in registers (join + reshape): converted
+        # in the load's layout, the tile reaches the dot operand as 16-bit values (transposing
+        # loads); converted in the operand layout, it would take byte-wide shared loads.
+        offs_w = tl.arange(0, CB // 2)
+        ptrs = (cache_ptr + row_off[:, None]).to(tl.pointer_type(tl.int16)) + offs_w[None, :]
+        if MASKED:
+            w = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        else:
+            w = tl.load(ptrs)
+        w = w.to(tl.int32)
+        raw = tl.reshape(tl.join(w & 0xFF, (w >> 8) & 0xFF), [row_off.shape[0], HEAD_DIM]).to(tl.uint8)
         x = _byte_codes(raw, KV_FMT, out_dtype)
+    else:
+        offs_c = tl.arange(0, CB)
+        ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
+        if MASKED:
+            raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        else:
+            raw = tl.load(ptrs)
+        r = raw.to(tl.int32)
+        if KV_FMT == 4:  # element 2j in the low nibble of byte j, 2j + 1 in the high one
+            x = tl.reshape(tl.join(r & 15, r >> 4), [row_off.shape[0], HEAD_DIM]).to(out_dtype)
+        else:  # element 4j + i in bits 2i of byte j
+            q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [.., CB, 2 (i//2), 2 (i%2)]
+            x = tl.reshape(q, [row_off.shape[0], HEAD_DIM]).to(out_dtype)
     return x
 
 
@@ -245,12 +256,11 @@ def scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC: tl.constexpr, KV_FMT: 
 def pv_update(acc, p, v, vs, vz, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr, in_dtype: tl.constexpr):
     """``acc + P V`` for probabilities ``p [M, BLOCK_N]`` (fp32) and the V tile ``v [BLOCK_N, D]``
     (``load_v_tile``). Quantized: ``sum_j p_j (s_j c_j + m_j) = (sum_j p_j s_j c_j) + sum_j p_j m_j``:
-    the scales go into P, divided by the tile's largest scale (so P stays in [0, 1], where the
-    16-bit operand dtype is precise) which multiplies the dot's result instead."""
+    the scales go into P (``p_j s_j`` <= ``s_j``: float16 holds it; no per-tile maximum, whose
+    cross-thread reduction would cost a barrier per step)."""
     if KV_FMT > 0:
-        smax = tl.maximum(tl.max(vs, 0), 1e-30)
-        pv = p * (vs / smax)[None, :]
-        acc += tl.dot(pv.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC) * smax
+        pv = p * vs[None, :]
+        acc += tl.dot(pv.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
         if KV_FMT >= 4:
             acc += tl.sum(p * vz[None, :], 1)[:, None]
     else:

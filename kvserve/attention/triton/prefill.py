@@ -50,7 +50,7 @@ def _attend_block(
     # [D, BLOCK_N]
     k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
     if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
-        sc_idx = kv_scale_index(bt_row, n0, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+        sc_idx = kv_scale_index(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
                                 HEAD_DIM, KV_FMT, MASKED)
         ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
         vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
