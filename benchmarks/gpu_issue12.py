@@ -46,7 +46,7 @@ def _record(out_dir: str, rec: dict) -> None:
 #: registers per thread than bf16 (sm_90 ptxas: ``benchmarks/ptx_kv_loads.py --regs``), so
 #: fewer programs fit an SM; the last config splits each request's keys 4 ways (the default
 #: is one split per (request, KV head) at batch 64 x 8k)
-KERNEL_CONFIGS = [(64, 4, 2, None), (64, 8, 2, None), (32, 4, 2, None), (32, 4, 3, None), (64, 8, 3, None),
+KERNEL_CONFIGS = [(64, 4, 2, None), (64, 8, 2, None), (32, 4, 2, None), (32, 4, 3, None), (64, 4, 3, None),
                   (None, None, None, 4)]
 
 

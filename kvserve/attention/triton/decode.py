@@ -191,14 +191,12 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0)
         return 16, 4, 2
     if head_dim >= 256:
         return 32, 4, 2
-    # Quantized tiles (codes converted in the dot-operand layout, scales folded in) need more
-    # registers per thread than bf16 (sm_90 ptxas, head dim 128: bf16 64 x 4 warps 80; 8-bit
-    # 64 x 4: 154, 64 x 8: 128; int4/int2 64 x 4: 150-162, 32 x 4: 96), so these configs keep
-    # more warps resident per SM; benchmarks/gpu_issue12.py times the alternatives.
+    # Quantized tiles: on an H100 (batch 64 x 8k, head dim 128; first folded-scale version,
+    # benchmarks/gpu_issue12.py) 8-bit codes ran best at 32 keys x 4 warps x 3 stages (fp8
+    # 0.71 ms; 64 x 8: 1.28 ms), int4/int2 at 64 x 4 x 2 (0.81 / 0.80 ms). Re-check with the
+    # sweep after kernel changes (registers per config: benchmarks/ptx_kv_loads.py --regs).
     if 1 <= kv_fmt <= 3:
-        return 64, 8, 2
-    if kv_fmt >= 4:
-        return 32, 4, 2
+        return 32, 4, 3
     return 64, 4, 2
 
 
