@@ -24,7 +24,7 @@ part 70 "$OUT/kernel_log.txt" python3 benchmarks/gpu_issue12.py --out "$OUT" --p
 part 40 "$OUT/gpu_tests_kvquant.txt" python3 -m pytest -q -p no:cacheprovider tests/attention/test_kv_quant.py \
   tests/attention/test_triton_kv_quant.py
 tail -1 "$OUT/gpu_tests_kvquant.txt"
-part 35 "$OUT/step_log.txt" python3 benchmarks/gpu_issue12.py --out "$OUT" --parts step --dtypes bfloat16,fp8_e4m3,int4
+part 30 "$OUT/step_log.txt" python3 benchmarks/gpu_issue12.py --out "$OUT" --parts step --dtypes bfloat16,fp8_e4m3,int4
 sed -n '/^part /,$p' "$OUT/kernel_log.txt"
 grep -q '^part ' "$OUT/kernel_log.txt" || grep '"part": "kernel' "$OUT/issue12.json" | python3 -c "
 import json, sys
