@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up kvserve on a fresh machine, CPU or NVIDIA GPU: torch first, then the package, then
-# the embedded default model. `--test` adds the test dependencies.
+# the embedded default model. `--test` adds the test dependencies (NIXL among them).
 #
 # Which torch: with a working NVIDIA GPU (`nvidia-smi -L` succeeds) or KVSERVE_DEVICE=cuda,
 # torch==2.13.0 from the configured index (PyPI's Linux wheel is the CUDA build, and it
@@ -24,6 +24,9 @@ else
 fi
 if [[ "${1:-}" == "--test" ]]; then
   $PY -m pip install -q -e ".[test]"
+  # NIXL for the P2P KV transport "nixl": nixl-cu13 came with [test]; the meta package only
+  # selects the backend by CUDA version and would pull nixl-cu12 as well (58 MB): --no-deps.
+  $PY -m pip install -q --no-deps nixl==1.5.1
   # redis-server for the remote KV tier tests (skipped with a message where it is absent)
   if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \

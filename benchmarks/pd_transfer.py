@@ -1,13 +1,18 @@
 """Disaggregated prefill/decode on one GPU: KV transfer cost of ``P2PKVConnector``.
 
 A producer and a consumer engine in one process (the Llama-3.1-8B shape, dummy bf16 weights,
-``--enforce-eager``), TCP over loopback between host memory. Per prompt length: the producer's
-prefill (prompt KV + first token), the consumer's time to its first token with the KV pulled
-from the producer (the transfer + one token computed) beside the consumer computing the prompt
-itself, the bytes moved and the pull's GB/s. The ceilings measured in the same run: pinned
-device-to-host copy and a loopback TCP socket between two threads.
+``--enforce-eager``), ``--transport tcp`` (loopback TCP between host memory) or ``nixl`` (NIXL
+READs cache to cache; UCX picks the wire: run with ``UCX_PROTO_INFO=y`` to see it). Per prompt
+length: the producer's prefill (prompt KV + first token), the consumer's time to its first
+token with the KV pulled from the producer (the transfer + one token computed) beside the
+consumer computing the prompt itself, the bytes moved and the pull's GB/s (the whole pull:
+connect, handshake, transfer, release). The ceilings measured in the same run: pinned
+device-to-host copy, device-to-device copy (bytes copied per second) and a loopback TCP socket
+between two threads.
 
-Usage (repo root): python3 benchmarks/pd_transfer.py --out $OUT [--cpu-smoke]
+Usage (repo root): python3 benchmarks/pd_transfer.py --out $OUT [--transport nixl] [--cpu-smoke];
+``python3 benchmarks/pd_transfer.py --ucx-summary LOG``: the UCX transports of the remote-memory
+READs in the log of a run made with ``UCX_PROTO_INFO=y``.
 """
 
 from __future__ import annotations
@@ -78,12 +83,59 @@ def d2h_bw() -> float | None:
     return 5 * x.numel() / (time.perf_counter() - t0)
 
 
+def d2d_bw() -> float | None:
+    """Bytes per second of a 1 GiB device-to-device copy on the current GPU."""
+    if not torch.cuda.is_available():
+        return None
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 10 * x.numel() / (time.perf_counter() - t0)
+
+
+def ucx_read_summary(log_path: str) -> list[str]:
+    """From a ``UCX_PROTO_INFO=y`` log, the distinct ``remote memory read`` protocols and
+    their per-size-range ``description: transport/device`` choices (what a NIXL READ used)."""
+    import re
+
+    out, op, rows = [], None, []
+    row = re.compile(r"^\|\s*([0-9][^|]*?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|$")
+
+    def flush():
+        if op and "remote memory read" in op:
+            line = f"{op}: " + "; ".join(f"{r} {d} {c}" for r, d, c in rows)
+            if line not in out:
+                out.append(line)
+
+    for raw in open(log_path, errors="replace"):
+        text = re.sub(r"^\[[^]]*\] \[[^]]*\]\s*", "", raw.rstrip())
+        if re.search(r"cfg#\d+", text):
+            flush()
+            op, rows = None, []
+        elif op is None and text.startswith("|") and "Range" not in text and text.count("|") == 2:
+            op = text.strip("| ").strip()
+        elif op is not None and (m := row.match(text)):
+            rows.append(m.groups())
+    flush()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--lens", default="1024,4096,8192")
+    ap.add_argument("--transport", choices=["tcp", "nixl"], default="tcp")
+    ap.add_argument("--ucx-summary", metavar="LOG", help="print the UCX READ transports in LOG and exit")
     a = ap.parse_args()
+    if a.ucx_summary:
+        print("\n".join(ucx_read_summary(a.ucx_summary)) or "no 'remote memory read' in the UCX_PROTO_INFO log")
+        return
     from kvserve import LLM, SamplingParams
 
     smoke = a.cpu_smoke
@@ -94,10 +146,13 @@ def main() -> None:
     def add(r):
         recs.append(r)
         print(json.dumps(r), flush=True)
-        json.dump(recs, open(os.path.join(a.out, "pd_transfer.json"), "w"), indent=1)
+        json.dump(recs, open(os.path.join(a.out, f"pd_transfer_{a.transport}.json"), "w"), indent=1)
 
-    add(dict(part="ceilings", tcp_loopback_GBps=round(tcp_loopback_bw(1 << 28 if smoke else 1 << 30) / 1e9, 2),
-             d2h_pinned_GBps=round((d2h_bw() or 0) / 1e9, 2)))
+    add(dict(part="ceilings", transport=a.transport,
+             tcp_loopback_GBps=round(tcp_loopback_bw(1 << 28 if smoke else 1 << 30) / 1e9, 2),
+             d2h_pinned_GBps=round((d2h_bw() or 0) / 1e9, 2), d2d_copy_GBps=round((d2d_bw() or 0) / 1e9, 2)))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         path = _config_dir(tmp, "m", TINY if smoke else LLAMA31_8B, "LlamaConfig")
         common = dict(model=path, load_format="dummy", dtype="float32" if smoke else "bfloat16",
@@ -105,7 +160,8 @@ def main() -> None:
                       disable_log_stats=True, kv_cache_memory="64MiB" if smoke else "12GiB")
 
         def role(r):
-            return {"kv_connector": "P2PKVConnector", "kv_role": r, "kv_connector_extra_config": {"kv_port": 0}}
+            return {"kv_connector": "P2PKVConnector", "kv_role": r,
+                    "kv_connector_extra_config": {"kv_port": 0, "transport": a.transport}}
 
         prod = LLM(kv_transfer_config=role("kv_producer"), **common)
         cons = LLM(kv_transfer_config=role("kv_consumer"), enable_prefix_caching=False, **common)
@@ -115,6 +171,8 @@ def main() -> None:
         prod.generate([warm], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
         cons.generate([warm], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
         wstats = cons.llm_engine.engine_core.scheduler.connector.get_stats
+        # The consumer's NIXL agent (in-process worker): the READs alone, without the control.
+        agent = getattr(cons.llm_engine.engine_core.model_runner.kv_connector.worker, "nixl", None)
         for L in lens:
             for rep in range(3):
                 ids = torch.randint(3, 20000, (L,), generator=g).tolist()
@@ -124,21 +182,26 @@ def main() -> None:
                 t_prefill = time.perf_counter() - t0
                 params = out.kv_transfer_params
                 s0 = dict(wstats())
+                r0 = (agent.read_bytes, agent.read_seconds) if agent is not None else (0, 0.0)
                 t0 = time.perf_counter()
                 got = cons.generate([ids], SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params},
                                                           **greedy), use_tqdm=False)[0]
                 t_pull = time.perf_counter() - t0
                 s1 = dict(wstats())
+                rb, rs = (agent.read_bytes - r0[0], agent.read_seconds - r0[1]) if agent is not None else (0, 0.0)
                 t0 = time.perf_counter()
                 own = cons.generate([ids], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0]
                 t_own = time.perf_counter() - t0
                 nbytes = s1.get("kv_transfer_bytes", 0) - s0.get("kv_transfer_bytes", 0)
                 secs = s1.get("kv_transfer_seconds", 0) - s0.get("kv_transfer_seconds", 0)
                 if rep:  # the first of each length warms the allocator and kernels
-                    add(dict(part="transfer", prompt_tokens=L, producer_prefill_ms=round(t_prefill * 1e3, 1),
+                    add(dict(part="transfer", transport=a.transport, prompt_tokens=L,
+                             producer_prefill_ms=round(t_prefill * 1e3, 1),
                              consumer_ttft_with_transfer_ms=round(t_pull * 1e3, 1),
                              consumer_ttft_recompute_ms=round(t_own * 1e3, 1), transfer_bytes=int(nbytes),
                              transfer_s=round(secs, 4), transfer_GBps=round(nbytes / secs / 1e9, 2) if secs else None,
+                             nixl_read_s=round(rs, 5) if agent is not None else None,
+                             nixl_read_GBps=round(rb / rs / 1e9, 2) if rs else None,
                              same_first_token=got.outputs[0].token_ids == own.outputs[0].token_ids,
                              load_failures=s1.get("load_failures", 0)))
         prod.shutdown()

@@ -226,6 +226,10 @@ class WorkerProcess:
         if self.is_alive():
             self._p.terminate()
 
+    def kill(self) -> None:
+        if self.is_alive():
+            self._p.kill()
+
 
 def free_port() -> int:
     """A TCP port free on the loopback interface now (for the tensor-parallel rendezvous)."""

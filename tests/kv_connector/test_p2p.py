@@ -1,5 +1,7 @@
 """P2PKVConnector (disaggregated prefill/decode) on a tiny random Llama: two offline engines
-in one process, a producer and a consumer, talking TCP on 127.0.0.1.
+in one process, a producer and a consumer, talking TCP on 127.0.0.1; the tests marked with the
+``transport`` fixture run again with ``"transport": "nixl"`` (pages READ through a real NIXL /
+UCX agent per engine; skipped where NIXL does not import).
 
 Checked: the consumer's KV blocks equal the producer's bit for bit (every KV dtype: float32, bfloat16,
 fp8_e4m3 / e5m2, int8, int4, int2),
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.kv_connector.p2p.nixl_transport import nixl_import_error
 from kvserve.kv_connector.p2p.wire import KVLayoutMismatch, client_handshake, layout_mismatch
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -32,8 +35,29 @@ def _llm(path, role, kv_cache_dtype="auto", engine_kw=None, **extra):
                disable_log_stats=True, kv_transfer_config=json.dumps(ktc), **(engine_kw or {}))
 
 
+@pytest.fixture(params=["tcp", "nixl"])
+def transport(request):
+    if request.param == "nixl":
+        err = nixl_import_error()
+        if err:
+            pytest.skip(f"NIXL does not import ({err}); pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1")
+    return request.param
+
+
 def _core(llm):
     return llm.llm_engine.engine_core
+
+
+def _worker(llm):
+    return _core(llm).model_runner.kv_connector.worker
+
+
+def _check_transport(producer, consumer, transport, reads=1):
+    """The pulls went the configured way: ``reads`` NIXL READs on the consumer, or no agent."""
+    if transport == "nixl":
+        assert _worker(producer).nixl is not None and _worker(consumer).nixl.reads == reads
+    else:
+        assert _worker(producer).nixl is None and _worker(consumer).nixl is None
 
 
 def _poll(llm, until, timeout=10.0):
@@ -85,9 +109,9 @@ def colocated(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"])
-def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
-    producer = _llm(tiny_llama_dir, "kv_producer", kv_dtype)
-    consumer = _llm(tiny_llama_dir, "kv_consumer", kv_dtype)
+def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype, transport):
+    producer = _llm(tiny_llama_dir, "kv_producer", kv_dtype, transport=transport)
+    consumer = _llm(tiny_llama_dir, "kv_consumer", kv_dtype, transport=transport)
     try:
         out_p, params = _prefill(producer)
         assert params["num_prompt_tokens"] == len(PROMPT)
@@ -112,12 +136,11 @@ def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
         failed, after = next(iter(seen.values()))
         assert not failed
         for layer, t in before.items():
-            if True:
-                # Every block but the last holds only transferred tokens: equal bit for bit.
-                assert torch.equal(t[:, : n_full - 1], after[layer][:, : n_full - 1]), layer
-                # The last block: its first (P-1) % 16 slots came from the producer.
-                k = (len(PROMPT) - 1) - (n_full - 1) * 16
-                assert torch.equal(t[:, n_full - 1, :k], after[layer][:, n_full - 1, :k]), layer
+            # Every block but the last holds only transferred tokens: equal bit for bit.
+            assert torch.equal(t[:, : n_full - 1], after[layer][:, : n_full - 1]), layer
+            # The last block: its first (P-1) % 16 slots came from the producer.
+            k = (len(PROMPT) - 1) - (n_full - 1) * 16
+            assert torch.equal(t[:, n_full - 1, :k], after[layer][:, n_full - 1, :k]), layer
         assert out_c.num_cached_tokens == len(PROMPT) - 1  # computed one prompt token
         if kv_dtype == "auto":
             ref = colocated.generate([PROMPT], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
@@ -128,6 +151,11 @@ def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
         assert _free_all(consumer)
         stats = _core(consumer).scheduler.get_stats().kv_connector_stats
         assert stats["kv_transfers"] == 1 and stats["kv_transfer_bytes"] > 0 and stats["load_failures"] == 0
+        # Bytes: K and V of every pulled block of every layer, on both sides.
+        page = sum(t[:, :1].numel() for t in before.values())
+        assert stats["kv_transfer_bytes"] == n_full * page
+        assert _core(producer).scheduler.get_stats().kv_connector_stats["kv_transfer_bytes"] == n_full * page
+        _check_transport(producer, consumer, transport)
     finally:
         producer.shutdown()
         consumer.shutdown()
@@ -135,11 +163,11 @@ def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype):
 
 @pytest.mark.parametrize("engine_kw", [dict(async_scheduling=True), dict(distributed_executor_backend="mp")],
                          ids=["async", "mp"])
-def test_round_trip_async_and_mp(tiny_llama_dir, colocated, engine_kw):
+def test_round_trip_async_and_mp(tiny_llama_dir, colocated, engine_kw, transport):
     """Async scheduling and worker processes: the consumer's idle engine keeps polling its
     pull (no hang), other requests decode meanwhile, and outputs equal a colocated run's."""
-    producer = _llm(tiny_llama_dir, "kv_both", engine_kw=engine_kw)
-    consumer = _llm(tiny_llama_dir, "kv_both", engine_kw=engine_kw)
+    producer = _llm(tiny_llama_dir, "kv_both", engine_kw=engine_kw, transport=transport)
+    consumer = _llm(tiny_llama_dir, "kv_both", engine_kw=engine_kw, transport=transport)
     try:
         _, params = _prefill(producer)
         other = [5, 6, 7, 8, 9, 10]
@@ -192,8 +220,8 @@ def test_mismatched_consumer_recomputes(tiny_llama_dir, colocated):
         consumer.shutdown()
 
 
-def test_lease_expiry_frees_producer_blocks(tiny_llama_dir):
-    producer = _llm(tiny_llama_dir, "kv_producer", lease_s=0.5)
+def test_lease_expiry_frees_producer_blocks(tiny_llama_dir, transport):
+    producer = _llm(tiny_llama_dir, "kv_producer", lease_s=0.5, transport=transport)
     try:
         _, params = _prefill(producer)
         core = _core(producer)
@@ -207,10 +235,10 @@ def test_lease_expiry_frees_producer_blocks(tiny_llama_dir):
         producer.shutdown()
 
 
-def test_producer_unreachable_recompute_and_fail(tiny_llama_dir, colocated):
-    producer = _llm(tiny_llama_dir, "kv_producer")
-    consumer = _llm(tiny_llama_dir, "kv_consumer")
-    failer = _llm(tiny_llama_dir, "kv_consumer", kv_load_failure_policy="fail")
+def test_producer_unreachable_recompute_and_fail(tiny_llama_dir, colocated, transport):
+    producer = _llm(tiny_llama_dir, "kv_producer", transport=transport)
+    consumer = _llm(tiny_llama_dir, "kv_consumer", transport=transport)
+    failer = _llm(tiny_llama_dir, "kv_consumer", kv_load_failure_policy="fail", transport=transport)
     try:
         _, params = _prefill(producer)
         producer.shutdown()  # killed: nothing listens on its port any more
@@ -223,7 +251,7 @@ def test_producer_unreachable_recompute_and_fail(tiny_llama_dir, colocated):
         assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
         assert _free_all(failer)
         # Unknown id on a live producer: also a load failure, recomputed.
-        p2 = _llm(tiny_llama_dir, "kv_producer")
+        p2 = _llm(tiny_llama_dir, "kv_producer", transport=transport)
         try:
             bad = dict(params, remote_port=_core(p2).kv_connector.cfg["kv_port"], remote_request_id="nope")
             t0 = time.monotonic()
@@ -237,21 +265,22 @@ def test_producer_unreachable_recompute_and_fail(tiny_llama_dir, colocated):
         failer.shutdown()
 
 
-def test_abort_while_waiting_frees_both_sides(tiny_llama_dir):
-    producer = _llm(tiny_llama_dir, "kv_producer")
-    consumer = _llm(tiny_llama_dir, "kv_consumer")
+def test_abort_while_waiting_frees_both_sides(tiny_llama_dir, transport):
+    producer = _llm(tiny_llama_dir, "kv_producer", transport=transport)
+    consumer = _llm(tiny_llama_dir, "kv_consumer", transport=transport)
     try:
         _, params = _prefill(producer)
         # Hold the producer's lending so the pull cannot finish before the abort.
-        wp = _core(producer).model_runner.kv_connector.worker
-        orig = wp._send_blocks
+        wp = _worker(producer)
+        name = "_lend_nixl" if transport == "nixl" else "_send_blocks"
+        orig = getattr(wp, name)
         gate = __import__("threading").Event()
 
         def slow(conn, rid, blocks):
             gate.wait(5)
             orig(conn, rid, blocks)
 
-        wp._send_blocks = slow
+        setattr(wp, name, slow)
         eng = consumer.llm_engine
         sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}, **GREEDY)
         eng.add_request("r1", PROMPT, sp)
@@ -267,8 +296,8 @@ def test_abort_while_waiting_frees_both_sides(tiny_llama_dir):
 
 
 def test_bad_config_refused(tiny_llama_dir):
-    with pytest.raises(ValueError, match="nixl.*not available"):
-        _llm(tiny_llama_dir, "kv_producer", transport="nixl")
+    with pytest.raises(ValueError, match="transport must be 'tcp'"):
+        _llm(tiny_llama_dir, "kv_producer", transport="rdma")
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
         _llm(tiny_llama_dir, "kv_producer", bogus=1)
     with pytest.raises(ValueError, match="kv_load_failure_policy"):
@@ -298,13 +327,14 @@ def hybrid_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("chunk", [128, 16])
-def test_hybrid_groups_round_trip(hybrid_dir, chunk):
+def test_hybrid_groups_round_trip(hybrid_dir, chunk, transport):
     """Two KV cache groups (full + sliding window), prefilled in one or several chunks (the
     producer's window group then nulls early blocks: those ids are 0 and skipped)."""
     kw = dict(block_size=4, num_gpu_blocks_override=96, max_num_batched_tokens=chunk, enable_chunked_prefill=True)
 
     def mk(role):
-        ktc = {"kv_connector": "P2PKVConnector", "kv_role": role, "kv_connector_extra_config": {"kv_port": 0}}
+        ktc = {"kv_connector": "P2PKVConnector", "kv_role": role,
+               "kv_connector_extra_config": {"kv_port": 0, "transport": transport}}
         return LLM(model=hybrid_dir, skip_tokenizer_init=True, max_model_len=256, dtype="float32",
                    disable_log_stats=True, kv_transfer_config=json.dumps(ktc), **kw)
 
@@ -322,6 +352,7 @@ def test_hybrid_groups_round_trip(hybrid_dir, chunk):
         out = _decode(consumer, params, prompt)
         assert list(out.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
         assert out.num_cached_tokens == len(prompt) - 1
+        _check_transport(producer, consumer, transport)
         _poll(producer, lambda: _free_all(producer) and not _core(producer).has_kv_transfers())
         assert _free_all(consumer)
     finally:
@@ -360,20 +391,23 @@ def test_tensor_parallel_refused(tiny_llama_dir):
         _llm(tiny_llama_dir, "kv_consumer", engine_kw=dict(tensor_parallel_size=2, device="cpu"))
 
 
-def test_producer_abort_during_pull_waits_for_it(tiny_llama_dir, colocated, monkeypatch):
+def test_producer_abort_during_pull_waits_for_it(tiny_llama_dir, colocated, monkeypatch, transport):
     """A producer-side abort while a consumer reads the blocks frees them only after that read:
     the consumer still gets valid KV (its output equals the colocated run's)."""
     import threading
 
     from kvserve.kv_connector.p2p import worker_side
 
-    producer = _llm(tiny_llama_dir, "kv_producer")
-    consumer = _llm(tiny_llama_dir, "kv_consumer")
+    producer = _llm(tiny_llama_dir, "kv_producer", transport=transport)
+    consumer = _llm(tiny_llama_dir, "kv_consumer", transport=transport)
     gate, reading = threading.Event(), threading.Event()
     orig = worker_side.send_frame
+    # The producer's first data frame: a layer's pages (tcp) or its NIXL descriptor (the
+    # blocks are pinned from there until the consumer reports its READ over).
+    first = "nixl" if transport == "nixl" else "layer"
 
     def gated(sock, header, payload=None):
-        if header.get("op") == "layer" and not gate.is_set():
+        if header.get("op") == first and not gate.is_set():
             reading.set()
             gate.wait(10)
         orig(sock, header, payload)
@@ -398,6 +432,7 @@ def test_producer_abort_during_pull_waits_for_it(tiny_llama_dir, colocated, monk
         ref = colocated.generate([PROMPT], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
         assert list(outs[0].outputs[0].token_ids) == list(ref.outputs[0].token_ids)
         assert outs[0].num_cached_tokens == len(PROMPT) - 1
+        _check_transport(producer, consumer, transport)
         _poll(producer, lambda: _free_all(producer) and not core.has_kv_transfers())
     finally:
         gate.set()

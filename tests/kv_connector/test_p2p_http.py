@@ -3,6 +3,8 @@ model), a producer and a consumer. Prefill via HTTP (``max_tokens: 1``,
 ``kv_transfer_params: {"do_remote_decode": true}``), decode via HTTP streaming with the
 returned params; the output equals a plain run's. Also ``GET /v1/kv_transfer``, the 400 on a
 mismatched ``kv_layout``, ``return_token_ids`` (streamed and not) and the transfer metrics.
+Both transports: ``tcp`` and ``nixl`` (NIXL READs between the two server processes; skipped
+where NIXL does not import).
 """
 
 from __future__ import annotations
@@ -28,18 +30,26 @@ def _conftest():
     return mod
 
 
-def _ktc(role: str) -> str:
+def _ktc(role: str, transport: str) -> str:
     return json.dumps({"kv_connector": "P2PKVConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"kv_host": "127.0.0.1", "kv_port": 0, "lease_s": 30}})
+                       "kv_connector_extra_config": {"kv_host": "127.0.0.1", "kv_port": 0, "lease_s": 30,
+                                                     "transport": transport}})
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def servers(tmp_path_factory, request):
+    if request.param == "nixl":
+        from kvserve.kv_connector.p2p.nixl_transport import nixl_import_error
+
+        if nixl_import_error():
+            pytest.skip(f"NIXL does not import ({nixl_import_error()})")
     conf = _conftest()
     d = tmp_path_factory.mktemp("p2p_http")
     base = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-log-stats"]
-    hs = [conf.ServerHandle(base + ["--kv-transfer-config", _ktc(role)], str(d / f"{role}.log"), api_key=None)
-          for role in ("kv_producer", "kv_consumer")]
+    hs = [conf.ServerHandle(base + ["--kv-transfer-config", _ktc(role, request.param)], str(d / f"{role}.log"),
+                            api_key=None) for role in ("kv_producer", "kv_consumer")]
+    for h in hs:
+        h.transport = request.param
     try:
         for h in hs:
             h.wait_ready()
@@ -67,6 +77,7 @@ def test_pd_over_http(servers):
         assert info_p["kv_role"] == "kv_producer" and info_c["kv_role"] == "kv_consumer"
         assert info_p["kv_connector"] == "P2PKVConnector" and info_p["engine_id"] != info_c["engine_id"]
         assert info_p["kv_layout"] == info_c["kv_layout"]
+        assert info_p["kv_transport"] == info_c["kv_transport"] == prod.transport
 
         body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         # The plain run (on the consumer, apart in the prefix cache by its salt).

@@ -42,8 +42,9 @@ def _client(info):
 
 def test_kv_transfer_route():
     assert _client(None).get("/v1/kv_transfer").json() == \
-        {"kv_role": None, "engine_id": None, "kv_connector": None, "kv_layout": None}
-    info = {"kv_role": "kv_consumer", "engine_id": "e1", "kv_connector": "P2PKVConnector", "kv_layout": LAYOUT}
+        {"kv_role": None, "engine_id": None, "kv_connector": None, "kv_transport": None, "kv_layout": None}
+    info = {"kv_role": "kv_consumer", "engine_id": "e1", "kv_connector": "P2PKVConnector", "kv_transport": "nixl",
+            "kv_layout": LAYOUT}
     assert _client(info).get("/v1/kv_transfer").json() == info
 
 

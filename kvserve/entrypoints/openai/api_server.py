@@ -281,7 +281,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         """This worker's KV transfer role and layout, for a router's compatibility check."""
         info = getattr(engine, "kv_transfer_info", None) or {}
         return {"kv_role": info.get("kv_role"), "engine_id": info.get("engine_id"),
-                "kv_connector": info.get("kv_connector"), "kv_layout": info.get("kv_layout")}
+                "kv_connector": info.get("kv_connector"), "kv_transport": info.get("kv_transport"),
+                "kv_layout": info.get("kv_layout")}
 
     @app.get("/ping")
     @app.get("/health")

@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode: KV transfer between engines over TCP (``P2PKVConnector``)."""
+"""Disaggregated prefill/decode: KV transfer between engines over TCP or NIXL (``P2PKVConnector``)."""
 
 from kvserve.kv_connector.p2p.connector import P2PKVConnector
 

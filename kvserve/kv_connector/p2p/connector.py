@@ -1,5 +1,5 @@
 """``P2PKVConnector``: disaggregated prefill/decode, the engine side (vLLM's NixlConnector
-pull model, over TCP between host memory).
+pull model; pages move over TCP through host memory, or with NIXL READs between the caches).
 
 * **Producer** (``kv_producer`` / ``kv_both``): a request that carries
   ``kv_transfer_params = {"do_remote_decode": true}`` runs normally; when it finishes,
@@ -16,9 +16,12 @@ pull model, over TCP between host memory).
   default) or ends the request with finish_reason ``"abort"`` (``"fail"``).
 
 Extra config (``kv_connector_extra_config``): ``kv_host`` (default 127.0.0.1), ``kv_port``
-(0: a free port, resolved once at start-up by ``prepare_config``), ``lease_s`` (30),
-``transport`` (``"tcp"``; ``"nixl"`` is refused), ``kv_load_failure_policy``. Tensor
-parallelism is refused (ValueError): every rank would need its own port and handshake.
+(0: a free port, resolved once at start-up by ``prepare_config``; the TCP control channel),
+``lease_s`` (30), ``transport`` (``"tcp"``, the default, or ``"nixl"``: each worker registers
+its KV caches with a NIXL agent and a consumer READs the pages cache to cache, GPU memory to
+GPU memory on CUDA; it needs ``pip install nixl``, see ``nixl_transport.py``),
+``kv_load_failure_policy``. Tensor parallelism is refused (ValueError): every rank would need
+its own port and handshake.
 """
 
 from __future__ import annotations
@@ -81,13 +84,13 @@ def parse_extra_config(config) -> dict[str, Any]:
         raise ValueError("P2PKVConnector needs kv_role kv_producer, kv_consumer or kv_both")
     transport = extra.get("transport", "tcp")
     if transport == "nixl":
-        try:
-            import nixl  # noqa: F401
-        except ImportError:
-            raise ValueError("P2PKVConnector: transport 'nixl' is not available (import nixl failed); "
-                             "use transport 'tcp'") from None
-        raise ValueError("P2PKVConnector: transport 'nixl' is not available in this build; use 'tcp'")
-    if transport != "tcp":
+        from kvserve.kv_connector.p2p.nixl_transport import nixl_import_error
+
+        err = nixl_import_error()
+        if err:
+            raise ValueError(f"P2PKVConnector: transport 'nixl' is not available ({err}); install it "
+                             "(pip install --no-deps nixl==1.5.1 nixl-cu13==1.5.1) or use transport 'tcp'")
+    elif transport != "tcp":
         raise ValueError(f"P2PKVConnector: transport must be 'tcp' (or 'nixl'), got {transport!r}")
     policy = extra.get("kv_load_failure_policy", "recompute")
     if policy not in ("recompute", "fail"):
@@ -107,7 +110,8 @@ class P2PKVConnector(KVConnectorBase_V1):
     """Prefill/decode KV transfer between engines (both roles; see the module docstring).
 
     Raises:
-        ValueError: bad extra config, tensor parallelism, or transport ``nixl``.
+        ValueError: bad extra config, tensor parallelism, or transport ``nixl`` without NIXL
+            installed. RuntimeError (worker start-up): NIXL / UCX failed to register the caches.
     """
 
     @staticmethod
@@ -139,7 +143,8 @@ class P2PKVConnector(KVConnectorBase_V1):
             from kvserve.kv_connector.p2p.worker_side import P2PWorker
 
             self.worker = P2PWorker(self.kv_role, cfg["kv_host"], cfg["kv_port"], cfg["lease_s"], self.layout,
-                                    self.engine_id, [list(g.layer_indices) for g in kv_cache_config.groups])
+                                    self.engine_id, [list(g.layer_indices) for g in kv_cache_config.groups],
+                                    transport=cfg["transport"])
             return
         self.requests: dict[str, "Request"] = {}
         self.kv = None
@@ -158,9 +163,10 @@ class P2PKVConnector(KVConnectorBase_V1):
         self.kv = kv_cache_manager
 
     def transfer_info(self) -> dict[str, Any]:
-        """``{"kv_role", "engine_id", "kv_connector", "kv_layout"}`` (``GET /v1/kv_transfer``)."""
+        """``{"kv_role", "engine_id", "kv_connector", "kv_transport", "kv_layout"}``
+        (``GET /v1/kv_transfer``)."""
         return {"kv_role": self.kv_role, "engine_id": self.engine_id, "kv_connector": "P2PKVConnector",
-                "kv_layout": self.layout}
+                "kv_transport": self.cfg["transport"], "kv_layout": self.layout}
 
     # ---- scheduler role ----------------------------------------------------------------
     @staticmethod

@@ -1,15 +1,20 @@
-"""P2P KV transfer: the layout descriptor, its comparison, and the TCP wire protocol.
+"""P2P KV transfer: the layout descriptor, its comparison, and the TCP control/data protocol.
 
 A frame is a 4-byte big-endian header length, a JSON header, then ``header["nbytes"]`` raw
 bytes when the header names them. One TCP connection carries one pull:
 
 1. consumer -> ``{"op": "hello", "layout": {...}, "engine_id": str}``; producer ->
-   ``{"op": "hello", "ok": true}`` or ``{"ok": false, "error": "kv_layout mismatch: ..."}``
-   (then it closes the connection).
+   ``{"op": "hello", "ok": true, "transports": ["tcp"] (+ "nixl")}`` or ``{"ok": false,
+   "error": "kv_layout mismatch: ..."}`` (then it closes the connection).
 2. consumer -> ``{"op": "pull", "req": remote_request_id, "blocks": [[int, ...] per group]}``;
    producer -> one ``{"op": "layer", "layer": i, "group": g, "nbytes": n}`` frame per layer
    (raw pages of the named blocks, ``cache[:, ids]`` bytes), then ``{"op": "done"}``, or
    ``{"op": "error", "error": str}`` (unknown id, lease expired).
+   With ``"transport": "nixl"`` in the pull (only when the producer offered it), the
+   producer instead answers ``{"op": "nixl", "agent", "mem", "regions", "nbytes"}`` plus its
+   NIXL agent metadata as payload (``nixl_transport.NixlAgent.descriptor``), keeps the blocks
+   pinned while the consumer READs them, and waits for ``{"op": "read_done", "ok": bool,
+   "bytes_read": int}`` (``nbytes`` always names a frame's payload).
 3. consumer -> ``{"op": "release", "req": remote_request_id}`` once the pages landed (or
    the consumer gave up): the producer frees the blocks.
 """
@@ -124,12 +129,14 @@ def recv_frame(sock: socket.socket, with_payload: bool = True) -> tuple[dict, Op
     return header, payload
 
 
-def client_handshake(sock: socket.socket, layout: dict, engine_id: str) -> None:
-    """Consumer side of step 1. Raises KVLayoutMismatch when refused, ConnectionError on I/O."""
+def client_handshake(sock: socket.socket, layout: dict, engine_id: str) -> dict:
+    """Consumer side of step 1: the producer's reply (``transports`` it serves). Raises
+    KVLayoutMismatch when refused, ConnectionError on I/O."""
     send_frame(sock, {"op": "hello", "layout": layout, "engine_id": engine_id})
     reply, _ = recv_frame(sock)
     if not reply.get("ok"):
         raise KVLayoutMismatch(reply.get("error") or "KV transfer handshake refused")
+    return reply
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -3,14 +3,17 @@ threads that write remote pages into freshly allocated device blocks (consumer).
 
 Pages move as raw bytes of ``cache[:, block_ids]`` per layer (shape ``[2, n, block_size,
 kv_heads, row]``, the cache's own dtype: float, fp8 or packed int4 codes with their scales),
-so every KV format round-trips bit for bit. Layers stream one frame each, written as they
-arrive. Nothing here blocks the engine loop: the scheduler learns of finished transfers from
+so every KV format round-trips bit for bit. Over TCP layers stream one frame each, written as
+they arrive; with ``transport="nixl"`` (and a producer offering it) the TCP connection only
+controls the pull and the consumer READs the pages with NIXL (``nixl_transport.py``).
+Nothing here blocks the engine loop: the scheduler learns of finished transfers from
 ``take_output`` (``KVConnectorOutput``) on its next step or poll.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -30,6 +33,8 @@ logger = logging.getLogger("kvserve")
 REGISTER_WAIT_S = 5.0
 CONNECT_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 60.0
+#: Seconds between UCX progress calls of a producer whose blocks a NIXL READ reads.
+NIXL_PROGRESS_S = 2e-4
 
 
 def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
@@ -55,11 +60,16 @@ class P2PWorker:
         layout: this engine's ``kv_layout`` (the handshake compares it).
         engine_id: this engine's id (logged by the peer).
         group_layers: per KV cache group, its layer indices.
+        transport: ``"tcp"`` or ``"nixl"`` (a NIXL agent registers the caches in
+            ``register_kv_caches``; pulls from producers without NIXL fall back to TCP).
     """
 
     def __init__(self, role: str, host: str, port: int, lease_s: float, layout: dict, engine_id: str,
-                 group_layers: list[list[int]]) -> None:
+                 group_layers: list[list[int]], transport: str = "tcp") -> None:
         self.role, self.host, self.port, self.lease_s = role, host, port, lease_s
+        self.transport = transport
+        self.nixl = None  # NixlAgent once the caches are registered (transport nixl)
+        self._warned_tcp_fallback = False
         self.layout, self.engine_id, self.group_layers = layout, engine_id, group_layers
         self.caches: dict[int, torch.Tensor] = {}
         self._lock = threading.Condition()
@@ -77,7 +87,15 @@ class P2PWorker:
 
     # ---- set-up ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[int, torch.Tensor]) -> None:
+        """Keep the caches (layer -> tensor); transport nixl: register them with a NIXL agent
+        (RuntimeError / ImportError when NIXL cannot start); producer: start listening."""
         self.caches = kv_caches
+        if self.transport == "nixl" and self.nixl is None:
+            import uuid
+
+            from kvserve.kv_connector.p2p.nixl_transport import NixlAgent
+
+            self.nixl = NixlAgent(f"kvserve-{self.engine_id}-{uuid.uuid4().hex[:8]}", kv_caches)
         if self.role in ("kv_producer", "kv_both") and self._srv is None:
             srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -177,11 +195,14 @@ class P2PWorker:
                 logger.error("P2P KV: refused a consumer: %s", msg)
                 send_frame(conn, {"op": "hello", "ok": False, "error": msg})
                 return
-            send_frame(conn, {"op": "hello", "ok": True, "engine_id": self.engine_id})
+            send_frame(conn, {"op": "hello", "ok": True, "engine_id": self.engine_id,
+                              "transports": ["tcp", "nixl"] if self.nixl is not None else ["tcp"]})
             while True:
                 msg, _ = recv_frame(conn)
                 op = msg.get("op")
-                if op == "pull":
+                if op == "pull" and msg.get("transport") == "nixl" and self.nixl is not None:
+                    self._lend_nixl(conn, str(msg.get("req")), msg.get("blocks") or [])
+                elif op == "pull":
                     self._send_blocks(conn, str(msg.get("req")), msg.get("blocks") or [])
                 elif op == "release":
                     self.release_local(str(msg.get("req")), early_ok=True)
@@ -193,7 +214,9 @@ class P2PWorker:
         finally:
             conn.close()
 
-    def _send_blocks(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> None:
+    def _acquire(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> Optional[_Exposed]:
+        """Pin ``rid``'s lent blocks for one pull (``busy``), or send an error frame and
+        return None (unknown id, lease expired, released, blocks not held)."""
         deadline = time.monotonic() + REGISTER_WAIT_S
         with self._lock:
             while rid not in self._exposed:
@@ -209,15 +232,30 @@ class P2PWorker:
             self.stats["transfer_requests"] += 1
         if e is None:
             send_frame(conn, {"op": "error", "error": f"unknown or expired KV transfer id {rid!r}"})
+            return None
+        held = [set(g) for g in e.block_ids]
+        if len(blocks) > len(held) or any(b not in held[gid] for gid, ids in enumerate(blocks) for b in ids):
+            self._unpin(e, 0, 0.0, count=False)
+            send_frame(conn, {"op": "error", "error": f"block ids not held for {rid!r}"})
+            return None
+        return e
+
+    def _unpin(self, e: _Exposed, sent: int, secs: float, count: bool = True) -> None:
+        with self._lock:
+            e.busy -= 1
+            if count:
+                self.stats["bytes_sent"] += sent
+                self.stats["transfer_bytes"] += sent
+                self.stats["transfer_seconds"] += secs
+                self.stats["transfers"] += 1
+
+    def _send_blocks(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> None:
+        e = self._acquire(conn, rid, blocks)
+        if e is None:
             return
         t0 = time.perf_counter()
         sent = 0
         try:
-            held = [set(g) for g in e.block_ids]
-            for gid, ids in enumerate(blocks):
-                if any(b not in held[gid] for b in ids):
-                    send_frame(conn, {"op": "error", "error": f"block ids not held for {rid!r}"})
-                    return
             for gid, ids in enumerate(blocks):
                 if not ids:
                     continue
@@ -232,13 +270,35 @@ class P2PWorker:
                     sent += raw.nbytes
             send_frame(conn, {"op": "done"})
         finally:
-            with self._lock:
-                e.busy -= 1
-                self.stats["bytes_sent"] += sent
-                self.stats["transfer_bytes"] += sent
-                self.stats["transfer_seconds"] += time.perf_counter() - t0
-                self.stats["transfers"] += 1
+            self._unpin(e, sent, time.perf_counter() - t0)
         logger.debug("P2P KV: sent %s: %d bytes in %.1f ms", rid, sent, (time.perf_counter() - t0) * 1e3)
+
+    def _lend_nixl(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> None:
+        """A NIXL pull: send the agent descriptor, keep the blocks pinned until the consumer
+        reports its READ over (or the connection drops / times out)."""
+        e = self._acquire(conn, rid, blocks)
+        if e is None:
+            return
+        t0 = time.perf_counter()
+        sent = 0
+        try:
+            self.nixl.bind_thread()
+            desc, md = self.nixl.descriptor()
+            send_frame(conn, {"op": "nixl", **desc, "nbytes": len(md)}, md)
+            deadline = time.monotonic() + IO_TIMEOUT_S
+            poller = select.poll()  # poll, not select: no FD_SETSIZE limit
+            poller.register(conn, select.POLLIN)
+            # Progress this agent until the consumer reports its READ over.
+            while not poller.poll(NIXL_PROGRESS_S * 1e3):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no end of the NIXL READ of {rid!r} after {IO_TIMEOUT_S:.0f} s")
+                self.nixl.progress()
+            reply, _ = recv_frame(conn)
+            if reply.get("op") == "read_done" and reply.get("ok"):
+                sent = int(reply.get("bytes_read") or 0)
+        finally:
+            self._unpin(e, sent, time.perf_counter() - t0, count=sent > 0)
+        logger.debug("P2P KV: lent %s over NIXL: %d bytes in %.1f ms", rid, sent, (time.perf_counter() - t0) * 1e3)
 
     # ---- consumer ----------------------------------------------------------------------
     def _pull(self, spec, cancel: threading.Event) -> None:
@@ -252,33 +312,15 @@ class P2PWorker:
             sock = socket.create_connection((spec.host, spec.port), timeout=CONNECT_TIMEOUT_S)
             sock.settimeout(IO_TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self.layout, self.engine_id)
-            send_frame(sock, {"op": "pull", "req": spec.remote_request_id, "blocks": [r for _, r in spec.pairs]})
-            local = [torch.tensor(loc, dtype=torch.long) for loc, _ in spec.pairs]
-            while True:
-                h, payload = recv_frame(sock)
-                op = h.get("op")
-                if op == "done":
-                    if cancel.is_set():
-                        raise InterruptedError("cancelled")
-                    break
-                if op == "error":
-                    raise LookupError(h.get("error"))
-                if op != "layer":
-                    raise ValueError(f"unexpected KV transfer frame {op!r}")
-                if cancel.is_set():  # aborted: drain the stream (the connection then releases)
-                    continue
-                layer, gid = int(h["layer"]), int(h["group"])
-                cache = _bytes_view(self.caches[layer])
-                n = len(spec.pairs[gid][0])
-                src = torch.frombuffer(payload, dtype=torch.uint8).view(2, n, *cache.shape[2:])
-                idx = local[gid]
-                if cache.device.type != "cpu":
-                    src, idx = src.to(cache.device), idx.to(cache.device)
-                cache.index_copy_(1, idx, src)
-                nbytes += len(payload)
-            if any(c.device.type == "cuda" for c in self.caches.values()):
-                torch.cuda.synchronize()
+            hello = client_handshake(sock, self.layout, self.engine_id)
+            if self.nixl is not None and "nixl" in (hello.get("transports") or ()):
+                nbytes = self._pull_nixl(sock, spec, cancel)
+            else:
+                if self.nixl is not None and not self._warned_tcp_fallback:
+                    self._warned_tcp_fallback = True
+                    logger.warning("P2P KV: producer %s:%d offers no NIXL transport; pulling over TCP",
+                                   spec.host, spec.port)
+                nbytes = self._pull_tcp(sock, spec, cancel)
             ok = True
         except KVLayoutMismatch as exc:
             err = f"handshake refused: {exc}"
@@ -313,6 +355,61 @@ class P2PWorker:
         elif not cancel.is_set():
             logger.warning("P2P KV: pull of %s from %s:%d failed: %s", rid, spec.host, spec.port, err)
 
+    def _pull_tcp(self, sock: socket.socket, spec, cancel: threading.Event) -> int:
+        """Pages streamed over the control connection, written per layer; returns the bytes."""
+        send_frame(sock, {"op": "pull", "req": spec.remote_request_id, "blocks": [r for _, r in spec.pairs]})
+        local = [torch.tensor(loc, dtype=torch.long) for loc, _ in spec.pairs]
+        nbytes = 0
+        while True:
+            h, payload = recv_frame(sock)
+            op = h.get("op")
+            if op == "done":
+                if cancel.is_set():
+                    raise InterruptedError("cancelled")
+                break
+            if op == "error":
+                raise LookupError(h.get("error"))
+            if op != "layer":
+                raise ValueError(f"unexpected KV transfer frame {op!r}")
+            if cancel.is_set():  # aborted: drain the stream (the connection then releases)
+                continue
+            layer, gid = int(h["layer"]), int(h["group"])
+            cache = _bytes_view(self.caches[layer])
+            n = len(spec.pairs[gid][0])
+            src = torch.frombuffer(payload, dtype=torch.uint8).view(2, n, *cache.shape[2:])
+            idx = local[gid]
+            if cache.device.type != "cpu":
+                src, idx = src.to(cache.device), idx.to(cache.device)
+            cache.index_copy_(1, idx, src)
+            nbytes += len(payload)
+        if any(c.device.type == "cuda" for c in self.caches.values()):
+            torch.cuda.synchronize()
+        return nbytes
+
+    def _pull_nixl(self, sock: socket.socket, spec, cancel: threading.Event) -> int:
+        """Ask for the producer's NIXL descriptor, READ the pages, report the READ over (the
+        producer unpins the blocks then); returns the bytes read."""
+        send_frame(sock, {"op": "pull", "req": spec.remote_request_id, "blocks": [r for _, r in spec.pairs],
+                          "transport": "nixl"})
+        h, md = recv_frame(sock)
+        if h.get("op") == "error":
+            raise LookupError(h.get("error"))
+        if h.get("op") != "nixl" or md is None:
+            raise ValueError(f"unexpected KV transfer frame {h.get('op')!r}")
+        nbytes = 0
+        try:
+            nbytes = self.nixl.read(h, md, spec.pairs, self.group_layers, cancel, IO_TIMEOUT_S)
+        except Exception:
+            if not cancel.is_set():
+                self.nixl.forget_remote(str(h.get("agent")))
+            raise
+        finally:  # the READ is over (done, failed or stopped): the producer may unpin
+            try:
+                send_frame(sock, {"op": "read_done", "ok": nbytes > 0, "bytes_read": nbytes})
+            except OSError:
+                pass
+        return nbytes
+
     def _release_remote(self, host: str, port: int, remote_rid: str) -> None:
         """Tell a producer that ``remote_rid``'s blocks will not be pulled (best effort)."""
         try:
@@ -335,3 +432,6 @@ class P2PWorker:
                 pass
             self._srv.close()
             self._srv = None
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
