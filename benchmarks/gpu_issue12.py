@@ -41,11 +41,13 @@ def _record(out_dir: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-#: decode tile configs timed beside the default one, ``(block_n, num_warps)``: quantized tiles
-#: use more registers per thread than bf16 (sm_90 ptxas at 64 keys x 4 warps: bf16 80, fp8
-#: ~150, int4 128; at 32 x 4: fp8 128, int4 80), so fewer programs fit an SM; the default
-#: (``decode._config``) is 64 x 4, 32 x 4 for the 8-bit formats
-KERNEL_CONFIGS = [(64, 4), (64, 8), (32, 4), (32, 8)]
+#: decode configs timed beside the default one, ``(block_n, num_warps, num_stages, num_splits)``
+#: (None: the default; ``decode._config``, ``choose_num_splits``): quantized tiles use more
+#: registers per thread than bf16 (sm_90 ptxas: ``benchmarks/ptx_kv_loads.py --regs``), so
+#: fewer programs fit an SM; the last config splits each request's keys 4 ways (the default
+#: is one split per (request, KV head) at batch 64 x 8k)
+KERNEL_CONFIGS = [(64, 4, 2, None), (64, 8, 2, None), (32, 4, 2, None), (32, 4, 3, None), (64, 4, 3, None),
+                  (None, None, None, 4)]
 
 
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,
@@ -75,10 +77,14 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     q = torch.randn(batch, h, d, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     out = torch.empty_like(q)
     recs = []
-    for cfg in [None, *configs]:
-        bn, nw = cfg or (None, None)
+    from kvserve.attention.triton.decode import _config
+    from kvserve.attention.triton.kv_load import KV_FMT_CODES
+
+    default = (*_config(d, q.dtype, device != "cuda", KV_FMT_CODES.get(dtype, 0)), None)
+    for cfg in [None, *(c for c in configs if c != default)]:  # the default config is timed once
+        bn, nw, ns, sp = cfg or (None, None, None, None)
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
-                                      block_n=bn, num_warps=nw)
+                                      block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
         if cfg is None:
             recs.append(_time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out))
             continue
@@ -87,7 +93,7 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
         except Exception as exc:  # noqa: BLE001 - a config that fails must not hide the others
             traceback.print_exc()
             rec = dict(error=f"{type(exc).__name__}: {exc}", kv_cache_dtype=dtype)
-        rec.update(part="kernel_cfg", block_n=bn, num_warps=nw)
+        rec.update(part="kernel_cfg", block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
         recs.append(rec)
     return recs
 
@@ -207,7 +213,7 @@ def main() -> None:
     if ns.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         for d in dtypes:
-            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=[(32, 4)]):
+            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=[(32, 4, 1, None), (None, None, None, 1)]):
                 recs.append(rec)
                 _record(ns.out, rec)
         return
@@ -234,15 +240,16 @@ def main() -> None:
             recs.append(rec)
             _record(ns.out, rec)
     base = {r["part"]: r for r in recs if r.get("kv_cache_dtype") == "bfloat16" and "error" not in r}
-    print(f"\n{'part':<8}{'dtype':<10}{'figure':>16}{'vs bf16':>9}{'GB/s':>9}")
+    print(f"\n{'part':<13}{'dtype':<10}{'figure':>16}{'vs bf16':>9}{'GB/s':>9}")
     for r in recs:
         key = {"kernel": "ms", "kernel_cfg": "ms", "step": "ms_per_step", "b1": "ms_per_step",
                "w1": "output_tok_per_s"}.get(r["part"])
         v = r.get(key)
         b = base.get("kernel" if r["part"] == "kernel_cfg" else r["part"], {}).get(key)
         ratio = f"{v / b:.2f}x" if v and b else "-"
-        part = r["part"] if r["part"] != "kernel_cfg" else f"{r['block_n']}x{r['num_warps']}w"
-        print(f"{part:<8}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
+        part = r["part"] if r["part"] != "kernel_cfg" else \
+            f"{r['block_n'] or '-'}x{r['num_warps'] or '-'}w{r['num_stages'] or '-'}s{r['num_splits'] or ''}"
+        print(f"{part:<13}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
               f"{ratio:>9}{r.get('gb_per_s', ''):>9}")
 
 

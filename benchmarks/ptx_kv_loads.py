@@ -5,10 +5,17 @@ global-memory access widths in the PTX: a check that the quantized KV page layou
 Specializes the arguments as the runtime would at the Qwen3-0.6B decode shape (16 query
 heads, 8 KV heads, head dim 128, block 16): pointers and ints divisible by 16 get
 ``tt.divisibility=16``, ints equal to 1 become constants, ``do_not_specialize`` ints stay
-plain. Prints, per kernel and format, the counts of ``cp.async`` / ``ld.global`` /
-``st.global`` instructions by width (static counts in the PTX, not dynamic ones).
+plain. The decode and prefill kernels use the tile configs the runtime picks
+(``decode._config`` / ``prefill._config``). Prints, per kernel and format, the counts of
+``cp.async`` / ``ld.global`` / ``st.global`` instructions by width (static counts in the PTX,
+not dynamic ones), then ``scales:`` the loads of the scale words (the only 2-D tensors of
+int32 pointers: ``kv_load.kv_scale_index``) as Triton's GPU IR has them after pipelining:
+``async_copy`` (a ``cp.async`` of the software pipeline) or ``load`` (a plain load in the loop),
+the tile shape and the bytes per thread per access (from the layout's ``sizePerThread``),
+with counts (prologue copies of the pipeline included).
+``--regs`` adds registers / spill bytes per thread from ``ptxas -v`` (Triton's bundled ptxas).
 
-Usage: PYTHONPATH=. python3 benchmarks/ptx_kv_loads.py [--dtypes bfloat16,fp8_e4m3,int8,int4,int2]
+Usage: PYTHONPATH=. python3 benchmarks/ptx_kv_loads.py [--dtypes bfloat16,fp8_e4m3,int8,int4,int2] [--regs]
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import tempfile
 from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real; nothing is launched
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
@@ -61,9 +71,41 @@ def _widths(ptx: str) -> dict:
     return dict(sorted(c.items()))
 
 
+def _scale_loads(ttgir: str) -> list[str]:
+    """The scale-word loads of a kernel's GPU IR: ``kind shape bytes-per-thread`` each."""
+    layouts = {m[0]: m[1] for m in re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\]",
+                                              ttgir, re.M)}
+    out = []
+    for kind, shape, lay in re.findall(r"(tt\.load|ttg\.async_copy_global_to_local) %[^:]*: "
+                                       r"tensor<(\d+x\d+)x!tt\.ptr<i32>, (#blocked\d*)>", ttgir):
+        per = [int(x) for x in layouts.get(lay, "1").split(",")]
+        out.append(f"{'async_copy' if 'async' in kind else 'load'} {shape}xi32 {4 * per[-1]}B/thread")
+    return out
+
+
+def _regs(ptx: str) -> str:
+    """``ptxas -v`` registers and spill bytes per thread for sm_90a."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores", log)
+    return f"regs={regs[-1] if regs else '?'} spill={spill[-1] if spill else '?'}B"
+
+
+def _show(label: str, ck, regs: bool) -> None:
+    extra = f" scales: {dict(Counter(_scale_loads(ck.asm['ttgir'])))}" if "store" not in label else ""
+    print(label, _widths(ck.asm["ptx"]), extra + (f" {_regs(ck.asm['ptx'])}" if regs else ""), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,fp8_e4m3,int8,int4,int2")
+    ap.add_argument("--regs", action="store_true", help="registers / spills per thread (ptxas -v)")
     ns = ap.parse_args()
     for name in ns.dtypes.split(","):
         fmt = get_kv_format(name)
@@ -78,6 +120,7 @@ def main() -> None:
             pk = "*bf16"
         q = dict(stride_qt=H * D, stride_qh=D, stride_qd=1)
         o = dict(stride_ot=H * D, stride_oh=D, stride_od=1)
+        bn, warps, stages = decode._config(D, torch.bfloat16, False, code)
         for direct in (False, True):
             ck = _compile(
                 decode._decode_split_kernel,
@@ -85,26 +128,27 @@ def main() -> None:
                      query_start_loc_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
                      qk_scale="fp32", window="i32", num_splits="i32"),
                 dict(**q, **cs, **o, stride_bt=513),
-                dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=64, DIRECT=direct, USE_WINDOW=False,
-                     DOT_PREC="tf32", WIDEN=False, KV_FMT=code),
-                no_spec=("window", "num_splits", "stride_bt"))
-            print(f"{name:9s} decode{'(direct)' if direct else '(split) '}", _widths(ck.asm["ptx"]), flush=True)
+                dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn, DIRECT=direct, USE_WINDOW=False,
+                     DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0),
+                no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
+            _show(f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}w", ck, ns.regs)
+        bm, bn, warps, stages = prefill._config(D, torch.bfloat16, H // HKV, False)
         ck = _compile(
             prefill._prefill_kernel,
             dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, out_ptr="*bf16", block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", window="i32", req_offset="i32"),
             dict(**q, **cs, **o, stride_bt=513),
-            dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=128, BLOCK_Q=64, BLOCK_N=64, USE_WINDOW=False,
-                 DOT_PREC="tf32", WIDEN=False, KV_FMT=code),
-            no_spec=("window", "req_offset", "stride_bt"), num_warps=8)
-        print(f"{name:9s} prefill        ", _widths(ck.asm["ptx"]), flush=True)
+            dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=bm, BLOCK_Q=bm // (H // HKV), BLOCK_N=bn,
+                 USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0),
+            no_spec=("window", "req_offset", "stride_bt"), num_warps=warps, num_stages=stages)
+        _show(f"{name:9s} prefill  {bm}x{bn}x{warps}w", ck, ns.regs)
         ck = _compile(
             kv_store._store_kv_kernel,
             dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, slot_ptr="*i64"),
             dict(stride_kt=HKV * D, stride_kh=D, stride_kd=1, stride_vt=HKV * D, stride_vh=D, stride_vd=1, **cs),
             dict(NUM_KV_HEADS=HKV, BLOCK_H=HKV, HEAD_DIM=D, BLOCK_SIZE=BS, KV_FMT=code,
                  QMAX=kv_store._QMAX_BY_CODE.get(code, 1.0), MIN_SCALE=2.0 ** -14), num_stages=3)
-        print(f"{name:9s} store          ", _widths(ck.asm["ptx"]), flush=True)
+        _show(f"{name:9s} store          ", ck, ns.regs)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,14 @@ num_kv_heads, row]`` in the format's storage dtype (one byte per element), ``row
 with ``C = D * bits / 8`` code bytes and ``S`` scale bytes (2: one float16 scale; 4: float16
 scale then float16 minimum, int4/int2). For quantized formats that shape only sizes the
 page: the bytes of one block of K (likewise V), a *page* of ``P = block_size * num_kv_heads
-* row`` bytes, hold first the codes of every (slot, kv_head) row, then all their scales::
+* row`` bytes, hold first the codes of every (slot, kv_head) row, then all their scales,
+head-major::
 
     page[0 : block_size*Hkv*C]            codes  [block_size, Hkv, C]   uint8
-    page[block_size*Hkv*C : P]            scales [block_size, Hkv, S/2] float16
+    page[block_size*Hkv*C : P]            scales [Hkv, block_size, S/2] float16
 
 so byte ``k`` of the codes of slot ``t``, KV head ``h`` is at ``(t * Hkv + h) * C + k`` and
-its scale (and minimum) at ``block_size * Hkv * C + (t * Hkv + h) * S`` (+2). Pages are
+its scale (and minimum) at ``block_size * Hkv * C + (h * block_size + t) * S`` (+2). Pages are
 whole blocks, so anything that moves whole blocks (CPU / disk / remote tiers) moves scales
 with them. ``page_views`` gives strided ``(codes, scales)`` views of any tensor of pages;
 ``pages_to_rows`` / ``rows_to_pages`` convert to and from the per-row form ``[..., row]``
@@ -43,12 +44,15 @@ store) and ``copy_slots`` (copy-on-write of some slots of a block) write both re
 Why: the kernels load a tile of codes as 16-byte vectors; that needs ``C`` and the page
 size to be multiples of 16 (``aligned_for_vector_loads``: D*bits/8 % 16 == 0, i.e. D >= 16
 for 8-bit, >= 32 for int4, >= 64 for int2, and block_size * Hkv * row % 16 == 0, true for
-any block_size >= 8 since row is even). Other shapes are still read correctly (the Triton
+any block_size >= 8 since row is even). The scales are head-major so that the scales of
+consecutive slots of one KV head are contiguous: a kernel reading a tile of keys of one
+head loads them as vectors (``block_size * S`` bytes per page). Other shapes are still read correctly (the Triton
 compiler then emits narrower loads; a start-up warning says so). Scales are float16 and at
 least ``MIN_SCALE`` (the smallest normal float16), so a constant row never divides by zero.
 Rounding is ``floor(y + 0.5)`` (the Triton store kernel does the same). The disk tier's
-content key carries the layout version (``kv_connector/block_hash.py``: v3, rotated int4 /
-int2 content) and the P2P handshake's ``kv_layout`` the rotation (``kv_rotation``).
+content key carries the layout version (``kv_connector/block_hash.py``: v4, head-major
+scales and rotated int4 / int2 content) and the P2P handshake's ``kv_layout`` both
+(``kv_scales``, ``kv_rotation``).
 """
 
 from __future__ import annotations
@@ -183,11 +187,13 @@ def page_views(pages: torch.Tensor, head_size: int, fmt: KVFormat | None = None)
     """Strided views ``(codes, scales)`` of quantized pages ``[..., block_size, Hkv, row]``
     (e.g. a whole cache ``[2, num_blocks, ...]`` or gathered blocks): codes
     ``[..., block_size, Hkv, C]`` uint8 and scales ``[..., block_size, Hkv, n_scale]``
-    float16 (n_scale 1, or 2 = scale, minimum). Writing them writes the pages."""
+    float16 (n_scale 1, or 2 = scale, minimum; stored head-major, so this view is transposed).
+    Writing them writes the pages."""
     fmt, flat, bs, hkv, c = _page_bytes(pages, head_size, fmt)
     n = bs * hkv * c
     codes = flat[..., :n].unflatten(-1, (bs, hkv, c))
-    scales = flat[..., n:].unflatten(-1, (bs, hkv, scale_bytes(fmt))).view(torch.float16)
+    # stored head-major [Hkv, block_size, n_scale]; viewed slot-major like the codes
+    scales = flat[..., n:].unflatten(-1, (hkv, bs, scale_bytes(fmt))).view(torch.float16).transpose(-3, -2)
     return codes, scales
 
 

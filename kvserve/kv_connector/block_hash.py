@@ -10,7 +10,9 @@ page layout of ``kvserve/attention/kv_quant.py`` (a quantized block's codes, the
 scales); blocks written in the v1 layout (codes and scale interleaved per row) are never
 found under v2 keys. v3: the same pages, but int4 / int2 blocks hold K and V in the
 Hadamard-rotated basis (``kvserve/attention/kv_rotation.py``); v2 files (unrotated int4 /
-int2 content) are never read as rotated ones.
+int2 content) are never read as rotated ones. v4: a page's scales region is head-major
+(``[Hkv, block_size]``, so a kernel loads one head's scales as vectors); v3 pages had it
+slot-major.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 _DIGEST = 16
 #: layout version of the stored block bytes (bump when a KV page layout changes)
-KEY_VERSION = b"kvserve-kv-v3"
+KEY_VERSION = b"kvserve-kv-v4"
 
 
 def model_fingerprint(config) -> str:

@@ -166,7 +166,8 @@ def test_prefix_hit_and_copy_on_write_carry_scales(name):
 @pytest.mark.parametrize("name", QUANT)
 def test_page_layout_known_answers(name):
     """A hand-built page: byte k of the codes of slot t, KV head h sits at (t * Hkv + h) * C + k
-    of its block's page; its float16 scale (and minimum) at block_size * Hkv * C + (t * Hkv + h) * S."""
+    of its block's page; its float16 scale (and minimum) at block_size * Hkv * C + (h * block_size + t) * S
+    (scales head-major, so one head's scales of consecutive slots are contiguous)."""
     fmt = get_kv_format(name)
     nb, bs, hkv, d = 3, 4, 3, 32
     c, s = d * fmt.bits // 8, fmt.scale_bytes_per_token_head // 2
@@ -180,13 +181,13 @@ def test_page_layout_known_answers(name):
     for kv, blk, t, h in [(0, 0, 0, 0), (1, 2, 3, 2), (0, 1, 2, 1), (1, 0, 1, 0)]:
         r = (t * hkv + h)
         assert torch.equal(flat[kv, blk, r * c:(r + 1) * c], rb[kv, blk, t, h, :c])
-        sc = bs * hkv * c + r * s
+        sc = bs * hkv * c + (h * bs + t) * s
         assert torch.equal(flat[kv, blk, sc:sc + s], rb[kv, blk, t, h, c:])
         want = rb[kv, blk, t, h, c:].contiguous().view(torch.float16)
         assert flat[kv, blk, sc:sc + 2].contiguous().view(torch.float16).item() == want[0].item()
     # every byte is accounted for: codes region then scales region, nothing else
     assert torch.equal(flat[..., :bs * hkv * c].reshape(2, nb, bs, hkv, c), rb[..., :c])
-    assert torch.equal(flat[..., bs * hkv * c:].reshape(2, nb, bs, hkv, s), rb[..., c:])
+    assert torch.equal(flat[..., bs * hkv * c:].reshape(2, nb, hkv, bs, s), rb[..., c:].transpose(2, 3))
     codes, scales = page_views(pages, d)
     assert codes.shape == (2, nb, bs, hkv, c) and scales.shape == (2, nb, bs, hkv, s // 2)
     assert scales.dtype == torch.float16 and codes.data_ptr() == pages.data_ptr()
@@ -195,7 +196,7 @@ def test_page_layout_known_answers(name):
     assert torch.equal(dequantize_pages(pages, d, torch.float32), dequantize(rows, d, torch.float32))
     # the views write the page: a new scale lands in the scales region only
     scales[1, 2, 3, 2, 0] = 7.0
-    sc = bs * hkv * c + (3 * hkv + 2) * s
+    sc = bs * hkv * c + (2 * bs + 3) * s
     assert flat[1, 2, sc:sc + 2].contiguous().view(torch.float16).item() == 7.0
     # gathered pages (e.g. a tier's copy of blocks 2, 0) convert the same way
     g = pages[0].view(torch.uint8).index_select(0, torch.tensor([2, 0])).view(pages.dtype)

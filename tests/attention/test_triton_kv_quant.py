@@ -171,3 +171,37 @@ def test_page_layout_shapes(name, bs, hkv, d, h):
                                     slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
     for out in _triton_outputs(q, cache, meta, len(reqs), d):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,bs,block_n,window", [
+    ("fp8_e4m3", 32, 16, None),  # BLOCK_N < block_size: a tile's scales are one run of one page
+    ("int4", 8, 32, None),  # BLOCK_N > block_size: one run of scales per page of the tile
+    ("int2", 4, 16, 7),  # a window whose first key is not a multiple of BLOCK_N
+])
+def test_decode_scale_tiles(name, bs, block_n, window):
+    """The decode kernel's per-page vector loads of head-major scales (``kv_scale_index``) for
+    tiles smaller and larger than a block, with and without a sliding window, equal torch_ref;
+    the scales region holds each head's slots contiguously (the store kernel wrote it so)."""
+    from kvserve.attention.kv_quant import page_views
+
+    fmt = get_kv_format(name)
+    gen = torch.Generator().manual_seed(4)
+    h, hkv, d = 4, 2, 64
+    reqs = [(2 * bs + 5, 1), (bs - 1, 1), (40, 1)]
+    meta, cache = _batch(reqs, bs, hkv, d, name, gen)
+    t = len(reqs)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
+    store_kv(k, v, cache, meta.slot_mapping)
+    # head-major scales: the bytes after the codes are [Hkv, block_size, S] per page
+    _, scales = page_views(cache, d)
+    c = d * fmt.bits // 8
+    tail = cache.view(torch.uint8).flatten(-3)[..., bs * hkv * c:]
+    want = scales.transpose(-3, -2).contiguous().view(torch.uint8).flatten(-3)
+    assert torch.equal(tail, want)
+    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(  # the same bytes, stored once
+        meta, backend_cache={}, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5, window)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
+                         d ** -0.5, window, out=out, num_splits=splits, block_n=block_n)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)

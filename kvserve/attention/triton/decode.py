@@ -19,9 +19,11 @@ Stage 2, ``_decode_reduce_kernel``, grid ``(num_decodes, num_heads)``: combines 
 writes the final output directly and stage 2 is skipped.
 
 Splits: each request's key range ``[lo, seq_len)`` (``lo = seq_len - window`` with a sliding
-window) is cut into ``num_splits`` slices of equal length rounded up to BLOCK_N, so every
-split of a long request has work; ``num_splits`` is chosen on the host from ``max_seq_len``
-and the number of (request, kv_head) programs so that ~2 waves fill the GPU's SMs. It is a
+window, rounded down to a multiple of BLOCK_N, the keys below ``lo`` masked: every step
+starts at a multiple of BLOCK_N, which the scale loads of quantized caches rely on) is cut
+into ``num_splits`` slices of equal length rounded up to BLOCK_N, so every split of a long
+request has work; ``num_splits`` is chosen on the host from ``max_seq_len`` and the number
+of (request, kv_head) programs (``choose_num_splits``) so that ~2 waves fill the SMs. It is a
 runtime argument (only "one split or several" is a compile-time constant), so changing
 ``max_seq_len`` never recompiles; the reduce kernel compiles once per power-of-two bound.
 Keys past ``seq_len`` are never loaded (masked loads), so stale or poisoned cache slots
@@ -34,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, load_k_tile,
-                                               load_v_tile)
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
+                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
+                                               scaled_scores)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -55,6 +58,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
+    FP16_DOT: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,7 +74,9 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None], other=0.0)
-    in_dtype = q_ptr.dtype.element_ty  # tl.dot operand dtype: K/V/P are cast to it
+    # tl.dot operand dtype: K/V/P are cast to it (quantized codes: float16, exact)
+    in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
+    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
         q = q.to(tl.float32)
 
@@ -78,8 +84,10 @@ def _decode_split_kernel(
         kv_lo = tl.maximum(seq_len - window, 0)
     else:
         kv_lo = seq_len * 0
-    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), BLOCK_N) * BLOCK_N
-    start = kv_lo + split * split_len
+    # Steps start at multiples of BLOCK_N (kv_scale_index needs it); keys below kv_lo masked.
+    kv_lo_a = (kv_lo // BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo_a, num_splits), BLOCK_N) * BLOCK_N
+    start = kv_lo_a + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -90,18 +98,26 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True,
-                                         HEAD_DIM, KV_FMT)
-        k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
-        qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [G_PAD, BLOCK_N], log2 units
+        if USE_WINDOW:
+            n_mask = n_mask & (pos >= kv_lo)
+        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
+        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
+            sc_idx = kv_scale_index(bt_row, n0, end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+                                    HEAD_DIM, KV_FMT, True)
+            ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
+            vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
+        else:
+            ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
+        qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -157,7 +173,9 @@ def choose_num_splits(
 ) -> int:
     """Splits per request so that ~2 waves of programs cover ``num_sms`` SMs.
 
-    At most one split per ``block_n`` keys of the longest request, and at most 32.
+    At most one split per ``block_n`` keys of the longest request, and at most 32. (More
+    splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
+    64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_issue12.py times ``num_splits=1``.)
     """
     programs = max(1, num_reqs * num_kv_heads)
     want = triton.cdiv(2 * num_sms, programs)
@@ -173,11 +191,12 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0)
         return 16, 4, 2
     if head_dim >= 256:
         return 32, 4, 2
+    # Quantized tiles: on an H100 (batch 64 x 8k, head dim 128; first folded-scale version,
+    # benchmarks/gpu_issue12.py) 8-bit codes ran best at 32 keys x 4 warps x 3 stages (fp8
+    # 0.71 ms; 64 x 8: 1.28 ms), int4/int2 at 64 x 4 x 2 (0.81 / 0.80 ms). Re-check with the
+    # sweep after kernel changes (registers per config: benchmarks/ptx_kv_loads.py --regs).
     if 1 <= kv_fmt <= 3:
-        # 8-bit codes dequantized in the dot-operand layout: ~150 registers per thread at 64
-        # keys (sm_90 ptxas; bf16: 80), i.e. 3 programs per SM; 32 keys: 128, 4 per SM
-        # (benchmarks/gpu_issue12.py times both).
-        return 32, 4, 2
+        return 32, 4, 3
     return 64, 4, 2
 
 
@@ -195,6 +214,7 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -208,7 +228,8 @@ def decode_attention(
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
         num_splits: override the heuristic (``choose_num_splits``).
-        block_n / num_warps: override the tile config (``_config``; benchmarks sweep them).
+        block_n / num_warps / num_stages: override the tile config (``_config``; benchmarks
+            sweep them).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -222,10 +243,11 @@ def decode_attention(
     kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)  # bytes + format code when quantized
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    assert block_size >= 2 or not kv_fmt, "quantized caches: scales are read as 4-byte words"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    cfg_n, cfg_warps, num_stages = _config(d, query.dtype, interpret, kv_fmt)
-    block_n, num_warps = block_n or cfg_n, num_warps or cfg_warps
+    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt)
+    block_n, num_warps, num_stages = block_n or cfg_n, num_warps or cfg_warps, num_stages or cfg_stages
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
@@ -252,6 +274,7 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

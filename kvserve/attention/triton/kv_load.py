@@ -2,24 +2,32 @@
 
 The decode and prefill kernels call these for every ``BLOCK_N`` keys: ``kv_row_offsets``
 maps key positions through the block table to cache offsets, ``load_k_tile`` /
-``load_v_tile`` load the tiles and convert them to the ``tl.dot`` operand dtype. A new KV
-storage format changes these functions (and ``cache_strides``), not the kernels.
+``load_v_tile`` load the tiles and convert them to the ``tl.dot`` operand dtype, and
+``prepare_query`` / ``scaled_scores`` / ``pv_update`` do the two products. A new KV storage
+format changes these functions (and ``cache_strides``), not the kernels.
 
 Unquantized formats: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` elements of
 the cache dtype (K and V halves passed as separate pointers, same strides), read and cast.
 Quantized formats (``KV_FMT`` > 0; scheme and page layout in ``kvserve/attention/kv_quant.py``):
 the cache is passed as bytes; each block's page holds the codes of its ``[block_size,
 num_kv_heads]`` rows (``C = head_dim * bits / 8`` bytes each, contiguous), then their
-float16 scales (and minima). ``cache_strides`` passes the page stride and the *code*
-strides (``num_kv_heads * C`` per slot, ``C`` per head); Triton specializes int arguments
-divisible by 16, so when ``C`` and the page size are multiples of 16 the compiler can prove
-every code row 16-byte aligned and load it as 16-byte vectors (no hint that could be
-false). V's codes are loaded as ``[BLOCK_N, C]`` and K's, transposed, as ``[C, BLOCK_N]``:
-both contiguous along the channel axis. They are unpacked in registers (int4/int2: shifts,
-``tl.join``, ``tl.permute``, ``tl.reshape``; no per-element ``d // per_byte`` gather) and
-scaled by one float16 scale (and minimum) per key, loaded as a ``[BLOCK_N]`` vector from
-the page's scales region. No dequantized copy of the cache exists. (Compiled for sm_90 the
-code tiles become 16-byte / 8-byte ``cp.async`` copies, pipelined: ``benchmarks/ptx_kv_loads.py``.)
+float16 scales (and minima), head-major. ``cache_strides`` passes the page stride and the
+*code* strides (``num_kv_heads * C`` per slot, ``C`` per head); Triton specializes int
+arguments divisible by 16, so when ``C`` and the page size are multiples of 16 the compiler
+can prove every code row 16-byte aligned and load it as 16-byte vectors (no hint that
+could be false). V's codes are loaded as ``[BLOCK_N, C]`` and K's, transposed, as ``[C,
+BLOCK_N]``: both contiguous along the channel axis; they are unpacked in registers (int4/
+int2: shifts, ``tl.join``, ``tl.permute``, ``tl.reshape``) and converted to float16, which
+holds every code exactly; they are never multiplied by their scales. The scales are folded
+into the math instead (per key ``j`` with scale ``s_j`` and minimum ``m_j``, 0 for the
+symmetric formats): ``q . k_j = s_j (q . c_j) + m_j sum(q)`` scales the columns of the
+score tile, and ``sum_j p_j v_j = sum_j (p_j s_j) c_j + sum_j p_j m_j`` scales P before the
+P V dot (``pv_update``). The query is divided by its row maximum before it becomes a
+float16 operand (``prepare_query``), so any bfloat16 query fits. The scales of a tile of
+keys are read as 4-byte words, one contiguous run per page (``kv_scale_index``: the page's
+head-major scales region holds one head's slots consecutively); Triton turns those into
+``cp.async`` copies pipelined with the codes. No dequantized copy of the cache exists.
+(Compiled for sm_90: ``benchmarks/ptx_kv_loads.py`` shows the load widths.)
 """
 
 from __future__ import annotations
@@ -59,94 +67,119 @@ _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 
 @triton.jit
 def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
-                   BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr = 16,
-                   KV_FMT: tl.constexpr = 0):
-    """Offsets ``[BLOCK_N]`` (int64) of keys ``pos`` of one request and KV head: ``(row, scale)``.
-
-    ``row``: the element offset of the row (quantized: byte offset of its codes); ``scale``:
-    byte offset of its float16 scale in the page's scales region (quantized; else ``row``).
-    ``bt_row`` points at the request's block-table row; ``n_mask`` (used when ``MASKED``)
-    keeps positions past the valid range from reading the table (they read page 0).
+                   BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Offsets ``[BLOCK_N]`` (int64) of keys ``pos`` of one request and KV head: the element
+    offset of each row (quantized: the byte offset of its codes). ``bt_row`` points at the
+    request's block-table row; ``n_mask`` (used when ``MASKED``) keeps positions past the
+    valid range from reading the table (they read page 0).
     """
     if MASKED:
         page = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-    page_off = page * stride_cb
-    in_page = (pos % BLOCK_SIZE) * stride_co + kv_head_off
-    if KV_FMT > 0:
-        BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
-        SB: tl.constexpr = 4 if KV_FMT >= 4 else 2  # scale bytes per row
-        RATIO: tl.constexpr = HEAD_DIM * BITS // 8 // SB  # code bytes per scale byte
-        # in_page = (slot * Hkv + head) * C, so the row's scales are at in_page // RATIO.
-        scale_off = page_off + BLOCK_SIZE * stride_co + in_page // RATIO
-    else:
-        scale_off = page_off + in_page
-    return page_off + in_page, scale_off
+    return page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head_off
 
 
 @triton.jit
-def _scales(cache_ptr, scale_off, n_mask, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
-    """Per key ``[BLOCK_N]``: the float32 scale and minimum (0 for symmetric formats) at byte
-    offsets ``scale_off``; masked keys get scale 0."""
-    sp = (cache_ptr + scale_off).to(tl.pointer_type(tl.float16))
+def kv_scale_index(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
+    """Indices ``[NP, W]`` of the 4-byte words holding the scales of keys ``n0 .. n0 + BLOCK_N - 1``
+    of one KV head (``NP`` pages, ``W`` words each; a word holds two float16 scales, or one
+    scale + minimum), in words from the cache base. ``n0`` must be a multiple of ``BLOCK_N``
+    (the kernels align their loops): then each page contributes consecutive words of its
+    head-major scales region, which the compiler can prove contiguous and 4-byte aligned, so
+    the load is an asynchronous copy pipelined with the codes (2-byte loads are not). Every
+    index lies in a real page (pages at or past ``kv_end``, the end of the request's keys,
+    read page 0): no load mask needed."""
+    BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
+    SB: tl.constexpr = 4 if KV_FMT >= 4 else 2  # scale bytes per row
+    CB: tl.constexpr = HEAD_DIM * BITS // 8
+    NP: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
+    SLOTS: tl.constexpr = BLOCK_N // NP
+    pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
     if MASKED:
-        s = tl.load(sp, mask=n_mask, other=0.0).to(tl.float32)
+        page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
     else:
-        s = tl.load(sp).to(tl.float32)
-    if KV_FMT >= 4:
-        if MASKED:
-            z = tl.load(sp + 1, mask=n_mask, other=0.0).to(tl.float32)
-        else:
-            z = tl.load(sp + 1).to(tl.float32)
-    else:
-        z = s * 0.0
-    return s, z
+        page = tl.load(bt_row + pidx).to(tl.int64)
+    kvh = kv_head_off // CB
+    # the head's scales, page-relative, in words (page, codes region and rows are 4-byte multiples)
+    base = (BLOCK_SIZE * stride_co) // 4 + kvh * (BLOCK_SIZE * SB // 4)
+    if NP == 1:  # BLOCK_N <= BLOCK_SIZE: one page, keys from n0 % BLOCK_SIZE (a multiple of BLOCK_N)
+        base += tl.multiple_of((n0 % BLOCK_SIZE) * SB // 4, BLOCK_N * SB // 4)
+    return page[:, None] * (stride_cb // 4) + base + tl.arange(0, SLOTS * SB // 4)[None, :]
 
 
 @triton.jit
-def _dequant_rows(cache_ptr, row_off, scale_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """Rows ``[BLOCK_N, HEAD_DIM]`` float32 (the V tile): each key's codes (``C`` contiguous
-    bytes at ``row_off``) unpacked and dequantized with its scale (and minimum)."""
+def load_scales(cache_ptr, sc_idx, n_mask, KV_FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per key ``[BLOCK_N]``: the float32 scale and minimum (0 for symmetric formats) from the
+    words at ``sc_idx`` (``kv_scale_index``); masked keys get 0 for both."""
+    w = tl.load(cache_ptr.to(tl.pointer_type(tl.int32)) + sc_idx)
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if KV_FMT >= 4:  # scale in the low half of a word, minimum in the high half
+        s = tl.reshape(lo, [BLOCK_N])
+        z = tl.where(n_mask, tl.reshape(hi, [BLOCK_N]), 0.0)
+    else:  # two consecutive slots' scales, the first in the low half
+        s = tl.reshape(tl.join(lo, hi), [BLOCK_N])
+        z = s * 0.0
+    return tl.where(n_mask, s, 0.0), z
+
+
+@triton.jit
+def _code_rows(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr,
+               out_dtype: tl.constexpr):
+    """Codes ``[BLOCK_N, HEAD_DIM]`` as ``out_dtype`` values (the V tile, not scaled): each
+    key's ``C`` contiguous bytes at ``row_off``, unpacked; masked keys are 0."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     CB: tl.constexpr = HEAD_DIM * BITS // 8
-    offs_c = tl.arange(0, CB)
-    ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
-    if MASKED:
-        raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
+    if KV_FMT <= 3:
+        # 8-bit codes read as 2-byte words and split in registers (join + reshape): converted
+        # in the load's layout, the tile reaches the dot operand as 16-bit values (transposing
+        # loads); converted in the operand layout, it would take byte-wide shared loads.
+        offs_w = tl.arange(0, CB // 2)
+        ptrs = (cache_ptr + row_off[:, None]).to(tl.pointer_type(tl.int16)) + offs_w[None, :]
+        if MASKED:
+            w = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        else:
+            w = tl.load(ptrs)
+        w = w.to(tl.int32)
+        raw = tl.reshape(tl.join(w & 0xFF, (w >> 8) & 0xFF), [row_off.shape[0], HEAD_DIM]).to(tl.uint8)
+        x = _byte_codes(raw, KV_FMT, out_dtype)
     else:
-        raw = tl.load(ptrs)
-    sc, zp = _scales(cache_ptr, scale_off, n_mask, KV_FMT, MASKED)
-    if KV_FMT == 4:  # element 2j in the low nibble of byte j, 2j + 1 in the high one
+        offs_c = tl.arange(0, CB)
+        ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
+        if MASKED:
+            raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        else:
+            raw = tl.load(ptrs)
         r = raw.to(tl.int32)
-        q = tl.reshape(tl.join(r & 15, r >> 4), [row_off.shape[0], HEAD_DIM])
-        x = q.to(tl.float32)
-    elif KV_FMT == 5:  # element 4j + i in bits 2i of byte j
-        r = raw.to(tl.int32)
-        q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [.., CB, 2 (i//2), 2 (i%2)]
-        x = tl.reshape(q, [row_off.shape[0], HEAD_DIM]).to(tl.float32)
-    else:
-        x = _byte_codes(raw, KV_FMT)
-    return x * sc[:, None] + zp[:, None]
-
-
-@triton.jit
-def _byte_codes(raw, KV_FMT: tl.constexpr):
-    """8-bit codes (uint8 tile) as float32: fp8 bit patterns converted in registers, or int8."""
-    if KV_FMT == 1:
-        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    elif KV_FMT == 2:
-        x = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        x = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        if KV_FMT == 4:  # element 2j in the low nibble of byte j, 2j + 1 in the high one
+            x = tl.reshape(tl.join(r & 15, r >> 4), [row_off.shape[0], HEAD_DIM]).to(out_dtype)
+        else:  # element 4j + i in bits 2i of byte j
+            q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [.., CB, 2 (i//2), 2 (i%2)]
+            x = tl.reshape(q, [row_off.shape[0], HEAD_DIM]).to(out_dtype)
     return x
 
 
 @triton.jit
-def load_k_tile(k_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+def _byte_codes(raw, KV_FMT: tl.constexpr, out_dtype: tl.constexpr):
+    """8-bit codes (uint8 tile) as ``out_dtype``: fp8 bit patterns converted in registers
+    (float16: one ``cvt`` per two codes on sm_90), or int8; exact in float16."""
+    if KV_FMT == 1:
+        x = raw.to(tl.float8e4nv, bitcast=True).to(out_dtype)
+    elif KV_FMT == 2:
+        x = raw.to(tl.float8e5, bitcast=True).to(out_dtype)
+    else:
+        x = raw.to(tl.int8, bitcast=True).to(out_dtype)
+    return x
+
+
+@triton.jit
+def load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
                 WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0):
-    """K transposed, ``[HEAD_DIM, BLOCK_N]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0."""
+    """K transposed, ``[HEAD_DIM, BLOCK_N]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys
+    are 0. Quantized formats: the *codes* (exact in float16), not scaled: the caller folds
+    each key's scale (and minimum) into its score (``load_scales``)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FMT > 0 and KV_FMT <= 3:  # 8-bit codes: loaded as [HEAD_DIM, BLOCK_N], contiguous along the channel axis
         ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None]
@@ -154,8 +187,7 @@ def load_k_tile(k_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl
             raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
         else:
             raw = tl.load(ptrs)
-        sc, zp = _scales(k_cache_ptr, scale_off, n_mask, KV_FMT, MASKED)
-        k = (_byte_codes(raw, KV_FMT) * sc[None, :]).to(in_dtype)
+        k = _byte_codes(raw, KV_FMT, in_dtype)
     elif KV_FMT > 0:  # packed codes: [C, BLOCK_N] bytes, contiguous along the channel axis, unpacked along it
         BITS: tl.constexpr = 4 if KV_FMT == 4 else 2
         offs_c = tl.arange(0, HEAD_DIM * BITS // 8)
@@ -164,7 +196,6 @@ def load_k_tile(k_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl
             raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
         else:
             raw = tl.load(ptrs)
-        sc, zp = _scales(k_cache_ptr, scale_off, n_mask, KV_FMT, MASKED)
         r = raw.to(tl.int32)
         if KV_FMT == 4:
             q = tl.join(r & 15, r >> 4)  # [C, BLOCK_N, 2]: element 2c + i
@@ -172,7 +203,7 @@ def load_k_tile(k_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl
         else:
             q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [C, N, 2 (i//2), 2 (i%2)]
             q = tl.reshape(tl.permute(q, (0, 2, 3, 1)), [HEAD_DIM, row_off.shape[0]])
-        k = (q.to(tl.float32) * sc[None, :] + zp[None, :]).to(in_dtype)
+        k = q.to(in_dtype)
     else:
         ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
         if MASKED:
@@ -185,12 +216,13 @@ def load_k_tile(k_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl
 
 
 @triton.jit
-def load_v_tile(v_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+def load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
                 WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0):
-    """V, ``[BLOCK_N, HEAD_DIM]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0."""
+    """V, ``[BLOCK_N, HEAD_DIM]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0.
+    Quantized formats: the codes, not scaled (the caller folds the scales into P)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FMT > 0:
-        v = _dequant_rows(v_cache_ptr, row_off, scale_off, n_mask, HEAD_DIM, KV_FMT, MASKED).to(in_dtype)
+        v = _code_rows(v_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED, in_dtype)
     else:
         ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
         if MASKED:
@@ -200,3 +232,51 @@ def load_v_tile(v_cache_ptr, row_off, scale_off, n_mask, stride_cd, HEAD_DIM: tl
     if WIDEN:
         v = v.to(tl.float32)
     return v
+
+
+@triton.jit
+def scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr):
+    """Scores ``[M, BLOCK_N]`` (fp32) of query rows ``q [M, D]`` against the K tile ``k [D, BLOCK_N]``
+    (``load_k_tile``). Quantized: ``q . (s_j c_j + m_j) = s_j (q . c_j) + m_j sum(q)``, so the dot
+    runs on the codes and each key's scale ``ks`` (and minimum ``kz``) multiplies its column;
+    ``q_scale [M]`` is the row's overall factor (the softmax scale, divided out of ``q`` by the
+    caller's normalisation) and ``q_sum [M]`` its (scaled) channel sum. Else: ``q_scale`` is
+    multiplied in (a scalar or ``[M]``)."""
+    qk = tl.dot(q, k, input_precision=DOT_PREC)
+    if KV_FMT > 0:
+        qk = qk * q_scale[:, None] * ks[None, :]
+        if KV_FMT >= 4:
+            qk += q_sum[:, None] * kz[None, :]
+    else:
+        qk = qk * q_scale
+    return qk
+
+
+@triton.jit
+def pv_update(acc, p, v, vs, vz, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr, in_dtype: tl.constexpr):
+    """``acc + P V`` for probabilities ``p [M, BLOCK_N]`` (fp32) and the V tile ``v [BLOCK_N, D]``
+    (``load_v_tile``). Quantized: ``sum_j p_j (s_j c_j + m_j) = (sum_j p_j s_j c_j) + sum_j p_j m_j``:
+    the scales go into P (``p_j s_j`` <= ``s_j``: float16 holds it; no per-tile maximum, whose
+    cross-thread reduction would cost a barrier per step)."""
+    if KV_FMT > 0:
+        pv = p * vs[None, :]
+        acc += tl.dot(pv.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+        if KV_FMT >= 4:
+            acc += tl.sum(p * vz[None, :], 1)[:, None]
+    else:
+        acc += tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def prepare_query(q, qk_scale, KV_FMT: tl.constexpr, in_dtype: tl.constexpr):
+    """``(q_dot, q_scale, q_sum)`` for ``scaled_scores`` from query rows ``q [M, D]``. Quantized:
+    each row divided by its largest magnitude (so a bfloat16 query fits the float16 dot operand
+    whatever its range), that magnitude times ``qk_scale`` as ``q_scale [M]``, and the row's
+    channel sum times ``qk_scale`` (fp32) as ``q_sum``. Else: ``(q, qk_scale, qk_scale)``."""
+    if KV_FMT > 0:
+        qf = q.to(tl.float32)
+        qn = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)
+        return (qf / qn[:, None]).to(in_dtype), qn * qk_scale, tl.sum(qf, 1) * qk_scale
+    else:
+        return q, qk_scale, qk_scale

@@ -103,12 +103,12 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask, other=0.0)
     if KV_FMT > 0:
-        # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales
-        # [BLOCK_SIZE, NUM_KV_HEADS, SB]; stride_co / stride_ch are the code strides.
+        # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales head-major
+        # [NUM_KV_HEADS, BLOCK_SIZE, SB]; stride_co / stride_ch are the code strides.
         SB: tl.constexpr = 4 if KV_FMT >= 4 else 2
         page = blk * stride_cb
         row = page + off * stride_co + offs_h * stride_ch
-        scale_row = page + BLOCK_SIZE * stride_co + (off * NUM_KV_HEADS + offs_h) * SB
+        scale_row = page + BLOCK_SIZE * stride_co + (offs_h * BLOCK_SIZE + off) * SB
         hmask = (offs_h < NUM_KV_HEADS) & valid
         _quant_store(k, k_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
         _quant_store(v, v_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)

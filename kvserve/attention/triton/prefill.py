@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, load_k_tile,
-                                               load_v_tile)
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
+                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
+                                               scaled_scores)
 
 _LOG2E = 1.4426950408889634
 
@@ -34,21 +35,28 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_block(
     q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off,
-    stride_cb, stride_co, stride_cd, qk_scale,
+    stride_cb, stride_co, stride_cd, q_scale, q_sum,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
-    causal / window / ``kv_hi`` masks (off for tiles every row sees in full)."""
+    causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
+    multiple of ``BLOCK_N``; ``q_scale`` / ``q_sum``: ``kv_load.prepare_query``."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
-    row_off, sc_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED,
-                                     HEAD_DIM, KV_FMT)
+    row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     # [D, BLOCK_N]
-    k = load_k_tile(k_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
-    qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
+    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
+    if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
+        sc_idx = kv_scale_index(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+                                HEAD_DIM, KV_FMT, MASKED)
+        ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
+        vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
+    else:
+        ks, kz, vs, vz = q_scale, q_scale, q_scale, q_scale
+    qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # log2 units
     if MASKED:
         valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -60,8 +68,8 @@ def _attend_block(
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # [BLOCK_N, D]
-    v = load_v_tile(v_cache_ptr, row_off, sc_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
-    acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
+    acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
     return acc, m_new, l_i
 
 
@@ -77,6 +85,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
+    FP16_DOT: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -97,7 +106,9 @@ def _prefill_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
-    in_dtype: tl.constexpr = q_ptr.dtype.element_ty  # tl.dot operand dtype: K/V/P cast to it
+    # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
+    in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
+    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
         q = q.to(tl.float32)
 
@@ -106,8 +117,8 @@ def _prefill_kernel(
     # whole BLOCK_N steps skip the masks; the rest (diagonal / window) are masked.
     live = t0 < q_len
     kv_hi = tl.where(live, tl.minimum(ctx + t0 + BLOCK_Q, seq_len), 0)
-    if USE_WINDOW:
-        kv_lo = tl.maximum(ctx + t0 - window + 1, 0)
+    if USE_WINDOW:  # from a multiple of BLOCK_N (kv_scale_index); the window mask hides the rest
+        kv_lo = (tl.maximum(ctx + t0 - window + 1, 0) // BLOCK_N) * BLOCK_N
         full_end = kv_lo
     else:
         kv_lo = seq_len * 0
@@ -121,12 +132,12 @@ def _prefill_kernel(
     for n0 in range(kv_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
-            kv_head_off, stride_cb, stride_co, stride_cd, qk_scale,
+            kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
     for n0 in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
-            kv_head_off, stride_cb, stride_co, stride_cd, qk_scale,
+            kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -211,6 +222,7 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

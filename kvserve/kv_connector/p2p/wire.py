@@ -45,7 +45,8 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
     kv_heads, row elements]), "page_bytes" (per layer)}``; for rotated formats (int4 / int2)
     also ``kv_rotation``: the basis the pages hold K/V in (``kv_rotation.ROTATION_NAME``). It
     is absent otherwise, so unrotated layouts are unchanged and a peer from before the
-    rotation, which sends no such field, is refused on int4 / int2 only.
+    rotation, which sends no such field, is refused on int4 / int2 only. Likewise
+    ``kv_scales`` (``"head-major"``, quantized formats only): where a page keeps its scales.
     """
     from kvserve.attention.kv_rotation import ROTATION_NAME
     from kvserve.kv_connector.block_hash import model_fingerprint
@@ -68,6 +69,8 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
     }
     if any(g.spec.format.rotated for g in kv_cache_config.groups):
         layout["kv_rotation"] = ROTATION_NAME
+    if any(g.spec.format.quantized for g in kv_cache_config.groups):
+        layout["kv_scales"] = "head-major"  # kv_quant page layout v4: a peer from before is refused
     return layout
 
 
