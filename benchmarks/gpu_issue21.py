@@ -1,7 +1,9 @@
 """GPU, issue 21: quantized weights at the Llama-3.1-8B shape (dummy weights quantized at load).
 
-Parts (each optional): ``kernels`` — one linear layer per format at the 8B projection shapes, batch 1
-and 64, CUDA-event timed, with GB/s of weight bytes; ``w2`` — W2 (batch-1 decode, 128-token prompt)
+Parts (each optional): ``kernels`` — one linear layer per format at the 8B projection shapes, M = 1, 4,
+16, 64, CUDA-event timed, with GB/s of weight bytes beside the roofline; quantized formats twice, with
+the PyTorch kernels (path ``torch``) and the Triton GEMV (path ``triton``, CUDA; ``--sweep`` adds its
+configuration sweep to the JSON); ``w2`` — W2 (batch-1 decode, 128-token prompt)
 per format (bf16 | fp8 | int8 | int4) beside its own roofline (weight bytes / HBM bandwidth);
 ``w1`` — W1-style throughput (64 requests) per format. JSON records to --out/issue21.json, table last.
 
@@ -28,9 +30,26 @@ TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_l
             bos_token_id=1, eos_token_id=2)
 
 
-def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False) -> list[dict]:
+def _layer(lin, fmt: str, triton: bool):
+    """``fmt`` layer built with (``triton``) or without the Triton GEMV (``KVSERVE_TRITON_GEMV`` is read at load)."""
     from kvserve.layers.quantization import QuantizedLinear
 
+    if fmt == "bf16":
+        return lin
+    old = os.environ.get("KVSERVE_TRITON_GEMV")
+    os.environ["KVSERVE_TRITON_GEMV"] = "1" if triton else "0"
+    try:
+        return QuantizedLinear.from_dense(lin, fmt, torch.bfloat16)
+    finally:
+        if old is None:
+            del os.environ["KVSERVE_TRITON_GEMV"]
+        else:
+            os.environ["KVSERVE_TRITON_GEMV"] = old
+
+
+def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False, sweep: bool = False) -> list[dict]:
+    """One linear layer per format and path (``torch``: PyTorch kernels; ``triton``: the Triton GEMV, CUDA only),
+    M = 1, 4, 16 (and 64), with GB/s of weight bytes and the roofline (weight bytes / HBM bandwidth)."""
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
     if smollm2:
         shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -40,22 +59,57 @@ def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False)
     for n, k in shapes:
         lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
         for fmt in formats:
-            try:
-                layer = lin if fmt == "bf16" else QuantizedLinear.from_dense(lin, fmt, torch.bfloat16)
-            except Exception as e:  # a format this device cannot run
-                out.append(dict(part="kernel", format=fmt, n=n, k=k, error=repr(e)[:200]))
-                continue
-            nbytes = (n * k * 2) if fmt == "bf16" else sum(b.numel() * b.element_size() for b in layer.buffers())
-            for m in (1, 64):
-                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            for path in (["torch"] if fmt == "bf16" else ["torch", "triton"] if device == "cuda" else ["torch"]):
                 try:
-                    ms = _time(lambda: layer(x), device, 3 if smoke else 50)
-                except Exception as e:
-                    out.append(dict(part="kernel", format=fmt, n=n, k=k, m=m, error=repr(e)[:200]))
+                    layer = _layer(lin, fmt, path == "triton")
+                except Exception as e:  # a format this device cannot run
+                    out.append(dict(part="kernel", format=fmt, path=path, n=n, k=k, error=repr(e)[:200]))
                     continue
-                out.append(dict(part="kernel", format=fmt, n=n, k=k, m=m, us=round(ms * 1e3, 2),
-                                weight_bytes=nbytes, weight_gb_s=round(nbytes / ms / 1e6, 1)))
+                nbytes = (n * k * 2) if fmt == "bf16" else sum(b.numel() * b.element_size() for b in layer.buffers())
+                for m in (1, 4, 16, 64):
+                    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                    try:
+                        ms = _time(lambda: layer(x), device, 3 if smoke else 50)
+                    except Exception as e:
+                        out.append(dict(part="kernel", format=fmt, path=path, n=n, k=k, m=m, error=repr(e)[:200]))
+                        continue
+                    out.append(dict(part="kernel", format=fmt, path=path, n=n, k=k, m=m, us=round(ms * 1e3, 2),
+                                    weight_bytes=nbytes, weight_gb_s=round(nbytes / ms / 1e6, 1),
+                                    roofline_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2)))
+                if sweep and path == "triton":
+                    out.extend(_sweep(layer, fmt, n, k, device))
+                del layer
         del lin
+    return out
+
+
+def _sweep(layer, fmt: str, n: int, k: int, device: str) -> list[dict]:
+    """Triton GEMV configurations around the static table's (for retuning ``gemv_config``)."""
+    from kvserve.layers.quantization import triton_gemv as tg
+
+    p = layer.packed
+    fcode = dict(fp8=tg.FMT_FP8, int8=tg.FMT_INT8, int4=tg.FMT_INT4)[fmt]
+    args = dict(fp8=lambda: (p.w_rows, p.scale_rows, None), int8=lambda: (p.q, p.scale, None),
+                int4=lambda: (p.packed, p.scale_t, p.min_t))[fmt]()
+    g = getattr(p, "group_size", 0)
+    nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+    out = []
+    for m in (1, 16):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        bm = 1 if m == 1 else 16
+        for bn in ((8, 16, 32) if m == 1 else (32, 64)):
+            for bk in (((512, 1024) if m == 1 else (128,)) if fcode != tg.FMT_INT4 else
+                       ((2 * g, 4 * g) if m == 1 else (g,))):
+                for split in ((1, 2, 4, 8) if m == 1 else (1, 2, 4)):
+                    for warps in (4,):
+                        cfg = (bm, bn, bk, bk // g if g else 1, split, warps)
+                        try:
+                            ms = _time(lambda: tg.wgemv(x, fcode, *args, n, g, config=cfg), device, 20)
+                        except Exception as e:
+                            out.append(dict(part="sweep", format=fmt, n=n, k=k, m=m, cfg=cfg, error=repr(e)[:100]))
+                            continue
+                        out.append(dict(part="sweep", format=fmt, n=n, k=k, m=m, cfg=cfg, us=round(ms * 1e3, 2),
+                                        weight_gb_s=round(nbytes / ms / 1e6, 1)))
     return out
 
 
@@ -146,6 +200,7 @@ def main() -> None:
     ap.add_argument("--parts", default="kernels,w2,w1")
     ap.add_argument("--formats", default="bf16,fp8,int8,int4")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ap.add_argument("--sweep", action="store_true", help="kernels part: also sweep Triton GEMV configurations")
     ap.add_argument("--cpu-kernels", action="store_true", help="kernels part only, on the CPU at SmolLM2 shapes")
     ns = ap.parse_args()
     device = "cpu" if ns.cpu_smoke or ns.cpu_kernels else "cuda"
@@ -166,7 +221,7 @@ def main() -> None:
 
     parts = ns.parts.split(",")
     if "kernels" in parts:
-        for r in kernels(device, formats, ns.cpu_smoke, smollm2=ns.cpu_kernels):
+        for r in kernels(device, formats, ns.cpu_smoke, smollm2=ns.cpu_kernels, sweep=ns.sweep):
             emit(r)
     for part, fn in (("w2", w2), ("w1", w1)):
         if part not in parts:
@@ -178,8 +233,11 @@ def main() -> None:
                 emit(dict(part=part, format=fmt, error=repr(e)[:300]))
     print("\npart      format  figure")
     for r in records:
+        if r["part"] == "sweep":
+            continue  # in the JSON only
         if r["part"] == "kernel":
-            fig = r.get("error") or f"n={r['n']} k={r['k']} m={r['m']}: {r['us']} us, {r['weight_gb_s']} GB/s"
+            fig = r.get("error") or (f"{r['path']:<6} n={r['n']} k={r['k']} m={r['m']}: {r['us']} us, "
+                                     f"{r['weight_gb_s']} GB/s (roofline {r['roofline_us']} us)")
         elif r["part"] == "W2":
             fig = r.get("error") or f"{r['ms_per_token']} ms/token (roofline {r['roofline_ms']} ms, {r['roofline_fraction']:.0%})"
         else:
