@@ -62,6 +62,10 @@ def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False,
             for path in (["torch"] if fmt == "bf16" else ["torch", "triton"] if device == "cuda" else ["torch"]):
                 try:
                     layer = _layer(lin, fmt, path == "triton")
+                    # copies cycled per timed call: >= 256 MB of weights, so L2 (50 MB) holds none of them
+                    nb = n * k * 2 if fmt == "bf16" else sum(b.numel() * b.element_size() for b in layer.buffers())
+                    copies = [layer] + [_layer(_clone(lin), fmt, path == "triton") for _ in
+                                        range(0 if device != "cuda" else min(15, -(-(256 << 20) // nb) - 1))]
                 except Exception as e:  # a format this device cannot run
                     out.append(dict(part="kernel", format=fmt, path=path, n=n, k=k, error=repr(e)[:200]))
                     continue
@@ -69,7 +73,7 @@ def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False,
                 for m in (1, 4, 16, 64):
                     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                     try:
-                        ms = _time(lambda: layer(x), device, 3 if smoke else 50)
+                        ms = _time([lambda c=c: c(x) for c in copies], device, 3 if smoke else 20)
                     except Exception as e:
                         out.append(dict(part="kernel", format=fmt, path=path, n=n, k=k, m=m, error=repr(e)[:200]))
                         continue
@@ -77,22 +81,32 @@ def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False,
                                     weight_bytes=nbytes, weight_gb_s=round(nbytes / ms / 1e6, 1),
                                     roofline_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2)))
                 if sweep and path == "triton":
-                    out.extend(_sweep(layer, fmt, n, k, device))
-                del layer
+                    out.extend(_sweep(copies, fmt, n, k, device))
+                del layer, copies
         del lin
     return out
 
 
-def _sweep(layer, fmt: str, n: int, k: int, device: str) -> list[dict]:
+def _clone(lin):
+    c = torch.nn.Linear(lin.in_features, lin.out_features, bias=False, device=lin.weight.device,
+                        dtype=lin.weight.dtype)
+    c.weight.data.copy_(lin.weight.data)
+    return c
+
+
+def _sweep(layers, fmt: str, n: int, k: int, device: str) -> list[dict]:
     """Triton GEMV configurations around the static table's (for retuning ``gemv_config``)."""
     from kvserve.layers.quantization import triton_gemv as tg
 
-    p = layer.packed
     fcode = dict(fp8=tg.FMT_FP8, int8=tg.FMT_INT8, int4=tg.FMT_INT4)[fmt]
-    args = dict(fp8=lambda: (p.w_rows, p.scale_rows, None), int8=lambda: (p.q, p.scale, None),
-                int4=lambda: (p.packed, p.scale_t, p.min_t))[fmt]()
-    g = getattr(p, "group_size", 0)
-    nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+
+    def args(p):
+        return dict(fp8=lambda: (p.w_rows, p.scale_rows, None), int8=lambda: (p.q, p.scale, None),
+                    int4=lambda: (p.packed, p.scale_t, p.min_t))[fmt]()
+
+    all_args = [args(layer.packed) for layer in layers]
+    g = getattr(layers[0].packed, "group_size", 0) if fmt == "int4" else 0
+    nbytes = sum(b.numel() * b.element_size() for b in layers[0].buffers())
     out = []
     for m in (1, 16):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -104,7 +118,8 @@ def _sweep(layer, fmt: str, n: int, k: int, device: str) -> list[dict]:
                     for warps in (4,):
                         cfg = (bm, bn, bk, bk // g if g else 1, split, warps)
                         try:
-                            ms = _time(lambda: tg.wgemv(x, fcode, *args, n, g, config=cfg), device, 20)
+                            ms = _time([lambda a=a: tg.wgemv(x, fcode, *a, n, g, config=cfg) for a in all_args],
+                                       device, 10)
                         except Exception as e:
                             out.append(dict(part="sweep", format=fmt, n=n, k=k, m=m, cfg=cfg, error=repr(e)[:100]))
                             continue
@@ -113,23 +128,36 @@ def _sweep(layer, fmt: str, n: int, k: int, device: str) -> list[dict]:
     return out
 
 
-def _time(fn, device: str, iters: int) -> float:
-    """Median ms per call."""
-    for _ in range(3):
+def _time(fns, device: str, iters: int) -> float:
+    """Median ms per call of ``fns`` (called in turn). CUDA: replayed from a CUDA graph of the calls (as
+    decode runs them: no Python launch overhead), per call = replay time / calls."""
+    for fn in fns:
         fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
+    if device == "cuda":
+        torch.cuda.synchronize()
+        reps = max(1, 32 // len(fns))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                for fn in fns:
+                    fn()
+        graph.replay()
+        times = []
+        for _ in range(iters):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            graph.replay()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
+            times.append(a.elapsed_time(b) / (reps * len(fns)))
+        del graph
+        return statistics.median(times)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        for fn in fns:
             fn()
-            times.append((time.perf_counter() - t) * 1e3)
+        times.append((time.perf_counter() - t) * 1e3 / len(fns))
     return statistics.median(times)
 
 

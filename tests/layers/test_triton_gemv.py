@@ -92,7 +92,7 @@ def test_int4_matches_dequantized(n, k, m, g):
         y = tg.wgemv(x, tg.FMT_INT4, packed, st, mt, n, g, bias=bias, config=cfg)
         assert _rel(y, ref) < 1e-2
     wd = tg.int4_dequantize(packed, st, mt, n, g, torch.float32)
-    assert torch.allclose(wd.cpu(), w4.dequantize())
+    assert torch.allclose(wd.cpu(), w4.dequantize(), atol=1e-5)  # GPU: fused multiply-add
 
 
 def test_pack_int4_layout():

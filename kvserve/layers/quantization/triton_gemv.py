@@ -26,6 +26,8 @@ computing the grid.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -149,6 +151,7 @@ def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, kq // 2).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
 def gemv_config(fmt: int, m: int, n: int, k: int, group_size: int = 0) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, GPI, split, num_warps)`` for one shape (static table, H100-minded).
 
