@@ -35,7 +35,14 @@ import triton.language as tl
 FMT_FP8, FMT_INT8, FMT_INT4 = 0, 1, 2
 #: largest M the kernel serves; above it QuantizedLinear uses the existing matmul / dequant + cuBLAS
 MAX_M = 64
-_TARGET_PROGRAMS = 132 * 4  # H100 SMs x resident programs wanted for bandwidth
+_TARGET_PROGRAMS = 132 * 3  # H100 SMs x programs wanted in flight for bandwidth (K is split below it)
+
+
+@triton.jit
+def _nibble_f32(q):
+    """int32 in [0, 2^23) -> float32, exactly: OR into the mantissa of 2^23 and subtract it. Two full-rate
+    ops instead of an int-to-float conversion (quarter rate on sm_90, the int4 kernel's bottleneck)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -67,8 +74,8 @@ def _wgemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                           mask=n_mask[:, None] & k_mask[None, :], other=0)
             if FMT == 0:
                 w = raw.to(tl.float8e4nv, bitcast=True)
-            else:
-                w = raw
+            else:  # int8 -> float32 exactly without the quarter-rate conversion (see _nibble_f32)
+                w = _nibble_f32(raw.to(tl.int32) + 128) - 128.0
             if BLOCK_M == 1:
                 x = tl.load(x_ptr + offs_k, mask=k_mask, other=0).to(tl.float32)
                 acc2 += w.to(tl.float32) * x[None, :]
@@ -86,8 +93,8 @@ def _wgemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                               mask=n_mask[:, None] & g_ok[None, :], other=0).to(tl.int32)
                 sc = tl.load(s_ptr + grp * N + offs_n, mask=n_mask & (grp * GROUP < K), other=0).to(tl.float32)
                 mn = tl.load(mn_ptr + grp * N + offs_n, mask=n_mask & (grp * GROUP < K), other=0).to(tl.float32)
-                w_lo = (raw & 15).to(tl.float32) * sc[:, None] + mn[:, None]
-                w_hi = (raw >> 4).to(tl.float32) * sc[:, None] + mn[:, None]
+                w_lo = _nibble_f32(raw & 15) * sc[:, None] + mn[:, None]
+                w_hi = _nibble_f32(raw >> 4) * sc[:, None] + mn[:, None]
                 k_hi = k_lo + HALF
                 if BLOCK_M == 1:
                     x_lo = tl.load(x_ptr + k_lo, mask=g_ok, other=0).to(tl.float32)
@@ -138,8 +145,8 @@ def _int4_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, stride_wn, GROUP: 
     mn = tl.load(mn_ptr + grp * N + offs_n, mask=n_mask, other=0).to(tl.float32)[:, None]
     base = out_ptr + offs_n[:, None] * K + grp * GROUP + offs_j[None, :]
     dt = out_ptr.dtype.element_ty
-    tl.store(base, ((raw & 15).to(tl.float32) * sc + mn).to(dt), mask=n_mask[:, None])
-    tl.store(base + HALF, ((raw >> 4).to(tl.float32) * sc + mn).to(dt), mask=n_mask[:, None])
+    tl.store(base, (_nibble_f32(raw & 15) * sc + mn).to(dt), mask=n_mask[:, None])
+    tl.store(base + HALF, (_nibble_f32(raw >> 4) * sc + mn).to(dt), mask=n_mask[:, None])
 
 
 def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -156,28 +163,32 @@ def gemv_config(fmt: int, m: int, n: int, k: int, group_size: int = 0) -> tuple[
     """``(BLOCK_M, BLOCK_N, BLOCK_K, GPI, split, num_warps)`` for one shape (static table, H100-minded).
 
     M == 1: elementwise tiles of ~8-16 KiB of weight bytes per iteration; M > 1: ``tl.dot`` with
-    BLOCK_M = 16/32/64. ``split`` (K splits) brings the program count near 4 per SM.
+    BLOCK_M = 16/32/64. ``split`` (K splits) brings the program count near 3 per SM (INT4: 6).
     ``BLOCK_K`` is in K elements per iteration (int4: ``GPI`` groups of ``group_size``).
     """
     block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    # H100 sweep (benchmarks/gpu_issue21.py --sweep): 8-row tiles of 512-1024 bytes for M = 1, 32 x 128
+    # for the tl.dot path; INT4 (more ALU per byte: unpacking, dequantization) wants more programs.
+    target = _TARGET_PROGRAMS
     if fmt == FMT_INT4:
         g = group_size
+        target = 2 * _TARGET_PROGRAMS
         if block_m == 1:
-            block_n, gpi = 32, max(1, 256 // g)  # 32 rows x 128 bytes per iteration
+            block_n, gpi = 32, max(1, 256 // g)
         else:
-            block_n, gpi = 64, max(1, 128 // g)
+            block_n, gpi = (32 if n <= 8192 else 64), max(1, 128 // g)
         block_k = g * gpi
     else:
         if block_m == 1:
-            block_n, block_k = 16, 512
+            block_n, block_k = 8, (1024 if n <= 4096 else 512)
         else:
-            block_n, block_k = 64, 128
+            block_n, block_k = 32, 128
     num_warps = 4
     n_iters = triton.cdiv(k, block_k)
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
-    if programs < _TARGET_PROGRAMS:
-        split = max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs), n_iters // 4))
+    if programs < target:
+        split = max(1, min(triton.cdiv(target, programs), n_iters // 4))
     return block_m, block_n, block_k, (block_k // group_size if fmt == FMT_INT4 else 1), split, num_warps
 
 
