@@ -58,7 +58,7 @@ def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False,
     out = []
     for n, k in shapes:
         lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-        for fmt in formats:
+        for fmt in [f for f in formats if "@" not in f]:
             for path in (["torch"] if fmt == "bf16" else ["torch", "triton"] if device == "cuda" else ["torch"]):
                 try:
                     layer = _layer(lin, fmt, path == "triton")
@@ -71,6 +71,8 @@ def kernels(device: str, formats: list[str], smoke: bool, smollm2: bool = False,
                     continue
                 nbytes = (n * k * 2) if fmt == "bf16" else sum(b.numel() * b.element_size() for b in layer.buffers())
                 for m in (1, 4, 16, 64):
+                    if fmt == "int8" and path == "torch" and m > 1 and not smoke:
+                        continue  # _weight_int8pack_mm on CUDA: ~100 GB/s at M=1 and worse above (seconds here)
                     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                     try:
                         ms = _time([lambda c=c: c(x) for c in copies], device, 3 if smoke else 20)
@@ -108,14 +110,15 @@ def _sweep(layers, fmt: str, n: int, k: int, device: str) -> list[dict]:
     g = getattr(layers[0].packed, "group_size", 0) if fmt == "int4" else 0
     nbytes = sum(b.numel() * b.element_size() for b in layers[0].buffers())
     out = []
-    for m in (1, 16):
+    i4 = fcode == tg.FMT_INT4
+    for m in ((1,) if i4 else (1, 16)):  # int4 M=1: the open question (wider tiles reuse x across rows)
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         bm = 1 if m == 1 else 16
-        for bn in ((8, 16, 32) if m == 1 else (32, 64)):
+        for bn in (((16, 32, 64, 128) if i4 else (8, 16, 32)) if m == 1 else (32, 64)):
             for bk in (((512, 1024) if m == 1 else (128,)) if fcode != tg.FMT_INT4 else
                        ((2 * g, 4 * g) if m == 1 else (g,))):
-                for split in ((1, 2, 4, 8) if m == 1 else (1, 2, 4)):
-                    for warps in (4,):
+                for split in (((1, 2, 4, 8, 16) if i4 else (1, 2, 4, 8)) if m == 1 else (1, 2, 4)):
+                    for warps in ((4, 8) if i4 else (4,)):
                         cfg = (bm, bn, bk, bk // g if g else 1, split, warps)
                         try:
                             ms = _time([lambda a=a: tg.wgemv(x, fcode, *a, n, g, config=cfg) for a in all_args],
@@ -171,9 +174,21 @@ def _llm(path: str, fmt: str, device: str, smoke: bool, **kw):
 
 
 def w2(path: str, fmt: str, device: str, smoke: bool) -> dict:
+    """``fmt`` may end in ``@torch``: the PyTorch kernels instead of the Triton GEMV (e.g. ``int4@torch``)."""
     from kvserve.layers.quantization import weight_bytes
 
-    llm = _llm(path, fmt, device, smoke)
+    base, _, kernel = fmt.partition("@")
+    old = os.environ.get("KVSERVE_TRITON_GEMV")
+    if kernel == "torch":
+        os.environ["KVSERVE_TRITON_GEMV"] = "0"
+    try:
+        llm = _llm(path, base, device, smoke)
+    finally:
+        if kernel == "torch":
+            if old is None:
+                del os.environ["KVSERVE_TRITON_GEMV"]
+            else:
+                os.environ["KVSERVE_TRITON_GEMV"] = old
     wb = weight_bytes(llm.llm_engine.engine_core.model_runner.model)
     if device == "cuda":
         decode_latency(llm, 128, 16, 1)  # warm-up

@@ -115,7 +115,7 @@ def _q4_1_blocks(n: int, k: int) -> Int4Weight:
 @pytest.mark.parametrize("m", MS)
 def test_int4_packed_layer_from_gguf_q4_1(m, monkeypatch):
     # PackedInt4's Triton path (forced on for the CPU interpreter): float16 scales kept exactly.
-    monkeypatch.setattr(qk, "_use_triton", lambda device: True)
+    monkeypatch.setattr(qk, "_use_triton", lambda device, fmt: True)
     n, k = 24, 96
     w = _q4_1_blocks(n, k)
     p = qk.PackedInt4(w, torch.device(DEV), torch.bfloat16)

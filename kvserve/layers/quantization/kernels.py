@@ -76,9 +76,14 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def _use_triton(device: torch.device) -> bool:
-    """Triton GEMV for small M: CUDA only, unless ``KVSERVE_TRITON_GEMV=0`` (read at load)."""
-    return device.type == "cuda" and os.environ.get("KVSERVE_TRITON_GEMV", "1") != "0"
+#: formats served by the Triton GEMV on CUDA by default (``KVSERVE_TRITON_GEMV``: "1" all, "0" none, or a list)
+TRITON_GEMV_DEFAULT = "fp8,int8,int4"
+
+
+def _use_triton(device: torch.device, fmt: str) -> bool:
+    """Triton GEMV for small M: CUDA only; ``KVSERVE_TRITON_GEMV`` (read at load) = 1 | 0 | "fp8,int4,..."."""
+    v = os.environ.get("KVSERVE_TRITON_GEMV", TRITON_GEMV_DEFAULT)
+    return device.type == "cuda" and (v == "1" or fmt in v.split(","))
 
 
 def _gemv():
@@ -109,7 +114,7 @@ class PackedInt4:
         cuda = device.type == "cuda"
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
-        self.triton = _use_triton(device)
+        self.triton = _use_triton(device, "int4")
         if self.triton:  # pack_int4 layout; scales / minima [K/g, N], float16 when exact (GGUF) else dtype
             self.packed = _gemv().pack_int4(w.q.to(device), g)
             sdt = torch.float16 if all(torch.equal(t.half().float(), t.float()) for t in (w.scale, w.min)) else dtype
@@ -161,7 +166,7 @@ class PackedInt8:
         self.k_pad = _round_up(self.k, 32)
         self.q = F.pad(q, (0, self.k_pad - self.k)).contiguous().to(device)
         self.scale = scale.to(device, dtype)
-        self.triton = _use_triton(device)
+        self.triton = _use_triton(device, "int8")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton and x.shape[0] <= _gemv().MAX_M:
@@ -188,7 +193,7 @@ class PackedFp8:
         self.qt = q.to(device).t()  # column-major [K, N]: what _scaled_mm wants for its second operand
         self.scale = F.pad(scale, (0, self.n_pad - self.n), value=1.0).reshape(1, -1).to(device, torch.float32)
         self.dtype = dtype
-        self.triton = _use_triton(device)
+        self.triton = _use_triton(device, "fp8")
         if self.triton:  # the same bytes, row-major [N_pad, K_pad] as uint8, and the scale as [N_pad]
             self.w_rows, self.scale_rows = self.qt.t().view(torch.uint8), self.scale.reshape(-1)
 

@@ -163,7 +163,7 @@ def gemv_config(fmt: int, m: int, n: int, k: int, group_size: int = 0) -> tuple[
     """``(BLOCK_M, BLOCK_N, BLOCK_K, GPI, split, num_warps)`` for one shape (static table, H100-minded).
 
     M == 1: elementwise tiles of ~8-16 KiB of weight bytes per iteration; M > 1: ``tl.dot`` with
-    BLOCK_M = 16/32/64. ``split`` (K splits) brings the program count near 3 per SM (INT4: 6).
+    BLOCK_M = 16/32/64. ``split`` (K splits) brings the program count near 3 per SM (INT4: 4).
     ``BLOCK_K`` is in K elements per iteration (int4: ``GPI`` groups of ``group_size``).
     """
     block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
@@ -172,7 +172,7 @@ def gemv_config(fmt: int, m: int, n: int, k: int, group_size: int = 0) -> tuple[
     target = _TARGET_PROGRAMS
     if fmt == FMT_INT4:
         g = group_size
-        target = 2 * _TARGET_PROGRAMS
+        target = 4 * 132
         if block_m == 1:
             block_n, gpi = 32, max(1, 256 // g)
         else:
