@@ -174,17 +174,17 @@ def _llm(path: str, fmt: str, device: str, smoke: bool, **kw):
 
 
 def w2(path: str, fmt: str, device: str, smoke: bool) -> dict:
-    """``fmt`` may end in ``@torch``: the PyTorch kernels instead of the Triton GEMV (e.g. ``int4@torch``)."""
+    """``fmt`` may end in ``@torch`` / ``@triton``: force the PyTorch kernels / the Triton GEMV (``int4@triton``)."""
     from kvserve.layers.quantization import weight_bytes
 
     base, _, kernel = fmt.partition("@")
     old = os.environ.get("KVSERVE_TRITON_GEMV")
-    if kernel == "torch":
-        os.environ["KVSERVE_TRITON_GEMV"] = "0"
+    if kernel:
+        os.environ["KVSERVE_TRITON_GEMV"] = "0" if kernel == "torch" else "1"
     try:
         llm = _llm(path, base, device, smoke)
     finally:
-        if kernel == "torch":
+        if kernel:
             if old is None:
                 del os.environ["KVSERVE_TRITON_GEMV"]
             else:

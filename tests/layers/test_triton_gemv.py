@@ -150,8 +150,9 @@ def test_llama_shapes_cuda(n, k, m):
     assert layer.packed.triton
     assert _rel(layer(x), x.float() @ (q.float() * s[:, None]).T) < 1e-2
     w4 = quantize_int4(w, 128)
-    layer = QuantizedLinear.from_dense(lin, "int4", torch.bfloat16)
-    assert _rel(layer(x), x.float() @ w4.dequantize().T) < 1e-2
+    packed = tg.pack_int4(w4.q.cuda(), 128)
+    st, mt = (t.t().contiguous().cuda().bfloat16() for t in (w4.scale, w4.min))
+    assert _rel(tg.wgemv(x, tg.FMT_INT4, packed, st, mt, n, 128), x.float() @ w4.dequantize().T) < 1e-2
     q8, s8 = quantize_int8(w)
     layer = QuantizedLinear.from_dense(lin, "int8", torch.bfloat16)
     assert _rel(layer(x), x.float() @ (q8.float() * s8.bfloat16().float()[:, None]).T) < 1e-2

@@ -11,11 +11,11 @@ features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernel
 is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
 
 On CUDA, M <= ``triton_gemv.MAX_M`` (decode) runs the Triton weight-only GEMV of ``triton_gemv``
-instead (``KVSERVE_TRITON_GEMV=0`` at load restores the PyTorch kernels). FP8 and INT8 share
-their storage with the PyTorch path. INT4 on CUDA is stored only in the Triton packing (one copy:
-tinygemm's packing is as large); M > MAX_M dequantizes to the activation dtype and uses cuBLAS
-(a transient ``[N, K]`` copy; prefill-sized M is compute-bound, so the dequantization pass is small).
-The CPU paths are unchanged.
+for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, "1" adds INT4, "0"
+restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
+Triton GEMV is stored only in its packing (one copy: tinygemm's packing is as large); M > MAX_M then
+dequantizes to the activation dtype and uses cuBLAS (a transient ``[N, K]`` copy; prefill-sized M is
+compute-bound, so the dequantization pass is small). The CPU paths are unchanged.
 """
 
 from __future__ import annotations
@@ -76,8 +76,10 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-#: formats served by the Triton GEMV on CUDA by default (``KVSERVE_TRITON_GEMV``: "1" all, "0" none, or a list)
-TRITON_GEMV_DEFAULT = "fp8,int8,int4"
+#: formats served by the Triton GEMV on CUDA by default (``KVSERVE_TRITON_GEMV``: "1" all, "0" none, or a list).
+#: INT4 is opt-in: on the H100 its M=1 GEMV reaches ~1.1 TB/s vs tinygemm's 1.3-1.9 (W2 4.75 vs 3.22 ms/token),
+#: though it wins from M=4 up (BENCHMARKS.md); one packing is kept, so the batch-1 winner is the default.
+TRITON_GEMV_DEFAULT = "fp8,int8"
 
 
 def _use_triton(device: torch.device, fmt: str) -> bool:
