@@ -24,4 +24,4 @@ if [ -n "${WITH_W1:-}" ]; then  # W1-style part opt-in (device time)
     > "$OUT/w1_log.txt" 2>&1
   echo "w1 rc=$?"
 fi
-for f in kernels_log w2_log w1_log; do [ -f "$OUT/$f.txt" ] && sed -n '/^part /,$p' "$OUT/$f.txt"; done
+for f in kernels_log w2_log w1_log; do if [ -f "$OUT/$f.txt" ]; then sed -n '/^part /,$p' "$OUT/$f.txt"; fi; done
