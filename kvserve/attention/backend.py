@@ -52,17 +52,20 @@ class AttentionBackend(ABC):
         store_kv(key, value, kv_cache, slot_mapping)
 
     def forward_bounded(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        kv_rotation: torch.Tensor | None = None) -> torch.Tensor:
         """Store, then attend over a bounded KV cache (``meta.bounded``: StreamingLLM sinks +
         window or H2O's kept blocks; ``kvserve.attention.bounded``). The default is the reference
-        implementation for every backend; shapes as ``forward``."""
+        implementation for every backend; shapes as ``forward``. ``kv_rotation`` (``[d, d]``
+        float32): q/k/v come in this rotated basis (``kvserve/attention/kv_rotation.py``); the
+        sink queries' rotary shift is then applied in the unrotated basis."""
         from kvserve.attention.bounded import bounded_attention
 
         self.store_kv(key, value, kv_cache, meta.slot_mapping)
         qsl = meta.backend_cache.get("qsl_list")
         if qsl is None:
             qsl = meta.backend_cache["qsl_list"] = meta.query_start_loc.tolist()
-        return bounded_attention(query, kv_cache, meta.bounded, qsl, scale)
+        return bounded_attention(query, kv_cache, meta.bounded, qsl, scale, kv_rotation)
 
     @abstractmethod
     def forward(

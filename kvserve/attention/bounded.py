@@ -218,7 +218,7 @@ def _decode_batch(out: BoundedAttention, policy: str, block_table: np.ndarray, s
 
 
 def _decode_attention(query: torch.Tensor, cache: torch.Tensor, kv_cache: torch.Tensor, dec: DecodeBatch,
-                      fmt, scale: float, out: torch.Tensor) -> None:
+                      fmt, scale: float, out: torch.Tensor, rotation: Optional[torch.Tensor] = None) -> None:
     """One batched attention for the ``n`` leading decode requests (padded to ``C`` blocks)."""
     n, C = dec.block_ids.shape
     _, _, bs, hkv, _ = kv_cache.shape
@@ -234,7 +234,7 @@ def _decode_attention(query: torch.Tensor, cache: torch.Tensor, kv_cache: torch.
     scores = torch.einsum("rkgd,rlkd->rkgl", q.view(n, hkv, g, d), k)
     ns = dec.num_sink_keys
     if ns:
-        qs = rotate_back(q, dec.cos, dec.sin).view(n, hkv, g, d)
+        qs = rotate_back(q, dec.cos, dec.sin, rotation).view(n, hkv, g, d)
         ss = torch.einsum("rkgd,rlkd->rkgl", qs, k[:, :ns])
         scores[..., :ns] = torch.where(dec.sink_keys[:, None, None, :], ss, scores[..., :ns])
     scores.mul_(scale)
@@ -245,15 +245,23 @@ def _decode_attention(query: torch.Tensor, cache: torch.Tensor, kv_cache: torch.
         dec.mass += p.sum(dim=(1, 2)).view(n, C, bs).sum(dim=-1)
 
 
-def rotate_back(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary (neox, rotate-half) rotation of ``q [n, H, d]`` by minus the angles ``cos/sin [n, d]``."""
+def rotate_back(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotation: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotary (neox, rotate-half) rotation of ``q [n, H, d]`` by minus the angles ``cos/sin [n, d]``.
+
+    With ``rotation`` (``R [d, d]``, a rotated KV format: ``q`` is ``q0 R``) the rotary shift
+    acts on the unrotated channels: ``rotate_back(q R^T) R``.
+    """
+    if rotation is not None:
+        return rotate_back(q @ rotation.T.to(q.dtype), cos, sin) @ rotation.to(q.dtype)
     half = q.shape[-1] // 2
     rot = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
     return q * cos[:, None, :] - rot * sin[:, None, :]
 
 
 def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: BoundedAttention,
-                      query_start_loc: list[int], scale: float) -> torch.Tensor:
+                      query_start_loc: list[int], scale: float,
+                      kv_rotation: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of every request of the batch over its kept keys (K/V already stored).
 
     Args:
@@ -262,6 +270,8 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
         bounded: the step's plans (``build_plans``).
         query_start_loc: ``[R + 1]`` prefix sums of query lengths (host ints).
         scale: softmax scale.
+        kv_rotation: ``[d, d]`` when query and cache are in a rotated basis (int4 / int2,
+            ``kvserve/attention/kv_rotation.py``): only the sink queries' rotary shift needs it.
 
     Returns ``[T, H, d]`` in the query's dtype. h2o plans accumulate their ``mass``.
     """
@@ -275,7 +285,7 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
         out[query_start_loc[-1]:].zero_()
     start = 0
     if bounded.decode is not None:
-        _decode_attention(query, cache, kv_cache, bounded.decode, fmt, scale, out)
+        _decode_attention(query, cache, kv_cache, bounded.decode, fmt, scale, out, kv_rotation)
         start = bounded.decode.block_ids.shape[0]
     for i in range(start, len(bounded.plans)):
         plan = bounded.plans[i]
@@ -294,7 +304,8 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
             scores = torch.einsum("nkgd,lkd->kgnl", qg, k)
             ns = plan.num_sink_keys
             if ns:
-                qs = rotate_back(q, plan.sink_cos[t0 - s:t1 - s], plan.sink_sin[t0 - s:t1 - s]).view(n, hkv, g, d)
+                qs = rotate_back(q, plan.sink_cos[t0 - s:t1 - s], plan.sink_sin[t0 - s:t1 - s],
+                                 kv_rotation).view(n, hkv, g, d)
                 scores[..., :ns] = torch.einsum("nkgd,lkd->kgnl", qs, k[:ns])
             scores.mul_(scale)
             scores.masked_fill_(~plan.mask[t0 - s:t1 - s], float("-inf"))

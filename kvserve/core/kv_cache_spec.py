@@ -36,6 +36,8 @@ class KVFormat:
             together (0: no scales).
         asymmetric: codes are unsigned with a per-row minimum (``x = q * scale + min``);
             otherwise symmetric (``x = q * scale``).
+        rotated: the attention layer stores and attends in a rotated basis of the head
+            dimension (Hadamard, QuaRot arXiv:2404.00456; ``kvserve/attention/kv_rotation.py``).
     """
 
     name: str
@@ -43,6 +45,7 @@ class KVFormat:
     torch_dtype: str
     scale_bytes_per_token_head: int = 0
     asymmetric: bool = False
+    rotated: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -65,9 +68,10 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8_e4m3", 8, "float8_e4m3fn", 4),
         KVFormat("fp8_e5m2", 8, "float8_e5m2", 4),
         KVFormat("int8", 8, "int8", 4),
-        # Per-token-per-head asymmetric (fp16 scale + fp16 min): x = code * scale + min.
-        KVFormat("int4", 4, "uint8", 8, asymmetric=True),
-        KVFormat("int2", 2, "uint8", 8, asymmetric=True),
+        # Per-token-per-head asymmetric (fp16 scale + fp16 min): x = code * scale + min, of
+        # Hadamard-rotated K and V rows (kvserve/attention/kv_rotation.py).
+        KVFormat("int4", 4, "uint8", 8, asymmetric=True, rotated=True),
+        KVFormat("int2", 2, "uint8", 8, asymmetric=True, rotated=True),
     )
 }
 

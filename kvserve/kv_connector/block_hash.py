@@ -8,7 +8,9 @@ restarts; the model fingerprint and KV format in the root keep different models,
 block sizes apart. ``KEY_VERSION`` names the byte layout of a stored block: v2 is the
 page layout of ``kvserve/attention/kv_quant.py`` (a quantized block's codes, then its
 scales); blocks written in the v1 layout (codes and scale interleaved per row) are never
-found under v2 keys.
+found under v2 keys. v3: the same pages, but int4 / int2 blocks hold K and V in the
+Hadamard-rotated basis (``kvserve/attention/kv_rotation.py``); v2 files (unrotated int4 /
+int2 content) are never read as rotated ones.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 _DIGEST = 16
 #: layout version of the stored block bytes (bump when a KV page layout changes)
-KEY_VERSION = b"kvserve-kv-v2"
+KEY_VERSION = b"kvserve-kv-v3"
 
 
 def model_fingerprint(config) -> str:

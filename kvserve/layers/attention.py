@@ -5,6 +5,14 @@ module of a model its backend implementation (right after the model is built), a
 ``bind_kv_cache(model, caches)`` its own KV cache tensor (once the cache is allocated). The
 forward context carries only the step's metadata, so two models in one process (a target
 and a draft) hold separate caches and may use different backends.
+
+Rotated KV formats (int4 / int2, ``KVFormat.rotated``): ``bind_kv_cache`` also binds the
+layer's rotation ``R`` (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456), and
+``forward`` then hands the backend ``q R``, ``k R``, ``v R`` and returns its output times
+``R^T`` -- the same for every backend and for bounded KV. Other formats bind no matrix and
+run exactly as before. The rotation runs after the piecewise CUDA graph split hook: while
+pieces are captured the hook returns before it, and at replay ``layer.forward`` runs eagerly
+between the pieces, so it runs exactly once per step (outside the graph pieces).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import get_forward_context
+from kvserve.attention.kv_rotation import kv_rotation_for, rotate
 
 
 class Attention(nn.Module):
@@ -33,6 +42,8 @@ class Attention(nn.Module):
         kv_cache_group_id: which KV cache group's metadata (block table) it reads.
         split_hook: while piecewise CUDA graphs are captured, called instead of attention
             (``hook(layer, q, k, v) -> o``) to end the current graph piece.
+        kv_rotation: ``[head_size, head_size]`` float32 orthogonal matrix for a rotated KV
+            format (int4 / int2), else None (bound by ``bind_kv_cache``).
     """
 
     def __init__(
@@ -57,6 +68,7 @@ class Attention(nn.Module):
         self.kv_cache: Optional[torch.Tensor] = None
         self.kv_cache_group_id = 0
         self.split_hook: Optional[Callable] = None
+        self.kv_rotation: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads * head_size]``, k/v ``[T, num_kv_heads * head_size]`` -> ``[T, num_heads * head_size]``."""
@@ -64,20 +76,21 @@ class Attention(nn.Module):
             return self.split_hook(self, q, k, v)
         meta = get_forward_context().attn_metadata[self.kv_cache_group_id]
         t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        v = v.view(t, self.num_kv_heads, self.head_size)
+        r = self.kv_rotation
+        if r is not None:  # rotated KV format: attend in the rotated basis (scores unchanged)
+            q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
         if meta.bounded is not None:  # bounded KV (StreamingLLM / H2O): kvserve.attention.bounded
-            out = self.impl.forward_bounded(
-                q.view(t, self.num_heads, self.head_size), k.view(t, self.num_kv_heads, self.head_size),
-                v.view(t, self.num_kv_heads, self.head_size), self.kv_cache, meta, self.scale)
-            return out.reshape(t, self.num_heads * self.head_size)
-        out = self.impl.forward(
-            q.view(t, self.num_heads, self.head_size),
-            k.view(t, self.num_kv_heads, self.head_size),
-            v.view(t, self.num_kv_heads, self.head_size),
-            self.kv_cache,
-            meta,
-            self.scale,
-            self.sliding_window,
-        )
+            if r is None:
+                out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale)
+            else:
+                out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale, kv_rotation=r)
+        else:
+            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
+        if r is not None:
+            out = rotate(out, r.T)
         return out.reshape(t, self.num_heads * self.head_size)
 
 
@@ -94,10 +107,12 @@ def bind_attention(model: nn.Module, backend: AttentionBackend) -> None:
 
 def bind_kv_cache(model: nn.Module, kv_caches: dict[int, torch.Tensor],
                   layer_group: Optional[dict[int, int]] = None) -> None:
-    """Give each attention layer its KV tensor (``kv_caches[layer_idx]``) and KV cache group.
+    """Give each attention layer its KV tensor (``kv_caches[layer_idx]``), KV cache group and,
+    for a rotated format (int4 / int2), its rotation matrix (``Attention.kv_rotation``).
 
-    Raises KeyError when a layer has no tensor.
+    Raises KeyError when a layer has no tensor, ValueError when a tensor matches no KV format.
     """
     for layer in attention_layers(model):
         layer.kv_cache = kv_caches[layer.layer_idx]
         layer.kv_cache_group_id = (layer_group or {}).get(layer.layer_idx, 0)
+        layer.kv_rotation = kv_rotation_for(layer.kv_cache, layer.head_size)

@@ -17,6 +17,7 @@ from kvserve.attention.bounded import build_plans
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.kv_quant import dequantize, quantize
+from kvserve.attention.kv_rotation import rotation_matrix
 from kvserve.attention.torch_ref import store_kv
 from kvserve.core.bounded_kv import sink_shift
 from kvserve.core.kv_cache_spec import KVCacheSpec, get_kv_format
@@ -94,7 +95,7 @@ def _dense(policy, q, k, v, c, L, sinks, window, table_row):
     return torch.einsum("hnl,lhd->nhd", p, vv), p
 
 
-def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window):
+def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window, kv_rotation=None):
     order = sorted(range(len(reqs)), key=lambda i: q_lens[i] != 1)  # decodes first, as the runner does
     reqs = [reqs[i] for i in order]
     table, seq, ql = table[order], np.asarray([seq[i] for i in order]), np.asarray([q_lens[i] for i in order])
@@ -116,7 +117,8 @@ def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window):
     meta.bounded = build_plans(policy, table, seq, ql, [sinks] * len(reqs), [window] * len(reqs), BS,
                                dev, INV.float().to(dev))
     kv = cache.clone().to(dev)
-    out = get_attn_backend(backend_name).forward_bounded(query, key, value, kv, meta, 1 / math.sqrt(D))
+    kw = {} if kv_rotation is None else {"kv_rotation": kv_rotation.to(dev)}
+    out = get_attn_backend(backend_name).forward_bounded(query, key, value, kv, meta, 1 / math.sqrt(D), **kw)
     return out.cpu(), meta, reqs, table, qsl
 
 
@@ -153,3 +155,27 @@ def test_h2o_matches_dense_reference_and_reports_block_mass():
         per_block = torch.nn.functional.pad(per_block, (0, nb * BS - L)).view(nb, BS).sum(1)
         assert np.all(table[i, plan.cols] != 0)
         torch.testing.assert_close(plan.mass.double(), per_block[plan.cols], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch_ref"])
+def test_streaming_in_the_rotated_basis(backend):
+    """int4 / int2 layers attend in a Hadamard-rotated basis (``kv_rotation``): q, k, v and the
+    cache hold ``x R`` and the output comes back times ``R^T``; the sink queries' rotary shift
+    must then act on the unrotated channels (``kv_rotation=R``), or the sink scores are wrong."""
+    sinks, window = 5, 6
+    ctx, ql = [30, 9, 0, 41, 17], [1, 1, 7, 5, 1]
+    evict = [list(range(2, max(c - window + 1, 0) // BS)) for c in ctx]
+    reqs, table, cache, seq = _batch("streaming", ctx, ql, sinks, window, evict)
+    r = rotation_matrix(D).double()
+    rreqs = [(q @ r, k @ r, v @ r, c, L) for q, k, v, c, L in reqs]
+    rcache = (cache.double() @ r).float()  # the null block stays NaN
+    for rot, ok in ((r.float(), True), (None, False)):
+        out, _, sreqs, _, qsl = _run(backend, "streaming", rreqs, table, rcache, seq, ql, sinks, window, rot)
+        out = out.double() @ r.T
+        order = sorted(range(len(reqs)), key=lambda i: ql[i] != 1)
+        close = []
+        for j, i in enumerate(order):
+            q, k, v, c, L = reqs[i]
+            ref, _ = _dense("streaming", q, k, v, c, L, sinks, window, None)
+            close.append(torch.allclose(out[qsl[j]:qsl[j + 1]], ref, atol=1e-4, rtol=1e-4))
+        assert all(close) if ok else not all(close)

@@ -219,11 +219,13 @@ def test_h2o_equals_reference_over_the_kept_blocks(tiny, backend):
         assert logits[len(prompt) - 1:].argmax(-1).tolist() == out
 
 
-def test_quantized_kv_cache_streams(tiny):
-    """int8 KV under StreamingLLM (stored keys are never rewritten, so any format serves; the
-    attention itself is checked per format in tests/attention/test_bounded_attention.py)."""
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_kv_cache_streams(tiny, kv_dtype):
+    """int8 / int4 (Hadamard-rotated) KV under StreamingLLM (stored keys are never rewritten, so
+    any format serves; the attention itself is checked per format in
+    tests/attention/test_bounded_attention.py, the rotated sink queries there too)."""
     path, hf = tiny
-    llm = _llm(path, kv_cache_dtype="int8")
+    llm = _llm(path, kv_cache_dtype=kv_dtype)
     got, _ = _run_checked(llm, _prompts([13]), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert len(got[0]) == 60 and llm.llm_engine.engine_core.scheduler.get_stats().num_evicted_blocks > 10
     llm.shutdown()

@@ -172,13 +172,14 @@ def test_two_engines_share_a_directory(tiny_llama_dir, tmp_path):
 
 
 def test_root_key_names_the_page_layout():
-    """Files written in the per-row quantized layout (key version v1) are never read as pages
-    of the codes-then-scales layout: the version is part of every block's key."""
+    """Files written in the per-row quantized layout (key version v1), or with unrotated int4 /
+    int2 content (v2), are never read as pages of the current layout (v3: codes then scales,
+    int4 / int2 in the Hadamard-rotated basis): the version is part of every block's key."""
     import hashlib
 
     from kvserve.kv_connector.block_hash import KEY_VERSION, root_key
 
-    assert KEY_VERSION == b"kvserve-kv-v2"
-    v1 = hashlib.blake2b(b"kvserve-kv-v1\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
-    v2 = hashlib.blake2b(KEY_VERSION + b"\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
-    assert root_key("fp", "int4", 16, None) == v2 != v1
+    assert KEY_VERSION == b"kvserve-kv-v3"
+    old = [hashlib.blake2b(b"kvserve-kv-v%d\0fp\0int4\0" % i + b"16\0\0", digest_size=16).digest() for i in (1, 2)]
+    v3 = hashlib.blake2b(KEY_VERSION + b"\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
+    assert root_key("fp", "int4", 16, None) == v3 and v3 not in old

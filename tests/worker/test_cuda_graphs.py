@@ -44,10 +44,13 @@ def _random_llama(path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
 @pytest.mark.parametrize("budget", [512, 24])
-def test_graph_replay_matches_eager(tmp_path, budget):
+def test_graph_replay_matches_eager(tmp_path, budget, kv_dtype):
     """Decode graphs and piecewise graphs (steps with prefill; budget 24 forces chunked
-    prefill mixed with decodes) give the eager tokens."""
+    prefill mixed with decodes) give the eager tokens; int4 also checks that the Hadamard
+    rotation (``Attention.forward``) runs exactly once per layer both inside a decode graph and
+    between the piecewise graph pieces."""
     from kvserve import LLM, SamplingParams
 
     _random_llama(tmp_path)
@@ -58,7 +61,7 @@ def test_graph_replay_matches_eager(tmp_path, budget):
     for eager in (True, False):
         llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
                   max_num_seqs=12, kv_cache_memory="64MiB", enforce_eager=eager, disable_log_stats=True,
-                  max_num_batched_tokens=budget)
+                  max_num_batched_tokens=budget, kv_cache_dtype=kv_dtype)
         runner = llm.llm_engine.engine_core.model_runner
         assert (runner.graph_runner is None) == eager and (runner.piecewise_runner is None) == eager
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]

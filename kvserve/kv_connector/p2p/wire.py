@@ -37,8 +37,12 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
     ``num_layers``, ``block_size``, ``kv_cache_dtype``, ``dtype`` (model torch dtype name),
     ``tp_size``, and ``groups``: per KV cache group ``{"kind", "layers", "num_kv_heads",
     "head_size", "sliding_window", "page_shape" (one block of one layer: [2, block_size,
-    kv_heads, row elements]), "page_bytes" (per layer)}``.
+    kv_heads, row elements]), "page_bytes" (per layer)}``; for rotated formats (int4 / int2)
+    also ``kv_rotation``: the basis the pages hold K/V in (``kv_rotation.ROTATION_NAME``). It
+    is absent otherwise, so unrotated layouts are unchanged and a peer from before the
+    rotation, which sends no such field, is refused on int4 / int2 only.
     """
+    from kvserve.attention.kv_rotation import ROTATION_NAME
     from kvserve.kv_connector.block_hash import model_fingerprint
 
     mc, cc = config.model_config, config.cache_config
@@ -51,12 +55,15 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
             "page_shape": [2, s.block_size, s.num_kv_heads, s.format.row_elems(s.head_size)],
             "page_bytes": s.page_size_bytes,
         })
-    return {
+    layout = {
         "model": os.path.basename(str(mc.model or "").rstrip("/")), "fingerprint": model_fingerprint(config),
         "num_layers": kv_cache_config.num_layers, "block_size": kv_cache_config.block_size,
         "kv_cache_dtype": str(cc.kv_cache_dtype), "dtype": str(mc.dtype),
         "tp_size": config.parallel_config.tensor_parallel_size, "groups": groups,
     }
+    if any(g.spec.format.rotated for g in kv_cache_config.groups):
+        layout["kv_rotation"] = ROTATION_NAME
+    return layout
 
 
 def layout_mismatch(mine: dict, theirs: Any) -> Optional[str]:
