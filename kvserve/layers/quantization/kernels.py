@@ -9,10 +9,18 @@ Canonical INT4 form (llama.cpp's Q4_1, asymmetric): per group of ``group_size`` 
 features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernels compute
 ``w = (q - 8) * scale + zero``, so ``zero = min + 8 * scale`` (exact algebra; the one rounding
 is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
+
+On CUDA, M <= ``triton_gemv.MAX_M`` (decode) runs the Triton weight-only GEMV of ``triton_gemv``
+for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, "1" adds INT4, "0"
+restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
+Triton GEMV is stored only in its packing (one copy: tinygemm's packing is as large); M > MAX_M then
+dequantizes to the activation dtype and uses cuBLAS (a transient ``[N, K]`` copy; prefill-sized M is
+compute-bound, so the dequantization pass is small). The CPU paths are unchanged.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +76,31 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
+#: formats served by the Triton GEMV on CUDA by default (``KVSERVE_TRITON_GEMV``: "1" all, "0" none, or a list).
+#: INT4 is opt-in: on the H100 its M=1 GEMV reaches ~1.1 TB/s vs tinygemm's 1.3-1.9 (W2 4.75 vs 3.22 ms/token),
+#: though it wins from M=4 up (BENCHMARKS.md); one packing is kept, so the batch-1 winner is the default.
+TRITON_GEMV_DEFAULT = "fp8,int8"
+
+
+def _use_triton(device: torch.device, fmt: str) -> bool:
+    """Triton GEMV for small M: CUDA only; ``KVSERVE_TRITON_GEMV`` (read at load) = 1 | 0 | "fp8,int4,..."."""
+    v = os.environ.get("KVSERVE_TRITON_GEMV", TRITON_GEMV_DEFAULT)
+    return device.type == "cuda" and (v == "1" or fmt in v.split(","))
+
+
+def _gemv():
+    from kvserve.layers.quantization import triton_gemv  # imported on first CUDA use (the CPU never needs it)
+
+    return triton_gemv
+
+
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
 class PackedInt4:
-    """INT4 weights in the int4pack kernel layout of ``device`` (CPU: N padded to 16; CUDA: tinygemm).
+    """INT4 weights in the int4pack kernel layout of ``device`` (CPU: N padded to 16; CUDA: tinygemm),
+    or on CUDA (default) in the Triton GEMV layout (``triton_gemv.pack_int4``; module doc).
 
     ``dtype`` is the activation dtype (bfloat16 is the fast one on both; CUDA requires it).
     """
@@ -89,6 +116,14 @@ class PackedInt4:
         cuda = device.type == "cuda"
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
+        self.triton = _use_triton(device, "int4")
+        if self.triton:  # pack_int4 layout; scales / minima [K/g, N], float16 when exact (GGUF) else dtype
+            self.packed = _gemv().pack_int4(w.q.to(device), g)
+            sdt = torch.float16 if all(torch.equal(t.half().float(), t.float()) for t in (w.scale, w.min)) else dtype
+            self.scale_t = w.scale.t().contiguous().to(device, sdt)
+            self.min_t = w.min.t().contiguous().to(device, sdt)
+            self.k_pad = k_q
+            return
         n_pad = _round_up(n, 8 if cuda else 16)
         k_pad = _round_up(k_q, max(128, g) if cuda else g)  # tinygemm: K a multiple of innerKTiles(8) * 16
         q = F.pad(w.q, (0, k_pad - k_q, 0, n_pad - n))
@@ -104,6 +139,12 @@ class PackedInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` -> ``x @ W.T`` ``[M, N]`` in x's dtype."""
+        if self.triton:
+            tg = _gemv()
+            if x.shape[0] <= tg.MAX_M:
+                return tg.wgemv(x, tg.FMT_INT4, self.packed, self.scale_t, self.min_t, self.n, self.group_size)
+            wd = tg.int4_dequantize(self.packed, self.scale_t, self.min_t, self.n, self.group_size, x.dtype)
+            return F.linear(x, wd[:, : self.k])
         if self.k_pad != self.k:
             x = F.pad(x, (0, self.k_pad - self.k))
         if x.is_cuda:
@@ -114,6 +155,8 @@ class PackedInt4:
         return y[:, : self.n] if y.shape[1] != self.n else y
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.triton:
+            return [self.packed, self.scale_t, self.min_t]
         return [self.packed, self.scales_and_zeros]
 
 
@@ -125,8 +168,11 @@ class PackedInt8:
         self.k_pad = _round_up(self.k, 32)
         self.q = F.pad(q, (0, self.k_pad - self.k)).contiguous().to(device)
         self.scale = scale.to(device, dtype)
+        self.triton = _use_triton(device, "int8")
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton and x.shape[0] <= _gemv().MAX_M:
+            return _gemv().wgemv(x, _gemv().FMT_INT8, self.q, self.scale, None, self.n)
         if self.k_pad != self.k:
             x = F.pad(x, (0, self.k_pad - self.k))
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
@@ -149,8 +195,13 @@ class PackedFp8:
         self.qt = q.to(device).t()  # column-major [K, N]: what _scaled_mm wants for its second operand
         self.scale = F.pad(scale, (0, self.n_pad - self.n), value=1.0).reshape(1, -1).to(device, torch.float32)
         self.dtype = dtype
+        self.triton = _use_triton(device, "fp8")
+        if self.triton:  # the same bytes, row-major [N_pad, K_pad] as uint8, and the scale as [N_pad]
+            self.w_rows, self.scale_rows = self.qt.t().view(torch.uint8), self.scale.reshape(-1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton and x.shape[0] <= _gemv().MAX_M:
+            return _gemv().wgemv(x, _gemv().FMT_FP8, self.w_rows, self.scale_rows, None, self.n)
         if self.k_pad != self.k:
             x = F.pad(x, (0, self.k_pad - self.k))
         xs = x.abs().amax(1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
