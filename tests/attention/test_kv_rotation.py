@@ -72,9 +72,11 @@ class _Model(nn.Module):
         self.attn = Attention(h, d, d ** -0.5, hkv, 0)
 
 
-def _batch(reqs, bs, hkv, d, name, backend, gen, kv_scale=None):
+def _batch(reqs, bs, hkv, d, name, backend, gen, kv_scale=None, device=None):
     """(cached, new) per request, decodes first: metadata, and a cache in format ``name``
-    whose cached prefixes hold rotated-then-quantized random K/V (as a rotated layer writes)."""
+    whose cached prefixes hold rotated-then-quantized random K/V (as a rotated layer writes).
+    ``device``: default the CPU for the cpu backend, else CUDA when present."""
+    DEV = device or ("cpu" if backend == "cpu" else globals()["DEV"])  # noqa: N806
     nbs = [-(-(c + n) // bs) for c, n in reqs]
     num_blocks = sum(nbs) + 2
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -181,11 +183,11 @@ def test_rotation_shrinks_int4_error_on_outlier_channels():
     outs = {}
     for name, rotated in (("float32", False), ("int4", True), ("int4", False)):
         g = torch.Generator().manual_seed(5)  # the same cached prefixes each time
-        meta, cache, bt, nbs = _batch(reqs, bs, hkv, d, "float32", "torch_ref", g, kv_scale)
+        meta, cache, bt, nbs = _batch(reqs, bs, hkv, d, "float32", "torch_ref", g, kv_scale, device="cpu")
         if name == "int4":  # requantize the float32 prefix (in the basis the layer will use)
             vals = cache.clone()
             spec = KVCacheSpec(bs, hkv, d, "int4", "float32")
-            cache = get_attn_backend("torch_ref").allocate_kv_cache(spec, vals.shape[1], torch.device(DEV))
+            cache = get_attn_backend("torch_ref").allocate_kv_cache(spec, vals.shape[1], torch.device("cpu"))
             r = rotation_matrix(d) if rotated else torch.eye(d)
             flat = rotate(vals.reshape(2, -1, hkv, d), r)
             get_attn_backend("torch_ref").store_kv(flat[0], flat[1], cache, torch.arange(flat.shape[1]))

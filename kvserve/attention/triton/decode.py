@@ -191,12 +191,13 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0)
         return 16, 4, 2
     if head_dim >= 256:
         return 32, 4, 2
-    # Quantized tiles: on an H100 (batch 64 x 8k, head dim 128; first folded-scale version,
-    # benchmarks/gpu_issue12.py) 8-bit codes ran best at 32 keys x 4 warps x 3 stages (fp8
-    # 0.71 ms; 64 x 8: 1.28 ms), int4/int2 at 64 x 4 x 2 (0.81 / 0.80 ms). Re-check with the
-    # sweep after kernel changes (registers per config: benchmarks/ptx_kv_loads.py --regs).
-    if 1 <= kv_fmt <= 3:
-        return 32, 4, 3
+    # Quantized tiles, from the H100 sweep (benchmarks/gpu_issue12.py, batch 64 x 8k, head dim
+    # 128, folded scales; bf16 0.714 ms at 64 x 4 x 2): 8-bit codes 64 keys x 4 warps x 2
+    # stages (fp8 0.460 ms, int8 0.548; 32 x 4 x 3: 0.604 / 0.670), int4/int2 32 x 4 x 2
+    # (0.745 / 0.743; 64 x 4 x 2: 0.900 / 0.913). Re-check after kernel changes
+    # (registers per config: benchmarks/ptx_kv_loads.py --regs).
+    if kv_fmt >= 4:
+        return 32, 4, 2
     return 64, 4, 2
 
 
