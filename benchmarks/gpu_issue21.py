@@ -214,12 +214,15 @@ def _cpu_decode(llm, n: int) -> list[float]:
 
 
 def w1(path: str, fmt: str, device: str, smoke: bool) -> dict:
-    """64 requests, prompts U[100, 1024], outputs U[100, 512] (ignore_eos): output tok/s."""
+    """64 requests, prompts U[100, 1024], outputs U[100, 512] (ignore_eos): output tok/s.
+    ``fmt`` may end in ``+fp8kv``: the same weights with ``kv_cache_dtype="fp8"`` (4 GiB of KV
+    either way, so the KV dtype sets how many requests fit before preemption)."""
     import numpy as np
 
     from kvserve import SamplingParams
 
-    llm = _llm(path, fmt, device, smoke, max_num_seqs=64)
+    wfmt, _, kv = fmt.partition("+")
+    llm = _llm(path, wfmt, device, smoke, max_num_seqs=64, kv_cache_dtype="fp8" if kv == "fp8kv" else "auto")
     rng = np.random.default_rng(0)
     n = 4 if smoke else 64
     plens = rng.integers(100, 1025, n) if not smoke else rng.integers(4, 16, n)
@@ -230,10 +233,12 @@ def w1(path: str, fmt: str, device: str, smoke: bool) -> dict:
     t = time.perf_counter()
     llm.generate(prompts, sps, use_tqdm=False)
     wall = time.perf_counter() - t
+    preempted = llm.llm_engine.stats.num_preemptions
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    return dict(part="W1-64", format=fmt, output_tok_s=round(int(olens.sum()) / wall, 1), wall_s=round(wall, 2))
+    return dict(part="W1-64", format=fmt, output_tok_s=round(int(olens.sum()) / wall, 1), wall_s=round(wall, 2),
+                preemptions=preempted)
 
 
 def main() -> None:
