@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -88,6 +89,11 @@ class NixlAgent:
         # No progress thread: it spins a core even when idle. A READ's initiator progresses
         # while polling it, the producer (``progress``) while its blocks are being read.
         # STRICT: the pull / lend threads of one worker share the agent.
+        # UCX turns cuda_ipc READs (get zcopy) off unless it sees NVLink, so two processes on
+        # one GPU (or PCIe peers) fell back to TCP emulation: 0.47 GB/s vs ~700 GB/s with it
+        # on (H100, BENCHMARKS.md). Set before the agent creates its UCX context; a user's
+        # own setting wins.
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         conf = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
