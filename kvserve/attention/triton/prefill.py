@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(
-    q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off,
+    q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr, kv_head_off,
     stride_cb, stride_co, stride_cd, q_scale, q_sum,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
@@ -46,6 +46,8 @@ def _attend_block(
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
+    if USE_WINDOW:  # n0 is rounded down: never load keys below the tile's window (freed blocks)
+        n_mask = n_mask & (pos >= kv_min)
     row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     # [D, BLOCK_N]
     k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
@@ -118,10 +120,12 @@ def _prefill_kernel(
     live = t0 < q_len
     kv_hi = tl.where(live, tl.minimum(ctx + t0 + BLOCK_Q, seq_len), 0)
     if USE_WINDOW:  # from a multiple of BLOCK_N (kv_scale_index); the window mask hides the rest
-        kv_lo = (tl.maximum(ctx + t0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        kv_min = tl.maximum(ctx + t0 - window + 1, 0)
+        kv_lo = (kv_min // BLOCK_N) * BLOCK_N
         full_end = kv_lo
     else:
         kv_lo = seq_len * 0
+        kv_min = kv_lo
         full_end = tl.where(live, ((ctx + t0) // BLOCK_N) * BLOCK_N, 0)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
@@ -131,12 +135,12 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n0 in range(kv_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+            q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
     for n0 in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, n0, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+            q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
 
