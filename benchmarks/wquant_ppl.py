@@ -117,13 +117,20 @@ def main() -> None:
     ap.add_argument("--llama-perplexity", default=None, metavar="BIN", help="also run llama.cpp's llama-perplexity")
     ap.add_argument("--threads", type=int, default=2, help="llama-perplexity -t")
     ap.add_argument("--text-file", default="/tmp/wquant_ppl_humaneval.txt", help="where the text is written")
+    ap.add_argument("--token-ids", default=None, metavar="JSON",
+                    help="score these token ids (a JSON list, e.g. llama-server's /tokenize of the text) "
+                         "instead of our tokenizer's")
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
     from kvserve.model_loader import get_tokenizer, load_hf_config, resolve_model
 
     path, _ = resolve_model(None, "auto")
     cfg = load_hf_config(path, "gguf")
-    ids = corpus_ids(get_tokenizer(path, "gguf"), ns.max_tokens)
+    if ns.token_ids:
+        with open(ns.token_ids) as f:
+            ids = json.load(f)[:ns.max_tokens]
+    else:
+        ids = corpus_ids(get_tokenizer(path, "gguf"), ns.max_tokens)
     windows = [torch.tensor(ids[i:i + ns.window]) for i in range(0, len(ids) - ns.window + 1, ns.window)]
     records = []
     if ns.llama_perplexity:
