@@ -6,15 +6,18 @@ Workloads (real text shipped in the repo):
 * ``edit``: code editing -- the chat model is asked to return one of kvserve's own source
   functions with a small change (input-grounded: the answer copies most of the prompt);
 * ``chat``: open questions (nothing to copy: the n-gram proposer rarely fires);
-* ``seen``: the first of the shipped EAGLE head's own training prompts (what a head trained
+* ``seen``: the first corpus prompts of the shipped EAGLE head's training prompts (what a head trained
   on the traffic it serves reaches; not held out).
 
 Methods: no speculation, n-gram (k = 2, 4), draft_model with the target itself as its
 own draft (full acceptance: shows the cost of a same-size draft; a real draft is smaller), and
 with ``--eagle default`` the shipped EAGLE head at k = 2, 3, 4 (``--eagle-ks``; the chat
-questions are not among the head's training prompts).
+questions are not among the head's training prompts; a comma list of head directories runs
+each).
 Every request runs alone (batch 1), the methods interleaved prompt by prompt (a shared
-machine's load drift hits them alike); outputs are checked identical to no speculation. Writes
+machine's load drift hits them alike), after one warm-up request per engine on a prompt that is
+not measured; prefix caching is off (an EAGLE head sees every request's whole context).
+Outputs are checked identical to no speculation. Writes
 one JSON record per (workload, method): output tok/s, speedup, acceptance rate, mean
 acceptance length, accepted per position, per-request [drafts, accepted].
 
@@ -119,21 +122,28 @@ def label(m: dict | None) -> str:
     if not m:
         return "none"
     extra = f" vocab {m['draft_vocab_size']}" if "draft_vocab_size" in m else ""
-    return f"{m['method']} k={m['num_speculative_tokens']}{extra}"
+    head = f"[{os.path.basename(m['model'].rstrip('/'))}]" if m["method"] == "eagle" and m["model"] != "default" else ""
+    return f"{m['method']}{head} k={m['num_speculative_tokens']}{extra}"
 
 
 def make_llms(methods: list, model: str | None, device: str, dtype: str) -> list:
-    """One engine per method (batch 1: ``max_num_seqs`` 1, so few CUDA graphs to capture)."""
+    """One engine per method (batch 1: ``max_num_seqs`` 1, so few CUDA graphs to capture). No
+    prefix caching: every request computes its whole prompt, so an EAGLE head sees all of it
+    (a prefix hit starts the head at the first computed position)."""
     from kvserve import LLM
 
     return [LLM(model=model, device=device, dtype=dtype, kv_cache_memory="256MiB", max_model_len=2048,
-                max_num_seqs=1, max_num_batched_tokens=2048, disable_log_stats=True, speculative_config=m)
-            for m in methods]
+                max_num_seqs=1, max_num_batched_tokens=2048, disable_log_stats=True, enable_prefix_caching=False,
+                speculative_config=m) for m in methods]
 
 
-def run_all(llms: list, prompts: list[str], max_tokens: int) -> list[dict]:
+WARMUP = "Hello! What can you help me with today?"  # not a measured prompt
+
+
+def run_all(llms: list, prompts: list[str], max_tokens: int, warmup_tokens: int = 4) -> list[dict]:
     """Every engine on every prompt, batch 1, interleaved (prompt-major: each prompt runs under
-    every method back to back) so that load drift on a shared machine hits all methods alike."""
+    every method back to back) so that load drift on a shared machine hits all methods alike.
+    Each engine first answers ``WARMUP`` (``warmup_tokens`` tokens)."""
     from kvserve import SamplingParams
     from kvserve.bench.throughput import spec_decode_summary
 
@@ -141,8 +151,9 @@ def run_all(llms: list, prompts: list[str], max_tokens: int) -> list[dict]:
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in prompts]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    warm = tok.apply_chat_template([{"role": "user", "content": WARMUP}], add_generation_prompt=True, tokenize=False)
     for llm in llms:
-        llm.generate([texts[0]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        llm.generate([warm], SamplingParams(temperature=0, max_tokens=warmup_tokens), use_tqdm=False)
     before = [_stats(llm) for llm in llms]
     counters = [getattr(llm, "_graph_counter", None) for llm in llms]
     steps0 = [(c.steps, c.graphed) if c else (0, 0) for c in counters]
@@ -172,8 +183,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--ks", default="2,4")
     ap.add_argument("--draft", action="store_true", help="also the draft_model method (target as its own draft)")
-    ap.add_argument("--eagle", default=None, help="also EAGLE with this head directory ('default': the shipped "
-                                                  "head for the default model)")
+    ap.add_argument("--eagle", default=None, help="also EAGLE with these head directories (comma list; "
+                                                  "'default': the shipped head for the default model)")
     ap.add_argument("--eagle-ks", default="2,3,4")
     ap.add_argument("--eagle-vocab", default="", help="comma list of draft_vocab_size values to run beside the "
                                                       "head's own setting (0: the whole vocabulary)")
@@ -198,12 +209,13 @@ def main() -> None:
     methods = [None] + [{"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": 2,
                          "prompt_lookup_max": 4} for k in ns.ks.split(",") if k]
     if ns.draft:
-        methods.append({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+        methods.append({"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                        "draft_num_blocks": 2 * 2048 // 16 + 1})  # room for one whole request
     if ns.eagle:
         vocabs = [None] + [int(v) for v in ns.eagle_vocab.split(",") if v]
-        methods += [{"method": "eagle", "model": ns.eagle, "num_speculative_tokens": int(k), "dynamic": False,
+        methods += [{"method": "eagle", "model": head, "num_speculative_tokens": int(k), "dynamic": False,
                      **({} if v is None else {"draft_vocab_size": v or 10**9})}
-                    for k in ns.eagle_ks.split(",") if k for v in vocabs]
+                    for head in ns.eagle.split(",") for k in ns.eagle_ks.split(",") if k for v in vocabs]
     t_start = time.perf_counter()
     llms = make_llms(methods, path, ns.device, ns.dtype)
     t_init = time.perf_counter() - t_start
@@ -218,7 +230,8 @@ def main() -> None:
             prompts = chat_prompts(128, 0)[:ns.chat_prompts]
         else:
             prompts = edit_prompts(ns.edit_prompts) if wl == "edit" else CHAT[:ns.chat_prompts]
-        recs = run_all(llms, prompts, ns.max_tokens)
+        # On a GPU the warm-up runs a whole answer (kernels compiled for every step shape).
+        recs = run_all(llms, prompts, ns.max_tokens, ns.max_tokens if ns.device == "cuda" else 4)
         base = recs[0]
         for m, r in zip(methods, recs):
             r["workload"], r["method"], r["label"], r["num_prompts"] = wl, m, label(m), len(prompts)
