@@ -184,7 +184,8 @@ def main() -> None:
     ap.add_argument("--ks", default="2,4")
     ap.add_argument("--draft", action="store_true", help="also the draft_model method (target as its own draft)")
     ap.add_argument("--eagle", default=None, help="also EAGLE with these head directories (comma list; "
-                                                  "'default': the shipped head for the default model)")
+                                                  "'default': the shipped head for the default model; "
+                                                  "DIR@K[/K..]: that head at these k only)")
     ap.add_argument("--eagle-ks", default="2,3,4")
     ap.add_argument("--eagle-vocab", default="", help="comma list of draft_vocab_size values to run beside the "
                                                       "head's own setting (0: the whole vocabulary)")
@@ -213,9 +214,11 @@ def main() -> None:
                         "draft_num_blocks": 2 * 2048 // 16 + 1})  # room for one whole request
     if ns.eagle:
         vocabs = [None] + [int(v) for v in ns.eagle_vocab.split(",") if v]
-        methods += [{"method": "eagle", "model": head, "num_speculative_tokens": int(k), "dynamic": False,
-                     **({} if v is None else {"draft_vocab_size": v or 10**9})}
-                    for head in ns.eagle.split(",") for k in ns.eagle_ks.split(",") if k for v in vocabs]
+        for entry in ns.eagle.split(","):  # DIR or DIR@K[/K...]: that head at its own ks
+            head, _, ks = entry.partition("@")
+            methods += [{"method": "eagle", "model": head, "num_speculative_tokens": int(k), "dynamic": False,
+                         **({} if v is None else {"draft_vocab_size": v or 10**9})}
+                        for k in (ks.split("/") if ks else ns.eagle_ks.split(",")) if k for v in vocabs]
     t_start = time.perf_counter()
     llms = make_llms(methods, path, ns.device, ns.dtype)
     t_init = time.perf_counter() - t_start
