@@ -246,8 +246,9 @@ def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float 
           init: str = "random", loss_on_prompt: bool = False, log=print, vocab: int | None = None,
           eval_samples=None) -> TrainHead:
     """Train a head on ``samples`` (``generate_data``); returns it (float32). ``init``:
-    "random" (default: measured better) or "target" (the target's last layer; on the
-    default model its outputs on final-normed inputs start far off and train slowly).
+    "random" (default: measured better), "target" (the target's last layer; on the
+    default model its outputs on final-normed inputs start far off and train slowly) or a
+    head directory (``save_head`` layout) to continue training; ValueError if it does not fit.
     ``vocab``: the cross-entropy (and the logged agreement) over token ids ``< vocab`` only
     (None: the whole vocabulary). ``eval_samples``: held-out samples whose top-1 agreement
     (``evaluate``) is logged after every epoch."""
@@ -255,6 +256,16 @@ def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float 
     head = TrainHead(cfg)
     if init == "target":
         init_from_target(head, target, seed)
+    elif init != "random":  # a head directory: continue training it
+        from safetensors.torch import load_file
+
+        sd = {k.removeprefix("model."): v.float() for k, v in load_file(os.path.join(init, "model.safetensors")).items()}
+        try:
+            missing, unexpected = head.load_state_dict(sd, strict=False)
+        except RuntimeError as exc:  # a tensor of another shape
+            raise ValueError(f"{init}: not an EAGLE-1 head of this shape: {exc}") from None
+        if unexpected or [m for m in missing if "rotary" not in m and not m.endswith("_cache")]:
+            raise ValueError(f"{init}: not an EAGLE-1 head of this shape ({missing}, {unexpected})")
     emb_w, lm_w = _weights(target, vocab)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -311,7 +322,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--init", default="random", choices=["random", "target"])
+    ap.add_argument("--init", default="random", help="random, target (its last layer) or a head directory "
+                                                      "to continue training")
     ap.add_argument("--loss-on-prompt", action="store_true", help="train on prompt positions too (more text)")
     ap.add_argument("--kv-cache-memory", default="256MiB", help="the generating engine's KV cache (more: larger "
                                                                   "batches, faster; outputs may differ slightly)")

@@ -80,3 +80,18 @@ def test_train_fits_its_samples_and_evaluates_held_out(tmp_path, vocab):
     save_head(head, cfg, str(tmp_path / "h"), draft_vocab_size=vocab)
     conf = json.loads((tmp_path / "h" / "config.json").read_text())
     assert conf["num_hidden_layers"] == 1 and conf.get("draft_vocab_size") == vocab
+
+
+def test_train_continues_a_saved_head(tmp_path):
+    cfg, target, samples = _tiny()
+    head = train(samples, target, cfg, epochs=3, lr=3e-3, seed=0, log=lambda m: None)
+    save_head(head, cfg, str(tmp_path / "h"))
+    again = train(samples, target, cfg, epochs=1, lr=0.0, seed=1, log=lambda m: None, init=str(tmp_path / "h"))
+    for (n, a), b in zip(head.published().items(), again.published().values()):
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=n)  # saved in bf16
+    with pytest.raises(ValueError):
+        from transformers import LlamaConfig
+
+        wide = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+        train(samples, target, wide, epochs=1, lr=0.0, seed=0, log=lambda m: None, init=str(tmp_path / "h"))
