@@ -143,7 +143,8 @@ WARMUP = "Hello! What can you help me with today?"  # not a measured prompt
 def run_all(llms: list, prompts: list[str], max_tokens: int, warmup_tokens: int = 4) -> list[dict]:
     """Every engine on every prompt, batch 1, interleaved (prompt-major: each prompt runs under
     every method back to back) so that load drift on a shared machine hits all methods alike.
-    Each engine first answers ``WARMUP`` (``warmup_tokens`` tokens)."""
+    Each engine first answers ``WARMUP`` (``warmup_tokens`` tokens; when that is the whole
+    answer length, the first measured prompt too)."""
     from kvserve import SamplingParams
     from kvserve.bench.throughput import spec_decode_summary
 
@@ -151,9 +152,12 @@ def run_all(llms: list, prompts: list[str], max_tokens: int, warmup_tokens: int 
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
              for p in prompts]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    warm = tok.apply_chat_template([{"role": "user", "content": WARMUP}], add_generation_prompt=True, tokenize=False)
+    warm = [tok.apply_chat_template([{"role": "user", "content": WARMUP}], add_generation_prompt=True, tokenize=False)]
+    if warmup_tokens >= max_tokens:  # (GPU) also the first measured prompt: every step shape compiled; no
+        warm.append(texts[0])        # prefix caching, so the measured run recomputes it all the same
     for llm in llms:
-        llm.generate([warm], SamplingParams(temperature=0, max_tokens=warmup_tokens), use_tqdm=False)
+        for w in warm:
+            llm.generate([w], SamplingParams(temperature=0, max_tokens=warmup_tokens), use_tqdm=False)
     before = [_stats(llm) for llm in llms]
     counters = [getattr(llm, "_graph_counter", None) for llm in llms]
     steps0 = [(c.steps, c.graphed) if c else (0, 0) for c in counters]
@@ -233,7 +237,7 @@ def main() -> None:
             prompts = chat_prompts(128, 0)[:ns.chat_prompts]
         else:
             prompts = edit_prompts(ns.edit_prompts) if wl == "edit" else CHAT[:ns.chat_prompts]
-        # On a GPU the warm-up runs a whole answer (kernels compiled for every step shape).
+        # On a GPU the warm-up runs whole answers (kernels compiled for every step shape).
         recs = run_all(llms, prompts, ns.max_tokens, ns.max_tokens if ns.device == "cuda" else 4)
         base = recs[0]
         for m, r in zip(methods, recs):
