@@ -1,20 +1,26 @@
 """Train an EAGLE-1/2 head for the default model by self-distillation, on the CPU.
 
-1. Chat prompts are built from real text shipped in the repo (HumanEval functions and KJV
-   passages of ``kvserve/bench/data/accuracy_corpus.jsonl.gz``: "explain this code",
-   "summarize this passage", ...), chat-templated, and answered by the engine itself (greedy).
+1. Chat prompts: ``--prompts chat`` (everyday open requests assembled from templates and word
+   lists, ``kvserve.spec_decode.chat_topics``; the benchmark's chat questions are kept out),
+   ``corpus`` (real text shipped in the repo: HumanEval functions and KJV passages of
+   ``kvserve/bench/data/accuracy_corpus.jsonl.gz``, "explain this code", "summarize this
+   passage", ...) or a file of prompts (one JSON string or plain line each); chat-templated and
+   answered by the engine itself (greedy, batched).
 2. The target re-reads each prompt + answer once (one paged prefill through the engine's own
    model runner) and its final-normed hidden states are kept; the target's next-token
    distributions come from those states through its lm_head while training.
 3. The head (fc + one decoder layer, randomly initialized) learns the
    EAGLE recipe (Li et al., arXiv:2401.15077): smooth-L1 regression of the next feature plus
    ``0.1 x`` cross-entropy against the target's distribution, on answer tokens, with uniform
-   input noise, AdamW, a fixed seed, one thread.
+   input noise, AdamW, a fixed seed, one thread. The cross-entropy is over the draft
+   vocabulary (``--draft-vocab-size``: the head only ever drafts there; ~6x cheaper than the
+   whole vocabulary). ``--holdout N`` keeps the last N prompts out of training and reports the
+   head's top-1 agreement with the target on their answers after every epoch.
 4. It is saved in the published layout (``config.json`` + bf16 ``model.safetensors`` with
    ``fc.*``, ``layers.0.*``) that ``kvserve.models.llama_eagle`` loads.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python -m kvserve.spec_decode.train_eagle \\
-        --out kvserve/spec_decode/data/eagle-smollm2-135m
+        --prompts chat --out kvserve/spec_decode/data/eagle-smollm2-135m
 """
 
 from __future__ import annotations
@@ -153,16 +159,41 @@ def target_hidden(runner, token_ids: list[int]) -> torch.Tensor:
     return h.float().cpu()
 
 
-def generate_data(num_prompts: int, max_tokens: int, seed: int, kv_cache_memory: str = "256MiB"):
+def load_prompts(source: str, n: int, seed: int = 0) -> list[str]:
+    """``n`` training prompts from ``source``: "chat" (``chat_topics.synthetic_chat_prompts``),
+    "corpus" (``chat_prompts``) or a file path (one prompt a line: a JSON string, or plain text;
+    the first ``n``). Raises ValueError for an unknown source or a file with fewer prompts."""
+    if source == "chat":
+        from kvserve.spec_decode.chat_topics import synthetic_chat_prompts
+
+        return synthetic_chat_prompts(n, seed)
+    if source == "corpus":
+        return chat_prompts(n, seed)
+    if not os.path.isfile(source):
+        raise ValueError(f"--prompts must be chat, corpus or a file, got {source!r}")
+    with open(source, encoding="utf-8") as f:
+        lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+    out = [json.loads(ln) if ln.startswith('"') else ln for ln in lines][:n]
+    if len(out) < n:
+        raise ValueError(f"{source} holds {len(out)} prompts, asked for {n}")
+    return out
+
+
+def generate_data(prompts: list[str] | int, max_tokens: int, seed: int, kv_cache_memory: str = "256MiB",
+                  max_num_seqs: int = 32):
     """Self-distillation data: ``(samples, runner, hf_config)``; each sample is
-    ``(token ids [T], answer start, hidden [T, H])``."""
+    ``(token ids [T], answer start, hidden [T, H] float32)``. ``prompts``: the user messages
+    (an int ``n``: the first ``n`` corpus prompts, ``chat_prompts(n, seed)``), answered greedily
+    in batches of up to ``max_num_seqs``."""
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(kv_cache_memory=kv_cache_memory, max_model_len=1536, max_num_seqs=32, disable_log_stats=True,
-              enable_prefix_caching=False, seed=seed)
+    if isinstance(prompts, int):
+        prompts = chat_prompts(prompts, seed)
+    llm = LLM(kv_cache_memory=kv_cache_memory, max_model_len=1536, max_num_seqs=max_num_seqs,
+              disable_log_stats=True, enable_prefix_caching=False, seed=seed)
     tok = llm.get_tokenizer()
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in chat_prompts(num_prompts, seed)]
+             for p in prompts]
     outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     runner = llm.llm_engine.engine_core.model_runner
     samples = []
@@ -172,17 +203,70 @@ def generate_data(num_prompts: int, max_tokens: int, seed: int, kv_cache_memory:
     return samples, runner, runner.model.config
 
 
+def _head_step(head: TrainHead, sample, emb_w: torch.Tensor, lm_w: torch.Tensor, noise: float,
+               loss_on_prompt: bool):
+    """One sequence: (loss, top-1 agreement with the target, positions) over the loss mask."""
+    ids, a0, hid = sample
+    ids_t = torch.tensor(ids)
+    # pair p = (h_p, t_{p+1}) predicts h_{p+1}; answer positions only (loss mask).
+    h_in = hid[:-1] + (torch.rand_like(hid[:-1]) - 0.5) * noise if noise else hid[:-1]
+    feats = head(F.embedding(ids_t[1:], emb_w), h_in)
+    mask = torch.zeros(len(ids) - 1, dtype=torch.bool)
+    mask[0 if loss_on_prompt else max(a0 - 1, 0):] = True
+    f, tgt_h = feats[mask], hid[1:][mask]
+    with torch.no_grad():
+        tp = F.softmax(tgt_h @ lm_w.T, dim=-1)
+    logp = F.log_softmax(f @ lm_w.T, dim=-1)
+    ce = -(tp * logp).sum(-1).mean()
+    loss = F.smooth_l1_loss(f, tgt_h) + 0.1 * ce
+    agree = (logp.argmax(-1) == tp.argmax(-1)).float()
+    return loss, agree.mean().item(), len(agree)
+
+
+@torch.no_grad()
+def evaluate(head: TrainHead, samples, target, vocab: int | None = None) -> float:
+    """Top-1 agreement of the head's next-token choice with the target's on the answer
+    positions of ``samples`` (teacher-forced target features, no noise), among token ids
+    ``< vocab`` (None: all), token-weighted; in [0, 1] (0.0 for no samples)."""
+    emb_w, lm_w = _weights(target, vocab)
+    hits = n = 0
+    for smp in samples:
+        _, acc, k = _head_step(head, smp, emb_w, lm_w, 0.0, False)
+        hits, n = hits + acc * k, n + k
+    return hits / n if n else 0.0
+
+
+def _weights(target, vocab: int | None):
+    emb_w = target.model.embed_tokens.weight.detach().float()
+    lm_w = emb_w if target.lm_head is None else target.lm_head.weight.detach().float()
+    return emb_w, lm_w[:vocab] if vocab else lm_w
+
+
 def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float = 0.2,
-          init: str = "random", loss_on_prompt: bool = False, log=print) -> TrainHead:
+          init: str = "random", loss_on_prompt: bool = False, log=print, vocab: int | None = None,
+          eval_samples=None) -> TrainHead:
     """Train a head on ``samples`` (``generate_data``); returns it (float32). ``init``:
-    "random" (default: measured better) or "target" (the target's last layer; on the
-    default model its outputs on final-normed inputs start far off and train slowly)."""
+    "random" (default: measured better), "target" (the target's last layer; on the
+    default model its outputs on final-normed inputs start far off and train slowly) or a
+    head directory (``save_head`` layout) to continue training; ValueError if it does not fit.
+    ``vocab``: the cross-entropy (and the logged agreement) over token ids ``< vocab`` only
+    (None: the whole vocabulary). ``eval_samples``: held-out samples whose top-1 agreement
+    (``evaluate``) is logged after every epoch."""
     torch.manual_seed(seed)
     head = TrainHead(cfg)
     if init == "target":
         init_from_target(head, target, seed)
-    emb_w = target.model.embed_tokens.weight.detach().float()
-    lm_w = emb_w if target.lm_head is None else target.lm_head.weight.detach().float()
+    elif init != "random":  # a head directory: continue training it
+        from safetensors.torch import load_file
+
+        sd = {k.removeprefix("model."): v.float() for k, v in load_file(os.path.join(init, "model.safetensors")).items()}
+        try:
+            missing, unexpected = head.load_state_dict(sd, strict=False)
+        except RuntimeError as exc:  # a tensor of another shape
+            raise ValueError(f"{init}: not an EAGLE-1 head of this shape: {exc}") from None
+        if unexpected or [m for m in missing if "rotary" not in m and not m.endswith("_cache")]:
+            raise ValueError(f"{init}: not an EAGLE-1 head of this shape ({missing}, {unexpected})")
+    emb_w, lm_w = _weights(target, vocab)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps = epochs * len(samples)
@@ -194,30 +278,18 @@ def train(samples, target, cfg, epochs: int, lr: float, seed: int, noise: float 
         rng.shuffle(order)
         tot = {"loss": 0.0, "acc": 0.0, "n": 0}
         for i in order:
-            ids, a0, hid = samples[i]
-            ids_t = torch.tensor(ids)
-            # pair p = (h_p, t_{p+1}) predicts h_{p+1}; answer positions only (loss mask).
-            h_in = hid[:-1] + (torch.rand_like(hid[:-1]) - 0.5) * noise
-            feats = head(F.embedding(ids_t[1:], emb_w), h_in)
-            mask = torch.zeros(len(ids) - 1, dtype=torch.bool)
-            mask[0 if loss_on_prompt else max(a0 - 1, 0):] = True
-            f, tgt_h = feats[mask], hid[1:][mask]
-            with torch.no_grad():
-                tp = F.softmax(tgt_h @ lm_w.T, dim=-1)
-            logp = F.log_softmax(f @ lm_w.T, dim=-1)
-            ce = -(tp * logp).sum(-1).mean()
-            reg = F.smooth_l1_loss(f, tgt_h)
-            loss = reg + 0.1 * ce
+            loss, acc, _ = _head_step(head, samples[i], emb_w, lm_w, noise, loss_on_prompt)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             sched.step()
             tot["loss"] += loss.item()
-            tot["acc"] += (logp.argmax(-1) == tp.argmax(-1)).float().mean().item()
+            tot["acc"] += acc
             tot["n"] += 1
+        held = f", held-out {evaluate(head, eval_samples, target, vocab):.3f}" if eval_samples else ""
         log(f"epoch {ep + 1}/{epochs}: loss {tot['loss'] / tot['n']:.4f} "
-            f"top-1 agreement {tot['acc'] / tot['n']:.3f}")
+            f"top-1 agreement {tot['acc'] / tot['n']:.3f}{held}")
     return head
 
 
@@ -241,27 +313,41 @@ def save_head(head: TrainHead, cfg, out: str, draft_vocab_size: int | None = Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="kvserve/spec_decode/data/eagle-smollm2-135m")
+    ap.add_argument("--prompts", default="corpus", help="chat (synthetic everyday requests), corpus (code and "
+                                                         "prose of the shipped corpus) or a file (one a line)")
     ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--extra-corpus", type=int, default=0, help="also this many corpus prompts (with --prompts chat)")
+    ap.add_argument("--holdout", type=int, default=0, help="keep the last N prompts out of training; log the "
+                                                           "head's top-1 agreement on their answers every epoch")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--init", default="random", choices=["random", "target"])
+    ap.add_argument("--init", default="random", help="random, target (its last layer) or a head directory "
+                                                      "to continue training")
     ap.add_argument("--loss-on-prompt", action="store_true", help="train on prompt positions too (more text)")
     ap.add_argument("--kv-cache-memory", default="256MiB", help="the generating engine's KV cache (more: larger "
                                                                   "batches, faster; outputs may differ slightly)")
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="the generating engine's batch")
     ap.add_argument("--draft-vocab-size", type=int, default=8192,
-                    help="written to config.json: draft among the first N token ids (0: the whole vocabulary)")
+                    help="written to config.json: draft among the first N token ids (0: the whole vocabulary); "
+                         "the cross-entropy is over the same ids")
     ap.add_argument("--seed", type=int, default=0)
     ns = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t0 = time.perf_counter()
-    samples, runner, cfg = generate_data(ns.num_prompts, ns.max_tokens, ns.seed, ns.kv_cache_memory)
+    prompts = load_prompts(ns.prompts, ns.num_prompts, ns.seed)
+    if ns.extra_corpus:
+        prompts = chat_prompts(ns.extra_corpus, ns.seed) + prompts  # the held-out tail stays of --prompts
+    samples, runner, cfg = generate_data(prompts, ns.max_tokens, ns.seed, ns.kv_cache_memory, ns.max_num_seqs)
+    held = samples[len(samples) - ns.holdout:] if ns.holdout else []
+    samples = samples[:len(samples) - len(held)]
     n_tok = sum(len(s[0]) - s[1] for s in samples)
-    print(f"data: {len(samples)} conversations, {n_tok} answer tokens, {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"data: {len(samples)} conversations, {n_tok} answer tokens (+{len(held)} held out), "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
     t1 = time.perf_counter()
     head = train(samples, runner.model, cfg, ns.epochs, ns.lr, ns.seed, init=ns.init,
-                 loss_on_prompt=ns.loss_on_prompt,
-                 log=lambda m: print(m, flush=True))
+                 loss_on_prompt=ns.loss_on_prompt, log=lambda m: print(m, flush=True),
+                 vocab=ns.draft_vocab_size or None, eval_samples=held)
     print(f"training: {time.perf_counter() - t1:.0f} s", flush=True)
     save_head(head, cfg, ns.out, ns.draft_vocab_size or None)
     print(f"wrote {ns.out} ({os.path.getsize(os.path.join(ns.out, 'model.safetensors')) / 1e6:.1f} MB), "

@@ -172,6 +172,6 @@ def test_eagle_greedy_lossless_on_default_model(llm, chat_prompts, tmp_path):
             assert [o.outputs[0].token_ids for o in outs] == ref, (method, path)
         st = spec.llm_engine.stats
         assert st.num_draft_tokens > 0 and st.prefix_cache_hits > 0
-        if path == SHIPPED:  # trained on other prompts: it accepts some (5-8% on these questions)
+        if path == SHIPPED:  # trained on other prompts: it accepts some (~20% on the held-out chat questions)
             assert st.num_accepted_tokens > 0
         spec.shutdown()
