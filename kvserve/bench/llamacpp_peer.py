@@ -21,13 +21,13 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from typing import Any, Optional, Sequence
 
 from kvserve.bench.datasets import BenchRequest, ChatSession
+from kvserve.router.launch import die_with_parent, stop_process_group
 
 PEERS = ("none", "llama.cpp", "command")
 
@@ -111,15 +111,6 @@ def context_per_request(workload: Sequence[Any], margin: int = 16) -> int:
     return need + margin
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class PeerServer:
     """One peer server subprocess (own process group, output to a log file) on 127.0.0.1:``port``.
 
@@ -150,7 +141,7 @@ class PeerServer:
         """Start the process. FileNotFoundError / PermissionError when argv[0] cannot run."""
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
 
     def tail(self, n_chars: int = 3000) -> str:
         try:
@@ -183,20 +174,7 @@ class PeerServer:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL after ``grace_s`` seconds."""
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(grace_s)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_process_group(self.proc, grace_s)
 
 
 def binary_version(binary: str) -> Optional[str]:

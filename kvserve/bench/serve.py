@@ -368,18 +368,23 @@ def _run_rates(ns, rates, workloads, result, model, api_key, extra_body, slos, s
         result["speedup_vs_peer"] = []
     for k, (rate, workload) in enumerate(zip(rates, workloads)):
         seed = ns.seed + k if scaled else ns.seed
-        results, duration = asyncio.run(benchmark(
-            workload, base_url=ns.base_url, endpoint=ns.endpoint, model=model, request_rate=rate,
-            burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, seed=seed, api_key=api_key,
-            timeout_s=ns.timeout, progress=not ns.disable_tqdm, extra_body=extra_body,
-            desc=f"rate {rate:g}", num_warmups=ns.num_warmups if k == 0 else 0,
-        ))
-        m = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
-             "num_requests": len(results), "workload_seed": seed}
-        m.update(report.compute_metrics(results, duration, slos))
-        m.update(percentile_keys(results, ns.percentile_metric_names, ns.percentiles))
-        if ns.save_detailed:
-            m["per_request"] = _per_request(results)
+        def one_run(url: str, model_name: str, key: Optional[str], desc: str) -> tuple[dict, list]:
+            """This rate's workload against ``url``: its metrics record and per-request results."""
+            res, dur = asyncio.run(benchmark(
+                workload, base_url=url, endpoint=ns.endpoint, model=model_name, request_rate=rate,
+                burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, seed=seed, api_key=key,
+                timeout_s=ns.timeout, progress=not ns.disable_tqdm, extra_body=extra_body,
+                desc=desc, num_warmups=ns.num_warmups if k == 0 else 0,
+            ))
+            rec = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
+                   "num_requests": len(res), "workload_seed": seed}
+            rec.update(report.compute_metrics(res, dur, slos))
+            rec.update(percentile_keys(res, ns.percentile_metric_names, ns.percentiles))
+            if ns.save_detailed:
+                rec["per_request"] = _per_request(res)
+            return rec, res
+
+        m, results = one_run(ns.base_url, model, api_key, f"rate {rate:g}")
         runs.append(m)
         print(report.summary_text(m), flush=True)
         table = report.markdown_table(runs)
@@ -388,18 +393,7 @@ def _run_rates(ns, rates, workloads, result, model, api_key, extra_body, slos, s
                           date=time.strftime("%Y%m%d-%H%M%S"), backend=ns.backend or "kvserve", model_id=model,
                           tokenizer_id=ns.tokenizer, num_prompts=len(results))
         if peer is not None:  # the same requests, same seed, right after ours
-            presults, pduration = asyncio.run(benchmark(
-                workload, base_url=peer.url, endpoint=ns.endpoint, model=peer_model, request_rate=rate,
-                burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, seed=seed, api_key=None,
-                timeout_s=ns.timeout, progress=not ns.disable_tqdm, extra_body=extra_body,
-                desc=f"{peer.name} rate {rate:g}", num_warmups=ns.num_warmups if k == 0 else 0,
-            ))
-            pm = {"request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency,
-                  "num_requests": len(presults), "workload_seed": seed}
-            pm.update(report.compute_metrics(presults, pduration, slos))
-            pm.update(percentile_keys(presults, ns.percentile_metric_names, ns.percentiles))
-            if ns.save_detailed:
-                pm["per_request"] = _per_request(presults)
+            pm, _ = one_run(peer.url, peer_model, None, f"{peer.name} rate {rate:g}")
             result["peer"]["runs"].append(pm)
             result["speedup_vs_peer"].append({"request_rate": rate, **speedups(m, pm)})
             print(f"[{peer.name}] " + report.summary_text(pm), flush=True)

@@ -45,7 +45,7 @@ def kv_transfer_config(role: str) -> str:
                        "kv_connector_extra_config": {"kv_port": 0}})
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL, so that
     no worker outlives it. Elsewhere a no-op."""
     try:
@@ -70,7 +70,7 @@ class Child:
         out = open(self.log_path, "a") if self.log_path else None
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         if out:
             out.close()
 
@@ -84,21 +84,26 @@ class Child:
             return ""
 
     def stop(self, grace: float) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
+        stop_process_group(self.proc, grace)
+
+
+def stop_process_group(p: Optional[subprocess.Popen], grace: float) -> None:
+    """SIGTERM ``p``'s process group (started with ``start_new_session``), SIGKILL after
+    ``grace`` seconds; no-op when it already exited."""
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        p.wait(grace)
+    except subprocess.TimeoutExpired:
         try:
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
-            return
-        try:
-            p.wait(grace)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            pass
+        p.wait()
 
 
 def wait_healthy(children: list[Child], timeout: float) -> None:
