@@ -154,8 +154,9 @@ def test_rotated_layer_equals_dense_over_dequantized_rotated_cache(backend, name
     r = layer.kv_rotation
     assert r is not None and torch.equal(r.cpu(), rotation_matrix(d))
     t = sum(n for _, n in reqs)
-    q = torch.randn(t, h * d, generator=gen).to(DEV)
-    k, v = torch.randn(t, hkv * d, generator=gen).to(DEV), torch.randn(t, hkv * d, generator=gen).to(DEV)
+    dev = cache.device  # _batch: the CPU for the cpu backend, else CUDA when present
+    q = torch.randn(t, h * d, generator=gen).to(dev)
+    k, v = torch.randn(t, hkv * d, generator=gen).to(dev), torch.randn(t, hkv * d, generator=gen).to(dev)
     with forward_context(meta):
         out = layer(q, k, v)
     assert out.shape == (t, h * d) and out.dtype == torch.float32
