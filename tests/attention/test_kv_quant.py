@@ -16,6 +16,7 @@ from kvserve.attention.kv_quant import (MIN_SCALE, aligned_for_vector_loads, cac
                                         rows_to_pages)
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.core.kv_cache_spec import KV_FORMATS, FullAttentionSpec, get_kv_format
+from tests.attention.paged_ref import random_block_tables
 
 QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
 ALL = ["float32", "bfloat16", "float16"] + QUANT
@@ -108,14 +109,7 @@ def test_cpu_backend_matches_torch_ref(name):
     gen = torch.Generator().manual_seed(1)
     bs, h, hkv, d = 4, 6, 2, 32
     reqs = [(13, 1), (4, 1), (0, 1), (7, 5), (0, 9)]  # (cached, new): decodes first
-    nbs = [-(-(c + n) // bs) for c, n in reqs]
-    num_blocks = sum(nbs) + 2
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
-    o = 0
-    for i, nb in enumerate(nbs):
-        bt[i, :nb] = torch.tensor(perm[o:o + nb])
-        o += nb
+    bt, nbs, num_blocks = random_block_tables(reqs, bs, gen)
     meta = _meta(reqs, bs, bt)
     t = sum(n for _, n in reqs)
     for dtype in (torch.float32, torch.bfloat16):

@@ -21,6 +21,7 @@ from kvserve.attention.kv_rotation import ROTATION_NAME, kv_rotation_for, rotate
 from kvserve.attention.registry import get_attn_backend
 from kvserve.core.kv_cache_spec import KVCacheSpec, get_kv_format
 from kvserve.layers.attention import Attention, bind_attention, bind_kv_cache
+from tests.attention.paged_ref import random_block_tables
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -76,18 +77,11 @@ def _batch(reqs, bs, hkv, d, name, backend, gen, kv_scale=None, device=None):
     """(cached, new) per request, decodes first: metadata, and a cache in format ``name``
     whose cached prefixes hold rotated-then-quantized random K/V (as a rotated layer writes).
     ``device``: default the CPU for the cpu backend, else CUDA when present."""
-    DEV = device or ("cpu" if backend == "cpu" else globals()["DEV"])  # noqa: N806
-    nbs = [-(-(c + n) // bs) for c, n in reqs]
-    num_blocks = sum(nbs) + 2
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
-    o = 0
-    for i, nb in enumerate(nbs):
-        bt[i, :nb] = torch.tensor(perm[o:o + nb])
-        o += nb
+    dev = device or ("cpu" if backend == "cpu" else DEV)
+    bt, nbs, num_blocks = random_block_tables(reqs, bs, gen)
     spec = KVCacheSpec(bs, hkv, d, name, "float32")
     impl = get_attn_backend(backend)
-    cache = impl.allocate_kv_cache(spec, num_blocks, torch.device(DEV))
+    cache = impl.allocate_kv_cache(spec, num_blocks, torch.device(dev))
     slots, qsl, prefix = [], [0], []
     for i, (c, n) in enumerate(reqs):
         slots += [int(bt[i, p // bs]) * bs + p % bs for p in range(c, c + n)]
@@ -100,13 +94,13 @@ def _batch(reqs, bs, hkv, d, name, backend, gen, kv_scale=None, device=None):
         r = kv_rotation_for(cache, d)
         if r is not None:
             kv = rotate(kv, r.cpu())
-        impl.store_kv(kv[0].to(DEV), kv[1].to(DEV), cache, torch.tensor(prefix, dtype=torch.int64, device=DEV))
+        impl.store_kv(kv[0].to(dev), kv[1].to(dev), cache, torch.tensor(prefix, dtype=torch.int64, device=dev))
     qlens, slens = [n for _, n in reqs], [c + n for c, n in reqs]
     nd = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV), block_tables=bt.to(DEV),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(slens, dtype=torch.int32, device=DEV),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), block_tables=bt.to(dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
         query_lens_cpu=qlens, seq_lens_cpu=slens, max_query_len=max(qlens), max_seq_len=max(slens),
         num_decodes=nd)
     return meta, cache, bt, nbs

@@ -16,6 +16,7 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.torch_ref import store_kv as ref_store_kv
 from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention, store_kv
 from kvserve.core.kv_cache_spec import get_kv_format
+from tests.attention.paged_ref import random_block_tables
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -42,14 +43,7 @@ def _triton_outputs(q, cache, meta, num_reqs, d):
 
 def _batch(reqs, bs, hkv, d, name, gen):
     """(cached, new) per request, decodes first; a quantized cache with random prefixes."""
-    nbs = [-(-(c + n) // bs) for c, n in reqs]
-    num_blocks = sum(nbs) + 2
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
-    o = 0
-    for i, nb in enumerate(nbs):
-        bt[i, :nb] = torch.tensor(perm[o:o + nb])
-        o += nb
+    bt, nbs, num_blocks = random_block_tables(reqs, bs, gen)
     cache = quantize_pages(torch.randn(2, num_blocks, bs, hkv, d, generator=gen), get_kv_format(name))
     slots, qsl = [], [0]
     for i, (c, n) in enumerate(reqs):
