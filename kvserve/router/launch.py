@@ -6,7 +6,14 @@ with ``P2PKVConnector``, ``kv_role`` ``kv_producer`` / ``kv_consumer``, ``kv_por
 their ``/health``, checks ``GET /v1/kv_transfer`` on each (roles, equal ``kv_layout`` on both sides:
 a clear error otherwise) and then serves the router on ``--port``. ``--prefill 0 --decode 0
 --replicas K`` starts K plain replicas behind the router (colocated mode). Unknown flags go to
-every worker (engine flags).
+every worker (engine flags). ``--kv-transport tcp|nixl`` picks the P/D workers' KV transport.
+
+GPUs: on a host with several GPUs each worker gets its own (``--worker-gpus``, default ``auto``:
+the GPUs ``CUDA_VISIBLE_DEVICES`` or ``nvidia-smi -L`` lists; ``tensor_parallel_size``
+consecutive GPUs per worker, round robin when there are more workers than GPU sets). A
+worker's own GPUs come first in its ``CUDA_VISIBLE_DEVICES`` and the others follow, so it
+computes on its own GPU while the rest stay visible: UCX's CUDA IPC (the NIXL transport) opens
+a peer's memory only on a device the process can see.
 
 Stopping: SIGTERM or SIGINT stops the router, then each worker gets SIGTERM (its process
 group, so its engine core too) and SIGKILL after ``--grace`` seconds. A worker also gets
@@ -39,10 +46,61 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def kv_transfer_config(role: str) -> str:
-    """The ``--kv-transfer-config`` JSON of a P/D worker (``role``: kv_producer | kv_consumer)."""
+def kv_transfer_config(role: str, transport: str = "tcp") -> str:
+    """The ``--kv-transfer-config`` JSON of a P/D worker (``role``: kv_producer | kv_consumer;
+    ``transport``: tcp | nixl, the P2P connector's ``transport``)."""
     return json.dumps({"kv_connector": "P2PKVConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"kv_port": 0}})
+                       "kv_connector_extra_config": {"kv_port": 0, "transport": transport}})
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set (empty: none), else the
+    indices ``nvidia-smi -L`` lists (none without the tool or a driver)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] \
+        if out.returncode == 0 else []
+
+
+def assign_gpus(num_workers: int, gpus: list[str], per_worker: int = 1) -> list[Optional[str]]:
+    """``CUDA_VISIBLE_DEVICES`` for each of ``num_workers`` workers: worker ``i`` owns the ``per_worker``
+    GPUs of set ``i mod (len(gpus) // per_worker)``, listed first, then every other GPU (still
+    visible for CUDA IPC). None for every worker with fewer than ``per_worker`` GPUs (or one
+    set and one worker: nothing to choose), so workers inherit the environment.
+
+    >>> assign_gpus(2, ["0", "1"])
+    ['0,1', '1,0']
+    >>> assign_gpus(3, ["0", "1", "2", "3"], per_worker=2)
+    ['0,1,2,3', '2,3,0,1', '0,1,2,3']
+    """
+    if per_worker < 1:
+        raise ValueError(f"GPUs per worker must be >= 1, got {per_worker}")
+    sets = len(gpus) // per_worker
+    if sets == 0 or (sets == 1 and num_workers <= 1):
+        return [None] * num_workers
+    out = []
+    for i in range(num_workers):
+        k = (i % sets) * per_worker
+        own = gpus[k:k + per_worker]
+        out.append(",".join(own + [g for g in gpus if g not in own]))
+    return out
+
+
+def parse_worker_gpus(spec: str) -> list[str]:
+    """``--worker-gpus``: ``auto`` (``visible_gpus()``), ``none`` (no assignment) or a list ``0,1``."""
+    if spec == "auto":
+        return visible_gpus()
+    if spec == "none":
+        return []
+    gpus = [g.strip() for g in spec.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--worker-gpus must be auto, none or distinct GPU indices like 0,1; got {spec!r}")
+    return gpus
 
 
 def die_with_parent() -> None:
@@ -59,8 +117,9 @@ def die_with_parent() -> None:
 class Child:
     """One ``kvserve serve`` subprocess (own process group)."""
 
-    def __init__(self, name: str, pool: str, args: list[str], port: int, log_dir: Optional[str]) -> None:
-        self.name, self.pool, self.args, self.port = name, pool, args, port
+    def __init__(self, name: str, pool: str, args: list[str], port: int, log_dir: Optional[str],
+                 gpus: Optional[str] = None) -> None:
+        self.name, self.pool, self.args, self.port, self.gpus = name, pool, args, port, gpus
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(log_dir, f"{name}.log") if log_dir else None
         self.proc: Optional[subprocess.Popen] = None
@@ -69,7 +128,8 @@ class Child:
     def start(self) -> None:
         out = open(self.log_path, "a") if self.log_path else None
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+        env = None if self.gpus is None else dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpus)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env,
                                      start_new_session=True, preexec_fn=die_with_parent)
         if out:
             out.close()
@@ -156,6 +216,11 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=10.0, metavar="S", help="SIGTERM -> SIGKILL delay for workers.")
     p.add_argument("--log-dir", default=None, help="One log file per worker here (default: inherit stdout).")
     p.add_argument("--restart-failed", action="store_true", help="Restart a worker that exits while serving.")
+    p.add_argument("--kv-transport", choices=("tcp", "nixl"), default="tcp",
+                   help="P/D: how decode workers pull the KV (P2PKVConnector's transport; default: %(default)s).")
+    p.add_argument("--worker-gpus", default="auto", metavar="auto|none|LIST",
+                   help="GPUs shared out among the workers, tensor_parallel_size each (auto: CUDA_VISIBLE_DEVICES "
+                        "or nvidia-smi's list; none: every worker inherits the environment).")
     add_router_args(p, workers=False)
 
 
@@ -212,19 +277,16 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
     if ns.log_dir:
         os.makedirs(ns.log_dir, exist_ok=True)
     base = ["--disable-access-log", "--uvicorn-log-level", "warning"] + extra
-    children: list[Child] = []
     if pd:
-        for i in range(ns.prefill):
-            children.append(Child(f"prefill{i}", "prefill", base + ["--kv-transfer-config",
-                                                                      kv_transfer_config("kv_producer")],
-                                  free_port(), ns.log_dir))
-        for i in range(ns.decode):
-            children.append(Child(f"decode{i}", "decode", base + ["--kv-transfer-config",
-                                                                    kv_transfer_config("kv_consumer")],
-                                  free_port(), ns.log_dir))
+        specs = [(f"prefill{i}", "prefill", ["--kv-transfer-config", kv_transfer_config("kv_producer", ns.kv_transport)])
+                 for i in range(ns.prefill)]
+        specs += [(f"decode{i}", "decode", ["--kv-transfer-config", kv_transfer_config("kv_consumer", ns.kv_transport)])
+                  for i in range(ns.decode)]
     else:
-        for i in range(ns.replicas):
-            children.append(Child(f"replica{i}", "worker", base, free_port(), ns.log_dir))
+        specs = [(f"replica{i}", "worker", []) for i in range(ns.replicas)]
+    gpus = assign_gpus(len(specs), parse_worker_gpus(ns.worker_gpus), getattr(ns, "tensor_parallel_size", 1) or 1)
+    children = [Child(name, pool, base + flags, free_port(), ns.log_dir, g)
+                for (name, pool, flags), g in zip(specs, gpus)]
     stopping = threading.Event()
 
     def stop_all() -> None:
@@ -248,7 +310,8 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
             signal.signal(s, on_signal)
         for c in children:
             c.start()
-            logger.info("started %s (pid %d) on %s", c.name, c.proc.pid, c.url)
+            logger.info("started %s (pid %d) on %s%s", c.name, c.proc.pid, c.url,
+                        f" (CUDA_VISIBLE_DEVICES={c.gpus})" if c.gpus is not None else "")
         wait_healthy(children, ns.startup_timeout)
         if pd:
             validate_pd(children)

@@ -154,7 +154,9 @@ class StreamRelay:
                 st.sent_text += content
             if ch.get("finish_reason") is not None:
                 st.finished = True
-            if not want_ids:
+            # Ids the client did not ask for are dropped, except from a worker without a
+            # tokenizer (no text so far): its ids are the output, as when called directly.
+            if not want_ids and (content or st.sent_text or not ids):
                 ch.pop("token_ids", None)
                 ch.pop("prompt_token_ids", None)
                 obj.pop("prompt_token_ids", None)
