@@ -21,7 +21,7 @@ GB/s). Ceilings measured in the same call: device-to-device copy on GPU 0, GPU 0
 copy, NCCL all-reduce bus bandwidth.
 
 Usage (repo root, a machine with 2 GPUs; server wheels on PYTHONPATH):
-    python3 benchmarks/pd_goodput.py --out $OUT [--rates 4,8,12] [--duration 25] [--modes pd,colocated]
+    python3 benchmarks/pd_goodput.py --out $OUT [--rates 4,8,12,16] [--duration 20] [--modes pd,colocated]
     python3 benchmarks/pd_goodput.py --cpu-smoke --out /tmp/pdg   # tiny model on the CPU, tcp/nixl DRAM
 Writes ``$OUT/pd_goodput.json`` (env, commands, ceilings, one record per mode x rate) and the
 bench JSON per run; prints a table last.
@@ -201,8 +201,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--modes", default="pd,colocated")
-    ap.add_argument("--rates", default="4,8,12", help="Request rates, req/s.")
-    ap.add_argument("--duration", type=float, default=25.0, help="Seconds of arrivals per rate.")
+    ap.add_argument("--rates", default="4,8,12,16", help="Request rates, req/s.")
+    ap.add_argument("--duration", type=float, default=20.0, help="Seconds of arrivals per rate.")
     ap.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1: Poisson).")
     ap.add_argument("--long-frac", type=float, default=0.25)
     ap.add_argument("--long-in", default="4096:8192")
