@@ -30,6 +30,10 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 nvidia-smi topo -m 2>&1 | head -8
 python3 -c "import torch, triton, fastapi, zmq, msgspec; from kvserve.kv_connector.p2p.nixl_transport import nixl_import_error as e; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count(), '| nixl:', e() or 'ok')"
+# NIXL READ of 64 MiB x 2 layers x K/V from GPU 1's memory into GPU 0's (two processes)
+UCX_PROTO_INFO=y timeout -k 5 60 python3 benchmarks/nixl_probe.py --device cuda:0 --producer-device cuda:1 \
+  > "$OUT/nixl_probe_x2.txt" 2>&1
+grep -E "nixl probe|Error" "$OUT/nixl_probe_x2.txt"; python3 benchmarks/pd_transfer.py --ucx-summary "$OUT/nixl_probe_x2.txt" | head -3
 # UCX_PROTO_INFO=y: every worker logs the transports UCX picked (CUDA IPC over NVLink expected)
 UCX_PROTO_INFO=y timeout -k 10 $(( 590 - ($(date +%s) - T0) )) python3 benchmarks/pd_goodput.py --out /tmp/pdg \
   --deadline $(( 560 - ($(date +%s) - T0) )) ${PDG_ARGS:-} 2>&1 | tee "$OUT/pd_goodput_log.txt" | grep -v '^{"mode'

@@ -21,7 +21,7 @@ GB/s). Ceilings measured in the same call: device-to-device copy on GPU 0, GPU 0
 copy, NCCL all-reduce bus bandwidth.
 
 Usage (repo root, a machine with 2 GPUs; server wheels on PYTHONPATH):
-    python3 benchmarks/pd_goodput.py --out $OUT [--rates 4,8,12,16] [--duration 20] [--modes pd,colocated]
+    python3 benchmarks/pd_goodput.py --out $OUT [--rates 6,12,18,24] [--duration 20] [--modes pd,colocated]
     python3 benchmarks/pd_goodput.py --cpu-smoke --out /tmp/pdg   # tiny model on the CPU, tcp/nixl DRAM
 Writes ``$OUT/pd_goodput.json`` (env, commands, ceilings, one record per mode x rate) and the
 bench JSON per run; prints a table last.
@@ -201,7 +201,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--modes", default="pd,colocated")
-    ap.add_argument("--rates", default="4,8,12,16", help="Request rates, req/s.")
+    ap.add_argument("--rates", default="6,12,18,24", help="Request rates, req/s.")
     ap.add_argument("--duration", type=float, default=20.0, help="Seconds of arrivals per rate.")
     ap.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1: Poisson).")
     ap.add_argument("--long-frac", type=float, default=0.25)
@@ -242,14 +242,18 @@ def main() -> None:
     engine = [model, "--load-format", "dummy", "--dtype", "bfloat16", "--skip-tokenizer-init",
               "--max-model-len", str(max_len), *engine,
               *a.engine_args.split()]
-    n_max = int(max(rates) * a.duration) + 1
-    data = os.path.join(tmp, "mixed.jsonl")
-    kinds = make_workload(data, n_max, a.long_frac, rng_pair(a.long_in), rng_pair(a.long_out), rng_pair(a.chat_in),
-                          rng_pair(a.chat_out), vocab)
+    # One file per rate (seed = its index): no prompt repeats across rates, so neither deployment
+    # gets prefix-cache hits from an earlier rate's requests; both deployments get the same file.
+    data, kinds = {}, {}
+    for ri, rate in enumerate(rates):
+        data[rate] = os.path.join(tmp, f"mixed_r{ri}.jsonl")
+        kinds[f"{rate:g}"] = make_workload(data[rate], int(rate * a.duration) + 1, a.long_frac, rng_pair(a.long_in),
+                                           rng_pair(a.long_out), rng_pair(a.chat_in), rng_pair(a.chat_out), vocab,
+                                           seed=ri)
     warm = os.path.join(tmp, "warm.jsonl")
-    make_workload(warm, 8, 0.5, rng_pair(a.long_in), (4, 8), rng_pair(a.chat_in), (4, 8), vocab, seed=1)
+    make_workload(warm, 8, 0.5, rng_pair(a.long_in), (4, 8), rng_pair(a.chat_in), (4, 8), vocab, seed=1000)
     result: dict = {"command": " ".join([sys.executable] + sys.argv), "engine_args": engine[1:],
-                    "workload": {"requests_written": n_max, **kinds, "long_in": a.long_in, "long_out": a.long_out,
+                    "workload": {"long_chat_per_rate": kinds, "long_in": a.long_in, "long_out": a.long_out,
                                  "chat_in": a.chat_in, "chat_out": a.chat_out, "long_frac": a.long_frac,
                                  "duration_s": a.duration, "burstiness": a.burstiness},
                     "slos": {"issue": a.slo, "tight": a.tight_slo}, "runs": []}
@@ -283,7 +287,7 @@ def main() -> None:
                 before = {w["url"]: scrape(w["url"]) for w in workers}
                 r_before = scrape(dep.url)
                 save = os.path.join(a.out, f"bench_{mode}_r{rate:g}.json")
-                res = bench(dep.url, data, n, rate, a.burstiness, save, a.slo, 0, max(60.0, share))
+                res = bench(dep.url, data[rate], n, rate, a.burstiness, save, a.slo, 0, max(60.0, share))
                 after = {w["url"]: scrape(w["url"]) for w in workers}
                 r_after = scrape(dep.url)
                 run = res["runs"][0]
