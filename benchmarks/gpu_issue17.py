@@ -8,7 +8,7 @@ Measured, each printed as a JSON line and written to ``$OUT/tp_bench.json``:
   cluster started here (skipped without Ray);
 - Llama-3.1-70B shape, dummy bf16, TP=2: KV capacity, batch-1 ms/token next to its roofline
   (weight bytes per GPU / measured copy bandwidth), decode throughput at batch 64.
-Usage (repo root): OUT=<dir> python3 benchmarks/gpu_issue17.py [--skip-70b] [--skip-ray]
+Usage (repo root): OUT=<dir> python3 benchmarks/gpu_issue17.py [--skip-70b] [--skip-ray] [--skip-w1]
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--tmp", default="/tmp/kvserve-tp")
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--skip-w1", action="store_true", help="No W1-style throughput rows (a shorter call).")
     a = ap.parse_args()
     os.makedirs(a.tmp, exist_ok=True)
     e, recs = env(), []
@@ -146,7 +147,7 @@ def main() -> None:
             emit("8b_decode_ray", w2(p8, 2, "ray", kv_cache_memory="16GiB"))
         except ImportError:
             print("ray not installed: skipped")
-    for tp in (1, 2):
+    for tp in () if a.skip_w1 else (1, 2):
         emit("8b_w1", w1(p8, tp))
     if not a.skip_70b:
         p70 = _config_dir(a.tmp, "llama-3.1-70b", LLAMA31_70B, "LlamaConfig")
