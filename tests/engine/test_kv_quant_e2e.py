@@ -77,14 +77,23 @@ def test_greedy_agreement_batch_invariance_prefix_hits(baseline, loaded_once, dt
     for toks in outs:  # valid: in vocab, full length
         assert len(toks) == 24 and all(0 <= t < 49152 for t in toks)
     # The longest prompt again, alone: a prefix hit into its quantized blocks (incl. a partial
-    # block's copy-on-write), and batch invariance within the dtype. At 4/2 bits a float ulp of
-    # difference between batch shapes can flip a code, so there only the first tokens must agree.
+    # block's copy-on-write) gives what the prompt computed alone without a hit gives. At 4/2 bits
+    # a float ulp of difference between chunk shapes can flip a code, so there only the first
+    # tokens must agree.
     alone = q.generate([PROMPTS[2]], GREEDY)[0]
     assert alone.num_cached_tokens > 0
+    fresh = LLM(kv_cache_memory="32MiB", max_model_len=512, disable_log_stats=True, kv_cache_dtype=dtype,
+                max_num_batched_tokens=32, enable_prefix_caching=False).generate([PROMPTS[2]], GREEDY)[0]
+    assert fresh.num_cached_tokens == 0
     if dtype in ("int8", "fp8"):
-        assert alone.outputs[0].token_ids == outs[2]
+        assert alone.outputs[0].token_ids == fresh.outputs[0].token_ids
     else:
-        assert _agree(alone.outputs[0].token_ids, outs[2]) >= 1
+        assert _agree(alone.outputs[0].token_ids, fresh.outputs[0].token_ids) >= 1
+    # Batch invariance within the dtype: alone vs in the batch. The CPU's float32 matmuls are not
+    # bit-identical across batch shapes on every CPU (an AMD EPYC without AVX-512 differs in the
+    # last bits), and a quantized cache turns that into a flipped code: a near-tie can then flip
+    # a greedy choice late in the output (fp8 at token 10 of 24 there), so the start must agree.
+    assert _agree(alone.outputs[0].token_ids, outs[2]) >= {"int8": 8, "fp8": 8}.get(dtype, 1)
 
 
 def test_prompt_logprobs_match_transformers(llm, hf_smollm2, humaneval_prompts):
