@@ -198,8 +198,9 @@ def main() -> None:
     ap.add_argument("--edit-prompts", type=int, default=6, help="how many code-editing requests")
     ap.add_argument("--model", default=None, help="the target (default: the embedded SmolLM2-135M-Instruct GGUF)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on the CPU, the checkpoint's "
-                                                    "16-bit type on a GPU)")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: the engine's rule, bfloat16 on a CPU "
+                                                    "with native bf16, else float32; the checkpoint's 16-bit type "
+                                                    "on a GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny lengths (8 tokens, 2 prompts): checks the script")
     ns = ap.parse_args()
     if ns.smoke:

@@ -76,16 +76,17 @@ class ModelConfig:
                                positional=True)
     tokenizer: Optional[str] = doc(None, "Tokenizer directory (default: the model's own).")
     skip_tokenizer_init: bool = doc(False, "Load no tokenizer: prompts must be token ids and outputs carry no text.")
-    dtype: str = doc("auto", "Model dtype (auto: float32 on the CPU, bfloat16 there with --quantization on CPUs "
-                             "with native bf16; the checkpoint's 16-bit type on a GPU).",
+    dtype: str = doc("auto", "Model dtype. auto: bfloat16 on a CPU with native bf16 (AVX512-BF16 or AMX), float32 "
+                             "on other CPUs, the checkpoint's 16-bit type on a GPU.",
                      choices=["auto", "bfloat16", "float16", "float32"])
     load_format: str = doc("auto", "Weight format; 'dummy' makes random weights from config.json.",
                            choices=["auto", "safetensors", "gguf", "dummy"])
     quantization: Optional[str] = doc(
         None, "Weight quantization applied at load: int4 (group-wise asymmetric, weight-only), int8 (per-channel, "
               "weight-only), fp8 (per-channel weights + per-token FP8 activations; CUDA >= sm89), gguf "
-              "(keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized instead of dequantizing). With a quantization and "
-              "--dtype auto the CPU runs bfloat16 where it has native bf16 (AVX512-BF16/AMX).",
+              "(keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized instead of dequantizing; opt-in: measured faster at "
+              "batch 1 on the CPU, slower for serving many streams and at prefill). --dtype auto picks the same "
+              "dtype with or without a quantization (the CPU int kernels are fast with bf16 activations only).",
         choices=["int4", "int8", "fp8", "gguf"])
     max_model_len: Optional[int] = doc(None, "Longest prompt + output in tokens (default: the model's context "
                                              "length, capped by the KV cache).")

@@ -45,10 +45,12 @@ def humaneval_prompts() -> list[str]:
 
 @pytest.fixture(scope="session")
 def llm():
-    """The default engine (SmolLM2-135M-Instruct GGUF, float32 on the CPU)."""
+    """The default engine (SmolLM2-135M-Instruct GGUF) in float32: the tests compare it with
+    transformers in float32 and with other engines pinned to float32 (``--dtype auto`` is
+    bfloat16 on CPUs with native bf16)."""
     from kvserve import LLM
 
-    return LLM(kv_cache_memory="256MiB", max_model_len=2048, disable_log_stats=True)
+    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, disable_log_stats=True)
 
 
 @pytest.fixture(scope="session")

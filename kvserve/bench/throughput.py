@@ -304,8 +304,10 @@ def _run_hf_peer(ns, engine_args, requests, tokenizer, device: str, cores: int,
     torch.set_num_threads(cores)
     path, fmt = hf_peer.resolve_checkpoint(engine_args.get("model"), engine_args.get("load_format") or "auto")
     dtype = engine_args.get("dtype") or "auto"
-    if dtype == "auto":
-        dtype = "float32" if device == "cpu" else "bfloat16"
+    if dtype == "auto":  # the engine's rule (on a GPU the engine may pick the checkpoint's float16)
+        from kvserve.engine.arg_utils import resolve_auto_dtype
+
+        dtype = resolve_auto_dtype(device)
     t0 = time.perf_counter()
     model = hf_peer.load_hf_model(path, fmt, seed=ns.seed, dtype=dtype, device=device)
     load_s = time.perf_counter() - t0

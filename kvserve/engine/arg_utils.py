@@ -13,6 +13,7 @@ entrypoints import this module, never the other way round.
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -166,15 +167,7 @@ class EngineArgs:
         check_quantization(self.quantization, device, "bfloat16" if self.dtype == "auto" else self.dtype,
                            load_format, device_checks=False)
         hf_config = load_hf_config(model_path, load_format)
-        dtype = self.dtype
-        if dtype == "auto":
-            # CPU matmuls are fastest and exact in float32; on GPU use the checkpoint's 16-bit type.
-            cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
-            if device == "cpu":
-                # The int4/int8/fp8 CPU kernels are fast with bf16 activations only.
-                dtype = "bfloat16" if self.quantization and cpu_has_native_bf16() else "float32"
-            else:
-                dtype = "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
+        dtype = resolve_auto_dtype(device, hf_config) if self.dtype == "auto" else self.dtype
         check_quantization(self.quantization, device, dtype, load_format)
         if self.quantization and self.tensor_parallel_size > 1:
             raise ValueError("--quantization is not supported with tensor_parallel_size > 1 yet")
@@ -391,8 +384,34 @@ def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> Non
     spec_config.draft_model_path, spec_config.draft_load_format, spec_config.draft_hf_config = path, fmt, hf
 
 
+def resolve_auto_dtype(device: str, hf_config: Any = None) -> str:
+    """The model dtype ``--dtype auto`` means on ``device`` (the one place this rule lives).
+
+    CPU: bfloat16 where the CPU has native bf16 (``cpu_has_native_bf16``: 3-5x float32's decode
+    speed, BENCHMARKS.md "Quantized weights (issue 21)"), else float32 (bf16 is emulated there and
+    slower), with or without ``--quantization``. GPU: the checkpoint's type when it is float16,
+    else bfloat16.
+    """
+    if device == "cpu":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    cfg_dtype = ""
+    if hf_config is not None:
+        cfg_dtype = str(getattr(hf_config, "dtype", None) or hf_config.__dict__.get("torch_dtype") or "")
+    return "float16" if "float16" in cfg_dtype and "b" not in cfg_dtype else "bfloat16"
+
+
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo)."""
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16; Linux /proc/cpuinfo).
+
+    ``KVSERVE_CPU_NATIVE_BF16=1`` / ``=0`` overrides the detection: for tests (to run the bf16
+    default on a CPU without it, or the float32 one on a CPU with it) and for CPUs or VMs whose
+    flags lie (a flag the hypervisor shows but traps, or hides).
+    """
+    forced = os.environ.get("KVSERVE_CPU_NATIVE_BF16", "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"KVSERVE_CPU_NATIVE_BF16 must be 0 or 1, got {forced!r}")
+        return forced == "1"
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

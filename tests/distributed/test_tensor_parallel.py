@@ -41,7 +41,8 @@ def test_tp3_real_model_equals_tp1(llm):
     prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):\n    return",
                                         "Water boils at", "Once upon a time,")]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    tp = LLM(tensor_parallel_size=3, kv_cache_memory="64MiB", max_model_len=256, disable_log_stats=True)
+    tp = LLM(tensor_parallel_size=3, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+             disable_log_stats=True)
     try:
         assert type(tp.llm_engine.engine_core.executor).__name__ == "MultiprocExecutor"
         got = [o.outputs[0].token_ids for o in tp.generate(prompts, GREEDY, use_tqdm=False)]

@@ -32,7 +32,8 @@ def reference(llm, prompts):
 
 def _small(**kw):
     """An engine of 11 usable blocks: about 4 of these requests at once (forces preemption)."""
-    args = dict(num_gpu_blocks_override=12, max_model_len=128, max_num_batched_tokens=32, disable_log_stats=True)
+    args = dict(dtype="float32", num_gpu_blocks_override=12, max_model_len=128, max_num_batched_tokens=32,
+                disable_log_stats=True)
     args.update(kw)
     return LLM(**args)
 

@@ -64,7 +64,7 @@ def baseline(llm):
 # int4/int2 per-token codes flip greedy choices early on this 135M model; they must stay valid.
 @pytest.mark.parametrize("dtype,min_mean_agree", [("int8", 20), ("fp8", 8), ("int4", 2), ("int2", 0)])
 def test_greedy_agreement_batch_invariance_prefix_hits(baseline, loaded_once, dtype, min_mean_agree):
-    q = LLM(kv_cache_memory="32MiB", max_model_len=512, disable_log_stats=True, kv_cache_dtype=dtype,
+    q = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=512, disable_log_stats=True, kv_cache_dtype=dtype,
             max_num_batched_tokens=32)  # chunked prefills over quantized prefixes
     cc = q.llm_engine.config.cache_config
     assert cc.kv_cache_dtype == {"fp8": "fp8_e4m3"}.get(dtype, dtype)

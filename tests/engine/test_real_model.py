@@ -57,7 +57,7 @@ def test_batched_with_others_is_invariant(llm, prompt_ids, ours_alone):
 
 
 def test_tiny_token_budget_chunks_prefill(prompt_ids, ours_alone):
-    small = LLM(max_num_batched_tokens=19, max_model_len=512, kv_cache_memory="64MiB",
+    small = LLM(dtype="float32", max_num_batched_tokens=19, max_model_len=512, kv_cache_memory="64MiB",
                 enable_prefix_caching=False, disable_log_stats=True)
     outs = small.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ours_alone
@@ -66,7 +66,7 @@ def test_tiny_token_budget_chunks_prefill(prompt_ids, ours_alone):
 @pytest.fixture(scope="module")
 def tiny():
     """28 blocks x 16 tokens, prefix caching on (the default)."""
-    return LLM(num_gpu_blocks_override=29, max_model_len=448, disable_log_stats=True)
+    return LLM(dtype="float32", num_gpu_blocks_override=29, max_model_len=448, disable_log_stats=True)
 
 
 def test_preemption_keeps_outputs(prompt_ids, ours_alone, tiny):

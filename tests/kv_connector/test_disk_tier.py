@@ -33,8 +33,9 @@ def _run(llm, prompt=PROMPT):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
-              max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False)
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, dtype="float32", block_size=16,
+              num_gpu_blocks_override=24, max_model_len=320, max_num_seqs=16, disable_log_stats=True,
+              enable_prefix_caching=False)
     return list(llm.generate([PROMPT], SP, use_tqdm=False)[0].outputs[0].token_ids)
 
 
@@ -58,9 +59,9 @@ def test_persists_across_engines(tiny_llama_dir, tmp_path, reference):
 def test_quantized_blocks_persist_with_their_scales(tiny_llama_dir, tmp_path, kv_dtype):
     """Quantized KV pages (codes, then scales) written by one engine and loaded by the next
     give the same greedy tokens as that format computed from scratch."""
-    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
-              max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False,
-              kv_cache_dtype=kv_dtype)
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, dtype="float32", block_size=16,
+              num_gpu_blocks_override=24, max_model_len=320, max_num_seqs=16, disable_log_stats=True,
+              enable_prefix_caching=False, kv_cache_dtype=kv_dtype)
     ref = list(llm.generate([PROMPT], SP, use_tqdm=False)[0].outputs[0].token_ids)
     llm.shutdown()
     toks, cached, stats = _run(_llm(tiny_llama_dir, str(tmp_path), kv_cache_dtype=kv_dtype))
@@ -133,8 +134,8 @@ _SHARED = r"""
 import json, sys
 from kvserve import LLM, SamplingParams
 path, disk, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-llm = LLM(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24, max_model_len=320,
-          max_num_seqs=16, disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
+llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", block_size=16, num_gpu_blocks_override=24,
+          max_model_len=320, max_num_seqs=16, disable_log_stats=True, kv_offloading_size=0.01, kv_disk_path=disk)
 sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 outs = []
 for p in prompts:
@@ -161,8 +162,9 @@ def test_two_engines_share_a_directory(tiny_llama_dir, tmp_path):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
-    ref_llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
-                  max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False)
+    ref_llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, dtype="float32", block_size=16,
+                  num_gpu_blocks_override=24, max_model_len=320, max_num_seqs=16, disable_log_stats=True,
+                  enable_prefix_caching=False)
     ref = [list(o.outputs[0].token_ids) for o in ref_llm.generate(prompts, SP, use_tqdm=False)]
     for outs, rejected in results:
         assert outs == ref and rejected == 0

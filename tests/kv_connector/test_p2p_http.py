@@ -45,7 +45,8 @@ def servers(tmp_path_factory, request):
             pytest.skip(f"NIXL does not import ({nixl_import_error()})")
     conf = _conftest()
     d = tmp_path_factory.mktemp("p2p_http")
-    base = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-log-stats"]
+    # float32 (not --dtype auto, bf16 on CPUs with native bf16): the decode leg must equal a plain run.
+    base = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-log-stats"]
     hs = [conf.ServerHandle(base + ["--kv-transfer-config", _ktc(role, request.param)], str(d / f"{role}.log"),
                             api_key=None) for role in ("kv_producer", "kv_consumer")]
     for h in hs:

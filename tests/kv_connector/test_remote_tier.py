@@ -56,8 +56,9 @@ def _run(llm):
 
 
 def test_second_engine_hits_the_server(tiny_llama_dir, redis_url):
-    ref = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=24,
-              max_model_len=320, max_num_seqs=16, disable_log_stats=True, enable_prefix_caching=False)
+    ref = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, dtype="float32", block_size=16,
+              num_gpu_blocks_override=24, max_model_len=320, max_num_seqs=16, disable_log_stats=True,
+              enable_prefix_caching=False)
     ref_toks = list(ref.generate([PROMPT], SP, use_tqdm=False)[0].outputs[0].token_ids)
     toks, cached, conn = _run(_llm(tiny_llama_dir, redis_url))
     assert toks == ref_toks and cached == 0 and conn.get_stats()["disk_blocks_stored"] == 12

@@ -20,7 +20,9 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-WORKER_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-access-log",
+# float32: the tests compare P/D and re-prefilled outputs with plain ones token for token (--dtype
+# auto is bfloat16 on CPUs with native bf16, where a near-tie can flip between the two paths).
+WORKER_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-access-log",
                "--uvicorn-log-level", "warning"]
 
 

@@ -90,8 +90,8 @@ def test_tiny_target_proposals_lossless_and_no_leaked_blocks(tiny_target, tmp_pa
     finish (and a later step tells the worker), every head block is free again."""
     path, cfg = tiny_target
     save_random_eagle_head(str(tmp_path), cfg, eagle3=eagle3, draft_vocab_size=32, seed=2, std=0.2)
-    common = dict(model=path, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True,
-                  max_num_batched_tokens=24)
+    common = dict(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True, max_num_batched_tokens=24)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -129,7 +129,8 @@ def test_tiny_target_dynamic_off_then_on(tiny_target, tmp_path):
     no backlog), back on as they finish; outputs identical to no speculation."""
     path, cfg = tiny_target
     save_random_eagle_head(str(tmp_path), cfg, seed=3, std=0.2)
-    common = dict(model=path, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True)
+    common = dict(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 64, (10,), generator=g).tolist() for _ in range(8)]
     sps = [SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(8)]
@@ -164,7 +165,8 @@ def test_eagle_greedy_lossless_on_default_model(llm, chat_prompts, tmp_path):
     if os.path.isdir(SHIPPED):
         heads.append(("eagle", SHIPPED))
     for method, path in heads:
-        spec = LLM(kv_cache_memory="64MiB", max_model_len=512, disable_log_stats=True, max_num_batched_tokens=48,
+        spec = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, disable_log_stats=True,
+                   max_num_batched_tokens=48,
                    speculative_config={"method": method, "model": path, "num_speculative_tokens": 3,
                                        "dynamic": False})
         for _ in range(2):  # the second round hits the prefix cache

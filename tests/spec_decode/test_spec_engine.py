@@ -34,7 +34,7 @@ def prompts(llm):
 
 
 def _spec_llm(**kw):
-    args = dict(kv_cache_memory="64MiB", max_model_len=512, disable_log_stats=True,
+    args = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, disable_log_stats=True,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                     "prompt_lookup_max": 3})
     args.update(kw)
@@ -116,8 +116,8 @@ def test_sampled_distribution_matches_without_speculation(tiny_model):
     512 cells), speculation (drafts of a fixed continuation, k=2) vs none, unseeded; and the
     same seeds give the same tokens."""
     prompt = [3, 4, 5, 3, 4]
-    common = dict(model=tiny_model, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True,
-                  max_num_seqs=512, enable_prefix_caching=True)
+    common = dict(model=tiny_model, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True, max_num_seqs=512, enable_prefix_caching=True)
     plain = LLM(**common)
     greedy = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].token_ids
@@ -170,7 +170,8 @@ def test_spec_metrics_in_prometheus():
 def test_draft_model_equal_to_target_accepts_everything(llm, prompts, smollm2_path):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
-    spec = LLM(kv_cache_memory="64MiB", max_model_len=256, disable_log_stats=True, max_num_batched_tokens=64,
+    spec = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, disable_log_stats=True,
+               max_num_batched_tokens=64,
                speculative_config={"method": "draft_model", "model": smollm2_path, "num_speculative_tokens": 3,
                                    "draft_num_blocks": 40})
     outs = spec.generate(prompts[:4], sp, use_tqdm=False)
@@ -202,7 +203,8 @@ def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
 def test_dynamic_speculation_turns_off_under_load(tiny_model):
     """8 requests running together: with dynamic_max_batch=4 nothing is drafted (the
     proposer is told k=0), without dynamic speculation drafts flow; outputs identical."""
-    common = dict(model=tiny_model, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True)
+    common = dict(model=tiny_model, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 8, (12,), generator=g).tolist() for _ in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -220,8 +222,8 @@ def test_dynamic_speculation_with_async_scheduling(tiny_model):
     """Dynamic speculation keeps async scheduling: steps overlap while the batch is large
     (speculation off), and run one at a time once it shrinks and drafts flow; greedy
     outputs equal no speculation's."""
-    common = dict(model=tiny_model, skip_tokenizer_init=True, kv_cache_memory="16MiB", disable_log_stats=True,
-                  async_scheduling=True)
+    common = dict(model=tiny_model, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True, async_scheduling=True)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 8, (12,), generator=g).tolist() for _ in range(8)]
     sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4,) * 5 + (32,) * 3]

@@ -41,10 +41,10 @@ def test_serve_with_ngram_speculation(tiny_dir, tmp_path):
     from kvserve import LLM, SamplingParams
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    ref = LLM(model=tiny_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=512,
+    ref = LLM(model=tiny_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=512,
               kv_cache_memory="32MiB", disable_log_stats=True).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
-    args = [tiny_dir, "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "512",
+    args = [tiny_dir, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512",
             "--kv-cache-memory", "32MiB", "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC)]
     h = _server_handle_cls()(args, str(tmp_path / "server.log"), api_key=None)
     try:
