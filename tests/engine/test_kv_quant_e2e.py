@@ -82,7 +82,7 @@ def test_greedy_agreement_batch_invariance_prefix_hits(baseline, loaded_once, dt
     # tokens must agree.
     alone = q.generate([PROMPTS[2]], GREEDY)[0]
     assert alone.num_cached_tokens > 0
-    fresh = LLM(kv_cache_memory="32MiB", max_model_len=512, disable_log_stats=True, kv_cache_dtype=dtype,
+    fresh = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=512, disable_log_stats=True, kv_cache_dtype=dtype,
                 max_num_batched_tokens=32, enable_prefix_caching=False).generate([PROMPTS[2]], GREEDY)[0]
     assert fresh.num_cached_tokens == 0
     if dtype in ("int8", "fp8"):
