@@ -262,6 +262,12 @@ def test_other_quantization_on_ct_checkpoint(ckpts):
         _engine_args(ckpts["fp8"][0], quantization="int8")
 
 
+def test_other_prequantized_format_is_refused(ckpts, tmp_path):
+    path = _edit_config(ckpts["w4a16_asym"][0], tmp_path, lambda q: q.update(quant_method="awq"))
+    with pytest.raises(ValueError, match="quant_method 'awq', which kvserve cannot load"):
+        _engine_args(path)
+
+
 def test_fp8_checkpoint_refused_on_cpu(ckpts):
     with pytest.raises(ValueError, match="fp8 weights.*needs a CUDA GPU"):
         _engine_args(ckpts["fp8"][0])
