@@ -85,9 +85,11 @@ class ModelConfig:
         None, "Weight quantization applied at load: int4 (group-wise asymmetric, weight-only), int8 (per-channel, "
               "weight-only), fp8 (per-channel weights + per-token FP8 activations; CUDA >= sm89), gguf "
               "(keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized instead of dequantizing; opt-in: measured faster at "
-              "batch 1 on the CPU, slower for serving many streams and at prefill). --dtype auto picks the same "
+              "batch 1 on the CPU, slower for serving many streams and at prefill), compressed-tensors "
+              "(a pre-quantized llm-compressor/vLLM checkpoint: INT4 group-wise, INT8 or FP8 per-channel weights "
+              "loaded as stored; set automatically when config.json says so). --dtype auto picks the same "
               "dtype with or without a quantization (the CPU int kernels are fast with bf16 activations only).",
-        choices=["int4", "int8", "fp8", "gguf"])
+        choices=["int4", "int8", "fp8", "gguf", "compressed-tensors"])
     max_model_len: Optional[int] = doc(None, "Longest prompt + output in tokens (default: the model's context "
                                              "length, capped by the KV cache).")
     rope_scaling: Optional[dict] = doc(

@@ -167,9 +167,19 @@ class EngineArgs:
         check_quantization(self.quantization, device, "bfloat16" if self.dtype == "auto" else self.dtype,
                            load_format, device_checks=False)
         hf_config = load_hf_config(model_path, load_format)
+        from kvserve.model_loader.compressed_tensors_quant import resolve_checkpoint_quantization
+
+        # A pre-quantized (compressed-tensors) checkpoint sets it; kernels: what check_quantization checks.
+        quantization, kernels = resolve_checkpoint_quantization(self.quantization, hf_config, load_format,
+                                                                model_path)
         dtype = resolve_auto_dtype(device, hf_config) if self.dtype == "auto" else self.dtype
-        check_quantization(self.quantization, device, dtype, load_format)
-        if self.quantization and self.tensor_parallel_size > 1:
+        check_quantization(quantization, device, dtype, load_format)
+        for kernel in kernels if quantization == "compressed-tensors" else ():
+            try:
+                check_quantization(kernel, device, dtype, "safetensors")
+            except ValueError as e:
+                raise ValueError(f"compressed-tensors checkpoint {model_path} ({kernel} weights): {e}") from None
+        if quantization and self.tensor_parallel_size > 1:
             raise ValueError("--quantization is not supported with tensor_parallel_size > 1 yet")
         rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
         from kvserve.core.bounded_kv import max_attention_distance, resolve_bounded_kv
@@ -244,7 +254,7 @@ class EngineArgs:
 
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
-            dtype=dtype, load_format=load_format, quantization=self.quantization,
+            dtype=dtype, load_format=load_format, quantization=quantization,
             max_model_len=max_model_len, seed=self.seed,
             rope_scaling=rope_scaling, rope_theta=self.rope_theta,
             enforce_eager=self.enforce_eager, hf_config=hf_config,

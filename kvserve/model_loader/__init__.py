@@ -121,7 +121,8 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     Parameters are allocated directly on ``device`` in ``model_config.dtype`` (no CPU
     init pass), then filled from safetensors, GGUF (dequantized) or random (dummy,
     seeded by ``model_config.seed``), then quantized per ``model_config.quantization`` (decoder
-    projections replaced by ``QuantizedLinear``). Returns the model in eval mode.
+    projections replaced by ``QuantizedLinear``; ``compressed-tensors`` loads a pre-quantized
+    checkpoint's projections as stored, ``compressed_tensors_quant``). Returns the model in eval mode.
     Raises ValueError for an unsupported architecture or a checkpoint that does not match.
     """
     from kvserve.models.registry import get_model_class
@@ -134,16 +135,26 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     model = model.to_empty(device=device)
     _rebuild_buffers(model)  # meta construction left non-persistent buffers empty
     fmt = model_config.load_format
+    method = getattr(model_config, "quantization", None)
     if fmt == "dummy":
         init_dummy_weights(model, model_config.seed)
     elif fmt == "gguf":
         model.load_weights(iterate_gguf(model_config.model, hf_config))
+    elif fmt == "safetensors" and method == "compressed-tensors":
+        from kvserve.layers.quantization import apply_prequantized
+        from kvserve.model_loader.compressed_tensors_quant import CompressedTensorsLoader, CompressedTensorsPlan
+
+        ct = CompressedTensorsLoader(model, CompressedTensorsPlan(hf_config))
+        model.load_weights(ct.filter(iterate_safetensors(model_config.model)))
+        apply_prequantized(model, ct.weights, dtype)
     elif fmt == "safetensors":
         model.load_weights(iterate_safetensors(model_config.model))
     else:
         raise ValueError(f"unresolved load_format {fmt!r}; call resolve_model first")
-    method = getattr(model_config, "quantization", None)
-    if method == "gguf":
+    if method == "compressed-tensors":
+        if fmt != "safetensors":
+            raise ValueError(f"--quantization compressed-tensors needs an HF safetensors checkpoint, got {fmt!r}")
+    elif method == "gguf":
         from kvserve.model_loader.gguf_quant import apply_gguf_quantization, read_gguf_quantized
 
         if fmt != "gguf":

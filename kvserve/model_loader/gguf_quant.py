@@ -15,9 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kvserve.layers.quantization import quantized_linears
+from kvserve.layers.quantization import apply_prequantized
 from kvserve.layers.quantization.kernels import Int4Weight, quantize_int8
-from kvserve.layers.quantization.linear import QuantizedLinear
 from kvserve.model_loader.gguf_loader import gguf_architecture, gguf_to_hf_name, open_gguf, reverse_permute
 
 QK = 32  # weights per block in Q4_0 / Q4_1 / Q8_0
@@ -128,31 +127,9 @@ def read_gguf_quantized(path: str, hf_config: Any) -> dict[str, Union[Int4Weight
     return out
 
 
-_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-@torch.no_grad()
 def apply_gguf_quantization(model: nn.Module, quant: dict, dtype: torch.dtype) -> int:
     """Swap each decoder projection whose GGUF shards are all Q4 (or all Q8_0) for a ``QuantizedLinear``.
 
     ``quant`` from ``read_gguf_quantized``. Others keep their dequantized dense weight. Returns the count.
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    n_done = 0
-    for parent, attr, linear in quantized_linears(model):
-        prefix = names[id(parent)]
-        shards = [quant.get(f"{prefix}.{s}.weight") for s in _SHARDS.get(attr, (attr,))]
-        dev = linear.weight.device
-        bias = linear.bias.detach() if linear.bias is not None else None
-        if all(isinstance(s, Int4Weight) for s in shards):
-            w = Int4Weight(torch.cat([s.q for s in shards]), torch.cat([s.scale for s in shards]),
-                           torch.cat([s.min for s in shards]), QK)
-            new = QuantizedLinear.from_int4(w, bias, dev, dtype)
-        elif all(isinstance(s, tuple) for s in shards):
-            new = QuantizedLinear.from_int8(torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards]),
-                                            bias, dev, dtype)
-        else:
-            continue
-        setattr(parent, attr, new)
-        n_done += 1
-    return n_done
+    return apply_prequantized(model, quant, dtype)

@@ -5,6 +5,9 @@ int4pack kernels on the CPU and CUDA. ``int8``: weight-only per-channel symmetri
 ``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (``torch._scaled_mm``;
 CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is ~1000x slower). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
 layout (exact) and Q8_0 into per-channel INT8, instead of dequantized (``gguf_quant``).
+``compressed-tensors``: a pre-quantized HF checkpoint (llm-compressor / vLLM format; auto-detected
+from config.json) loaded as stored: INT4 group-wise, INT8 and FP8 per channel
+(``model_loader.compressed_tensors_quant``; its kernels are checked here as int4 / int8 / fp8).
 The decoder's linear layers are quantized; embeddings, norms and the LM head stay in the model dtype.
 """
 
@@ -15,9 +18,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvserve.layers.quantization.kernels import Fp8Weight, Int4Weight
 from kvserve.layers.quantization.linear import QuantizedLinear
 
-QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf")
+QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf", "compressed-tensors")
 # Decoder projections that are quantized (packed names of kvserve.models.llama).
 QUANTIZED_LAYER_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -36,6 +40,9 @@ def check_quantization(method: Optional[str], device: str, dtype: str, load_form
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
     if method == "gguf" and load_format != "gguf":
         raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights; this model is {load_format}")
+    if method == "compressed-tensors" and load_format != "safetensors":
+        raise ValueError(f"--quantization compressed-tensors loads a pre-quantized HF safetensors checkpoint; "
+                         f"this model is {load_format}")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"unsupported dtype {dtype!r} for quantized weights")
     if device == "cuda" and device_checks:
@@ -74,6 +81,51 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype, group_size
         setattr(parent, attr, QuantizedLinear.from_dense(linear, method, dtype, group_size))
         n += 1
     return n
+
+
+# Packed projection -> its HF shards, in packing order (kvserve.models.llama).
+PACKED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _cat_shards(shards: list, dev: torch.device, dtype: torch.dtype, bias) -> Optional[QuantizedLinear]:
+    """One ``QuantizedLinear`` from same-format shards (rows concatenated), or None if the formats differ."""
+    if all(isinstance(s, Int4Weight) for s in shards):
+        if len({s.group_size for s in shards}) != 1:
+            return None
+        w = Int4Weight(torch.cat([s.q for s in shards]), torch.cat([s.scale for s in shards]),
+                       torch.cat([s.min for s in shards]), shards[0].group_size)
+        return QuantizedLinear.from_int4(w, bias, dev, dtype)
+    if all(isinstance(s, Fp8Weight) for s in shards):
+        w = Fp8Weight(torch.cat([s.q for s in shards]), torch.cat([s.scale for s in shards]))
+        return QuantizedLinear.from_fp8(w, bias, dev, dtype)
+    if all(isinstance(s, tuple) for s in shards):  # INT8: (q int8 [N, K], scale float32 [N])
+        return QuantizedLinear.from_int8(torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards]),
+                                         bias, dev, dtype)
+    return None
+
+
+@torch.no_grad()
+def apply_prequantized(model: nn.Module, quant: dict, dtype: torch.dtype) -> int:
+    """Swap each decoder projection whose HF shards are all pre-quantized in one format for a ``QuantizedLinear``.
+
+    ``quant``: HF weight name (``model.layers.0.self_attn.q_proj.weight``) -> ``Int4Weight``,
+    ``Fp8Weight`` or INT8 ``(q, scale)``. q/k/v and gate/up shards are concatenated along the
+    output rows, as the dense packing does. Projections with a missing shard or mixed formats keep
+    their dense weight. Returns the number of layers swapped.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    n_done = 0
+    for parent, attr, linear in quantized_linears(model):
+        prefix = names[id(parent)]
+        shards = [quant.get(f"{prefix}.{s}.weight") for s in PACKED_SHARDS.get(attr, (attr,))]
+        if any(s is None for s in shards):
+            continue
+        bias = linear.bias.detach() if linear.bias is not None else None
+        new = _cat_shards(shards, linear.weight.device, dtype, bias)
+        if new is not None:
+            setattr(parent, attr, new)
+            n_done += 1
+    return n_done
 
 
 def weight_bytes(model: nn.Module) -> int:

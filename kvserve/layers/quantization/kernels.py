@@ -45,6 +45,14 @@ class Int4Weight:
         return self.q.float() * self.scale.repeat_interleave(g, 1) + self.min.repeat_interleave(g, 1)
 
 
+@dataclass
+class Fp8Weight:
+    """Per-output-channel FP8 e4m3: ``q`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[N]``; ``w = q * scale[:, None]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
     """Asymmetric min/max INT4 per group of ``group_size`` columns (as llama.cpp's Q4_1 does).
 

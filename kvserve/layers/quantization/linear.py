@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.layers.quantization.kernels import (
+    Fp8Weight,
     Int4Weight,
     PackedFp8,
     PackedInt4,
@@ -30,7 +31,8 @@ def int4_group_size(in_features: int, preferred: int = 128) -> int:
 class QuantizedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` stored as ``method`` (int4 | int8 | fp8).
 
-    Build with ``from_dense`` (quantize at load time) or ``from_int4`` (pre-quantized, e.g. GGUF).
+    Build with ``from_dense`` (quantize at load time) or ``from_int4`` / ``from_int8`` / ``from_fp8``
+    (pre-quantized: GGUF, compressed-tensors).
     ``forward``: ``x`` ``[..., in_features]`` in the model dtype -> ``[..., out_features]``.
     """
 
@@ -75,6 +77,12 @@ class QuantizedLinear(nn.Module):
                   dtype: torch.dtype) -> "QuantizedLinear":
         n, k = q.shape
         return cls("int8", PackedInt8(q, scale, device, dtype), k, n, bias)
+
+    @classmethod
+    def from_fp8(cls, w: Fp8Weight, bias: Optional[torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> "QuantizedLinear":
+        n, k = w.q.shape
+        return cls("fp8", PackedFp8(w.q, w.scale, device, dtype), k, n, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
