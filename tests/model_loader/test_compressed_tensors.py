@@ -9,6 +9,7 @@ reference is the library's own decompression of the same checkpoint, saved as a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -155,8 +156,13 @@ def test_get_model_logits_match_dense_decompressed(ckpts, name, caplog):
     cdir, ddir = ckpts[name]
     method = SCHEMES[name][2]
     cfg = load_hf_config(cdir, "safetensors")
-    with caplog.at_level("WARNING"):
-        model = get_model(_mc(cdir, quantization="compressed-tensors"), "cpu")
+    log = logging.getLogger("kvserve")  # after kvserve's setup_logging it no longer propagates to caplog's root
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="kvserve"):
+            model = get_model(_mc(cdir, quantization="compressed-tensors"), "cpu")
+    finally:
+        log.removeHandler(caplog.handler)
     qls = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(qls) == 8 and {m.method for m in qls} == {method}  # 4 packed projections x 2 layers
     assert not isinstance(model.lm_head, QuantizedLinear)
