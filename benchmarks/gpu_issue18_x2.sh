@@ -3,9 +3,15 @@
 # link) vs 2 colocated replicas, behind `kvserve router`, same mixed workload
 # (benchmarks/pd_goodput.py), plus the link's ceilings and how the GPUs are connected.
 # Wheels the GPU machine lacks: the server's in .whl/ (fastapi, starlette, pydantic(-core),
-# annotated-types, typing-inspection, uvicorn, pyzmq, msgspec: cp312) and NIXL in .whl_nixl/
-# (the `nixl` meta wheel + nixl_trim.tar.xz: nixl-cu13 1.5.1's wheel unpacked without its
-# nixl_ep_cu13 extension and UCX's perftest library, so that it fits a call's 64 MiB).
+# annotated-types, typing-inspection, uvicorn, pyzmq, msgspec, and opentelemetry-api/-sdk/
+# -semantic-conventions + importlib-metadata, which fastapi 0.165 imports: cp312) and NIXL in
+# .whl_nixl/ (the `nixl` meta wheel + nixl_trim.tar.xz: nixl-cu13 1.5.1's wheel unpacked without
+# its nixl_ep_cu13 extension and UCX's perftest library, so that it fits a call's 64 MiB). Made with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl <the packages above>
+#   pip download ... -d /tmp nixl-cu13==1.5.1 nixl==1.5.1 (the meta wheel goes to .whl_nixl/), then
+#   unzip the nixl-cu13 wheel into a folder, rm -r nixl_ep_cu13 nixl_cu13.libs/ucx/libucx_perftest_cuda.so*,
+#   tar -C folder -cJf .whl_nixl/nixl_trim.tar.xz .
 # Usage (repo root): OUT=<dir> bash benchmarks/gpu_issue18_x2.sh   (about 9 minutes)
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
