@@ -41,13 +41,19 @@ def _record(out_dir: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-#: decode configs timed beside the default one, ``(block_n, num_warps, num_stages, num_splits)``
-#: (None: the default; ``decode._config``, ``choose_num_splits``): quantized tiles use more
-#: registers per thread than bf16 (sm_90 ptxas: ``benchmarks/ptx_kv_loads.py --regs``), so
-#: fewer programs fit an SM; the last config splits each request's keys 4 ways (the default
-#: is one split per (request, KV head) at batch 64 x 8k)
-KERNEL_CONFIGS = [(64, 4, 2, None), (64, 8, 2, None), (32, 4, 2, None), (32, 4, 3, None), (64, 4, 3, None),
-                  (None, None, None, 4)]
+#: decode configs timed beside the default one, ``(block_n, num_warps, num_stages, num_splits,
+#: fast_cvt, lane_split)`` (None: the default; ``decode._config``, ``choose_num_splits``,
+#: ``kv_load.CODE_PATHS``): quantized tiles use more registers per thread than bf16 (sm_90
+#: ptxas: ``benchmarks/ptx_kv_loads.py --regs``), so fewer programs fit an SM; ``num_splits``
+#: 4 splits each request's keys 4 ways (the default is one split per (request, KV head) at
+#: batch 64 x 8k); the code paths: conversion instructions vs integer-built float16, 4-/2-bit
+#: codes interleaved vs one dot per bit lane
+KERNEL_CONFIGS = [(None, None, None, None, False, False), (None, None, None, None, True, False),
+                  (None, None, None, None, False, True),
+                  (64, 4, 2, None, None, None), (64, 8, 2, None, None, None), (32, 4, 2, None, None, None),
+                  (32, 4, 3, None, None, None), (64, 4, 3, None, None, None), (128, 4, 2, None, None, None),
+                  (128, 8, 2, None, None, None), (128, 8, 3, None, None, None), (64, 8, 3, None, None, None),
+                  (None, None, None, 2, None, None), (None, None, None, 4, None, None)]
 
 
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,
@@ -80,11 +86,19 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     from kvserve.attention.triton.decode import _config
     from kvserve.attention.triton.kv_load import KV_FMT_CODES
 
-    default = (*_config(d, q.dtype, device != "cuda", KV_FMT_CODES.get(dtype, 0)), None)
+    from kvserve.attention.triton.kv_load import CODE_PATHS
+
+    kv_fmt = KV_FMT_CODES.get(dtype, 0)
+    default = (*_config(d, q.dtype, device != "cuda", kv_fmt), None, None, None)
     for cfg in [None, *(c for c in configs if c != default)]:  # the default config is timed once
-        bn, nw, ns, sp = cfg or (None, None, None, None)
+        bn, nw, ns, sp, fc, ls = cfg or (None,) * 6
+        if (fc is not None or ls is not None) and not kv_fmt:
+            continue  # code paths: quantized formats only
+        if ls and kv_fmt < 4:
+            continue  # bit lanes: 4-/2-bit codes only
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
-                                      block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
+                                      block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp,
+                                      fast_cvt=fc, lane_split=ls)
         if cfg is None:
             recs.append(_time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out))
             continue
@@ -93,13 +107,15 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
         except Exception as exc:  # noqa: BLE001 - a config that fails must not hide the others
             traceback.print_exc()
             rec = dict(error=f"{type(exc).__name__}: {exc}", kv_cache_dtype=dtype)
-        rec.update(part="kernel_cfg", block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
+        rec.update(part="kernel_cfg", block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp,
+                   fast_cvt=CODE_PATHS["fast_cvt"] if fc is None else fc,
+                   lane_split=CODE_PATHS["lane_split"] if ls is None else ls)
         recs.append(rec)
     if device == "cuda" and configs:  # the default again, last: no first-in-line advantage either way
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out)  # noqa: E731
         rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out)
         rec.update(part="kernel_cfg", block_n=default[0], num_warps=default[1], num_stages=default[2],
-                   num_splits=None, default=True)
+                   num_splits=None, default=True, **CODE_PATHS)
         recs.append(rec)
     return recs
 
@@ -213,15 +229,28 @@ def main() -> None:
     ap.add_argument("--parts", default="kernel,step,b1,w1")
     ap.add_argument("--dtypes", default=DTYPES)
     ap.add_argument("--cpu-smoke", action="store_true", help="kernel part at tiny shapes on the CPU (interpreter)")
+    ap.add_argument("--no-sweep", action="store_true", help="kernel part: the default config only")
+    ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0: kv_load.CODE_PATHS for every "
+                    "part (the engine runs in this process); recorded in each record")
     ns = ap.parse_args()
+    if ns.cpu_smoke:  # before the first kvserve import: the kernels are decorated then
+        os.environ["TRITON_INTERPRET"] = "1"
+    from kvserve.attention.triton.kv_load import CODE_PATHS
+
+    for kv in filter(None, ns.code_paths.split(",")):
+        key, val = kv.split("=")
+        if key not in CODE_PATHS:
+            raise SystemExit(f"--code-paths: unknown {key!r} (choices: {sorted(CODE_PATHS)})")
+        CODE_PATHS[key] = val == "1"
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
     recs = []
     if ns.cpu_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
+        smoke_cfgs = [(32, 4, 1, None, None, None), (None, None, None, 1, None, None),
+                      (None, None, None, None, False, False)]
         for d in dtypes:
-            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=[(32, 4, 1, None), (None, None, None, 1)]):
+            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=smoke_cfgs):
                 recs.append(rec)
                 _record(ns.out, rec)
         return
@@ -229,7 +258,8 @@ def main() -> None:
         for d in dtypes:
             try:
                 if part == "kernel":
-                    *head, rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128, configs=KERNEL_CONFIGS)
+                    *head, rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128,
+                                              configs=() if ns.no_sweep else KERNEL_CONFIGS)
                     for r in head:  # the default config first, then the sweep (rec: its last)
                         recs.append(r)
                         _record(ns.out, r)
@@ -245,6 +275,7 @@ def main() -> None:
                 traceback.print_exc()
                 rec = dict(part=part, kv_cache_dtype=d, error=f"{type(exc).__name__}: {exc}")
                 torch.cuda.empty_cache()
+            rec.setdefault("code_paths", dict(CODE_PATHS))
             recs.append(rec)
             _record(ns.out, rec)
     base = {r["part"]: r for r in recs if r.get("kv_cache_dtype") == "bfloat16" and "error" not in r}
@@ -256,7 +287,8 @@ def main() -> None:
         b = base.get("kernel" if r["part"] == "kernel_cfg" else r["part"], {}).get(key)
         ratio = f"{v / b:.2f}x" if v and b else "-"
         part = r["part"] if r["part"] != "kernel_cfg" else \
-            f"{r['block_n'] or '-'}x{r['num_warps'] or '-'}w{r['num_stages'] or '-'}s{r['num_splits'] or ''}"
+            f"{r['block_n'] or '-'}x{r['num_warps'] or '-'}w{r['num_stages'] or '-'}s{r['num_splits'] or ''}" \
+            f"{'' if r.get('fast_cvt', True) else ' cvt'}{'' if r.get('lane_split', True) else ' il'}"
         print(f"{part:<13}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
               f"{ratio:>9}{r.get('gb_per_s', ''):>9}")
 

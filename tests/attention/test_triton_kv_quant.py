@@ -9,12 +9,15 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_quant import aligned_for_vector_loads, dequantize, pages_to_rows, quantize_pages
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.torch_ref import store_kv as ref_store_kv
 from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention, store_kv
+from kvserve.attention.triton.kv_load import _byte_codes
 from kvserve.core.kv_cache_spec import get_kv_format
 from tests.attention.paged_ref import random_block_tables
 
@@ -199,3 +202,52 @@ def test_decode_scale_tiles(name, bs, block_n, window):
         decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
                          d ** -0.5, window, out=out, num_splits=splits, block_n=block_n)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@triton.jit
+def _convert_codes(src, dst, KV_FMT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(dst + offs, _byte_codes(tl.load(src + offs).to(tl.int32), KV_FMT, tl.float16, True))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_fast_byte_codes_every_code(name):
+    """``FAST_CVT``'s integer-built float16 of each of the 256 8-bit codes equals the torch
+    conversion (e4m3: / 256, subnormals included); non-finite fp8 codes are never stored."""
+    from kvserve.attention.triton.kv_load import KV_FMT_CODES
+
+    codes = torch.arange(256, dtype=torch.int32)
+    out = torch.empty(256, dtype=torch.float16)
+    _convert_codes[(1,)](codes.to(DEV), out := out.to(DEV), KV_FMT=KV_FMT_CODES[name])
+    fmt = get_kv_format(name)
+    want = codes.to(torch.uint8).view(getattr(torch, fmt.torch_dtype)).float()
+    if name == "fp8_e4m3":
+        want = want / 256
+    finite = torch.isfinite(want)
+    assert finite.sum() >= 248  # e5m2: 2 infinities, 6 NaNs
+    assert torch.equal(out.cpu().float()[finite], want[finite])
+
+
+@pytest.mark.parametrize("name,fast_cvt,lane_split", [
+    *((n, f, False) for n in ("fp8_e4m3", "fp8_e5m2", "int8") for f in (False, True)),
+    *((n, f, ls) for n in ("int4", "int2") for f in (False, True) for ls in (False, True))])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
+    """Every quantized-code path of the decode kernel (conversion instructions or integer-built
+    float16; 4-/2-bit codes interleaved or one dot per bit lane) equals torch_ref, head dim 64."""
+    gen = torch.Generator().manual_seed(5)
+    bs, h, hkv, d = 8, 4, 2, 64
+    reqs = [(19, 1), (0, 1), (33, 1)]
+    meta, cache = _batch(reqs, bs, hkv, d, name, gen)
+    t = len(reqs)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(q_dtype).to(DEV) for n in (h, hkv, hkv))
+    store_kv(k, v, cache, meta.slot_mapping)
+    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(
+        meta, backend_cache={}, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
+    tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for splits in (1, 2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
+                         d ** -0.5, out=out, num_splits=splits, block_n=16, fast_cvt=fast_cvt,
+                         lane_split=lane_split)
+        torch.testing.assert_close(out.float(), ref.float(), **tol)

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
-                                               scaled_scores)
+from kvserve.attention.triton.kv_load import (CODE_PATHS, cache_strides, code_lane, kernel_cache_args, kv_row_offsets,
+                                               kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
+                                               load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
+                                               scaled_scores, split_lanes)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -58,7 +59,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
-    FP16_DOT: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,8 +78,18 @@ def _decode_split_kernel(
     # tl.dot operand dtype: K/V/P are cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
-    if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
-        q = q.to(tl.float32)
+    op_dtype: tl.constexpr = tl.float32 if WIDEN else in_dtype  # WIDEN: interpreter only (numpy dot, no bf16)
+    q = q.to(op_dtype)
+    # LANE_SPLIT (4-/2-bit codes): lane i of every byte holds elements LANES * c + i, so
+    # q . k = sum_i q[:, i::LANES] . lane_i: one dot per lane, no interleaving of the codes;
+    # V likewise, one accumulator per lane, interleaved once at the end.
+    BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
+    LANES: tl.constexpr = 8 // BITS if LANE_SPLIT else 1
+    CL: tl.constexpr = HEAD_DIM // LANES
+    CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # _byte_codes: e4m3 / 256
+    q_scale = q_scale * CODE_SCALE
+    if LANES > 1:
+        q0, q1, q2, q3 = split_lanes(q, LANES)
 
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - window, 0)
@@ -95,13 +106,20 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    acc0 = tl.zeros([G_PAD, CL], tl.float32)
+    acc1 = tl.zeros([G_PAD, CL], tl.float32)
+    acc2 = tl.zeros([G_PAD, CL], tl.float32)
+    acc3 = tl.zeros([G_PAD, CL], tl.float32)
+    acc_z = tl.zeros([G_PAD], tl.float32)  # sum_j p_j m_j (the V minima), the same for every channel
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         if USE_WINDOW:
             n_mask = n_mask & (pos >= kv_lo)
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
-        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
+        if LANES == 1:
+            k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
+                            FAST_CVT)
         if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
             sc_idx = kv_scale_index(bt_row, n0, end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
                                     HEAD_DIM, KV_FMT, True)
@@ -109,19 +127,45 @@ def _decode_split_kernel(
             vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
         else:
             ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
-        qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
+        if LANES > 1:
+            rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True)  # [C, BLOCK_N]
+            qk = tl.dot(q0, code_lane(rk, 0, BITS, op_dtype, FAST_CVT), input_precision=DOT_PREC)
+            qk = tl.dot(q1, code_lane(rk, 1, BITS, op_dtype, FAST_CVT), qk, input_precision=DOT_PREC)
+            if LANES == 4:
+                qk = tl.dot(q2, code_lane(rk, 2, BITS, op_dtype, FAST_CVT), qk, input_precision=DOT_PREC)
+                qk = tl.dot(q3, code_lane(rk, 3, BITS, op_dtype, FAST_CVT), qk, input_precision=DOT_PREC)
+            qk = qk * q_scale[:, None] * ks[None, :] + q_sum[:, None] * kz[None, :]
+        else:
+            qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT)
-        acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
+        if LANES > 1:
+            rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True)  # [BLOCK_N, C]
+            pv = (p * vs[None, :]).to(in_dtype).to(op_dtype)
+            acc0 = tl.dot(pv, code_lane(rv, 0, BITS, op_dtype, FAST_CVT), acc0 * alpha[:, None],
+                          input_precision=DOT_PREC)
+            acc1 = tl.dot(pv, code_lane(rv, 1, BITS, op_dtype, FAST_CVT), acc1 * alpha[:, None],
+                          input_precision=DOT_PREC)
+            if LANES == 4:
+                acc2 = tl.dot(pv, code_lane(rv, 2, BITS, op_dtype, FAST_CVT), acc2 * alpha[:, None],
+                              input_precision=DOT_PREC)
+                acc3 = tl.dot(pv, code_lane(rv, 3, BITS, op_dtype, FAST_CVT), acc3 * alpha[:, None],
+                              input_precision=DOT_PREC)
+            acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
+        else:
+            v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
+                            FAST_CVT)
+            acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
         m_i = m_new
 
+    if LANES > 1:
+        acc = merge_lanes(acc0, acc1, acc2, acc3, LANES) + acc_z[:, None]
     empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc * (CODE_SCALE / tl.where(empty, 1.0, l_i))[:, None]
     if DIRECT:  # a single split: write the final output, no reduce pass
         tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -216,6 +260,8 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fast_cvt: bool | None = None,
+    lane_split: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -231,6 +277,10 @@ def decode_attention(
         num_splits: override the heuristic (``choose_num_splits``).
         block_n / num_warps / num_stages: override the tile config (``_config``; benchmarks
             sweep them).
+        fast_cvt / lane_split: override the quantized-code paths (``CODE_PATHS``; benchmarks
+            compare them): codes made float16 with integer ops instead of conversion
+            instructions; 4-/2-bit codes multiplied one bit lane at a time (when a lane holds
+            >= 16 bytes per row: ``tl.dot``'s minimum K).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -262,6 +312,9 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     window = sliding_window if sliding_window is not None else 0
+    fast_cvt = CODE_PATHS["fast_cvt"] if fast_cvt is None else fast_cvt
+    lane_split = CODE_PATHS["lane_split"] if lane_split is None else lane_split
+    lane_split = lane_split and kv_fmt >= 4 and d * (4 if kv_fmt == 4 else 2) // 8 >= 16
     _decode_split_kernel[(num_decodes, hkv, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
@@ -275,7 +328,7 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
-        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32,
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

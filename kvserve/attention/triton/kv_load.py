@@ -64,6 +64,11 @@ def cache_strides(k_cache: torch.Tensor, head_size: int, kv_fmt: int) -> tuple[i
 
 _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 
+#: defaults of the quantized-code paths, read at each launch (``decode_attention``'s
+#: ``fast_cvt`` / ``lane_split``; the prefill kernel's ``FAST_CVT``): a module dict so a
+#: benchmark can switch them for a whole engine run
+CODE_PATHS = {"fast_cvt": True, "lane_split": True}
+
 
 @triton.jit
 def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
@@ -127,7 +132,7 @@ def load_scales(cache_ptr, sc_idx, n_mask, KV_FMT: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit
 def _code_rows(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr,
-               out_dtype: tl.constexpr):
+               out_dtype: tl.constexpr, FAST_CVT: tl.constexpr = False):
     """Codes ``[BLOCK_N, HEAD_DIM]`` as ``out_dtype`` values (the V tile, not scaled): each
     key's ``C`` contiguous bytes at ``row_off``, unpacked; masked keys are 0."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
@@ -143,43 +148,108 @@ def _code_rows(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.co
         else:
             w = tl.load(ptrs)
         w = w.to(tl.int32)
-        raw = tl.reshape(tl.join(w & 0xFF, (w >> 8) & 0xFF), [row_off.shape[0], HEAD_DIM]).to(tl.uint8)
-        x = _byte_codes(raw, KV_FMT, out_dtype)
-    else:
-        offs_c = tl.arange(0, CB)
-        ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
-        if MASKED:
-            raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        if FAST_CVT:  # each byte converted where it is, then the halves interleaved
+            x = tl.reshape(tl.join(_byte_codes(w & 0xFF, KV_FMT, out_dtype, True),
+                                   _byte_codes((w >> 8) & 0xFF, KV_FMT, out_dtype, True)),
+                           [row_off.shape[0], HEAD_DIM])
         else:
-            raw = tl.load(ptrs)
-        r = raw.to(tl.int32)
+            raw = tl.reshape(tl.join(w & 0xFF, (w >> 8) & 0xFF), [row_off.shape[0], HEAD_DIM])
+            x = _byte_codes(raw, KV_FMT, out_dtype, False)
+    else:
+        r = load_code_bytes(cache_ptr, row_off, n_mask, CB, MASKED)
         if KV_FMT == 4:  # element 2j in the low nibble of byte j, 2j + 1 in the high one
-            x = tl.reshape(tl.join(r & 15, r >> 4), [row_off.shape[0], HEAD_DIM]).to(out_dtype)
-        else:  # element 4j + i in bits 2i of byte j
-            q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [.., CB, 2 (i//2), 2 (i%2)]
-            x = tl.reshape(q, [row_off.shape[0], HEAD_DIM]).to(out_dtype)
+            x = tl.reshape(tl.join(code_lane(r, 0, 4, out_dtype, FAST_CVT), code_lane(r, 1, 4, out_dtype, FAST_CVT)),
+                           [row_off.shape[0], HEAD_DIM])
+        else:  # element 4j + i in bits 2i of byte j: [.., CB, 2 (i // 2), 2 (i % 2)]
+            x = tl.reshape(tl.join(tl.join(code_lane(r, 0, 2, out_dtype, FAST_CVT),
+                                           code_lane(r, 2, 2, out_dtype, FAST_CVT)),
+                                   tl.join(code_lane(r, 1, 2, out_dtype, FAST_CVT),
+                                           code_lane(r, 3, 2, out_dtype, FAST_CVT))),
+                           [row_off.shape[0], HEAD_DIM])
     return x
 
 
 @triton.jit
-def _byte_codes(raw, KV_FMT: tl.constexpr, out_dtype: tl.constexpr):
-    """8-bit codes (uint8 tile) as ``out_dtype``: fp8 bit patterns converted in registers
-    (float16: one ``cvt`` per two codes on sm_90), or int8; exact in float16."""
-    if KV_FMT == 1:
-        x = raw.to(tl.float8e4nv, bitcast=True).to(out_dtype)
-    elif KV_FMT == 2:
-        x = raw.to(tl.float8e5, bitcast=True).to(out_dtype)
+def _f16_bits(bits):
+    """int32 values holding float16 bit patterns in their low 16 bits -> float16."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _byte_codes(b, KV_FMT: tl.constexpr, out_dtype: tl.constexpr, FAST_CVT: tl.constexpr = False):
+    """8-bit codes (``b``: the bytes, uint8 or zero-extended int32) as ``out_dtype``; exact in
+    float16. ``FAST_CVT``: built as float16 bit patterns with integer ops, no conversion
+    instruction (int-to-float converts run at a quarter of the FMA rate on sm_90): int8 ``x``
+    is ``(1152 + x) - 1152`` with ``1152 + x`` = bits ``0x6400 | (x ^ 0x80)``; e5m2 is the
+    upper byte of a float16; e4m3 moved into float16's fields is the value / 256 (the
+    exponent biases differ by 8; subnormals map to subnormals), which the caller undoes
+    (``CODE_SCALE``). Else: fp8 bit patterns converted with ``cvt``, int8 with ``I2F``."""
+    if FAST_CVT:
+        bi = b.to(tl.int32)
+        if KV_FMT == 1:
+            x = _f16_bits(((bi & 0x80) << 8) | ((bi & 0x7F) << 7))
+        elif KV_FMT == 2:
+            x = _f16_bits(bi << 8)
+        else:
+            x = _f16_bits((bi ^ 0x80) | 0x6400) - 1152.0
+        x = x.to(out_dtype)
     else:
-        x = raw.to(tl.int8, bitcast=True).to(out_dtype)
+        raw = b.to(tl.uint8)
+        if KV_FMT == 1:
+            x = raw.to(tl.float8e4nv, bitcast=True).to(out_dtype)
+        elif KV_FMT == 2:
+            x = raw.to(tl.float8e5, bitcast=True).to(out_dtype)
+        else:
+            x = raw.to(tl.int8, bitcast=True).to(out_dtype)
+    return x
+
+
+@triton.jit
+def load_code_bytes(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.constexpr):
+    """The ``CB`` code bytes of each key at ``row_off [BLOCK_N]``: ``[BLOCK_N, CB]`` int32
+    (zero-extended; masked keys 0)."""
+    offs_c = tl.arange(0, CB)
+    ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
+    if MASKED:
+        raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
+    else:
+        raw = tl.load(ptrs)
+    return raw.to(tl.int32)
+
+
+@triton.jit
+def load_code_bytes_t(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.constexpr):
+    """``load_code_bytes`` transposed, ``[CB, BLOCK_N]`` (the K operand's layout)."""
+    offs_c = tl.arange(0, CB)
+    ptrs = cache_ptr + row_off[None, :] + offs_c[:, None]
+    if MASKED:
+        raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
+    else:
+        raw = tl.load(ptrs)
+    return raw.to(tl.int32)
+
+
+@triton.jit
+def code_lane(r, LANE: tl.constexpr, BITS: tl.constexpr, out_dtype: tl.constexpr, FAST_CVT: tl.constexpr = False):
+    """Lane ``LANE`` of packed 4-/2-bit codes (bytes ``r``, int32): the codes in bits
+    ``LANE * BITS`` up of each byte (elements ``j * 8 / BITS + LANE`` of row ``j``'s bytes),
+    same shape as ``r``, as ``out_dtype``. ``FAST_CVT``: ``(1024 + c) - 1024`` from the
+    float16 bits ``0x6400 | c``, no int-to-float conversion."""
+    c = (r >> (LANE * BITS)) & ((1 << BITS) - 1)
+    if FAST_CVT:
+        x = (_f16_bits(c | 0x6400) - 1024.0).to(out_dtype)
+    else:
+        x = c.to(out_dtype)
     return x
 
 
 @triton.jit
 def load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0):
+                WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0,
+                FAST_CVT: tl.constexpr = False):
     """K transposed, ``[HEAD_DIM, BLOCK_N]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys
-    are 0. Quantized formats: the *codes* (exact in float16), not scaled: the caller folds
-    each key's scale (and minimum) into its score (``load_scales``)."""
+    are 0. Quantized formats: the *codes* (exact in float16; e4m3 with ``FAST_CVT``: / 256),
+    not scaled: the caller folds each key's scale (and minimum) into its score."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FMT > 0 and KV_FMT <= 3:  # 8-bit codes: loaded as [HEAD_DIM, BLOCK_N], contiguous along the channel axis
         ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None]
@@ -187,23 +257,17 @@ def load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr,
             raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
         else:
             raw = tl.load(ptrs)
-        k = _byte_codes(raw, KV_FMT, in_dtype)
+        k = _byte_codes(raw, KV_FMT, in_dtype, FAST_CVT)
     elif KV_FMT > 0:  # packed codes: [C, BLOCK_N] bytes, contiguous along the channel axis, unpacked along it
         BITS: tl.constexpr = 4 if KV_FMT == 4 else 2
-        offs_c = tl.arange(0, HEAD_DIM * BITS // 8)
-        ptrs = k_cache_ptr + row_off[None, :] + offs_c[:, None]
-        if MASKED:
-            raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
-        else:
-            raw = tl.load(ptrs)
-        r = raw.to(tl.int32)
+        r = load_code_bytes_t(k_cache_ptr, row_off, n_mask, HEAD_DIM * BITS // 8, MASKED)
         if KV_FMT == 4:
-            q = tl.join(r & 15, r >> 4)  # [C, BLOCK_N, 2]: element 2c + i
-            q = tl.reshape(tl.permute(q, (0, 2, 1)), [HEAD_DIM, row_off.shape[0]])
-        else:
-            q = tl.join(tl.join(r & 3, (r >> 4) & 3), tl.join((r >> 2) & 3, r >> 6))  # [C, N, 2 (i//2), 2 (i%2)]
-            q = tl.reshape(tl.permute(q, (0, 2, 3, 1)), [HEAD_DIM, row_off.shape[0]])
-        k = q.to(in_dtype)
+            k = tl.join(code_lane(r, 0, 4, in_dtype, FAST_CVT), code_lane(r, 1, 4, in_dtype, FAST_CVT))
+            k = tl.reshape(tl.permute(k, (0, 2, 1)), [HEAD_DIM, row_off.shape[0]])  # [C, 2, N]: element 2c + i
+        else:  # [C, N, 2 (i // 2), 2 (i % 2)]
+            k = tl.join(tl.join(code_lane(r, 0, 2, in_dtype, FAST_CVT), code_lane(r, 2, 2, in_dtype, FAST_CVT)),
+                        tl.join(code_lane(r, 1, 2, in_dtype, FAST_CVT), code_lane(r, 3, 2, in_dtype, FAST_CVT)))
+            k = tl.reshape(tl.permute(k, (0, 2, 3, 1)), [HEAD_DIM, row_off.shape[0]])
     else:
         ptrs = k_cache_ptr + row_off[None, :] + offs_d[:, None] * stride_cd
         if MASKED:
@@ -217,12 +281,13 @@ def load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0):
+                WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0,
+                FAST_CVT: tl.constexpr = False):
     """V, ``[BLOCK_N, HEAD_DIM]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0.
     Quantized formats: the codes, not scaled (the caller folds the scales into P)."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FMT > 0:
-        v = _code_rows(v_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED, in_dtype)
+        v = _code_rows(v_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED, in_dtype, FAST_CVT)
     else:
         ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
         if MASKED:
@@ -280,3 +345,25 @@ def prepare_query(q, qk_scale, KV_FMT: tl.constexpr, in_dtype: tl.constexpr):
         return (qf / qn[:, None]).to(in_dtype), qn * qk_scale, tl.sum(qf, 1) * qk_scale
     else:
         return q, qk_scale, qk_scale
+
+
+@triton.jit
+def split_lanes(x, LANES: tl.constexpr):
+    """Columns of ``x [M, D]`` by lane: four tensors ``[M, D // LANES]``, lane ``i`` = columns
+    ``i, i + LANES, ...`` (``LANES`` 2: the last two repeat the first two, unused)."""
+    e, o = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    if LANES == 2:
+        return e, o, e, o
+    else:
+        ee, eo = tl.split(tl.reshape(e, [x.shape[0], x.shape[1] // 4, 2]))  # columns 4c, 4c + 2
+        oe, oo = tl.split(tl.reshape(o, [x.shape[0], x.shape[1] // 4, 2]))  # 4c + 1, 4c + 3
+        return ee, oe, eo, oo
+
+
+@triton.jit
+def merge_lanes(a0, a1, a2, a3, LANES: tl.constexpr):
+    """The inverse of ``split_lanes``: ``[M, C]`` lanes -> ``[M, C * LANES]``."""
+    if LANES == 2:
+        return tl.reshape(tl.join(a0, a1), [a0.shape[0], a0.shape[1] * 2])
+    else:  # [M, C, 2 (i // 2), 2 (i % 2)]
+        return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [a0.shape[0], a0.shape[1] * 4])

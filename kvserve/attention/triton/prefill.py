@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
-                                               scaled_scores)
+from kvserve.attention.triton.kv_load import (CODE_PATHS, cache_strides, kernel_cache_args, kv_row_offsets,
+                                               kv_scale_index, load_k_tile, load_scales, load_v_tile, prepare_query,
+                                               pv_update, scaled_scores)
 
 _LOG2E = 1.4426950408889634
 
@@ -38,7 +38,7 @@ def _attend_block(
     stride_cb, stride_co, stride_cd, q_scale, q_sum,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
-    in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0,
+    in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -50,7 +50,7 @@ def _attend_block(
         n_mask = n_mask & (pos >= kv_min)
     row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     # [D, BLOCK_N]
-    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
+    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
     if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
         sc_idx = kv_scale_index(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
                                 HEAD_DIM, KV_FMT, MASKED)
@@ -70,7 +70,7 @@ def _attend_block(
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # [BLOCK_N, D]
-    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT)
+    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
     acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
     return acc, m_new, l_i
 
@@ -87,7 +87,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
-    FP16_DOT: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -111,6 +111,8 @@ def _prefill_kernel(
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
+    CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
+    q_scale = q_scale * CODE_SCALE
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
         q = q.to(tl.float32)
 
@@ -137,14 +139,14 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
     for n0 in range(full_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -226,7 +228,7 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
-        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32,
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=CODE_PATHS["fast_cvt"],
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

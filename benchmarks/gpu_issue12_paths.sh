@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Quantized-KV decode code paths on one GPU (issue 12): integer-built float16 codes (no
+# conversion instructions) and one dot per bit lane for 4-/2-bit codes, beside the previous
+# paths, in two calls:
+#   PHASE=sweep  the quantized-KV kernel tests on CUDA, then the decode kernel alone at batch 64
+#                x 8k per dtype: each code path and tile config (benchmarks/gpu_issue12.py kernel)
+#   PHASE=engine the decode step at batch 64 x 8k and W1 per dtype with the defaults, and the
+#                step with the previous code paths (--code-paths fast_cvt=0,lane_split=0)
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine bash benchmarks/gpu_issue12_paths.sh
+set -u
+OUT=${OUT:-/tmp/kvserve-out}
+PHASE=${PHASE:-sweep}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+part() {  # part <seconds> <log> <command...>
+  local t=$1 log=$2; shift 2
+  local s; s=$(date +%s)
+  timeout -k 5 "$t" "$@" > "$log" 2>&1
+  echo "== $(basename "$log" .txt) rc=$? in $(( $(date +%s) - s ))s"
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+git log -1 --format='commit %h %s' 2>/dev/null || true
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ "$PHASE" = sweep ]; then
+  part 110 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py
+  tail -3 "$OUT/tests.txt"
+  part 330 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
+    --dtypes bfloat16,fp8_e4m3,int8,int4,int2
+  sed -n '/^part /,$p' "$OUT/kernel.txt"
+else
+  part 75 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
+    --dtypes bfloat16,fp8_e4m3,int8,int4,int2 --no-sweep
+  part 150 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step \
+    --dtypes bfloat16,fp8_e4m3,int8,int4,int2
+  part 70 "$OUT/step_prev.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_prev" --parts step \
+    --dtypes fp8_e4m3,int4 --code-paths fast_cvt=0,lane_split=0
+  part 150 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,fp8_e4m3,int4
+  grep -h '^{' "$OUT"/kernel.txt "$OUT"/step.txt "$OUT"/step_prev.txt "$OUT"/w1.txt | cut -c1-200
+  for f in kernel step step_prev w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+fi
