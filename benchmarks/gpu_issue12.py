@@ -84,12 +84,10 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     out = torch.empty_like(q)
     recs = []
     from kvserve.attention.triton.decode import _config
-    from kvserve.attention.triton.kv_load import KV_FMT_CODES
-
-    from kvserve.attention.triton.kv_load import CODE_PATHS
+    from kvserve.attention.triton.kv_load import KV_FMT_CODES, use_fast_cvt, use_lane_split
 
     kv_fmt = KV_FMT_CODES.get(dtype, 0)
-    default = (*_config(d, q.dtype, device != "cuda", kv_fmt), None, None, None)
+    default = (*_config(d, q.dtype, device != "cuda", kv_fmt, use_lane_split(kv_fmt, d)), None, None, None)
     for cfg in [None, *(c for c in configs if c != default)]:  # the default config is timed once
         bn, nw, ns, sp, fc, ls = cfg or (None,) * 6
         if (fc is not None or ls is not None) and not kv_fmt:
@@ -108,14 +106,14 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
             traceback.print_exc()
             rec = dict(error=f"{type(exc).__name__}: {exc}", kv_cache_dtype=dtype)
         rec.update(part="kernel_cfg", block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp,
-                   fast_cvt=CODE_PATHS["fast_cvt"] if fc is None else fc,
-                   lane_split=CODE_PATHS["lane_split"] if ls is None else ls)
+                   fast_cvt=use_fast_cvt(kv_fmt, fc), lane_split=use_lane_split(kv_fmt, d, ls))
         recs.append(rec)
     if device == "cuda" and configs:  # the default again, last: no first-in-line advantage either way
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out)  # noqa: E731
         rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out)
         rec.update(part="kernel_cfg", block_n=default[0], num_warps=default[1], num_stages=default[2],
-                   num_splits=None, default=True, **CODE_PATHS)
+                   num_splits=None, default=True, fast_cvt=use_fast_cvt(kv_fmt),
+                   lane_split=use_lane_split(kv_fmt, d))
         recs.append(rec)
     return recs
 
@@ -241,7 +239,7 @@ def main() -> None:
         key, val = kv.split("=")
         if key not in CODE_PATHS:
             raise SystemExit(f"--code-paths: unknown {key!r} (choices: {sorted(CODE_PATHS)})")
-        CODE_PATHS[key] = val == "1"
+        CODE_PATHS[key] = val if val == "packed" else val == "1"
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
@@ -288,7 +286,7 @@ def main() -> None:
         ratio = f"{v / b:.2f}x" if v and b else "-"
         part = r["part"] if r["part"] != "kernel_cfg" else \
             f"{r['block_n'] or '-'}x{r['num_warps'] or '-'}w{r['num_stages'] or '-'}s{r['num_splits'] or ''}" \
-            f"{'' if r.get('fast_cvt', True) else ' cvt'}{'' if r.get('lane_split', True) else ' il'}"
+            f"{' int' if r.get('fast_cvt') else ''}{' lanes' if r.get('lane_split') else ''}"
         print(f"{part:<13}{r['kv_cache_dtype']:<10}{(str(v) if v is not None else r.get('error', '')[:16]):>16}"
               f"{ratio:>9}{r.get('gb_per_s', ''):>9}")
 

@@ -28,13 +28,15 @@ if [ "$PHASE" = sweep ]; then
     --dtypes bfloat16,fp8_e4m3,int8,int4,int2
   sed -n '/^part /,$p' "$OUT/kernel.txt"
 else
-  part 75 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
-    --dtypes bfloat16,fp8_e4m3,int8,int4,int2 --no-sweep
-  part 150 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step \
+  part 70 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py -k "code_paths or decode_and_prefill"
+  tail -2 "$OUT/tests.txt"
+  part 60 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
+    --dtypes bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2 --no-sweep
+  part 50 "$OUT/kernel_fp8.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_fp8" --parts kernel --dtypes fp8_e4m3
+  part 130 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step \
     --dtypes bfloat16,fp8_e4m3,int8,int4,int2
-  part 70 "$OUT/step_prev.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_prev" --parts step \
-    --dtypes fp8_e4m3,int4 --code-paths fast_cvt=0,lane_split=0
-  part 150 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,fp8_e4m3,int4
-  grep -h '^{' "$OUT"/kernel.txt "$OUT"/step.txt "$OUT"/step_prev.txt "$OUT"/w1.txt | cut -c1-200
-  for f in kernel step step_prev w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  part 40 "$OUT/step_prev.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_prev" --parts step \
+    --dtypes int4 --code-paths fast_cvt=0,lane_split=0
+  part 140 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,fp8_e4m3,int4
+  for f in kernel kernel_fp8 step step_prev w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
 fi

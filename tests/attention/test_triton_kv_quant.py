@@ -248,6 +248,6 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
     for splits in (1, 2):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
-                         d ** -0.5, out=out, num_splits=splits, block_n=16, fast_cvt=fast_cvt,
+                         d ** -0.5, out=out, num_splits=splits, block_n=32, fast_cvt=fast_cvt,
                          lane_split=lane_split)
         torch.testing.assert_close(out.float(), ref.float(), **tol)

@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (CODE_PATHS, cache_strides, code_lane, kernel_cache_args, kv_row_offsets,
+from kvserve.attention.triton.kv_load import (cache_strides, code_lane, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
                                                load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
-                                               scaled_scores, split_lanes)
+                                               scaled_scores, split_lanes, use_fast_cvt, use_lane_split)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -227,7 +227,8 @@ def choose_num_splits(
     return max(1, min(want, cap, 32))
 
 
-def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0) -> tuple[int, int, int]:
+def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
+            lane_split: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
     if interpret:
         return 16, 1, 1
@@ -239,9 +240,11 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0)
     # 128, folded scales; bf16 0.714 ms at 64 x 4 x 2): 8-bit codes 64 keys x 4 warps x 2
     # stages (fp8 0.460 ms, int8 0.548; 32 x 4 x 3: 0.604 / 0.670), int4/int2 32 x 4 x 2
     # (0.745 / 0.743; 64 x 4 x 2: 0.900 / 0.913). Re-check after kernel changes
-    # (registers per config: benchmarks/ptx_kv_loads.py --regs).
+    # (registers per config: benchmarks/ptx_kv_loads.py --regs). One dot per bit lane
+    # (benchmarks/gpu_issue12_paths.sh, same shape): int4 128 x 4 x 2 0.465 ms (64 x 4 x 2
+    # 0.467, 32 x 4 x 2 0.593), int2 0.374 (0.447, 0.540).
     if kv_fmt >= 4:
-        return 32, 4, 2
+        return (128, 4, 2) if lane_split else (32, 4, 2)
     return 64, 4, 2
 
 
@@ -297,7 +300,9 @@ def decode_attention(
     assert block_size >= 2 or not kv_fmt, "quantized caches: scales are read as 4-byte words"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt)
+    fast_cvt = use_fast_cvt(kv_fmt, fast_cvt)
+    lane_split = use_lane_split(kv_fmt, d, lane_split)
+    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt, lane_split)
     block_n, num_warps, num_stages = block_n or cfg_n, num_warps or cfg_warps, num_stages or cfg_stages
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
@@ -312,9 +317,6 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     window = sliding_window if sliding_window is not None else 0
-    fast_cvt = CODE_PATHS["fast_cvt"] if fast_cvt is None else fast_cvt
-    lane_split = CODE_PATHS["lane_split"] if lane_split is None else lane_split
-    lane_split = lane_split and kv_fmt >= 4 and d * (4 if kv_fmt == 4 else 2) // 8 >= 16
     _decode_split_kernel[(num_decodes, hkv, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,

@@ -65,9 +65,25 @@ def cache_strides(k_cache: torch.Tensor, head_size: int, kv_fmt: int) -> tuple[i
 _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 
 #: defaults of the quantized-code paths, read at each launch (``decode_attention``'s
-#: ``fast_cvt`` / ``lane_split``; the prefill kernel's ``FAST_CVT``): a module dict so a
-#: benchmark can switch them for a whole engine run
-CODE_PATHS = {"fast_cvt": True, "lane_split": True}
+#: ``fast_cvt`` / ``lane_split``; the prefill kernel's ``FAST_CVT``); a module dict so a
+#: benchmark can switch them for a whole engine run. ``fast_cvt``: True, False or "packed"
+#: (4-/2-bit codes only: on an H100, fp8's ``cvt.f16x2.e4m3x2`` beat the integer-built
+#: float16 by 1.6x and int8 gained nothing, while int4 gained 7%; benchmarks/gpu_issue12_paths.sh).
+CODE_PATHS = {"fast_cvt": "packed", "lane_split": True}
+
+
+def use_fast_cvt(kv_fmt: int, override: bool | None = None) -> bool:
+    """Whether format ``kv_fmt`` builds its float16 codes with integer ops (``CODE_PATHS``)."""
+    v = CODE_PATHS["fast_cvt"] if override is None else override
+    return kv_fmt >= 4 if v == "packed" else bool(v)
+
+
+def use_lane_split(kv_fmt: int, head_size: int, override: bool | None = None) -> bool:
+    """Whether the decode kernel multiplies 4-/2-bit codes one bit lane at a time: asked for
+    (``CODE_PATHS``) and possible (a lane holds ``head_size * bits / 8`` >= 16 values per row,
+    ``tl.dot``'s minimum K)."""
+    v = CODE_PATHS["lane_split"] if override is None else override
+    return bool(v) and kv_fmt >= 4 and head_size * _BITS[kv_fmt] // 8 >= 16
 
 
 @triton.jit

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (CODE_PATHS, cache_strides, kernel_cache_args, kv_row_offsets,
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_k_tile, load_scales, load_v_tile, prepare_query,
-                                               pv_update, scaled_scores)
+                                               pv_update, scaled_scores, use_fast_cvt)
 
 _LOG2E = 1.4426950408889634
 
@@ -228,7 +228,7 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
-        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=CODE_PATHS["fast_cvt"],
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
