@@ -11,8 +11,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 part() {  # part <seconds> <log> <command...>
   local t=$1 log=$2; shift 2
   local s; s=$(date +%s)
+  local rc
   timeout -k 5 "$t" "$@" > "$log" 2>&1
-  echo "== $(basename "$log" .txt) rc=$? in $(( $(date +%s) - s ))s"
+  rc=$?
+  echo "== $(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
 }
 UCX_PROTO_INFO=y part 40 "$OUT/nixl_probe.txt" python3 benchmarks/nixl_probe.py
 grep -E "nixl probe|remote memory read|Error" "$OUT/nixl_probe.txt" | head -5

@@ -13,8 +13,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 part() {  # part <seconds> <log> <command...>
   local t=$1 log=$2; shift 2
   local s; s=$(date +%s)
+  local rc
   timeout -k 5 "$t" "$@" > "$log" 2>&1
-  echo "$(basename "$log" .txt) rc=$? in $(( $(date +%s) - s ))s"
+  rc=$?
+  echo "$(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
 }
 part 55 "$R/12/gpu_tests_kvquant.txt" python3 -m pytest -q -p no:cacheprovider tests/attention/test_kv_quant.py \
   tests/attention/test_triton_kv_quant.py

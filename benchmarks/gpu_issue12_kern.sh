@@ -15,8 +15,10 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 part() {  # part <seconds> <log> <command...>
   local t=$1 log=$2; shift 2
   local s; s=$(date +%s)
+  local rc
   timeout -k 5 "$t" "$@" > "$log" 2>&1
-  echo "$(basename "$log" .txt) rc=$? in $(( $(date +%s) - s ))s"
+  rc=$?
+  echo "$(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
 }
 # kernel first (the figure issue 12 is judged by), int4 early; records are appended as they finish
 part 70 "$OUT/kernel_log.txt" python3 benchmarks/gpu_issue12.py --out "$OUT" --parts kernel \

@@ -15,8 +15,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 part() {  # part <seconds> <log> <command...>
   local t=$1 log=$2; shift 2
   local s; s=$(date +%s)
+  local rc
   timeout -k 5 "$t" "$@" > "$log" 2>&1
-  echo "== $(basename "$log" .txt) rc=$? in $(( $(date +%s) - s ))s"
+  rc=$?
+  echo "== $(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 git log -1 --format='commit %h %s' 2>/dev/null || true
