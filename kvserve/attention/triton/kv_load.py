@@ -16,9 +16,14 @@ float16 scales (and minima), head-major. ``cache_strides`` passes the page strid
 arguments divisible by 16, so when ``C`` and the page size are multiples of 16 the compiler
 can prove every code row 16-byte aligned and load it as 16-byte vectors (no hint that
 could be false). V's codes are loaded as ``[BLOCK_N, C]`` and K's, transposed, as ``[C,
-BLOCK_N]``: both contiguous along the channel axis; they are unpacked in registers (int4/
-int2: shifts, ``tl.join``, ``tl.permute``, ``tl.reshape``) and converted to float16, which
-holds every code exactly; they are never multiplied by their scales. The scales are folded
+BLOCK_N]``: both contiguous along the channel axis; they are unpacked in registers and
+converted to float16, which holds every code exactly; they are never multiplied by their
+scales. 4-/2-bit codes are split into bit lanes (``code_lane``: lane ``i`` of a byte holds
+element ``j * 8 / bits + i``) and made float16 from the bit pattern ``0x6400 | c`` (= 1024 + c)
+with integer ops, no conversion instruction; the decode kernel multiplies each lane by the
+matching query columns (``split_lanes`` / ``merge_lanes``), the prefill kernel interleaves the
+lanes into rows (``tl.join`` + ``tl.permute`` + ``tl.reshape``). ``CODE_PATHS`` picks the
+paths (measured choices). The scales are folded
 into the math instead (per key ``j`` with scale ``s_j`` and minimum ``m_j``, 0 for the
 symmetric formats): ``q . k_j = s_j (q . c_j) + m_j sum(q)`` scales the columns of the
 score tile, and ``sum_j p_j v_j = sum_j (p_j s_j) c_j + sum_j p_j m_j`` scales P before the
