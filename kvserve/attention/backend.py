@@ -25,6 +25,10 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     # True if forward never reads device values back, so a CUDA graph can capture it.
     cuda_graph_safe: bool = False
+    #: True if ``forward`` takes ``kv_rotation=R`` (int4/int2, ``kvserve/attention/kv_rotation.py``)
+    #: and rotates inside its kernels (q, K, V in; the output back); else ``Attention.forward``
+    #: rotates around the call.
+    fuses_kv_rotation: bool = False
     #: ``--kv-cache-dtype`` values this backend reads natively.
     supported_kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8",
                                             "int4", "int2")

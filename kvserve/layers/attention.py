@@ -9,8 +9,10 @@ and a draft) hold separate caches and may use different backends.
 Rotated KV formats (int4 / int2, ``KVFormat.rotated``): ``bind_kv_cache`` also binds the
 layer's rotation ``R`` (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456), and
 ``forward`` then hands the backend ``q R``, ``k R``, ``v R`` and returns its output times
-``R^T`` -- the same for every backend and for bounded KV. Other formats bind no matrix and
-run exactly as before. The rotation runs after the piecewise CUDA graph split hook: while
+``R^T`` -- the same for every backend and for bounded KV -- unless the backend rotates in its
+own kernels (``AttentionBackend.fuses_kv_rotation``: Triton, no extra launches), which then
+gets ``kv_rotation=R`` and the unrotated tensors. Other formats bind no matrix and run
+exactly as before. The rotation runs after the piecewise CUDA graph split hook: while
 pieces are captured the hook returns before it, and at replay ``layer.forward`` runs eagerly
 between the pieces, so it runs exactly once per step (outside the graph pieces).
 """
@@ -80,6 +82,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
         r = self.kv_rotation
+        if r is not None and meta.bounded is None and self.impl.fuses_kv_rotation:  # rotated in its kernels
+            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, kv_rotation=r)
+            return out.reshape(t, self.num_heads * self.head_size)
         if r is not None:  # rotated KV format: attend in the rotated basis (scores unchanged)
             q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
         if meta.bounded is not None:  # bounded KV (StreamingLLM / H2O): kvserve.attention.bounded

@@ -251,3 +251,29 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
                          d ** -0.5, out=out, num_splits=splits, block_n=32, fast_cvt=fast_cvt,
                          lane_split=lane_split)
         torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("name", ["int4", "int2"])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotation_equals_rotating_around_the_backend(name, q_dtype):
+    """Triton with ``kv_rotation`` (q, K, V rotated inside the store / decode / prefill kernels,
+    the output rotated back) equals torch_ref given the float32-rotated q, k, v with its output
+    rotated back: the same outputs, and the same rotated rows in the cache."""
+    from kvserve.attention.kv_quant import dequantize_pages
+    from kvserve.attention.kv_rotation import rotation_matrix
+
+    gen = torch.Generator().manual_seed(6)
+    bs, h, hkv, d = 8, 4, 2, 64
+    reqs = [(19, 1), (0, 1), (9, 6), (0, 5)]  # decodes, then prefill chunks (one over a cached prefix)
+    meta, cache = _batch(reqs, bs, hkv, d, name, gen)
+    t = sum(n for _, n in reqs)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(q_dtype).to(DEV) for n in (h, hkv, hkv))
+    r = rotation_matrix(d, DEV)
+    c_ref = cache.clone()
+    out = TritonBackend().forward(q, k, v, cache, meta, d ** -0.5, kv_rotation=r)
+    rot = [x.float() @ r for x in (q, k, v)]
+    ref = TorchRefBackend().forward(*rot, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5) @ r.T
+    tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    torch.testing.assert_close(dequantize_pages(cache, d, torch.float32), dequantize_pages(c_ref, d, torch.float32),
+                               atol=1e-3, rtol=1e-3)

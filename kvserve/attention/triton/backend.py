@@ -37,6 +37,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     cuda_graph_safe = True
+    fuses_kv_rotation = True  # every head size it runs is a power of two: R = H_D / sqrt(D)
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         self.decode_num_splits = decode_num_splits
@@ -72,11 +73,14 @@ class TritonBackend(AttentionBackend):
         bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         lens = torch.ones(1, dtype=torch.int32, device=dev)
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        store_kv(kv, kv, kv_cache, torch.full((1,), -1, dtype=torch.long, device=dev))
+        from kvserve.attention.kv_rotation import kv_rotation_for
+
+        rotate = kv_rotation_for(kv_cache, head_size) is not None  # the layers pass their R (fused)
+        store_kv(kv, kv, kv_cache, torch.full((1,), -1, dtype=torch.long, device=dev), rotate=rotate)
         for window in sliding_windows:
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
-                decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits)
-            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window)
+                decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate)
+            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, rotate=rotate)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -93,8 +97,13 @@ class TritonBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_rotation: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        store_kv(key, value, kv_cache, meta.slot_mapping)
+        """``AttentionBackend.forward``; with ``kv_rotation`` (the int4/int2 matrix ``R``) the
+        kernels rotate K and V before storing, q on entry and the output back: query, key,
+        value and the output are in the model's basis, the cache in the rotated one."""
+        rotate = kv_rotation is not None
+        store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_reqs = meta.seq_lens.shape[0]
         nd = meta.num_decodes
@@ -102,11 +111,11 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 nd, meta.max_seq_len, scale, sliding_window, out=out,
-                num_splits=self.decode_num_splits,
+                num_splits=self.decode_num_splits, rotate=rotate,
             )
         if num_reqs > nd:
             prefill_attention(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out,
+                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out, rotate=rotate,
             )
         return out

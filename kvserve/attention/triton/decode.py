@@ -39,7 +39,8 @@ import triton.language as tl
 from kvserve.attention.triton.kv_load import (cache_strides, code_lane, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
                                                load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
-                                               scaled_scores, split_lanes, use_fast_cvt, use_lane_split)
+                                               hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
+                                               use_lane_split)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -60,6 +61,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
+    ROTATE: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,6 +79,8 @@ def _decode_split_kernel(
                 mask=g_mask[:, None], other=0.0)
     # tl.dot operand dtype: K/V/P are cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
+    if ROTATE:  # the cache holds K R, V R: attend with q R, rotate the output back (R symmetric)
+        q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     op_dtype: tl.constexpr = tl.float32 if WIDEN else in_dtype  # WIDEN: interpreter only (numpy dot, no bf16)
     q = q.to(op_dtype)
@@ -166,6 +170,8 @@ def _decode_split_kernel(
         acc = merge_lanes(acc0, acc1, acc2, acc3, LANES) + acc_z[:, None]
     empty = l_i == 0.0
     o = acc * (CODE_SCALE / tl.where(empty, 1.0, l_i))[:, None]
+    if ROTATE:  # linear, so each split's partial output may be rotated before the reduce
+        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32)
     if DIRECT:  # a single split: write the final output, no reduce pass
         tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -265,6 +271,7 @@ def decode_attention(
     num_stages: int | None = None,
     fast_cvt: bool | None = None,
     lane_split: bool | None = None,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -284,6 +291,9 @@ def decode_attention(
             compare them): codes made float16 with integer ops instead of conversion
             instructions; 4-/2-bit codes multiplied one bit lane at a time (when a lane holds
             >= 16 bytes per row: ``tl.dot``'s minimum K).
+        rotate: the cache holds K and V rotated by ``R = H_D / sqrt(D)`` (int4/int2,
+            ``kvserve/attention/kv_rotation.py``): the query is rotated in the kernel and the
+            output rotated back, so ``query`` and ``out`` are in the model's basis.
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -331,7 +341,7 @@ def decode_attention(
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
-        num_warps=num_warps, num_stages=num_stages,
+        ROTATE=rotate, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](

@@ -388,3 +388,20 @@ def merge_lanes(a0, a1, a2, a3, LANES: tl.constexpr):
         return tl.reshape(tl.join(a0, a1), [a0.shape[0], a0.shape[1] * 2])
     else:  # [M, C, 2 (i // 2), 2 (i % 2)]
         return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [a0.shape[0], a0.shape[1] * 4])
+
+
+@triton.jit
+def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.constexpr):
+    """``x [M, D] @ R`` in float32, ``R = H_D / sqrt(D)`` the rotation of the int4/int2 KV
+    formats (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456; symmetric, so it
+    also rotates back). ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester) is built in registers:
+    no matrix in memory, no extra launch. ``M >= 16`` (``tl.dot``); the operands are
+    ``op_dtype``, where +-1 is exact, so with a bfloat16 ``x`` every product is exact."""
+    idx = tl.arange(0, D)
+    b = idx[:, None] & idx[None, :]
+    b = b ^ (b >> 8)
+    b = b ^ (b >> 4)
+    b = b ^ (b >> 2)
+    b = b ^ (b >> 1)  # bit 0: the parity of i & j (D <= 65536)
+    h = tl.where((b & 1) == 0, 1.0, -1.0).to(op_dtype)
+    return tl.dot(x.to(op_dtype), h, input_precision=DOT_PREC) * (1.0 / tl.sqrt(D * 1.0))

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.kv_quant import MIN_SCALE, QMAX
-from kvserve.attention.triton.kv_load import cache_strides, kernel_cache_args
+from kvserve.attention.triton.kv_load import cache_strides, hadamard_rotate, kernel_cache_args
 
 _QMAX_BY_CODE = {1: QMAX["fp8_e4m3"], 2: QMAX["fp8_e5m2"], 3: QMAX["int8"], 4: 15.0, 5: 3.0}
 
@@ -87,7 +87,8 @@ def _store_kv_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_FMT: tl.constexpr = 0, QMAX: tl.constexpr = 1.0,
-    MIN_SCALE: tl.constexpr = 1.0,
+    MIN_SCALE: tl.constexpr = 1.0, ROTATE: tl.constexpr = False, DOT_PREC: tl.constexpr = "ieee",
+    WIDEN: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -102,6 +103,10 @@ def _store_kv_kernel(
                 mask=mask, other=0.0)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
                 mask=mask, other=0.0)
+    if ROTATE:  # int4/int2: store K R and V R (kv_rotation.py), quantized from float32
+        rot_dtype: tl.constexpr = tl.float32 if WIDEN else key_ptr.dtype.element_ty
+        k = hadamard_rotate(k, HEAD_DIM, DOT_PREC, rot_dtype)
+        v = hadamard_rotate(v, HEAD_DIM, DOT_PREC, rot_dtype)
     if KV_FMT > 0:
         # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales head-major
         # [NUM_KV_HEADS, BLOCK_SIZE, SB]; stride_co / stride_ch are the code strides.
@@ -119,7 +124,8 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    rotate: bool = False,
 ) -> None:
     """Scatter new K/V rows into the paged cache (in place).
 
@@ -130,6 +136,8 @@ def store_kv(
             ``kvserve/attention/kv_quant.py``); the K and V halves
             must share strides (true for any slice of a contiguous tensor).
         slot_mapping: ``[num_tokens]`` int64 (int32 works too) flat slot ids; ``< 0`` = skip.
+        rotate: store ``key R`` / ``value R`` (``R = H_D / sqrt(D)``, the int4/int2 rotation of
+            ``kvserve/attention/kv_rotation.py``), rotated in the kernel in float32.
     """
     num_tokens, hkv, d = key.shape
     assert value.shape == key.shape and slot_mapping.shape[0] >= num_tokens
@@ -146,7 +154,9 @@ def store_kv(
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *cache_strides(k_cache, d, kv_fmt),
-        NUM_KV_HEADS=hkv, BLOCK_H=triton.next_power_of_2(hkv), HEAD_DIM=d, BLOCK_SIZE=block_size,
-        KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE,
+        NUM_KV_HEADS=hkv, BLOCK_H=max(16 if rotate else 1, triton.next_power_of_2(hkv)), HEAD_DIM=d,
+        BLOCK_SIZE=block_size, KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE,
+        ROTATE=rotate, DOT_PREC="ieee" if key.dtype == torch.float32 else "tf32",
+        WIDEN=key.dtype == torch.bfloat16 and key.device.type != "cuda",
         num_warps=4 if hkv * d >= 1024 else 2,
     )

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets,
+from kvserve.attention.triton.kv_load import (cache_strides, hadamard_rotate, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_k_tile, load_scales, load_v_tile, prepare_query,
                                                pv_update, scaled_scores, use_fast_cvt)
 
@@ -87,7 +87,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
-    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, ROTATE: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -110,6 +110,8 @@ def _prefill_kernel(
                 + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
+    if ROTATE:  # the cache holds K R, V R: attend with q R, rotate the output back (R symmetric)
+        q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
@@ -147,6 +149,8 @@ def _prefill_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
 
     o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    if ROTATE:
+        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -179,6 +183,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    rotate: bool = False,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -192,6 +197,7 @@ def prefill_attention(
         max_query_len: host int upper bound of the query lengths (sizes the grid).
         out: ``[num_tokens, num_heads, D]``, written at these requests' rows (allocated if None).
         block_m / block_n: tile overrides (rows of the packed tile, keys per step).
+        rotate: the cache holds rotated K/V (int4/int2): as ``decode_attention``'s ``rotate``.
 
     Returns ``out``. No host synchronisation.
     """
@@ -229,6 +235,6 @@ def prefill_attention(
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
-        num_warps=num_warps, num_stages=num_stages,
+        ROTATE=rotate, num_warps=num_warps, num_stages=num_stages,
     )
     return out
