@@ -57,7 +57,7 @@ KERNEL_CONFIGS = [(None, None, None, None, False, False), (None, None, None, Non
 
 
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,
-                 configs=()) -> list[dict]:
+                 configs=(), rotate: bool = False) -> list[dict]:
     """The default decode config, then each of ``configs`` (records ``part="kernel_cfg"``)."""
     from kvserve.attention.kv_quant import quantize_pages
     from kvserve.attention.triton import decode_attention
@@ -96,12 +96,12 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
             continue  # bit lanes: 4-/2-bit codes only
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
                                       block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp,
-                                      fast_cvt=fc, lane_split=ls)
+                                      fast_cvt=fc, lane_split=ls, rotate=rotate)
         if cfg is None:
-            recs.append(_time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out))
+            recs.append(_time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out, rotate))
             continue
         try:
-            rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out)
+            rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out, rotate)
         except Exception as exc:  # noqa: BLE001 - a config that fails must not hide the others
             traceback.print_exc()
             rec = dict(error=f"{type(exc).__name__}: {exc}", kv_cache_dtype=dtype)
@@ -109,8 +109,9 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
                    fast_cvt=use_fast_cvt(kv_fmt, fc), lane_split=use_lane_split(kv_fmt, d, ls))
         recs.append(rec)
     if device == "cuda" and configs:  # the default again, last: no first-in-line advantage either way
-        fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out)  # noqa: E731
-        rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out)
+        fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
+                                      rotate=rotate)
+        rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out, rotate)
         rec.update(part="kernel_cfg", block_n=default[0], num_warps=default[1], num_stages=default[2],
                    num_splits=None, default=True, fast_cvt=use_fast_cvt(kv_fmt),
                    lane_split=use_lane_split(kv_fmt, d))
@@ -118,7 +119,7 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     return recs
 
 
-def _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out) -> dict:
+def _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out, rotate=False) -> dict:
     from kvserve.attention.kv_quant import dequantize_pages
 
     out.fill_(float("nan"))
@@ -130,7 +131,15 @@ def _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, ou
     pages = raw[:, bt[:nr].long()].view(cache.dtype)  # [2, nr, blocks, bs, hkv, row]
     kv = dequantize_pages(pages, d, torch.float32).reshape(2, nr, -1, hkv, d)[:, :, :ctx]
     kk, vv = (t.transpose(1, 2).repeat_interleave(h // hkv, 1) for t in kv)  # [nr, h, ctx, d]
-    ref = torch.nn.functional.scaled_dot_product_attention(q[:nr].float().unsqueeze(2), kk, vv, scale=d ** -0.5)
+    qr = q[:nr].float()
+    if rotate:  # the kernel rotates q in and its output back (the pages hold rotated rows)
+        from kvserve.attention.kv_rotation import rotation_matrix
+
+        r = rotation_matrix(d, q.device)
+        qr = qr @ r
+    ref = torch.nn.functional.scaled_dot_product_attention(qr.unsqueeze(2), kk, vv, scale=d ** -0.5)
+    if rotate:
+        ref = ref @ r.T
     max_err = (out[:nr].float() - ref.squeeze(2)).abs().max().item()
     ok = bool(torch.isfinite(out).all()) and max_err < (2e-2 if q.dtype == torch.bfloat16 else 1e-3)
     read_bytes = 2 * batch * ctx * hkv * fmt.row_elems(d) * cache.element_size()
@@ -228,6 +237,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default=DTYPES)
     ap.add_argument("--cpu-smoke", action="store_true", help="kernel part at tiny shapes on the CPU (interpreter)")
     ap.add_argument("--no-sweep", action="store_true", help="kernel part: the default config only")
+    ap.add_argument("--rotate", action="store_true", help="kernel part: rotate in the kernel (int4/int2 in the engine)")
+    ap.add_argument("--unfused-rotation", action="store_true",
+                    help="engine parts: rotate int4/int2 q/k/v/out around the Triton kernels (as before they fused it)")
     ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0: kv_load.CODE_PATHS for every "
                     "part (the engine runs in this process); recorded in each record")
     ns = ap.parse_args()
@@ -240,6 +252,10 @@ def main() -> None:
         if key not in CODE_PATHS:
             raise SystemExit(f"--code-paths: unknown {key!r} (choices: {sorted(CODE_PATHS)})")
         CODE_PATHS[key] = val if val == "packed" else val == "1"
+    if ns.unfused_rotation:
+        from kvserve.attention.triton.backend import TritonBackend
+
+        TritonBackend.fuses_kv_rotation = False
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
@@ -248,7 +264,7 @@ def main() -> None:
         smoke_cfgs = [(32, 4, 1, None, None, None), (None, None, None, 1, None, None),
                       (None, None, None, None, False, False)]
         for d in dtypes:
-            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=smoke_cfgs):
+            for rec in kernel_bench(d, "cpu", 2, 40, 2, 4, 16, configs=smoke_cfgs, rotate=ns.rotate):
                 recs.append(rec)
                 _record(ns.out, rec)
         return
@@ -257,7 +273,7 @@ def main() -> None:
             try:
                 if part == "kernel":
                     *head, rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128,
-                                              configs=() if ns.no_sweep else KERNEL_CONFIGS)
+                                              configs=() if ns.no_sweep else KERNEL_CONFIGS, rotate=ns.rotate)
                     for r in head:  # the default config first, then the sweep (rec: its last)
                         recs.append(r)
                         _record(ns.out, r)
@@ -274,6 +290,9 @@ def main() -> None:
                 rec = dict(part=part, kv_cache_dtype=d, error=f"{type(exc).__name__}: {exc}")
                 torch.cuda.empty_cache()
             rec.setdefault("code_paths", dict(CODE_PATHS))
+            rec.setdefault("rotation", "unfused" if ns.unfused_rotation else "fused")
+            if part == "kernel":
+                rec["rotate"] = ns.rotate
             recs.append(rec)
             _record(ns.out, rec)
     base = {r["part"]: r for r in recs if r.get("kv_cache_dtype") == "bfloat16" and "error" not in r}

@@ -6,7 +6,10 @@
 #                x 8k per dtype: each code path and tile config (benchmarks/gpu_issue12.py kernel)
 #   PHASE=engine the decode step at batch 64 x 8k and W1 per dtype with the defaults, and the
 #                step with the previous code paths (--code-paths fast_cvt=0,lane_split=0)
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine bash benchmarks/gpu_issue12_paths.sh
+#   PHASE=rotation int4/int2 with the Hadamard rotation inside the Triton kernels vs around them
+#                (--unfused-rotation): CUDA tests (kernels, CUDA graphs), the kernel, the batch-64
+#                x 8k step, batch-1 decode (Llama-3.1-8B shape) per dtype, W1 int4
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
 PHASE=${PHASE:-sweep}
@@ -29,6 +32,21 @@ if [ "$PHASE" = sweep ]; then
   part 330 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
     --dtypes bfloat16,fp8_e4m3,int8,int4,int2
   sed -n '/^part /,$p' "$OUT/kernel.txt"
+elif [ "$PHASE" = rotation ]; then
+  part 120 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py \
+    tests/worker/test_cuda_graphs.py -k "fused_rotation or store or code_paths or graph_replay"
+  tail -2 "$OUT/tests.txt"
+  part 40 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel --dtypes int4,int2 \
+    --no-sweep --rotate
+  part 60 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes int4,int2
+  part 40 "$OUT/step_unfused.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_unfused" --parts step \
+    --dtypes int4 --unfused-rotation
+  part 150 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 \
+    --dtypes bfloat16,fp8_e4m3,int4,int2
+  part 45 "$OUT/b1_unfused.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_unfused" --parts b1 \
+    --dtypes int4 --unfused-rotation
+  part 60 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes int4
+  for f in kernel step step_unfused b1 b1_unfused w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
 else
   part 70 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py -k "code_paths or decode_and_prefill"
   tail -2 "$OUT/tests.txt"
