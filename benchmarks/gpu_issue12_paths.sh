@@ -33,6 +33,15 @@ if [ "$PHASE" = sweep ]; then
     --dtypes bfloat16,fp8_e4m3,int8,int4,int2
   sed -n '/^part /,$p' "$OUT/kernel.txt"
 elif [ "$PHASE" = rotation ]; then
+  for c in store decode prefill prefill64 prefill16 forward; do
+    for dt in int4 int2; do
+      CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 benchmarks/rotation_probe.py $c --dtype $dt 2>>"$OUT/probe_err.txt" \
+        | tee -a "$OUT/probe.txt"
+    done
+  done
+  if grep -q '"ok": false' "$OUT/probe.txt" || [ "$(grep -c '"ok": true' "$OUT/probe.txt")" != 12 ]; then
+    echo "probe failed: no engine figures"; exit 1
+  fi
   part 120 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py \
     tests/worker/test_cuda_graphs.py -k "fused_rotation or store or code_paths or graph_replay"
   tail -2 "$OUT/tests.txt"

@@ -171,7 +171,8 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     o = acc * (CODE_SCALE / tl.where(empty, 1.0, l_i))[:, None]
     if ROTATE:  # linear, so each split's partial output may be rotated before the reduce
-        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32)
+        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
+                            SPLIT=not WIDEN and FP16_DOT)
     if DIRECT:  # a single split: write the final output, no reduce pass
         tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])

@@ -391,12 +391,15 @@ def merge_lanes(a0, a1, a2, a3, LANES: tl.constexpr):
 
 
 @triton.jit
-def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.constexpr):
+def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.constexpr,
+                    SPLIT: tl.constexpr = False):
     """``x [M, D] @ R`` in float32, ``R = H_D / sqrt(D)`` the rotation of the int4/int2 KV
     formats (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456; symmetric, so it
     also rotates back). ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester) is built in registers:
     no matrix in memory, no extra launch. ``M >= 16`` (``tl.dot``); the operands are
-    ``op_dtype``, where +-1 is exact, so with a bfloat16 ``x`` every product is exact."""
+    ``op_dtype``, where +-1 is exact, so with a bfloat16 ``x`` every product is exact.
+    ``SPLIT`` (float32 ``x``, 16-bit ``op_dtype``): ``x = hi + lo`` in two 16-bit parts, two
+    dots (about 16 mantissa bits; no tf32)."""
     idx = tl.arange(0, D)
     b = idx[:, None] & idx[None, :]
     b = b ^ (b >> 8)
@@ -404,4 +407,10 @@ def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.con
     b = b ^ (b >> 2)
     b = b ^ (b >> 1)  # bit 0: the parity of i & j (D <= 65536)
     h = tl.where((b & 1) == 0, 1.0, -1.0).to(op_dtype)
-    return tl.dot(x.to(op_dtype), h, input_precision=DOT_PREC) * (1.0 / tl.sqrt(D * 1.0))
+    if SPLIT:
+        hi = x.to(op_dtype)
+        lo = (x - hi.to(tl.float32)).to(op_dtype)
+        y = tl.dot(lo, h, tl.dot(hi, h))
+    else:
+        y = tl.dot(x.to(op_dtype), h, input_precision=DOT_PREC)
+    return y * (1.0 / tl.sqrt(D * 1.0))

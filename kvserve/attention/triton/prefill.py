@@ -150,7 +150,8 @@ def _prefill_kernel(
 
     o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if ROTATE:
-        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32)
+        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
+                            SPLIT=not WIDEN and FP16_DOT)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
