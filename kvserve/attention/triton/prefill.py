@@ -214,6 +214,10 @@ def prefill_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
     bm, bn, num_warps, num_stages = _config(d, query.dtype, group, query.device.type != "cuda")
+    if rotate and block_m is None:
+        # Triton 3.6 on sm_90: with the in-register Hadamard dots, the 128-row x 8-warp tile
+        # faults (illegal address); 64 and 16 rows are correct (benchmarks/rotation_probe.py).
+        bm = min(bm, max(64, triton.next_power_of_2(group)))
     bm = block_m or bm
     bn = block_n or bn
     assert bm >= 16 and bn >= 16 and bm >= group
