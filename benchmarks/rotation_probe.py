@@ -3,7 +3,7 @@ process (run with CUDA_LAUNCH_BLOCKING=1 so a fault names its kernel), each chec
 torch_ref over the float32-rotated inputs.
 
 Usage (GPU machine, repo root): PYTHONPATH=. python3 benchmarks/rotation_probe.py CASE [--dtype int4]
-CASE: store | decode | prefill | prefill64 | prefill16 | forward. Prints one JSON line.
+CASE: store | decode | prefill | prefill128 | prefill64 | prefill16 | forward. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
                                  meta.max_seq_len, d ** -0.5, out=out, rotate=True)
                 rows = slice(0, 2)
             elif ns.case.startswith("prefill"):
-                bm = {"prefill": None, "prefill64": 64, "prefill16": 16}[ns.case]
+                bm = {"prefill": None, "prefill128": 128, "prefill64": 64, "prefill16": 16}[ns.case]
                 prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 2,
                                   meta.max_query_len, d ** -0.5, out=out, block_m=bm, rotate=True)
                 rows = slice(2, t)

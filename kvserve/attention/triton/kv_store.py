@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.kv_quant import MIN_SCALE, QMAX
-from kvserve.attention.triton.kv_load import cache_strides, hadamard_rotate, kernel_cache_args
+from kvserve.attention.triton.kv_load import cache_strides, kernel_cache_args, load_rotated_rows
 
 _QMAX_BY_CODE = {1: QMAX["fp8_e4m3"], 2: QMAX["fp8_e5m2"], 3: QMAX["int8"], 4: 15.0, 5: 3.0}
 
@@ -105,8 +105,12 @@ def _store_kv_kernel(
                 mask=mask, other=0.0)
     if ROTATE:  # int4/int2: store K R and V R (kv_rotation.py), quantized from float32
         rot_dtype: tl.constexpr = tl.float32 if WIDEN else key_ptr.dtype.element_ty
-        k = hadamard_rotate(k, HEAD_DIM, DOT_PREC, rot_dtype)
-        v = hadamard_rotate(v, HEAD_DIM, DOT_PREC, rot_dtype)
+        ROT_CH: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
+        rmask = (offs_h < NUM_KV_HEADS) & valid
+        k = load_rotated_rows(key_ptr + t * stride_kt + offs_h * stride_kh, stride_kd, rmask, HEAD_DIM, ROT_CH,
+                              DOT_PREC, rot_dtype)
+        v = load_rotated_rows(value_ptr + t * stride_vt + offs_h * stride_vh, stride_vd, rmask, HEAD_DIM, ROT_CH,
+                              DOT_PREC, rot_dtype)
     if KV_FMT > 0:
         # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales head-major
         # [NUM_KV_HEADS, BLOCK_SIZE, SB]; stride_co / stride_ch are the code strides.

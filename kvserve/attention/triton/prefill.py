@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, hadamard_rotate, kernel_cache_args, kv_row_offsets,
-                                               kv_scale_index, load_k_tile, load_scales, load_v_tile, prepare_query,
-                                               pv_update, scaled_scores, use_fast_cvt)
+from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
+                                               load_k_tile, load_rotated_rows, load_scales, load_v_tile, prepare_query,
+                                               pv_update, scaled_scores, store_rotated_rows, use_fast_cvt)
 
 _LOG2E = 1.4426950408889634
 
@@ -110,8 +110,10 @@ def _prefill_kernel(
                 + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
-    if ROTATE:  # the cache holds K R, V R: attend with q R, rotate the output back (R symmetric)
-        q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
+    ROT_CH: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
+    if ROTATE:  # the cache holds K R, V R: attend with q R (R symmetric: the output is rotated back)
+        q = load_rotated_rows(q_ptr + q_rows * stride_qt + heads * stride_qh, stride_qd, row_mask, HEAD_DIM, ROT_CH,
+                              DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
@@ -150,10 +152,11 @@ def _prefill_kernel(
 
     o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if ROTATE:
-        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
-                            SPLIT=not WIDEN and FP16_DOT)
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-             + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        store_rotated_rows(out_ptr + q_rows * stride_ot + heads * stride_oh, stride_od, row_mask, o, HEAD_DIM, ROT_CH,
+                           DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16, not WIDEN and FP16_DOT)
+    else:
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool):
