@@ -1,9 +1,11 @@
-"""Probe: the Triton kernels with the int4/int2 rotation inside (``rotate=True``), one case per
+"""Probe: the Triton kernels with the int4/int2 rotation (``rotate=True``), one case per
 process (run with CUDA_LAUNCH_BLOCKING=1 so a fault names its kernel), each checked against
 torch_ref over the float32-rotated inputs.
 
 Usage (GPU machine, repo root): PYTHONPATH=. python3 benchmarks/rotation_probe.py CASE [--dtype int4]
-CASE: store | decode | prefill | prefill128 | prefill64 | prefill16 | forward. Prints one JSON line.
+CASE: store | decode | prefill | prefill64 | prefill16 | forward (the prefill cases rotate around the
+kernel, as ``TritonBackend`` does: the in-kernel rotation was wrong in its 64/128-row tiles on sm_90,
+results in benchmarks/results/issue12_h100_rotation/). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ def main() -> None:
                 decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2,
                                  meta.max_seq_len, d ** -0.5, out=out, rotate=True)
                 rows = slice(0, 2)
-            elif ns.case.startswith("prefill"):
-                bm = {"prefill": None, "prefill128": 128, "prefill64": 64, "prefill16": 16}[ns.case]
-                prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 2,
-                                  meta.max_query_len, d ** -0.5, out=out, block_m=bm, rotate=True)
+            elif ns.case.startswith("prefill"):  # rotated around the kernel, as the backend does
+                bm = {"prefill": None, "prefill64": 64, "prefill16": 16}[ns.case]
+                qr = (q.float() @ r).to(q.dtype)
+                prefill_attention(qr, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 2,
+                                  meta.max_query_len, d ** -0.5, out=out, block_m=bm)
+                out = (out.float() @ r.T).to(q.dtype)
                 rows = slice(2, t)
             else:
                 out = TritonBackend().forward(q, k, v, cache.copy_(c_ref), meta, d ** -0.5, kv_rotation=r)

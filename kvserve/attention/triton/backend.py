@@ -17,6 +17,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_quant import aligned_for_vector_loads
+from kvserve.attention.kv_rotation import rotate as rotate_rows
 from kvserve.attention.triton.decode import decode_attention
 from kvserve.attention.triton.kv_store import store_kv
 from kvserve.attention.triton.prefill import prefill_attention
@@ -80,7 +81,7 @@ class TritonBackend(AttentionBackend):
         for window in sliding_windows:
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
                 decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate)
-            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, rotate=rotate)
+            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -100,8 +101,13 @@ class TritonBackend(AttentionBackend):
         kv_rotation: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``AttentionBackend.forward``; with ``kv_rotation`` (the int4/int2 matrix ``R``) the
-        kernels rotate K and V before storing, q on entry and the output back: query, key,
-        value and the output are in the model's basis, the cache in the rotated one."""
+        store and decode kernels rotate K and V before storing, q on entry and the output back
+        (no extra launches in decode steps); query, key, value and the output are in the
+        model's basis, the cache in the rotated one. Prefill/extend rows are rotated around
+        their kernel in torch: on sm_90 (Triton 3.6) the in-kernel rotation miscomputes (64
+        rows) or faults (128 rows) in that kernel's wgmma tiles, and a long prefill amortizes
+        the launches (``benchmarks/rotation_probe.py``; results in
+        ``benchmarks/results/issue12_h100_rotation/``)."""
         rotate = kv_rotation is not None
         store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -114,8 +120,11 @@ class TritonBackend(AttentionBackend):
                 num_splits=self.decode_num_splits, rotate=rotate,
             )
         if num_reqs > nd:
+            q_p, out_p = (rotate_rows(query, kv_rotation), torch.empty_like(out)) if rotate else (query, out)
             prefill_attention(
-                query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out, rotate=rotate,
+                q_p, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p,
             )
+            if rotate:  # the prefill rows follow the decodes' (one row each)
+                out[nd:] = rotate_rows(out_p[nd:], kv_rotation.T)
         return out

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               load_k_tile, load_rotated_rows, load_scales, load_v_tile, prepare_query,
-                                               pv_update, scaled_scores, store_rotated_rows, use_fast_cvt)
+                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
+                                               scaled_scores, use_fast_cvt)
 
 _LOG2E = 1.4426950408889634
 
@@ -87,7 +87,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
-    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, ROTATE: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -110,10 +110,6 @@ def _prefill_kernel(
                 + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
-    ROT_CH: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
-    if ROTATE:  # the cache holds K R, V R: attend with q R (R symmetric: the output is rotated back)
-        q = load_rotated_rows(q_ptr + q_rows * stride_qt + heads * stride_qh, stride_qd, row_mask, HEAD_DIM, ROT_CH,
-                              DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
@@ -151,12 +147,8 @@ def _prefill_kernel(
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
 
     o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-    if ROTATE:
-        store_rotated_rows(out_ptr + q_rows * stride_ot + heads * stride_oh, stride_od, row_mask, o, HEAD_DIM, ROT_CH,
-                           DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16, not WIDEN and FP16_DOT)
-    else:
-        tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-                 + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool):
@@ -187,7 +179,6 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
-    rotate: bool = False,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -201,7 +192,6 @@ def prefill_attention(
         max_query_len: host int upper bound of the query lengths (sizes the grid).
         out: ``[num_tokens, num_heads, D]``, written at these requests' rows (allocated if None).
         block_m / block_n: tile overrides (rows of the packed tile, keys per step).
-        rotate: the cache holds rotated K/V (int4/int2): as ``decode_attention``'s ``rotate``.
 
     Returns ``out``. No host synchronisation.
     """
@@ -217,10 +207,6 @@ def prefill_attention(
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
     bm, bn, num_warps, num_stages = _config(d, query.dtype, group, query.device.type != "cuda")
-    if rotate and block_m is None:
-        # Triton 3.6 on sm_90: with the in-register Hadamard dots, the 128-row x 8-warp tile
-        # faults (illegal address); 64 and 16 rows are correct (benchmarks/rotation_probe.py).
-        bm = min(bm, max(64, triton.next_power_of_2(group)))
     bm = block_m or bm
     bn = block_n or bn
     assert bm >= 16 and bn >= 16 and bm >= group
@@ -243,6 +229,6 @@ def prefill_attention(
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
-        ROTATE=rotate, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
