@@ -54,7 +54,7 @@ elif [ "$PHASE" = rotation ]; then
     --dtypes bfloat16,fp8_e4m3,int4,int2
   part 45 "$OUT/b1_unfused.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_unfused" --parts b1 \
     --dtypes int4 --unfused-rotation
-  part 60 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes int4
+  part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
   for f in kernel step step_unfused b1 b1_unfused w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
 
 else

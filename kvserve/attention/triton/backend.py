@@ -109,6 +109,12 @@ class TritonBackend(AttentionBackend):
         the launches (``benchmarks/rotation_probe.py``; results in
         ``benchmarks/results/issue12_h100_rotation/``)."""
         rotate = kv_rotation is not None
+        if rotate and max(query.shape[1] // key.shape[1], key.shape[1]) > 32:
+            # the in-kernel rotation's dots stay at <= 32 rows (mma v2 tiles): larger tiles take
+            # the sm_90 wgmma path, which miscomputed it in the prefill kernel
+            q, k, v = (rotate_rows(x, kv_rotation) for x in (query, key, value))
+            out = self.forward(q, k, v, kv_cache, meta, scale, sliding_window)
+            return rotate_rows(out, kv_rotation.T)
         store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_reqs = meta.seq_lens.shape[0]

@@ -39,8 +39,8 @@ import triton.language as tl
 from kvserve.attention.triton.kv_load import (cache_strides, code_lane, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
                                                load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
-                                               load_rotated_rows, scaled_scores, split_lanes, store_rotated_rows,
-                                               use_fast_cvt, use_lane_split)
+                                               hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
+                                               use_lane_split)
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -79,11 +79,8 @@ def _decode_split_kernel(
                 mask=g_mask[:, None], other=0.0)
     # tl.dot operand dtype: K/V/P are cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
-    ROT_CH: tl.constexpr = 32 if HEAD_DIM >= 32 else HEAD_DIM
-    rot_op: tl.constexpr = tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16  # the output rotation's operands
-    if ROTATE:  # the cache holds K R, V R: attend with q R (R symmetric: the output is rotated back)
-        q = load_rotated_rows(q_ptr + q_row * stride_qt + heads * stride_qh, stride_qd, g_mask, HEAD_DIM, ROT_CH,
-                              DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
+    if ROTATE:  # the cache holds K R, V R: attend with q R, rotate the output back (R symmetric)
+        q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     op_dtype: tl.constexpr = tl.float32 if WIDEN else in_dtype  # WIDEN: interpreter only (numpy dot, no bf16)
     q = q.to(op_dtype)
@@ -173,23 +170,17 @@ def _decode_split_kernel(
         acc = merge_lanes(acc0, acc1, acc2, acc3, LANES) + acc_z[:, None]
     empty = l_i == 0.0
     o = acc * (CODE_SCALE / tl.where(empty, 1.0, l_i))[:, None]
-    # ROTATE: linear, so each split's partial output may be rotated back before the reduce
+    if ROTATE:  # linear, so each split's partial output may be rotated back before the reduce
+        o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
+                            SPLIT=not WIDEN and FP16_DOT)
     if DIRECT:  # a single split: write the final output, no reduce pass
-        if ROTATE:
-            store_rotated_rows(out_ptr + q_row * stride_ot + heads * stride_oh, stride_od, g_mask, o, HEAD_DIM,
-                               ROT_CH, DOT_PREC, rot_op, not WIDEN and FP16_DOT)
-        else:
-            tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                     o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         # part_out: [R, H, num_splits, D] fp32 contiguous; part_lse: [R, H, num_splits].
         prow = (req.to(tl.int64) * num_heads + heads) * num_splits + split
-        if ROTATE:
-            store_rotated_rows(part_out_ptr + prow * HEAD_DIM, 1, g_mask, o, HEAD_DIM, ROT_CH, DOT_PREC, rot_op,
-                               not WIDEN and FP16_DOT)
-        else:
-            tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+        tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + prow, lse, mask=g_mask)
 
 

@@ -391,49 +391,27 @@ def merge_lanes(a0, a1, a2, a3, LANES: tl.constexpr):
 
 
 @triton.jit
-def _hadamard_slab(r0, c0, ROWS: tl.constexpr, COLS: tl.constexpr, op_dtype: tl.constexpr):
-    """``H_D[r0 : r0 + ROWS, c0 : c0 + COLS]`` as +-1 in ``op_dtype`` (exact), built in
-    registers: ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester; D <= 65536)."""
-    b = (r0 + tl.arange(0, ROWS))[:, None] & (c0 + tl.arange(0, COLS))[None, :]
+def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.constexpr,
+                    SPLIT: tl.constexpr = False):
+    """``x [M, D] @ R`` in float32, ``R = H_D / sqrt(D)`` the rotation of the int4/int2 KV
+    formats (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456; symmetric, so it
+    also rotates back). ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester) is built in registers:
+    no matrix in memory, no extra launch (built in 32-row slabs, q/K/V loaded and the output
+    stored slab by slab, it was slower on an H100: benchmarks/results/issue12_h100_rotation/). ``M >= 16`` (``tl.dot``); the operands are
+    ``op_dtype``, where +-1 is exact, so with a bfloat16 ``x`` every product is exact.
+    ``SPLIT`` (float32 ``x``, 16-bit ``op_dtype``): ``x = hi + lo`` in two 16-bit parts, two
+    dots (about 16 mantissa bits; no tf32)."""
+    idx = tl.arange(0, D)
+    b = idx[:, None] & idx[None, :]
     b = b ^ (b >> 8)
     b = b ^ (b >> 4)
     b = b ^ (b >> 2)
-    b = b ^ (b >> 1)  # bit 0: the parity
-    return tl.where((b & 1) == 0, 1.0, -1.0).to(op_dtype)
-
-
-@triton.jit
-def load_rotated_rows(row_ptrs, stride_d, mask, D: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
-                      op_dtype: tl.constexpr):
-    """Rows ``x [M, D]`` (element ``d`` of row ``m`` at ``row_ptrs[m] + d * stride_d``; rows not
-    in ``mask`` read 0) times ``R = H_D / sqrt(D)``, float32 ``[M, D]``: the rotation of the
-    int4/int2 KV formats (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456). ``x`` is
-    loaded ``CH`` columns at a time, each slab times the matching ``CH`` rows of ``H_D``, so only
-    a ``[CH, D]`` slab of the matrix is ever live (registers stay free for the attention loop;
-    the whole matrix would cost a 128-dim kernel ~20% of its decode time). ``M``, ``CH`` >= 16
-    (``tl.dot``); the operands are ``op_dtype`` (+-1 exact: bfloat16 products are exact)."""
-    acc = tl.zeros([row_ptrs.shape[0], D], tl.float32)
-    for c in tl.static_range(0, D, CH):
-        offs = c + tl.arange(0, CH)
-        x = tl.load(row_ptrs[:, None] + offs[None, :] * stride_d, mask=mask[:, None], other=0.0)
-        acc = tl.dot(x.to(op_dtype), _hadamard_slab(c, 0, CH, D, op_dtype), acc, input_precision=DOT_PREC)
-    return acc * (1.0 / tl.sqrt(D * 1.0))
-
-
-@triton.jit
-def store_rotated_rows(row_ptrs, stride_d, mask, o, D: tl.constexpr, CH: tl.constexpr, DOT_PREC: tl.constexpr,
-                       op_dtype: tl.constexpr, SPLIT: tl.constexpr):
-    """Store ``o [M, D] (float32) @ R`` (``load_rotated_rows``; ``R`` is symmetric, so this
-    rotates back) at ``row_ptrs`` (rows in ``mask``), ``CH`` output columns at a time (one
-    ``[D, CH]`` slab of ``H_D`` live). ``SPLIT`` (16-bit ``op_dtype``): ``o = hi + lo`` in two
-    16-bit parts, two dots each (about 16 mantissa bits, no tf32)."""
-    hi = o.to(op_dtype)
-    lo = (o - hi.to(tl.float32)).to(op_dtype)
-    for c in tl.static_range(0, D, CH):
-        h = _hadamard_slab(0, c, D, CH, op_dtype)
-        if SPLIT:
-            y = tl.dot(lo, h, tl.dot(hi, h))
-        else:
-            y = tl.dot(hi, h, input_precision=DOT_PREC)
-        offs = c + tl.arange(0, CH)
-        tl.store(row_ptrs[:, None] + offs[None, :] * stride_d, y * (1.0 / tl.sqrt(D * 1.0)), mask=mask[:, None])
+    b = b ^ (b >> 1)  # bit 0: the parity of i & j (D <= 65536)
+    h = tl.where((b & 1) == 0, 1.0, -1.0).to(op_dtype)
+    if SPLIT:
+        hi = x.to(op_dtype)
+        lo = (x - hi.to(tl.float32)).to(op_dtype)
+        y = tl.dot(lo, h, tl.dot(hi, h))
+    else:
+        y = tl.dot(x.to(op_dtype), h, input_precision=DOT_PREC)
+    return y * (1.0 / tl.sqrt(D * 1.0))
