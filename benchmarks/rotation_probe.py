@@ -69,8 +69,16 @@ def main() -> None:
         if ns.case == "store":
             store_kv(k, v, cache, meta.slot_mapping, rotate=True)
             torch.cuda.synchronize()
-            err = (dequantize_pages(cache, d, torch.float32) - dequantize_pages(c_ref, d, torch.float32)).abs().max()
-            rec.update(ok=bool(err < 1e-2), max_err=float(err))
+            # int4/int2 ranges are searched by squared error (kv_quant.asym_range): summation order
+            # may pick another near-equal candidate than torch in a few rows. Judge the stored rows
+            # by their error against the float32-rotated input, and count the rows that differ.
+            sl = meta.slot_mapping
+            x = torch.stack(rot[1:])  # [2, t, hkv, d]
+            deq_t, deq_r = (dequantize_pages(c, d, torch.float32).flatten(1, 2)[:, sl] for c in (cache, c_ref))
+            e_t, e_r = ((y - x).square().sum().item() for y in (deq_t, deq_r))
+            differ = ((deq_t - deq_r).abs().amax(-1) > 1e-6).float().mean().item()
+            rec.update(ok=bool(e_t <= 1.001 * e_r and differ < 0.05), sq_err=e_t, sq_err_torch=e_r,
+                       rows_differing=round(differ, 4))
         else:
             store_kv(k, v, cache, meta.slot_mapping, rotate=True)
             torch.cuda.synchronize()
