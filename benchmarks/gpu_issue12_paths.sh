@@ -9,7 +9,8 @@
 #   PHASE=rotation int4/int2 with the Hadamard rotation inside the Triton kernels vs around them
 #                (--unfused-rotation): CUDA tests (kernels, CUDA graphs), the kernel, the batch-64
 #                x 8k step, batch-1 decode (Llama-3.1-8B shape) per dtype, W1 int4
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation bash benchmarks/gpu_issue12_paths.sh
+#   PHASE=final  the shipped code: probe, CUDA tests, kernel, step, batch-1 decode, W1 (int4/int2, bf16)
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
 PHASE=${PHASE:-sweep}
@@ -57,6 +58,26 @@ elif [ "$PHASE" = rotation ]; then
   part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
   for f in kernel step step_unfused b1 b1_unfused w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
 
+elif [ "$PHASE" = final ]; then  # the shipped code once more, fewer parts (the comparisons ran in "rotation")
+  for c in store decode prefill prefill64 prefill16 forward; do
+    for dt in int4 int2; do
+      CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 benchmarks/rotation_probe.py $c --dtype $dt 2>>"$OUT/probe_err.txt" \
+        | tee -a "$OUT/probe.txt"
+    done
+  done
+  if grep -q '"ok": false' "$OUT/probe.txt" || [ "$(grep -c '"ok": true' "$OUT/probe.txt")" != 12 ]; then
+    echo "probe failed: no engine figures"; exit 1
+  fi
+  part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+    tests/worker/test_cuda_graphs.py -k "fused_rotation or store_quantizes or graph_replay or decode_and_prefill"
+  grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
+  part 40 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel --dtypes int4,int2 \
+    --no-sweep --rotate
+  part 80 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4,int2
+  part 100 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 --dtypes bfloat16,int4,int2
+  part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
+  for f in kernel step b1 w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf final.tgz --remove-files probe.txt probe_err.txt tests.txt kernel.txt step.txt b1.txt w1.txt k)
 else
   part 70 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py -k "code_paths or decode_and_prefill"
   tail -2 "$OUT/tests.txt"

@@ -146,8 +146,8 @@ def main() -> None:
             kv_store._store_kv_kernel,
             dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, slot_ptr="*i64"),
             dict(stride_kt=HKV * D, stride_kh=D, stride_kd=1, stride_vt=HKV * D, stride_vh=D, stride_vd=1, **cs),
-            dict(NUM_KV_HEADS=HKV, BLOCK_H=HKV, HEAD_DIM=D, BLOCK_SIZE=BS, **kv_store.quant_constexprs(code)),
-            num_stages=3)
+            dict(NUM_KV_HEADS=HKV, BLOCK_H=HKV, HEAD_DIM=D, BLOCK_SIZE=BS, KV_FMT=code,
+                 QMAX=kv_store._QMAX_BY_CODE.get(code, 1.0), MIN_SCALE=2.0 ** -14), num_stages=3)
         _show(f"{name:9s} store          ", ck, ns.regs)
 
 

@@ -70,9 +70,9 @@ def main() -> None:
         if ns.case == "store":
             store_kv(k, v, cache, meta.slot_mapping, rotate=True)
             torch.cuda.synchronize() if dev == "cuda" else None if dev == "cuda" else None
-            # int4/int2 ranges are searched by squared error (kv_quant.asym_range): summation order
-            # may pick another near-equal candidate than torch in a few rows. Judge the stored rows
-            # by their error against the float32-rotated input, and count the rows that differ.
+            # Judge the stored rows by their squared error against the float32-rotated input (a
+            # range chosen by a search, as tried in this round, may differ from torch's in a few
+            # rows on the GPU: summation order), and count the rows that differ.
             sl = meta.slot_mapping
             x = torch.stack(rot[1:])  # [2, t, hkv, d]
             deq_t, deq_r = (dequantize_pages(c, d, torch.float32).flatten(1, 2)[:, sl] for c in (cache, c_ref))

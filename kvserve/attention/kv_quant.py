@@ -6,22 +6,10 @@ Scheme (no calibration data needed; scales are computed from each token as it is
   token and one KV head, the row ``x[0:D]`` of K (and separately of V) is stored as
   ``code = round(x / s)`` with ``s = max(|x|) / QMAX`` (QMAX 448 / 57344 / 127), then the
   scale ``s`` as float16. Dequantized: ``x ~ code * s``.
-- ``int4`` / ``int2``: per-token-per-head asymmetric scaling: ``code = round((x - m) / s)``
-  clamped to ``[0, 2^b - 1]``, dequantized ``x ~ code * s + m``; codes packed little-end
-  first (element ``j`` in byte ``j // (8 / b)``, bits ``(j % (8 / b)) * b`` up), then ``s``
-  and ``m`` as float16. The range ``(s, m)`` is searched per row (``asym_range``), with no
-  calibration data: of the clipped ranges ``[min + a*w, max - b*w]`` (``w = max - min``;
-  int4: ``a, b`` in ``{0, 1, 2, 3} / 32``, 16 ranges; int2: in ``{0, .05, .1, .15, .2}``, 25;
-  ``a = b = 0`` is plain min/max, ``s = w / (2^b - 1)``, ``m = min``) the one with the least
-  squared row error wins, then two least-squares refits of ``(s, m)`` for the chosen codes
-  (``x ~ code * s + m`` is linear in ``s, m``) are kept where they lower it further.
-  Rationale: few levels are wasted on a row's extremes (the MSE-optimal uniform 4-level
-  quantizer of a Gaussian spans about +-1.5 sigma, min/max of 64 values about +-2.4 sigma;
-  16 levels only gain from trimming), and the error is never above min/max's. Measured
-  with ``kvserve bench accuracy`` (SmolLM2-135M; BENCHMARKS.md "Accuracy"): int2
-  perplexity +647% with min/max, +120% with the search (6 documents); int4 +4.38% ->
-  +2.95% on 18 documents, though +3.03% -> +3.58% on the 6-document subset (int4 choices
-  move it by about +-0.5% there). Only the stored bytes changed: every reader is unchanged.
+- ``int4`` / ``int2``: per-token-per-head asymmetric (min-max) scaling:
+  ``code = round((x - m) / s)`` in ``[0, 2^b - 1]`` with ``m = min(x)``,
+  ``s = (max(x) - min(x)) / (2^b - 1)``; codes packed little-end first (element ``j`` in
+  byte ``j // (8 / b)``, bits ``(j % (8 / b)) * b`` up), then ``s`` and ``m`` as float16.
   KIVI (Liu et al., arXiv:2402.02750) quantizes keys per channel instead; per-token
   keys were chosen here so that every token is final the moment it is stored: a block's
   rows never change after they are written, so prefix sharing and copy-on-write of a
@@ -61,10 +49,10 @@ consecutive slots of one KV head are contiguous: a kernel reading a tile of keys
 head loads them as vectors (``block_size * S`` bytes per page). Other shapes are still read correctly (the Triton
 compiler then emits narrower loads; a start-up warning says so). Scales are float16 and at
 least ``MIN_SCALE`` (the smallest normal float16), so a constant row never divides by zero.
-Rounding is ``floor(y + 0.5)`` (the Triton store kernel does the same, range search
-included). The disk tier's content key carries the layout version (``kv_connector/block_hash.py``:
-v5, head-major scales, rotated int4 / int2 content with searched ranges) and the P2P
-handshake's ``kv_layout`` both (``kv_scales``, ``kv_rotation``, ``kv_quant_range``).
+Rounding is ``floor(y + 0.5)`` (the Triton store kernel does the same). The disk tier's
+content key carries the layout version (``kv_connector/block_hash.py``: v4, head-major
+scales and rotated int4 / int2 content) and the P2P handshake's ``kv_layout`` both
+(``kv_scales``, ``kv_rotation``).
 """
 
 from __future__ import annotations
@@ -77,14 +65,6 @@ from kvserve.core.kv_cache_spec import KV_FORMATS, KVFormat
 QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 #: smallest stored scale (float16's smallest normal)
 MIN_SCALE = 2.0 ** -14
-#: int4 / int2 clipping candidates by bits: ``(steps, step)``: ``i * step`` (i < steps) of the
-#: min..max width cut off each end (a Python float rounded to float32 once, the same in torch
-#: and Triton); 2 bits gain from cutting more (measured, see the module docstring)
-CLIP_GRID = {4: (4, 1 / 32), 2: (5, 0.05)}
-#: least-squares refits of the chosen int4 / int2 (scale, minimum)
-REFITS = 2
-#: the P2P ``kv_layout`` value naming the int4 / int2 range rule (bump when it changes)
-RANGE_NAME = "mse-clip-v1"
 
 _UNQUANTIZED = {getattr(torch, f.torch_dtype): f for f in KV_FORMATS.values() if not f.quantized}
 
@@ -105,58 +85,6 @@ def cache_format(cache: torch.Tensor, head_size: int) -> KVFormat:
     raise ValueError(f"no KV format stores head_size {head_size} in rows of {row} {cache.dtype}")
 
 
-def _fp16_range(scale: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A candidate's stored (scale, minimum): float16, scale at least ``MIN_SCALE``; returned as float32."""
-    return scale.clamp_min(MIN_SCALE).to(torch.float16).float(), lo.to(torch.float16).float()
-
-
-def _sq_err(xf: torch.Tensor, s: torch.Tensor, z: torch.Tensor, levels: int) -> torch.Tensor:
-    """Squared error ``[..., 1]`` of rows ``xf [..., D]`` quantized with ``(s, z) [..., 1]``."""
-    q = torch.floor((xf - z) / s + 0.5).clamp_(0, levels)
-    return ((q * s + z - xf) ** 2).sum(-1, keepdim=True)
-
-
-def asym_range(xf: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 / int2 range of rows ``xf [..., D]`` float32: ``(scale, minimum)`` float16 ``[..., 1]``.
-
-    Candidates ``[min + a*w, max - b*w]`` (``w = max - min``; ``a, b`` = ``i * step``, ``i < steps``,
-    ``(steps, step) = CLIP_GRID[bits]``),
-    least squared error first (ties: the earlier, so ``a = b = 0``, plain min/max, wins), then
-    ``REFITS`` rounds of the least-squares ``(scale, minimum)`` for the chosen codes, each kept
-    only if it lowers the error. The Triton store (``kv_store._asym_range``) runs the same steps.
-    """
-    levels = (1 << bits) - 1
-    steps, step = CLIP_GRID[bits]
-    mn, mx = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
-    w = mx - mn
-    best = None
-    for i in range(steps):
-        for j in range(steps):
-            lo = mn + (i * step) * w
-            s, z = _fp16_range((mx - (j * step) * w - lo) / levels, lo)
-            e = _sq_err(xf, s, z, levels)
-            if best is None:
-                best = (e, s, z)
-            else:
-                take = e < best[0]
-                best = tuple(torch.where(take, n, o) for n, o in zip((e, s, z), best))
-    e, s, z = best
-    n = float(xf.shape[-1])
-    sx = xf.sum(-1, keepdim=True)
-    for _ in range(REFITS):
-        q = torch.floor((xf - z) / s + 0.5).clamp_(0, levels)
-        sq, sqq, sqx = q.sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True), (q * xf).sum(-1, keepdim=True)
-        det = n * sqq - sq * sq  # 0 when every code is equal: nothing to fit
-        fit = det > 0
-        s2 = (n * sqx - sq * sx) / torch.where(fit, det, 1.0)
-        z2 = (sx - s2 * sq) / n
-        s2, z2 = _fp16_range(s2, z2)
-        e2 = _sq_err(xf, s2, z2, levels)
-        take = fit & (e2 < e)
-        e, s, z = torch.where(take, e2, e), torch.where(take, s2, s), torch.where(take, z2, z)
-    return s.to(torch.float16), z.to(torch.float16)
-
-
 def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """Rows ``x [..., D]`` (any float dtype) -> ``[..., fmt.row_elems(D)]`` in the storage dtype."""
     store_dtype = getattr(torch, fmt.torch_dtype)
@@ -165,7 +93,9 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     xf = x.float()
     if fmt.asymmetric:
         levels = (1 << fmt.bits) - 1
-        scale, zero = asym_range(xf, fmt.bits)
+        mn, mx = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
+        scale = ((mx - mn) / levels).clamp_min(MIN_SCALE).to(torch.float16)
+        zero = mn.to(torch.float16)
         q = torch.floor((xf - zero.float()) / scale.float() + 0.5).clamp_(0, levels).to(torch.int32)
         per_byte = 8 // fmt.bits
         shifts = torch.arange(per_byte, device=x.device, dtype=torch.int32) * fmt.bits

@@ -12,9 +12,7 @@ found under v2 keys. v3: the same pages, but int4 / int2 blocks hold K and V in 
 Hadamard-rotated basis (``kvserve/attention/kv_rotation.py``); v2 files (unrotated int4 /
 int2 content) are never read as rotated ones. v4: a page's scales region is head-major
 (``[Hkv, block_size]``, so a kernel loads one head's scales as vectors); v3 pages had it
-slot-major. v5: int4 / int2 rows take their (scale, minimum) from a clipped-range search
-(``kv_quant.asym_range``) instead of min/max; the same layout and dequantization, but
-different bytes for the same tokens, so v4 files are not mixed into v5 content.
+slot-major.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import numpy as np
 
 _DIGEST = 16
 #: layout version of the stored block bytes (bump when a KV page layout changes)
-KEY_VERSION = b"kvserve-kv-v5"
+KEY_VERSION = b"kvserve-kv-v4"
 
 
 def model_fingerprint(config) -> str:

@@ -83,42 +83,13 @@ def test_store_quantizes_like_torch_ref(name):
     da, db = dequantize(a, d, torch.float32), dequantize(b, d, torch.float32)
     step = x.abs().amax(-1, keepdim=True) / LEVELS[name]  # one code step (upper bound) per row
     assert ((da - db).abs() <= step * 1.01 + 1e-6).all()
-    if name in ("int4", "int2"):  # clipped ranges: bounded by min/max's squared error instead
-        levels = 15 if name == "int4" else 3
-        mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        s, z = ((mx - mn) / levels).half().float(), mn.half().float()
-        mm = ((torch.floor((x - z) / s + 0.5).clamp(0, levels) * s + z - x) ** 2).sum(-1)
-        assert (((da - x) ** 2).sum(-1) <= mm * (1 + 1e-5)).all()
-    else:
-        assert ((da - x).abs() <= step * 0.51 + 1e-3 * step + 1e-6).all() or name.startswith("fp8")
+    assert ((da - x).abs() <= step * 0.51 + 1e-3 * step + 1e-6).all() or name.startswith("fp8")
     # Slots not in slot_mapping are untouched.
     mask = torch.ones(c_tri.shape[1] * c_tri.shape[2], dtype=torch.bool, device=DEV)
     mask[slots] = False
     rows0 = pages_to_rows(cache, d)
     untouched = rows0.flatten(1, 2)[:, mask].view(torch.uint8)
     assert torch.equal(rows_tri.flatten(1, 2)[:, mask].view(torch.uint8), untouched)
-
-
-@pytest.mark.parametrize("name", ["int4", "int2"])
-def test_store_range_search_edge_rows(name):
-    """The int4 / int2 range search (clip grid + refits, kv_quant.asym_range) writes the torch
-    reference's bytes on rows that stress it: constant (positive, negative, not float16-exact),
-    one large outlier, negative only, tiny and large magnitudes."""
-    gen = torch.Generator().manual_seed(4)
-    d = 64
-    rows = [torch.full((d,), 3.0), torch.full((d,), -2.5), torch.full((d,), 0.1), torch.zeros(d),
-            torch.cat([torch.linspace(-1, 1, d - 1), torch.tensor([8.0])]),
-            torch.cat([torch.tensor([-30.0]), torch.randn(d - 1, generator=gen)]),
-            -torch.rand(d, generator=gen) * 5 - 1, torch.randn(d, generator=gen) * 1e-3,
-            torch.randn(d, generator=gen) * 300]
-    x = torch.stack(rows)  # [9, d]: tokens of one KV head
-    t = x.shape[0]
-    meta, cache = _batch([(0, t)], 4, 1, d, name, gen)
-    k, v = x[:, None].to(DEV), (-x[:, None]).to(DEV)
-    c_tri, c_ref = cache.clone(), cache.clone()
-    store_kv(k, v, c_tri, meta.slot_mapping)
-    ref_store_kv(k, v, c_ref, meta.slot_mapping)
-    assert torch.equal(c_tri.view(torch.uint8).cpu(), c_ref.view(torch.uint8).cpu())
 
 
 @pytest.mark.parametrize("name,q_dtype", [(n, torch.float32) for n in QUANT] + [("int8", torch.bfloat16)])

@@ -175,15 +175,14 @@ def test_two_engines_share_a_directory(tiny_llama_dir, tmp_path):
 
 def test_root_key_names_the_page_layout():
     """Files written in the per-row quantized layout (key version v1), with unrotated int4 /
-    int2 content (v2), with slot-major scales (v3), or with min/max int4 / int2 ranges (v4) are
-    never read as pages of the current layout (v5: codes then head-major scales, int4 / int2 in
-    the Hadamard-rotated basis with searched ranges): the version is part of every block's key."""
+    int2 content (v2), or with slot-major scales (v3), are never read as pages of the current
+    layout (v4: codes then head-major scales, int4 / int2 in the Hadamard-rotated basis): the
+    version is part of every block's key."""
     import hashlib
 
     from kvserve.kv_connector.block_hash import KEY_VERSION, root_key
 
-    assert KEY_VERSION == b"kvserve-kv-v5"
-    old = [hashlib.blake2b(b"kvserve-kv-v%d\0fp\0int4\0" % i + b"16\0\0", digest_size=16).digest()
-           for i in (1, 2, 3, 4)]
-    v5 = hashlib.blake2b(KEY_VERSION + b"\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
-    assert root_key("fp", "int4", 16, None) == v5 and v5 not in old
+    assert KEY_VERSION == b"kvserve-kv-v4"
+    old = [hashlib.blake2b(b"kvserve-kv-v%d\0fp\0int4\0" % i + b"16\0\0", digest_size=16).digest() for i in (1, 2, 3)]
+    v4 = hashlib.blake2b(KEY_VERSION + b"\0fp\0int4\0" + b"16\0\0", digest_size=16).digest()
+    assert root_key("fp", "int4", 16, None) == v4 and v4 not in old

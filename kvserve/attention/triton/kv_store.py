@@ -21,76 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.kv_quant import CLIP_GRID, MIN_SCALE, QMAX, REFITS
+from kvserve.attention.kv_quant import MIN_SCALE, QMAX
 from kvserve.attention.triton.kv_load import cache_strides, hadamard_rotate, kernel_cache_args
 
 _QMAX_BY_CODE = {1: QMAX["fp8_e4m3"], 2: QMAX["fp8_e5m2"], 3: QMAX["int8"], 4: 15.0, 5: 3.0}
 
 
-def quant_constexprs(kv_fmt: int) -> dict:
-    """The store kernel's format constants for ``KV_FMT`` code ``kv_fmt`` (0: unquantized)."""
-    steps, step = CLIP_GRID.get({4: 4, 5: 2}.get(kv_fmt, 0), (1, 0.0))
-    return dict(KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE, CLIP_STEPS=steps,
-                CLIP_STEP=step, REFITS=REFITS)
-
-
-@triton.jit
-def _sq_err(xf, s, z, QMAX: tl.constexpr):
-    """Squared error ``[BLOCK_H]`` of rows ``xf [BLOCK_H, D]`` quantized with float32 ``(s, z) [BLOCK_H]``."""
-    q = tl.minimum(tl.maximum(tl.floor((xf - z[:, None]) / s[:, None] + 0.5), 0.0), QMAX)
-    d = q * s[:, None] + z[:, None] - xf
-    return tl.sum(d * d, 1)
-
-
-@triton.jit
-def _asym_range(xf, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                CLIP_STEPS: tl.constexpr, CLIP_STEP: tl.constexpr, REFITS: tl.constexpr):
-    """``kv_quant.asym_range`` step for step: float16 ``(scale, minimum)`` ``[BLOCK_H]`` of rows
-    ``xf [BLOCK_H, HEAD_DIM]`` float32 (clip grid by squared error, then least-squares refits)."""
-    mn = tl.min(xf, 1)
-    mx = tl.max(xf, 1)
-    w = mx - mn
-    best_e = tl.full(mn.shape, float("inf"), tl.float32)
-    best_s = tl.zeros(mn.shape, tl.float32)
-    best_z = tl.zeros(mn.shape, tl.float32)
-    for i in tl.static_range(CLIP_STEPS):
-        for j in tl.static_range(CLIP_STEPS):
-            lo = mn + (i * CLIP_STEP) * w
-            s = tl.maximum((mx - (j * CLIP_STEP) * w - lo) / QMAX, MIN_SCALE).to(tl.float16).to(tl.float32)
-            z = lo.to(tl.float16).to(tl.float32)
-            e = _sq_err(xf, s, z, QMAX)
-            if i + j == 0:  # min/max starts, as in torch (even where its error is not finite)
-                best_e, best_s, best_z = e, s, z
-            else:
-                take = e < best_e  # strict: the earlier candidate wins ties, as in torch
-                best_e = tl.where(take, e, best_e)
-                best_s = tl.where(take, s, best_s)
-                best_z = tl.where(take, z, best_z)
-    n = HEAD_DIM * 1.0
-    sx = tl.sum(xf, 1)
-    for _ in tl.static_range(REFITS):
-        q = tl.minimum(tl.maximum(tl.floor((xf - best_z[:, None]) / best_s[:, None] + 0.5), 0.0), QMAX)
-        sq = tl.sum(q, 1)
-        sqq = tl.sum(q * q, 1)
-        sqx = tl.sum(q * xf, 1)
-        det = n * sqq - sq * sq  # 0 when every code is equal: nothing to fit
-        fit = det > 0
-        s2 = (n * sqx - sq * sx) / tl.where(fit, det, 1.0)
-        z2 = (sx - s2 * sq) / n
-        s2 = tl.maximum(s2, MIN_SCALE).to(tl.float16).to(tl.float32)
-        z2 = z2.to(tl.float16).to(tl.float32)
-        e2 = _sq_err(xf, s2, z2, QMAX)
-        take = fit & (e2 < best_e)
-        best_e = tl.where(take, e2, best_e)
-        best_s = tl.where(take, s2, best_s)
-        best_z = tl.where(take, z2, best_z)
-    return best_s.to(tl.float16), best_z.to(tl.float16)
-
-
 @triton.jit
 def _quant_store(x, cache_ptr, row, scale_row, mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr,
-                 QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, CLIP_STEPS: tl.constexpr, CLIP_STEP: tl.constexpr,
-                 REFITS: tl.constexpr):
+                 QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """Quantize rows ``x [BLOCK_H, HEAD_DIM]``; write the codes at byte offsets ``row`` and the
     float16 scale (and minimum) at byte offsets ``scale_row`` (both ``[BLOCK_H]``)."""
     xf = x.to(tl.float32)
@@ -99,7 +38,10 @@ def _quant_store(x, cache_ptr, row, scale_row, mask, HEAD_DIM: tl.constexpr, KV_
     if KV_FMT >= 4:
         BITS: tl.constexpr = 4 if KV_FMT == 4 else 2
         PER: tl.constexpr = 8 // BITS
-        scale, zero = _asym_range(xf, QMAX, MIN_SCALE, HEAD_DIM, CLIP_STEPS, CLIP_STEP, REFITS)
+        mn = tl.min(xf, 1)
+        mx = tl.max(xf, 1)
+        scale = tl.maximum((mx - mn) / QMAX, MIN_SCALE).to(tl.float16)
+        zero = mn.to(tl.float16)
         y = (xf - zero.to(tl.float32)[:, None]) / scale.to(tl.float32)[:, None]
         q = tl.minimum(tl.maximum(tl.floor(y + 0.5), 0.0), QMAX).to(tl.int32)
         q3 = tl.reshape(q, [x.shape[0], HEAD_DIM // PER, PER])
@@ -145,8 +87,7 @@ def _store_kv_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_FMT: tl.constexpr = 0, QMAX: tl.constexpr = 1.0,
-    MIN_SCALE: tl.constexpr = 1.0, CLIP_STEPS: tl.constexpr = 1, CLIP_STEP: tl.constexpr = 0.0,
-    REFITS: tl.constexpr = 0, ROTATE: tl.constexpr = False, DOT_PREC: tl.constexpr = "ieee",
+    MIN_SCALE: tl.constexpr = 1.0, ROTATE: tl.constexpr = False, DOT_PREC: tl.constexpr = "ieee",
     WIDEN: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -174,10 +115,8 @@ def _store_kv_kernel(
         row = page + off * stride_co + offs_h * stride_ch
         scale_row = page + BLOCK_SIZE * stride_co + (offs_h * BLOCK_SIZE + off) * SB
         hmask = (offs_h < NUM_KV_HEADS) & valid
-        _quant_store(k, k_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE, CLIP_STEPS,
-                     CLIP_STEP, REFITS)
-        _quant_store(v, v_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE, CLIP_STEPS,
-                     CLIP_STEP, REFITS)
+        _quant_store(k, k_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
+        _quant_store(v, v_cache_ptr, row, scale_row, hmask, HEAD_DIM, KV_FMT, QMAX, MIN_SCALE)
     else:
         dst = blk * stride_cb + off * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -216,7 +155,7 @@ def store_kv(
         value.stride(0), value.stride(1), value.stride(2),
         *cache_strides(k_cache, d, kv_fmt),
         NUM_KV_HEADS=hkv, BLOCK_H=max(16 if rotate else 1, triton.next_power_of_2(hkv)), HEAD_DIM=d,
-        BLOCK_SIZE=block_size, **quant_constexprs(kv_fmt),
+        BLOCK_SIZE=block_size, KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE,
         ROTATE=rotate, DOT_PREC="ieee" if key.dtype == torch.float32 else "tf32",
         WIDEN=key.dtype == torch.bfloat16 and key.device.type != "cuda",
         num_warps=4 if hkv * d >= 1024 else 2,

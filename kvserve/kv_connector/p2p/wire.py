@@ -46,12 +46,8 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
     also ``kv_rotation``: the basis the pages hold K/V in (``kv_rotation.ROTATION_NAME``). It
     is absent otherwise, so unrotated layouts are unchanged and a peer from before the
     rotation, which sends no such field, is refused on int4 / int2 only. Likewise
-    ``kv_scales`` (``"head-major"``, quantized formats only): where a page keeps its scales,
-    and ``kv_quant_range`` (``kv_quant.RANGE_NAME``, int4 / int2 only): how a row's (scale,
-    minimum) are chosen. Old-rule pages would still dequantize correctly, but a prefill pulled
-    from such a peer would not be the bytes this engine writes, so it is refused.
+    ``kv_scales`` (``"head-major"``, quantized formats only): where a page keeps its scales.
     """
-    from kvserve.attention.kv_quant import RANGE_NAME
     from kvserve.attention.kv_rotation import ROTATION_NAME
     from kvserve.kv_connector.block_hash import model_fingerprint
 
@@ -75,8 +71,6 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
         layout["kv_rotation"] = ROTATION_NAME
     if any(g.spec.format.quantized for g in kv_cache_config.groups):
         layout["kv_scales"] = "head-major"  # kv_quant page layout v4: a peer from before is refused
-    if any(g.spec.format.asymmetric for g in kv_cache_config.groups):
-        layout["kv_quant_range"] = RANGE_NAME
     return layout
 
 
