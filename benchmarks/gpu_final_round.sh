@@ -8,14 +8,7 @@ set -u
 OUT=${OUT:-/tmp/kvserve-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-part() {  # part <seconds> <log> <command...>
-  local t=$1 log=$2; shift 2
-  local s; s=$(date +%s)
-  local rc
-  timeout -k 5 "$t" "$@" > "$log" 2>&1
-  rc=$?
-  echo "== $(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
-}
+. "$(dirname "$0")/gpu_part.sh"  # part <seconds> <log> <command...>
 UCX_PROTO_INFO=y part 40 "$OUT/nixl_probe.txt" python3 benchmarks/nixl_probe.py
 grep -E "nixl probe|remote memory read|Error" "$OUT/nixl_probe.txt" | head -5
 UCX_TLS=cuda_ipc,cuda_copy,sm,self,tcp UCX_PROTO_INFO=y part 40 "$OUT/nixl_probe_cuda_tls.txt" python3 benchmarks/nixl_probe.py

@@ -10,14 +10,7 @@ R=$OUT/r
 mkdir -p "$R"/{12,13,14,15}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-part() {  # part <seconds> <log> <command...>
-  local t=$1 log=$2; shift 2
-  local s; s=$(date +%s)
-  local rc
-  timeout -k 5 "$t" "$@" > "$log" 2>&1
-  rc=$?
-  echo "$(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
-}
+. "$(dirname "$0")/gpu_part.sh"  # part <seconds> <log> <command...>
 part 55 "$R/12/gpu_tests_kvquant.txt" python3 -m pytest -q -p no:cacheprovider tests/attention/test_kv_quant.py \
   tests/attention/test_triton_kv_quant.py
 tail -1 "$R/12/gpu_tests_kvquant.txt"

@@ -12,14 +12,7 @@ OUT=${OUT:-/tmp/kvserve-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-part() {  # part <seconds> <log> <command...>
-  local t=$1 log=$2; shift 2
-  local s; s=$(date +%s)
-  local rc
-  timeout -k 5 "$t" "$@" > "$log" 2>&1
-  rc=$?
-  echo "$(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
-}
+. "$(dirname "$0")/gpu_part.sh"  # part <seconds> <log> <command...>
 # kernel first (the figure issue 12 is judged by), int4 early; records are appended as they finish
 part 70 "$OUT/kernel_log.txt" python3 benchmarks/gpu_issue12.py --out "$OUT" --parts kernel \
   --dtypes bfloat16,fp8_e4m3,int4,int8,int2,fp8_e5m2

@@ -16,13 +16,17 @@ OUT=${OUT:-/tmp/kvserve-out}
 PHASE=${PHASE:-sweep}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-part() {  # part <seconds> <log> <command...>
-  local t=$1 log=$2; shift 2
-  local s; s=$(date +%s)
-  local rc
-  timeout -k 5 "$t" "$@" > "$log" 2>&1
-  rc=$?
-  echo "== $(basename "$log" .txt) rc=$rc in $(( $(date +%s) - s ))s"
+. "$(dirname "$0")/gpu_part.sh"  # part <seconds> <log> <command...>
+probe_rotation() {  # each Triton kernel with the rotation, one process each; stop unless all 12 are ok
+  for c in store decode prefill prefill64 prefill16 forward; do
+    for dt in int4 int2; do
+      CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 benchmarks/rotation_probe.py $c --dtype $dt 2>>"$OUT/probe_err.txt" \
+        | tee -a "$OUT/probe.txt"
+    done
+  done
+  if grep -q '"ok": false' "$OUT/probe.txt" || [ "$(grep -c '"ok": true' "$OUT/probe.txt")" != 12 ]; then
+    echo "probe failed: no engine figures"; exit 1
+  fi
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 git log -1 --format='commit %h %s' 2>/dev/null || true
@@ -34,15 +38,7 @@ if [ "$PHASE" = sweep ]; then
     --dtypes bfloat16,fp8_e4m3,int8,int4,int2
   sed -n '/^part /,$p' "$OUT/kernel.txt"
 elif [ "$PHASE" = rotation ]; then
-  for c in store decode prefill prefill64 prefill16 forward; do
-    for dt in int4 int2; do
-      CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 benchmarks/rotation_probe.py $c --dtype $dt 2>>"$OUT/probe_err.txt" \
-        | tee -a "$OUT/probe.txt"
-    done
-  done
-  if grep -q '"ok": false' "$OUT/probe.txt" || [ "$(grep -c '"ok": true' "$OUT/probe.txt")" != 12 ]; then
-    echo "probe failed: no engine figures"; exit 1
-  fi
+  probe_rotation
   part 120 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
     tests/worker/test_cuda_graphs.py -k "fused_rotation or store or code_paths or graph_replay"
   grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
@@ -57,17 +53,8 @@ elif [ "$PHASE" = rotation ]; then
     --dtypes int4 --unfused-rotation
   part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
   for f in kernel step step_unfused b1 b1_unfused w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
-
 elif [ "$PHASE" = final ]; then  # the shipped code once more, fewer parts (the comparisons ran in "rotation")
-  for c in store decode prefill prefill64 prefill16 forward; do
-    for dt in int4 int2; do
-      CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 benchmarks/rotation_probe.py $c --dtype $dt 2>>"$OUT/probe_err.txt" \
-        | tee -a "$OUT/probe.txt"
-    done
-  done
-  if grep -q '"ok": false' "$OUT/probe.txt" || [ "$(grep -c '"ok": true' "$OUT/probe.txt")" != 12 ]; then
-    echo "probe failed: no engine figures"; exit 1
-  fi
+  probe_rotation
   part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
     tests/worker/test_cuda_graphs.py -k "fused_rotation or store_quantizes or graph_replay or decode_and_prefill"
   grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
