@@ -17,6 +17,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_quant import aligned_for_vector_loads
+from kvserve.attention.kv_rotation import kv_rotation_for
 from kvserve.attention.kv_rotation import rotate as rotate_rows
 from kvserve.attention.triton.decode import decode_attention
 from kvserve.attention.triton.kv_store import store_kv
@@ -25,6 +26,14 @@ from kvserve.core.kv_cache_spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 _WARNED: set = set()
+
+
+def _rotates_inside(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the store / decode kernels rotate int4/int2 K, V, q in their own tiles: their
+    rotation dots have ``max(16, query heads per KV head)`` / ``max(16, KV heads)`` rows, and
+    above 32 rows Triton takes the sm_90 wgmma path, which miscomputed the rotation in the
+    prefill kernel (``benchmarks/rotation_probe.py``); then the backend rotates around them."""
+    return max(num_heads // num_kv_heads, num_kv_heads) <= 32
 
 
 class TritonBackend(AttentionBackend):
@@ -74,9 +83,7 @@ class TritonBackend(AttentionBackend):
         bt = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         lens = torch.ones(1, dtype=torch.int32, device=dev)
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        from kvserve.attention.kv_rotation import kv_rotation_for
-
-        rotate = kv_rotation_for(kv_cache, head_size) is not None  # the layers pass their R (fused)
+        rotate = kv_rotation_for(kv_cache, head_size) is not None and _rotates_inside(num_heads, hkv)
         store_kv(kv, kv, kv_cache, torch.full((1,), -1, dtype=torch.long, device=dev), rotate=rotate)
         for window in sliding_windows:
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
@@ -109,9 +116,7 @@ class TritonBackend(AttentionBackend):
         the launches (``benchmarks/rotation_probe.py``; results in
         ``benchmarks/results/issue12_h100_rotation/``)."""
         rotate = kv_rotation is not None
-        if rotate and max(query.shape[1] // key.shape[1], key.shape[1]) > 32:
-            # the in-kernel rotation's dots stay at <= 32 rows (mma v2 tiles): larger tiles take
-            # the sm_90 wgmma path, which miscomputed it in the prefill kernel
+        if rotate and not _rotates_inside(query.shape[1], key.shape[1]):
             q, k, v = (rotate_rows(x, kv_rotation) for x in (query, key, value))
             out = self.forward(q, k, v, kv_cache, meta, scale, sliding_window)
             return rotate_rows(out, kv_rotation.T)
