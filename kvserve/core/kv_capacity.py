@@ -20,7 +20,7 @@ LOSSY_KV_FORMATS: dict[str, str] = {
             "Hadamard rotation); check `kvserve bench accuracy` for your model before serving with it",
     "fp8_e5m2": "e5m2 keeps 2 mantissa bits: fp8_e4m3 (the `fp8` default) is more accurate with per-token scales "
                 "(SmolLM2-135M perplexity +1.06% vs +0.03%)",
-    "int4": "4-bit KV codes with per-token scales raise perplexity (SmolLM2-135M: +4.9% on the 62.6k-token corpus "
+    "int4": "4-bit KV codes with per-token scales raise perplexity (SmolLM2-135M: +4.9% on the 49.3k-token corpus "
             "with the Hadamard rotation); fp8/int8 are near-lossless (+0.03% / +0.04%)",
 }
 
