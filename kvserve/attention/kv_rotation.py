@@ -9,9 +9,12 @@ its largest channel. Attention is unchanged in exact arithmetic:
 - scores: ``(q R) . (k R) = q R R^T k^T = q . k``;
 - output: ``softmax(s) (v R) R^T = softmax(s) v``.
 
-So ``Attention.forward`` (``kvserve/layers/attention.py``) hands every backend ``q R``,
-``k R``, ``v R`` (after RoPE, which the models apply before calling it) and multiplies the
-backend's output by ``R^T``; the backends, their kernels and the cache layout do not know.
+So ``Attention.forward`` (``kvserve/layers/attention.py``) hands the backend ``q R``,
+``k R``, ``v R`` (after RoPE, which the models apply before calling it) and multiplies its
+output by ``R^T`` -- unless the backend rotates inside its own kernels
+(``AttentionBackend.fuses_kv_rotation``: Triton's store and decode kernels build ``H_D`` in
+registers, ``triton/kv_load.hadamard_rotate``), which then gets ``kv_rotation=R`` and the
+unrotated tensors. The cache layout does not know.
 Every stored row stays per token (a block never changes after it is written: prefix
 sharing, copy-on-write and the tiers work unchanged); the cache content is in the rotated
 basis, which the disk tier's key version and the P2P ``kv_layout`` (field ``kv_rotation``)
