@@ -240,6 +240,9 @@ def main() -> None:
     ap.add_argument("--rotate", action="store_true", help="kernel part: rotate in the kernel (int4/int2 in the engine)")
     ap.add_argument("--unfused-rotation", action="store_true",
                     help="engine parts: rotate int4/int2 q/k/v/out around the Triton kernels (as before they fused it)")
+    ap.add_argument("--no-value-fold", action="store_true",
+                    help="engine parts: keep the int4/int2 value rotation out of the weights (bind_value_rotation "
+                         "off: the kernels rotate v and the output, as before it was folded)")
     ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0: kv_load.CODE_PATHS for every "
                     "part (the engine runs in this process); recorded in each record")
     ns = ap.parse_args()
@@ -256,6 +259,10 @@ def main() -> None:
         from kvserve.attention.triton.backend import TritonBackend
 
         TritonBackend.fuses_kv_rotation = False
+    if ns.no_value_fold:
+        import kvserve.layers.attention as attn_layer
+
+        attn_layer.bind_value_rotation = lambda model: None
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
@@ -291,6 +298,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             rec.setdefault("code_paths", dict(CODE_PATHS))
             rec.setdefault("rotation", "unfused" if ns.unfused_rotation else "fused")
+            rec.setdefault("value_rotation", "kernels" if ns.no_value_fold else "weights")
             if part == "kernel":
                 rec["rotate"] = ns.rotate
             recs.append(rec)

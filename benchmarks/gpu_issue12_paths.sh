@@ -10,7 +10,9 @@
 #                (--unfused-rotation): CUDA tests (kernels, CUDA graphs), the kernel, the batch-64
 #                x 8k step, batch-1 decode (Llama-3.1-8B shape) per dtype, W1 int4
 #   PHASE=final  the shipped code: probe, CUDA tests, kernel, step, batch-1 decode, W1 (int4/int2, bf16)
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final bash benchmarks/gpu_issue12_paths.sh
+#   PHASE=fold   the value rotation folded into the weights (q rotated by the store kernel) vs rotated
+#                in the kernels (--no-value-fold): CUDA tests, batch-1 decode, the batch-64 x 8k step, W1
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
 PHASE=${PHASE:-sweep}
@@ -65,6 +67,21 @@ elif [ "$PHASE" = final ]; then  # the shipped code once more, fewer parts (the 
   part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
   for f in kernel step b1 w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
   (cd "$OUT" && tar czf final.tgz --remove-files probe.txt probe_err.txt tests.txt kernel.txt step.txt b1.txt w1.txt k)
+elif [ "$PHASE" = fold ]; then
+  part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+    tests/attention/test_kv_rotation.py tests/worker/test_cuda_graphs.py \
+    -k "rotat or store or graph_replay or decode_and_prefill"
+  grep -E "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
+  part 120 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 --dtypes bfloat16,int4,int2
+  part 45 "$OUT/b1_kernels.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_kernels" --parts b1 \
+    --dtypes int4 --no-value-fold
+  part 90 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4,int2
+  part 40 "$OUT/step_kernels.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_kernels" --parts step \
+    --dtypes int4 --no-value-fold
+  part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
+  for f in b1 b1_kernels step step_kernels w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf fold.tgz --remove-files tests.txt b1.txt b1_kernels.txt step.txt step_kernels.txt w1.txt \
+    k k_kernels)
 else
   part 70 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py -k "code_paths or decode_and_prefill"
   tail -2 "$OUT/tests.txt"

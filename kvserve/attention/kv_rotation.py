@@ -92,3 +92,62 @@ def kv_rotation_for(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor | No
     if not cache_format(kv_cache, head_size).rotated:
         return None
     return rotation_matrix(head_size, kv_cache.device)
+
+
+def _projections(model: torch.nn.Module) -> dict[int, tuple]:
+    """``{id(attention layer): (qkv_proj, o_proj, q_size, kv_size)}`` for every attention
+    module of ``model`` built as ``qkv_proj -> attn -> o_proj`` (the Llama / Gemma 3 layout)."""
+    out = {}
+    for m in model.modules():
+        attn, qkv, o = getattr(m, "attn", None), getattr(m, "qkv_proj", None), getattr(m, "o_proj", None)
+        if attn is not None and qkv is not None and o is not None and hasattr(m, "q_size"):
+            out[id(attn)] = (qkv, o, m.q_size, m.kv_size)
+    return out
+
+
+def _dense(linear: torch.nn.Module) -> bool:
+    w = getattr(linear, "weight", None)
+    return isinstance(linear, torch.nn.Linear) and w is not None and w.is_floating_point() and not w.is_meta
+
+
+@torch.no_grad()
+def _apply(qkv: torch.nn.Linear, o: torch.nn.Linear, q_size: int, kv_size: int, r: torch.Tensor) -> None:
+    """``W_v <- R^T W_v`` (and ``b_v <- b_v R``) per KV head, ``W_o <- W_o R`` per query head."""
+    d = r.shape[0]
+    r = r.to(qkv.weight.device)
+    v = qkv.weight[q_size + kv_size: q_size + 2 * kv_size]  # [kv heads * d, hidden]
+    hv = v.float().view(-1, d, v.shape[-1])
+    v.copy_((r.T @ hv).view_as(v))
+    if qkv.bias is not None:
+        b = qkv.bias[q_size + kv_size: q_size + 2 * kv_size]
+        b.copy_((b.float().view(-1, d) @ r).view_as(b))
+    w = o.weight  # [hidden, heads * d]
+    w.copy_((w.float().view(w.shape[0], -1, d) @ r.to(w.device)).view_as(w))
+
+
+def bind_value_rotation(model: torch.nn.Module) -> None:
+    """Fold the value half of each attention layer's KV rotation into its weights, where they
+    are dense: ``v R`` comes straight out of ``qkv_proj`` (``W_v <- R^T W_v``, ``b_v <- b_v R``
+    per KV head) and ``o_proj`` takes the rotated attention output (``W_o <- W_o R`` per query
+    head), so attention never rotates values or outputs (QuaRot, arXiv:2404.00456, folds its
+    rotations into weights the same way). Values carry no RoPE, so this is exact up to the
+    weights' rounding, and the cache holds the same ``v R`` either way; only q and k (rotated
+    after RoPE) still rotate at run time.
+
+    Call after every ``Attention.kv_rotation`` is bound (``bind_kv_cache`` does). Sets each
+    layer's ``Attention.values_rotated_by`` (the folded matrix, float32 on the CPU, or None).
+    Idempotent: a layer folded with the same matrix is left alone; one folded with another
+    matrix, or now unrotated, is unfolded first. Quantized (non-dense) projections are left
+    as they are: the backend then rotates values and outputs itself.
+    """
+    proj = _projections(model)
+    for attn in (m for m in model.modules() if hasattr(m, "values_rotated_by")):
+        p = proj.get(id(attn))
+        r = attn.kv_rotation.float().cpu() if attn.kv_rotation is not None else None
+        old = attn.values_rotated_by
+        if old is not None and (r is None or not torch.equal(old, r)):
+            _apply(*p, old.T.contiguous())  # undo (R orthogonal: R^-1 = R^T)
+            attn.values_rotated_by = old = None
+        if r is not None and old is None and p is not None and _dense(p[0]) and _dense(p[1]):
+            _apply(*p, r)
+            attn.values_rotated_by = r

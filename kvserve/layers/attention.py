@@ -11,8 +11,10 @@ layer's rotation ``R`` (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.
 ``forward`` then hands the backend ``q R``, ``k R``, ``v R`` and returns its output times
 ``R^T`` -- the same for every backend and for bounded KV -- unless the backend rotates in its
 own kernels (``AttentionBackend.fuses_kv_rotation``: Triton, no extra launches), which then
-gets ``kv_rotation=R`` and the unrotated tensors. Other formats bind no matrix and run
-exactly as before. The rotation runs after the piecewise CUDA graph split hook: while
+gets ``kv_rotation=R`` and the unrotated tensors. Where the layer's value and output
+projections are dense, ``bind_kv_cache`` folds ``R`` into them (``bind_value_rotation``): v
+then arrives as ``v R``, the output leaves in the rotated basis, and only q and k rotate at
+run time (``values_rotated``). Other formats bind no matrix and run exactly as before. The rotation runs after the piecewise CUDA graph split hook: while
 pieces are captured the hook returns before it, and at replay ``layer.forward`` runs eagerly
 between the pieces, so it runs exactly once per step (outside the graph pieces).
 """
@@ -26,7 +28,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import get_forward_context
-from kvserve.attention.kv_rotation import kv_rotation_for, rotate
+from kvserve.attention.kv_rotation import bind_value_rotation, kv_rotation_for, rotate
 
 
 class Attention(nn.Module):
@@ -46,6 +48,9 @@ class Attention(nn.Module):
             (``hook(layer, q, k, v) -> o``) to end the current graph piece.
         kv_rotation: ``[head_size, head_size]`` float32 orthogonal matrix for a rotated KV
             format (int4 / int2), else None (bound by ``bind_kv_cache``).
+        values_rotated_by: the rotation folded into this layer's value and output projections
+            (``kv_rotation.bind_value_rotation``), else None: v then arrives as ``v R`` and
+            the output is returned in the rotated basis (``o_proj`` takes it).
     """
 
     def __init__(
@@ -71,6 +76,12 @@ class Attention(nn.Module):
         self.kv_cache_group_id = 0
         self.split_hook: Optional[Callable] = None
         self.kv_rotation: Optional[torch.Tensor] = None
+        self.values_rotated_by: Optional[torch.Tensor] = None
+
+    @property
+    def values_rotated(self) -> bool:
+        """Whether v arrives rotated and the output leaves rotated (weights folded)."""
+        return self.values_rotated_by is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads * head_size]``, k/v ``[T, num_kv_heads * head_size]`` -> ``[T, num_heads * head_size]``."""
@@ -82,11 +93,14 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
         r = self.kv_rotation
+        folded = self.values_rotated
         if r is not None and meta.bounded is None and self.impl.fuses_kv_rotation:  # rotated in its kernels
-            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, kv_rotation=r)
+            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, kv_rotation=r,
+                                    values_rotated=folded)
             return out.reshape(t, self.num_heads * self.head_size)
         if r is not None:  # rotated KV format: attend in the rotated basis (scores unchanged)
-            q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
+            q, k = rotate(q, r), rotate(k, r)
+            v = v if folded else rotate(v, r)
         if meta.bounded is not None:  # bounded KV (StreamingLLM / H2O): kvserve.attention.bounded
             if r is None:
                 out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale)
@@ -94,7 +108,7 @@ class Attention(nn.Module):
                 out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale, kv_rotation=r)
         else:
             out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
-        if r is not None:
+        if r is not None and not folded:
             out = rotate(out, r.T)
         return out.reshape(t, self.num_heads * self.head_size)
 
@@ -113,7 +127,8 @@ def bind_attention(model: nn.Module, backend: AttentionBackend) -> None:
 def bind_kv_cache(model: nn.Module, kv_caches: dict[int, torch.Tensor],
                   layer_group: Optional[dict[int, int]] = None) -> None:
     """Give each attention layer its KV tensor (``kv_caches[layer_idx]``), KV cache group and,
-    for a rotated format (int4 / int2), its rotation matrix (``Attention.kv_rotation``).
+    for a rotated format (int4 / int2), its rotation matrix (``Attention.kv_rotation``), folded
+    into the layer's value / output weights where they are dense (``bind_value_rotation``).
 
     Raises KeyError when a layer has no tensor, ValueError when a tensor matches no KV format.
     """
@@ -121,3 +136,4 @@ def bind_kv_cache(model: nn.Module, kv_caches: dict[int, torch.Tensor],
         layer.kv_cache = kv_caches[layer.layer_idx]
         layer.kv_cache_group_id = (layer_group or {}).get(layer.layer_idx, 0)
         layer.kv_rotation = kv_rotation_for(layer.kv_cache, layer.head_size)
+    bind_value_rotation(model)

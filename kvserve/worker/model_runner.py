@@ -140,7 +140,7 @@ class ModelRunner:
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
             layers = attention_layers(self.model)
             self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, layers[0].head_size, self.dtype,
-                                {layer.sliding_window for layer in layers})
+                                {layer.sliding_window for layer in layers}, layers[0].values_rotated)
         self.maybe_capture_cuda_graphs()
 
     # ---- block operations (before the forward) -------------------------------------------

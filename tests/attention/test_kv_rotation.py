@@ -252,3 +252,68 @@ def test_kv_layout_names_the_rotation_only_when_rotated(name):
         assert layout["kv_rotation"] == ROTATION_NAME
     else:  # unrotated layouts are exactly what they were before the rotation existed
         assert "kv_rotation" not in layout
+
+
+class _Block(nn.Module):
+    """qkv_proj -> attn -> o_proj, the layout ``bind_value_rotation`` folds into."""
+
+    def __init__(self, h, hkv, d, hidden, gen):
+        from kvserve.layers.linear import QKVParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.q_size, self.kv_size, self.h, self.hkv, self.d = h * d, hkv * d, h, hkv, d
+        self.qkv_proj = QKVParallelLinear(hidden, d, h, hkv, True, torch.float32)
+        self.o_proj = RowParallelLinear(h * d, hidden, bias=False, dtype=torch.float32)
+        with torch.no_grad():
+            for p in (self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        self.attn = Attention(h, d, d ** -0.5, hkv, 0)
+
+    def forward(self, x):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+@pytest.mark.parametrize("backend,name", [("cpu", "int4"), ("torch_ref", "int2"), ("triton", "int4")])
+def test_value_rotation_folded_into_the_weights(backend, name):
+    """``bind_kv_cache`` folds ``R`` into W_v, b_v and W_o (``bind_value_rotation``): the block's
+    output and the cache it writes equal the unfolded layer's (which rotates v and the output
+    at run time); rebinding is idempotent; an unrotated cache unfolds the weights exactly."""
+    import copy
+
+    from kvserve.attention.kv_rotation import bind_value_rotation
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(4)
+    h, hkv, d, hidden, bs = 4, 2, 32 if backend == "triton" else 64, 48, 4
+    reqs = [(9, 1), (3, 1), (5, 6), (0, 7)]
+    meta, cache, _, _ = _batch(reqs, bs, hkv, d, name, backend, gen)
+    dev = cache.device
+    folded = _Block(h, hkv, d, hidden, gen).to(dev)
+    plain = copy.deepcopy(folded)
+    w0 = [p.detach().clone() for p in folded.parameters()]
+    impl = get_attn_backend(backend)
+    cache_plain = cache.clone()
+    for m, c in ((folded, cache), (plain, cache_plain)):
+        bind_attention(m, impl)
+        bind_kv_cache(m, {0: c})
+    assert folded.attn.values_rotated and torch.equal(folded.attn.values_rotated_by, rotation_matrix(d))
+    plain.attn.values_rotated_by = None  # as if its projections were not dense: rotate at run time
+    with torch.no_grad():
+        plain.load_state_dict({k: w.to(dev) for k, w in zip(dict(plain.named_parameters()), w0)})
+    assert not torch.allclose(folded.o_proj.weight, plain.o_proj.weight)
+    x = torch.randn(sum(n for _, n in reqs), hidden, generator=gen).to(dev)
+    with forward_context(meta), torch.no_grad():
+        out, ref = folded(x), plain(x)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(dequantize_pages(cache.cpu(), d, torch.float32),
+                               dequantize_pages(cache_plain.cpu(), d, torch.float32), atol=2e-3, rtol=0)
+    w1 = [p.detach().clone() for p in folded.parameters()]
+    bind_kv_cache(folded, {0: cache})  # same matrix: left alone
+    assert all(torch.equal(a, b) for a, b in zip(w1, folded.parameters()))
+    folded.attn.kv_rotation = None  # e.g. rebound to an unrotated cache: unfolded
+    bind_value_rotation(folded)
+    assert not folded.attn.values_rotated
+    for a, b in zip(w0, folded.parameters()):
+        torch.testing.assert_close(b.detach().cpu(), a.cpu(), atol=1e-5, rtol=1e-5)

@@ -253,15 +253,21 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
-@pytest.mark.parametrize("name,h,hkv", [("int4", 4, 2), ("int2", 4, 2), ("int4", 66, 1)])
+@pytest.mark.parametrize("name,h,hkv", [("int4", 4, 2), ("int2", 4, 2), ("int4", 66, 1), ("int4", 40, 8)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_fused_rotation_equals_rotating_around_the_backend(name, h, hkv, q_dtype):
-    """Triton with ``kv_rotation`` (q, K, V rotated inside the store and decode kernels, the
-    output rotated back; prefill rows, and groups of more than 32 query heads, rotated around
-    the kernels) equals torch_ref given the float32-rotated q, k, v with its output rotated
-    back: the same outputs, and the same rotated rows in the cache."""
+@pytest.mark.parametrize("values_rotated", [False, True])
+def test_fused_rotation_equals_rotating_around_the_backend(name, h, hkv, q_dtype, values_rotated):
+    """Triton with ``kv_rotation`` equals torch_ref given the float32-rotated q, k, v: the same
+    outputs, and the same rotated rows in the cache.
+
+    - ``values_rotated=False``: q, K, V rotated inside the store and decode kernels, the output
+      rotated back (prefill rows, and groups of more than 32 query heads, rotated around the
+      kernels);
+    - ``values_rotated=True`` (the weights hold the value rotation): v arrives as ``v R``, the
+      store kernel rotates K and q (40 heads: two q chunks of 32 rows), the output stays rotated.
+    """
     from kvserve.attention.kv_quant import dequantize_pages
-    from kvserve.attention.kv_rotation import rotation_matrix
+    from kvserve.attention.kv_rotation import rotate, rotation_matrix
 
     gen = torch.Generator().manual_seed(6)
     bs, d = 8, 64
@@ -271,13 +277,28 @@ def test_fused_rotation_equals_rotating_around_the_backend(name, h, hkv, q_dtype
     q, k, v = (torch.randn(t, n, d, generator=gen).to(q_dtype).to(DEV) for n in (h, hkv, hkv))
     r = rotation_matrix(d, DEV)
     c_ref = cache.clone()
-    out = TritonBackend().forward(q, k, v, cache, meta, d ** -0.5, kv_rotation=r)
-    from kvserve.attention.kv_rotation import rotate
-
+    v_in = rotate(v, r) if values_rotated else v
+    out = TritonBackend().forward(q, k, v_in, cache, meta, d ** -0.5, kv_rotation=r, values_rotated=values_rotated)
     around = max(h // hkv, hkv) > 32  # rotated in torch, in the activations' dtype, around the kernels
-    rot = [rotate(x, r).float() if around else x.float() @ r for x in (q, k, v)]
-    ref = TorchRefBackend().forward(*rot, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5) @ r.T
+    rot = [rotate(x, r).float() if around else x.float() @ r for x in (q, k)]
+    rot.append(v_in.float() if values_rotated else rotate(v, r).float() if around else v.float() @ r)
+    ref = TorchRefBackend().forward(*rot, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+    ref = ref if values_rotated else ref @ r.T
     tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
     torch.testing.assert_close(dequantize_pages(cache, d, torch.float32), dequantize_pages(c_ref, d, torch.float32),
                                atol=1e-3, rtol=1e-3)
+
+
+def test_store_kernel_rotates_the_query():
+    """``store_kv(..., query=q)`` returns ``q R`` for every row, padding slots included."""
+    from kvserve.attention.kv_rotation import rotation_matrix
+
+    gen = torch.Generator().manual_seed(2)
+    bs, d, h, hkv = 8, 32, 9, 3
+    meta, cache = _batch([(0, 3)], bs, hkv, d, "int4", gen)
+    q, k, v = (torch.randn(3, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
+    slots = meta.slot_mapping.clone()
+    slots[1] = -1
+    qr = store_kv(k, v, cache, slots, rotate=True, rotate_value=False, query=q)
+    torch.testing.assert_close(qr, q @ rotation_matrix(d, DEV), atol=1e-5, rtol=1e-5)

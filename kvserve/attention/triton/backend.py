@@ -70,11 +70,13 @@ class TritonBackend(AttentionBackend):
                 spec.page_size_bytes // 2)
 
     def warmup(self, kv_cache: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype,
-               sliding_windows: set[int | None]) -> None:
+               sliding_windows: set[int | None], values_rotated: bool = False) -> None:
         """Compile, at start-up, every kernel variant a step can need: the decode kernels for
         each split-count class (1 split takes a direct path; the reduce kernel is specialized
         on the padded split count) and the prefill kernel, per sliding-window setting, so
-        no request waits for a compile mid-serving. Reads only the null block; stores nothing.
+        no request waits for a compile mid-serving. ``values_rotated``: the layers hold the
+        int4/int2 value rotation in their weights (the store kernel rotates q, decode does not).
+        Reads only the null block; stores nothing.
         """
         hkv, d = kv_cache.shape[3], head_size  # the last dim is a packed row for quantized formats
         dev = kv_cache.device
@@ -84,7 +86,12 @@ class TritonBackend(AttentionBackend):
         lens = torch.ones(1, dtype=torch.int32, device=dev)
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         rotate = kv_rotation_for(kv_cache, head_size) is not None and _rotates_inside(num_heads, hkv)
-        store_kv(kv, kv, kv_cache, torch.full((1,), -1, dtype=torch.long, device=dev), rotate=rotate)
+        slot = torch.full((1,), -1, dtype=torch.long, device=dev)
+        if rotate and values_rotated:
+            store_kv(kv, kv, kv_cache, slot, rotate=True, rotate_value=False, query=q)
+            rotate = False
+        else:
+            store_kv(kv, kv, kv_cache, slot, rotate=rotate)
         for window in sliding_windows:
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
                 decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate)
@@ -106,21 +113,33 @@ class TritonBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         kv_rotation: torch.Tensor | None = None,
+        values_rotated: bool = False,
     ) -> torch.Tensor:
         """``AttentionBackend.forward``; with ``kv_rotation`` (the int4/int2 matrix ``R``) the
-        store and decode kernels rotate K and V before storing, q on entry and the output back
-        (no extra launches in decode steps); query, key, value and the output are in the
-        model's basis, the cache in the rotated one. Prefill/extend rows are rotated around
-        their kernel in torch: on sm_90 (Triton 3.6) the in-kernel rotation miscomputes (64
-        rows) or faults (128 rows) in that kernel's wgmma tiles, and a long prefill amortizes
-        the launches (``benchmarks/rotation_probe.py``; results in
-        ``benchmarks/results/issue12_h100_rotation/``)."""
+        cache holds ``k R`` and ``v R``, rotated in the store kernel.
+
+        - ``values_rotated`` (the layer's weights hold ``R``: ``value`` arrives as ``v R`` and
+          the output leaves rotated, ``kv_rotation.bind_value_rotation``): the store kernel
+          also writes ``query R``, and the decode and prefill kernels run as for any format.
+        - otherwise the decode kernel rotates q on entry and its output back (no extra
+          launches in decode steps), and prefill/extend rows are rotated around their kernel
+          in torch: on sm_90 (Triton 3.6) the in-kernel rotation miscomputes (64 rows) or
+          faults (128 rows) in that kernel's wgmma tiles (``benchmarks/rotation_probe.py``;
+          ``benchmarks/results/issue12_h100_rotation/``).
+
+        query, key and (unless ``values_rotated``) value and the output are in the model's basis.
+        """
         rotate = kv_rotation is not None
         if rotate and not _rotates_inside(query.shape[1], key.shape[1]):
-            q, k, v = (rotate_rows(x, kv_rotation) for x in (query, key, value))
+            q, k = rotate_rows(query, kv_rotation), rotate_rows(key, kv_rotation)
+            v = value if values_rotated else rotate_rows(value, kv_rotation)
             out = self.forward(q, k, v, kv_cache, meta, scale, sliding_window)
-            return rotate_rows(out, kv_rotation.T)
-        store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate)
+            return out if values_rotated else rotate_rows(out, kv_rotation.T)
+        if rotate and values_rotated:
+            query = store_kv(key, value, kv_cache, meta.slot_mapping, rotate=True, rotate_value=False, query=query)
+            rotate = False  # q R against k R: no kernel below rotates
+        else:
+            store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_reqs = meta.seq_lens.shape[0]
         nd = meta.num_decodes

@@ -12,7 +12,9 @@ scales region, as ``kvserve/attention/kv_quant.py`` describes (the same arithmet
 cache holds the bytes the torch reference would write).
 
 Grid: ``(num_tokens,)``; each program moves one token's ``[num_kv_heads, head_size]`` tile
-for K and for V.
+for K and for V. With ``query_out`` (int4/int2 layers whose value rotation is folded into
+their weights) it also writes the token's query rotated by the same ``R``, so the decode and
+prefill kernels attend with ``q R`` and rotate nothing themselves.
 """
 
 from __future__ import annotations
@@ -81,23 +83,35 @@ def _quant_store(x, cache_ptr, row, scale_row, mask, HEAD_DIM: tl.constexpr, KV_
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_ptr, q_out_ptr,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_co, stride_ch, stride_cd,
+    stride_qt, stride_qh, stride_qd,
     NUM_KV_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_FMT: tl.constexpr = 0, QMAX: tl.constexpr = 1.0,
     MIN_SCALE: tl.constexpr = 1.0, ROTATE: tl.constexpr = False, DOT_PREC: tl.constexpr = "ieee",
-    WIDEN: tl.constexpr = False,
+    WIDEN: tl.constexpr = False, ROTATE_V: tl.constexpr = True, NUM_HEADS: tl.constexpr = 0,
+    Q_ROWS: tl.constexpr = 16,
 ):
     t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if NUM_HEADS > 0:  # q R for the attention kernels, whatever the slot (padding rows too)
+        q_dtype: tl.constexpr = tl.float32 if WIDEN else q_ptr.dtype.element_ty
+        offs_q = tl.arange(0, Q_ROWS)
+        for c in tl.static_range(0, NUM_HEADS, Q_ROWS):  # dots of <= 32 rows (see backend)
+            qm = ((c + offs_q)[:, None] < NUM_HEADS) & (offs_d[None, :] >= 0)
+            x = tl.load(q_ptr + t * stride_qt + (c + offs_q)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                        mask=qm, other=0.0)
+            x = hadamard_rotate(x, HEAD_DIM, DOT_PREC, q_dtype)
+            tl.store(q_out_ptr + (t * NUM_HEADS + c + offs_q)[:, None] * HEAD_DIM + offs_d[None, :],
+                     x.to(q_out_ptr.dtype.element_ty), mask=qm)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     valid = slot >= 0
     safe_slot = tl.where(valid, slot, 0)
     blk = safe_slot // BLOCK_SIZE
     off = safe_slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & valid
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
                 mask=mask, other=0.0)
@@ -106,7 +120,8 @@ def _store_kv_kernel(
     if ROTATE:  # int4/int2: store K R and V R (kv_rotation.py), quantized from float32
         rot_dtype: tl.constexpr = tl.float32 if WIDEN else key_ptr.dtype.element_ty
         k = hadamard_rotate(k, HEAD_DIM, DOT_PREC, rot_dtype)
-        v = hadamard_rotate(v, HEAD_DIM, DOT_PREC, rot_dtype)
+        if ROTATE_V:  # else v arrives as v R (the rotation is folded into the weights)
+            v = hadamard_rotate(v, HEAD_DIM, DOT_PREC, rot_dtype)
     if KV_FMT > 0:
         # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales head-major
         # [NUM_KV_HEADS, BLOCK_SIZE, SB]; stride_co / stride_ch are the code strides.
@@ -125,8 +140,8 @@ def _store_kv_kernel(
 
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    rotate: bool = False,
-) -> None:
+    rotate: bool = False, rotate_value: bool = True, query: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Scatter new K/V rows into the paged cache (in place).
 
     Args:
@@ -138,25 +153,40 @@ def store_kv(
         slot_mapping: ``[num_tokens]`` int64 (int32 works too) flat slot ids; ``< 0`` = skip.
         rotate: store ``key R`` / ``value R`` (``R = H_D / sqrt(D)``, the int4/int2 rotation of
             ``kvserve/attention/kv_rotation.py``), rotated in the kernel in float32.
+        rotate_value: with ``rotate``, whether to rotate ``value`` (False: it is already ``v R``).
+        query: with ``rotate``, ``[num_tokens, num_heads, head_size]`` to rotate as well.
+
+    Returns:
+        ``query R`` (new contiguous tensor, ``query``'s dtype) when ``query`` is given, else None.
     """
     num_tokens, hkv, d = key.shape
     assert value.shape == key.shape and slot_mapping.shape[0] >= num_tokens
     assert kv_cache.shape[3] == hkv
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
+    q_out = None
+    if query is not None:
+        assert rotate and query.shape[0] == num_tokens and query.shape[2] == d
+        q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
-        return
+        return q_out
+    q_in = query if query is not None else key  # a placeholder pointer when there is no query
+    num_heads = query.shape[1] if query is not None else 0
     kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)
     block_size = kv_cache.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, q_in, q_out if q_out is not None else key,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *cache_strides(k_cache, d, kv_fmt),
+        q_in.stride(0), q_in.stride(1), q_in.stride(2),
         NUM_KV_HEADS=hkv, BLOCK_H=max(16 if rotate else 1, triton.next_power_of_2(hkv)), HEAD_DIM=d,
         BLOCK_SIZE=block_size, KV_FMT=kv_fmt, QMAX=_QMAX_BY_CODE.get(kv_fmt, 1.0), MIN_SCALE=MIN_SCALE,
         ROTATE=rotate, DOT_PREC="ieee" if key.dtype == torch.float32 else "tf32",
         WIDEN=key.dtype == torch.bfloat16 and key.device.type != "cuda",
+        ROTATE_V=rotate_value, NUM_HEADS=num_heads,
+        Q_ROWS=min(32, max(16, triton.next_power_of_2(max(num_heads, 1)))),
         num_warps=4 if hkv * d >= 1024 else 2,
     )
+    return q_out
