@@ -12,7 +12,8 @@
 #   PHASE=final  the shipped code: probe, CUDA tests, kernel, step, batch-1 decode, W1 (int4/int2, bf16)
 #   PHASE=fold   the value rotation folded into the weights (q rotated by the store kernel) vs rotated
 #                in the kernels (--no-value-fold): CUDA tests, batch-1 decode, the batch-64 x 8k step, W1
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold bash benchmarks/gpu_issue12_paths.sh
+#   PHASE=table  every dtype beside bf16 on the final code: kernel, step, batch-1 (PHASE=table_w1: W1)
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1 bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
 PHASE=${PHASE:-sweep}
@@ -67,6 +68,18 @@ elif [ "$PHASE" = final ]; then  # the shipped code once more, fewer parts (the 
   part 90 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4
   for f in kernel step b1 w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
   (cd "$OUT" && tar czf final.tgz --remove-files probe.txt probe_err.txt tests.txt kernel.txt step.txt b1.txt w1.txt k)
+elif [ "$PHASE" = table ]; then
+  all=bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2
+  part 70 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel --dtypes $all --no-sweep
+  part 170 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes $all
+  part 200 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 --dtypes $all
+  for f in kernel step b1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf table.tgz --remove-files kernel.txt step.txt b1.txt k)
+elif [ "$PHASE" = table_w1 ]; then
+  part 400 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 \
+    --dtypes bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2
+  sed -n '/^part /,$p' "$OUT/w1.txt"
+  (cd "$OUT" && tar czf table_w1.tgz --remove-files w1.txt k)
 elif [ "$PHASE" = fold ]; then
   part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
     tests/attention/test_kv_rotation.py tests/worker/test_cuda_graphs.py \
