@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default=DTYPES)
     ap.add_argument("--cpu-smoke", action="store_true", help="kernel part at tiny shapes on the CPU (interpreter)")
     ap.add_argument("--no-sweep", action="store_true", help="kernel part: the default config only")
+    ap.add_argument("--configs", default="", help="kernel part: sweep these instead of KERNEL_CONFIGS, e.g. "
+                    "256x8x2,128x4x4 (block_n x num_warps x num_stages)")
     ap.add_argument("--rotate", action="store_true", help="kernel part: rotate in the kernel (int4/int2 in the engine)")
     ap.add_argument("--unfused-rotation", action="store_true",
                     help="engine parts: rotate int4/int2 q/k/v/out around the Triton kernels (as before they fused it)")
@@ -266,6 +268,7 @@ def main() -> None:
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
+    custom = [tuple(int(x) for x in c.split("x")) + (None, None, None) for c in filter(None, ns.configs.split(","))]
     recs = []
     if ns.cpu_smoke:
         smoke_cfgs = [(32, 4, 1, None, None, None), (None, None, None, 1, None, None),
@@ -280,7 +283,7 @@ def main() -> None:
             try:
                 if part == "kernel":
                     *head, rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128,
-                                              configs=() if ns.no_sweep else KERNEL_CONFIGS, rotate=ns.rotate)
+                                              configs=() if ns.no_sweep else custom or KERNEL_CONFIGS, rotate=ns.rotate)
                     for r in head:  # the default config first, then the sweep (rec: its last)
                         recs.append(r)
                         _record(ns.out, r)

@@ -250,8 +250,16 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
     # (registers per config: benchmarks/ptx_kv_loads.py --regs). One dot per bit lane
     # (benchmarks/gpu_issue12_paths.sh, same shape): int4 128 x 4 x 2 0.465 ms (64 x 4 x 2
     # 0.467, 32 x 4 x 2 0.593), int2 0.374 (0.447, 0.540).
+    # Deeper pipelines with 2 warps (this round's sweep, --configs of the same benchmark): fp8
+    # 64 x 2 x 5 0.404 ms (2.70 TB/s, 0.90 of the roofline; 64 x 4 x 2 0.461), int8 0.534
+    # (0.544), int4 0.391 (0.471); int2 stays at 128 x 4 x 2 (0.373; 64 x 2 x 5 0.386).
+    # 7+ stages or 4 warps at 5 stages were slower (benchmarks/results/issue12_h100_table/).
     if kv_fmt >= 4:
-        return (128, 4, 2) if lane_split else (32, 4, 2)
+        if not lane_split:
+            return 32, 4, 2
+        return (64, 2, 5) if kv_fmt == 4 else (128, 4, 2)
+    if kv_fmt > 0:
+        return 64, 2, 5
     return 64, 4, 2
 
 
