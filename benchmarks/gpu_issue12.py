@@ -237,8 +237,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default=DTYPES)
     ap.add_argument("--cpu-smoke", action="store_true", help="kernel part at tiny shapes on the CPU (interpreter)")
     ap.add_argument("--no-sweep", action="store_true", help="kernel part: the default config only")
+    ap.add_argument("--kernel-shape", default="64x8192", help="kernel part: batch x context (default %(default)s)")
     ap.add_argument("--configs", default="", help="kernel part: sweep these instead of KERNEL_CONFIGS, e.g. "
-                    "256x8x2,128x4x4 (block_n x num_warps x num_stages)")
+                    "256x8x2,128x4x4x2 (block_n x num_warps x num_stages [x num_splits])")
     ap.add_argument("--rotate", action="store_true", help="kernel part: rotate in the kernel (int4/int2 in the engine)")
     ap.add_argument("--unfused-rotation", action="store_true",
                     help="engine parts: rotate int4/int2 q/k/v/out around the Triton kernels (as before they fused it)")
@@ -268,7 +269,8 @@ def main() -> None:
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
-    custom = [tuple(int(x) for x in c.split("x")) + (None, None, None) for c in filter(None, ns.configs.split(","))]
+    custom = [tuple(([int(x) for x in c.split("x")] + [None] * 4)[:4]) + (None, None)
+              for c in filter(None, ns.configs.split(","))]  # block_n x warps x stages [x splits]
     recs = []
     if ns.cpu_smoke:
         smoke_cfgs = [(32, 4, 1, None, None, None), (None, None, None, 1, None, None),
@@ -282,7 +284,8 @@ def main() -> None:
         for d in dtypes:
             try:
                 if part == "kernel":
-                    *head, rec = kernel_bench(d, "cuda", 64, 8192, 8, 16, 128,
+                    kb, kc = (int(x) for x in ns.kernel_shape.split("x"))
+                    *head, rec = kernel_bench(d, "cuda", kb, kc, 8, 16, 128,
                                               configs=() if ns.no_sweep else custom or KERNEL_CONFIGS, rotate=ns.rotate)
                     for r in head:  # the default config first, then the sweep (rec: its last)
                         recs.append(r)
