@@ -12,7 +12,7 @@ scales region, as ``kvserve/attention/kv_quant.py`` describes (the same arithmet
 cache holds the bytes the torch reference would write).
 
 Grid: ``(num_tokens,)``; each program moves one token's ``[num_kv_heads, head_size]`` tile
-for K and for V. With ``query_out`` (int4/int2 layers whose value rotation is folded into
+for K and for V. With ``query`` (int4/int2 layers whose value rotation is folded into
 their weights) it also writes the token's query rotated by the same ``R``, so the decode and
 prefill kernels attend with ``q R`` and rotate nothing themselves.
 """
