@@ -52,7 +52,8 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_quant import cache_format, dequantize_pages
-from kvserve.attention.torch_ref import prefill_attention, store_kv
+from kvserve.attention.kv_residual import store_residual
+from kvserve.attention.torch_ref import prefill_attention, residual_slots_list, store_kv, substitute_exact_block
 
 # Padded KV rows per chunk: a chunk's K and V (1.5 MB each at 3 KV heads x 64 dims in
 # bfloat16) stay cached between the gather and the matmuls, and larger chunks mean fewer
@@ -97,6 +98,8 @@ class _ChunkViews(NamedTuple):
 class _DecodePlan:
     order: torch.Tensor | None  # [nd] int64: sorted position -> batch row; None if identity
     chunks: list[_Chunk]
+    rows: list[int]  # sorted position -> batch row
+    first_pos: list[int]  # per sorted row: the position of its gathered slot 0
     views: dict = field(default_factory=dict)  # layout key -> (q input, sorted output, chunk views)
 
 
@@ -128,7 +131,7 @@ def _build_plan(meta: AttentionMetadata, block_size: int, chunk_tokens: int,
         idx = bt[i:j, :nb].reshape(-1).to(torch.int64)
         chunks.append(_Chunk(i, j, nb, idx, slens_t[i:j, None], slens[j - 1] == nb * block_size))
         i = j
-    return _DecodePlan(order, chunks)
+    return _DecodePlan(order, chunks, order_py, [lo[i] * block_size for i in order_py])
 
 
 def _chunk_mask(ch: _Chunk, block_size: int, window: int | None, shape: tuple[int, ...],
@@ -201,8 +204,10 @@ class CpuBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """See ``AttentionBackend.forward``."""
+        """See ``AttentionBackend.forward``; ``kv_residual``: as ``TorchRefBackend.forward`` (each
+        decode row's own block is overwritten with its exact rows after the chunk's dequantization)."""
         if query.shape[1] % kv_cache.shape[3]:
             raise ValueError(f"{query.shape[1]} query heads not a multiple of {kv_cache.shape[3]} KV heads")
         store_kv(key, value, kv_cache, meta.slot_mapping)
@@ -214,8 +219,15 @@ class CpuBackend(AttentionBackend):
             if plan is None:
                 plan = meta.backend_cache[plan_key] = _build_plan(meta, block_size, self.chunk_tokens,
                                                                   sliding_window)
-            self._decode(query, kv_cache, plan, meta.num_decodes, scale, sliding_window, out)
-        prefill_attention(query, kv_cache, meta, scale, sliding_window, out)
+            exact = None
+            if kv_residual is not None:
+                slots = residual_slots_list(meta)
+                exact = (kv_residual, [slots[i] for i in plan.rows],
+                         [meta.seq_lens_cpu[i] for i in plan.rows], key, value)
+            self._decode(query, kv_cache, plan, meta.num_decodes, scale, sliding_window, out, exact)
+        prefill_attention(query, kv_cache, meta, scale, sliding_window, out, kv_residual, key, value)
+        if kv_residual is not None:
+            store_residual(key, value, kv_residual, meta.residual_slot_mapping)
         return out
 
     def _views(self, plan: _DecodePlan, nd: int, query: torch.Tensor, kv_cache: torch.Tensor, bdiag: bool):
@@ -272,7 +284,7 @@ class CpuBackend(AttentionBackend):
         return qin, o_sorted, per_chunk
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, nd: int,
-                scale: float, window: int | None, out: torch.Tensor) -> None:
+                scale: float, window: int | None, out: torch.Tensor, exact: tuple | None = None) -> None:
         _, nblocks, bs, hkv, rw = kv_cache.shape
         h, d = query.shape[1], query.shape[2]
         g = h // hkv
@@ -301,6 +313,8 @@ class CpuBackend(AttentionBackend):
                 cv.kv_cast.view(2, -1, bs, hkv, d).copy_(dequantize_pages(pages, d, query.dtype, fmt))
             elif cv.kv_cast is not None:
                 cv.kv_cast.copy_(cv.kvg.view(kv_cache.dtype))
+            if exact is not None:  # the rows' own blocks, exact (kv_residual)
+                self._substitute(cv, c, plan, exact, hkv, d, q.dtype)
             if cv.transposes is not None:
                 for dst, src in cv.transposes:
                     dst.copy_(src)
@@ -326,3 +340,18 @@ class CpuBackend(AttentionBackend):
             out_rows.copy_(o_sorted)
         else:
             out_rows.index_copy_(0, plan.order, o_sorted)
+
+    @staticmethod
+    def _substitute(cv: _ChunkViews, c: _Chunk, plan: _DecodePlan, exact: tuple, hkv: int, d: int,
+                    dtype: torch.dtype) -> None:
+        """Write each chunk row's exact own block (residual + new row) over its dequantized
+        K / V in the chunk's compute-dtype buffer."""
+        kv_residual, slots, lens, key, value = exact
+        kv = cv.kv_cast if cv.kv_cast is not None else cv.kvg
+        r = c.end - c.start
+        k, v = kv[0].view(r, -1, hkv, d), kv[1].view(r, -1, hkv, d)
+        rows = plan.rows[c.start:c.end]
+        idx = torch.tensor(rows, device=key.device)
+        substitute_exact_block(k, v, kv_residual, slots[c.start:c.end], lens[c.start:c.end],
+                               plan.first_pos[c.start:c.end], key.index_select(0, idx),
+                               value.index_select(0, idx))

@@ -43,6 +43,12 @@ class AttentionMetadata:
         bounded: for a bounded-KV group (StreamingLLM / H2O), the step's
             ``kvserve.attention.bounded.BoundedAttention`` (which blocks each request reads, its
             mask and sink-query rotation); None otherwise.
+        residual_slots: for a group whose layers keep the filling block exact
+            (``kvserve/attention/kv_residual.py``), ``[num_reqs]`` int32 residual slot of each
+            request; None otherwise.
+        residual_slot_mapping: with ``residual_slots``, ``[num_tokens]`` int64 flat residual
+            row of each new token (``kv_residual.residual_slot_mapping``; padding and rows
+            nobody reads go to the scratch slot).
     """
 
     slot_mapping: torch.Tensor
@@ -56,6 +62,8 @@ class AttentionMetadata:
     num_decodes: int
     backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
     bounded: Optional[object] = field(default=None, repr=False, compare=False)
+    residual_slots: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    residual_slot_mapping: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -94,12 +94,17 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    kv_residual: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> None:
     """Attend the non-decode requests (``meta.num_decodes`` onward), one at a time.
 
     Each request's query rows attend causally to its cached prefix and its new tokens;
     K/V must already be stored. Writes those rows of ``out`` (``[num_tokens, num_heads,
-    head_size]``, the query's dtype); decode rows are left untouched.
+    head_size]``, the query's dtype); decode rows are left untouched. With ``kv_residual``
+    (and the step's new ``key`` / ``value`` rows), each query reads its own block exactly
+    (``kvserve/attention/kv_residual.py``).
     """
     nd = meta.num_decodes
     if meta.num_reqs == nd:
@@ -128,11 +133,72 @@ def prefill_attention(
         mask = kpos <= qpos  # [n, L]
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
+        if kv_residual is not None:
+            out[start:end] = _attend_with_exact_block(
+                q, k, v, qpos, kpos, mask, kv_residual, meta, i, ctx, key[start:end], value[start:end],
+                block_size, scale, sliding_window).transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
             enable_gqa=group > 1,
         )
         out[start:end] = o[0].transpose(0, 1)
+
+
+def residual_slots_list(meta: AttentionMetadata) -> list[int]:
+    """``meta.residual_slots`` as a Python list (one device read per step, cached)."""
+    slots = meta.backend_cache.get("residual_slots")
+    if slots is None:
+        slots = meta.backend_cache["residual_slots"] = meta.residual_slots.tolist()
+    return slots
+
+
+def _attend_with_exact_block(q, k, v, qpos, kpos, mask, kv_residual, meta, i, ctx, new_key, new_value,
+                             block_size, scale, sliding_window):
+    """One request's prefill rows with their own block exact: scores against the dequantized
+    keys outside the query's block and against the exact rows inside it, one softmax over
+    both (float32). q ``[h, n, d]``, k / v ``[hkv, L, d]``; returns ``[h, n, d]``."""
+    from kvserve.attention.kv_residual import exact_rows
+
+    h, hkv = q.shape[0], k.shape[0]
+    seq_len = ctx + q.shape[1]
+    start = ctx // block_size * block_size
+    ke, ve = exact_rows(kv_residual, residual_slots_list(meta)[i], start, ctx, new_key, new_value)
+    own_start = qpos // block_size * block_size  # [n, 1]
+    epos = torch.arange(start, seq_len, device=q.device).unsqueeze(0)
+    emask = (epos >= own_start) & (epos <= qpos)
+    if sliding_window is not None:
+        emask &= epos > qpos - sliding_window
+    mask = mask & (kpos < own_start)
+    g = h // hkv
+    qf = q.float()
+    kk = torch.cat([k, ke.transpose(0, 1).to(k.dtype)], 1).float().repeat_interleave(g, 0)  # [h, L + Le, d]
+    vv = torch.cat([v, ve.transpose(0, 1).to(v.dtype)], 1).float().repeat_interleave(g, 0)
+    s = torch.matmul(qf, kk.transpose(1, 2)) * scale
+    s = s.masked_fill(~torch.cat([mask, emask], 1), float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), vv).to(q.dtype)
+
+
+def substitute_exact_block(k: torch.Tensor, v: torch.Tensor, kv_residual: torch.Tensor, slots: list[int],
+                           seq_lens: list[int], first_pos: list[int], new_key: torch.Tensor,
+                           new_value: torch.Tensor) -> None:
+    """Decode rows: overwrite, in gathered and dequantized K / V ``[R, L, Hkv, D]`` (row ``r``'s
+    position 0 is ``first_pos[r]``), each row's own block with its exact rows: residual rows,
+    then its new row (``new_key[r]``, query length 1). Positions past the sequence stay masked."""
+    bs = kv_residual.shape[3]
+    r = len(slots)
+    dev = k.device
+    last = torch.tensor([n - 1 for n in seq_lens], device=dev)
+    start = last // bs * bs
+    res = kv_residual[:, torch.tensor(slots, device=dev), (last // bs) % 2]  # [2, R, B, Hkv, D]
+    res = res.to(k.dtype).clone()
+    rows = torch.arange(r, device=dev)
+    res[0, rows, last % bs] = new_key[:r].to(k.dtype)
+    res[1, rows, last % bs] = new_value[:r].to(v.dtype)
+    cols = (start - torch.tensor(first_pos, device=dev)).unsqueeze(1) + torch.arange(bs, device=dev)
+    cols = cols.clamp_(max=k.shape[1] - 1)  # only past-the-end slots clamp: masked anyway
+    k[rows.unsqueeze(1), cols] = res[0]
+    v[rows.unsqueeze(1), cols] = res[1]
 
 
 class TorchRefBackend(AttentionBackend):
@@ -147,7 +213,10 @@ class TorchRefBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``AttentionBackend.forward``; with ``kv_residual`` each query reads its own block
+        exactly, and the new rows are then written to the residual (``kv_residual``)."""
         store_kv(key, value, kv_cache, meta.slot_mapping)
         block_size = kv_cache.shape[2]
         hkv = kv_cache.shape[3]
@@ -164,8 +233,12 @@ class TorchRefBackend(AttentionBackend):
             else:
                 tables, lo, nb = meta.block_tables[:nd], [0] * nd, -(-max(lens) // block_size)
             k, v = gather_kv(kv_cache, tables, nb, d)  # [nd, L, hkv, d]
-            k = dequantize(k, d, query.dtype).transpose(1, 2)  # [nd, hkv, L, d]
-            v = dequantize(v, d, query.dtype).transpose(1, 2)
+            k = dequantize(k, d, query.dtype)  # [nd, L, hkv, d]
+            v = dequantize(v, d, query.dtype)
+            if kv_residual is not None:
+                substitute_exact_block(k, v, kv_residual, residual_slots_list(meta)[:nd], lens,
+                                       [b * block_size for b in lo], key, value)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, hkv, L, d]
             q = query[:nd].view(nd, hkv, group, d)  # a KV group's heads as query rows
             pos = torch.arange(nb * block_size, device=query.device).unsqueeze(0)
             if any(lo):
@@ -177,5 +250,9 @@ class TorchRefBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
             out[:nd] = o.reshape(nd, num_heads, d)
 
-        prefill_attention(query, kv_cache, meta, scale, sliding_window, out)
+        prefill_attention(query, kv_cache, meta, scale, sliding_window, out, kv_residual, key, value)
+        if kv_residual is not None:
+            from kvserve.attention.kv_residual import store_residual
+
+            store_residual(key, value, kv_residual, meta.residual_slot_mapping)
         return out

@@ -72,6 +72,9 @@ class KVCacheManager:
         self._single = self.groups[0] if len(self.groups) == 1 else None
         self.window_groups = [g for g in self.groups if isinstance(g, SlidingWindowManager)]
         self.full_groups = [g for g in self.groups if not isinstance(g, SlidingWindowManager)]
+        # A format that keeps the filling block exact (KVFormat.residual) recomputes a partial
+        # block instead of reading it from its page: a prefix hit then computes what a cold run does.
+        self.block_granular_hits = any(g.spec.format.residual for g in kv_cache_config.groups)
 
     @property
     def bounds_kv(self) -> bool:
@@ -152,8 +155,17 @@ class KVCacheManager:
         """Longest prefix every group holds: ``(hits per group, tokens covered)``.
 
         The last token is never counted (its logits are needed). Pass the hits to
-        ``allocate_slots``; nothing is referenced until then.
+        ``allocate_slots``; nothing is referenced until then. Token-granular (a partial block's
+        tokens are copied on write) unless a group's format keeps the filling block exact.
         """
+        hits, n = self._computed_blocks(request)
+        if n % self.block_size and self.block_granular_hits:
+            n -= n % self.block_size
+            for h in hits:
+                h.partial = None
+        return hits, n
+
+    def _computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         if self._single is not None:
             m, n = self._single.get_computed_blocks(request)
             return (m,), n

@@ -38,6 +38,9 @@ class KVFormat:
             otherwise symmetric (``x = q * scale``).
         rotated: the attention layer stores and attends in a rotated basis of the head
             dimension (Hadamard, QuaRot arXiv:2404.00456; ``kvserve/attention/kv_rotation.py``).
+        residual: each request's filling block is also kept exact, in the compute dtype, and
+            a query reads its own block from there (KIVI's residual, arXiv:2402.02750;
+            ``kvserve/attention/kv_residual.py``). The pages are written as for any format.
     """
 
     name: str
@@ -46,6 +49,7 @@ class KVFormat:
     scale_bytes_per_token_head: int = 0
     asymmetric: bool = False
     rotated: bool = False
+    residual: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -69,9 +73,10 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("fp8_e5m2", 8, "float8_e5m2", 4),
         KVFormat("int8", 8, "int8", 4),
         # Per-token-per-head asymmetric (fp16 scale + fp16 min): x = code * scale + min, of
-        # Hadamard-rotated K and V rows (kvserve/attention/kv_rotation.py).
-        KVFormat("int4", 4, "uint8", 8, asymmetric=True, rotated=True),
-        KVFormat("int2", 2, "uint8", 8, asymmetric=True, rotated=True),
+        # Hadamard-rotated K and V rows (kvserve/attention/kv_rotation.py); the filling block
+        # exact (kvserve/attention/kv_residual.py).
+        KVFormat("int4", 4, "uint8", 8, asymmetric=True, rotated=True, residual=True),
+        KVFormat("int2", 2, "uint8", 8, asymmetric=True, rotated=True, residual=True),
     )
 }
 

@@ -52,6 +52,9 @@ class Attention(nn.Module):
         values_rotated_by: the rotation folded into this layer's value and output projections
             (``kv_rotation.bind_value_rotation``), else None: v then arrives as ``v R`` and
             the output is returned in the rotated basis (``o_proj`` takes it).
+        kv_residual: for a format that keeps the filling block exact (``KVFormat.residual``),
+            ``[2, slots + 1, 2, block_size, num_kv_heads, head_size]`` in the compute dtype
+            (``kvserve/attention/kv_residual.py``), bound by the model runner; else None.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Attention(nn.Module):
         self.split_hook: Optional[Callable] = None
         self.kv_rotation: Optional[torch.Tensor] = None
         self.values_rotated_by: Optional[torch.Tensor] = None
+        self.kv_residual: Optional[torch.Tensor] = None
 
     @property
     def values_rotated(self) -> bool:
@@ -95,9 +99,12 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_size)
         r = self.kv_rotation
         folded = self.values_rotated
+        extra = {}
+        if self.kv_residual is not None and meta.residual_slots is not None and meta.bounded is None:
+            extra["kv_residual"] = self.kv_residual
         if r is not None and meta.bounded is None and self.impl.fuses_kv_rotation:  # rotated in its kernels
             out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, kv_rotation=r,
-                                    values_rotated=folded)
+                                    values_rotated=folded, **extra)
             return out.reshape(t, self.num_heads * self.head_size)
         if r is not None:  # rotated KV format: attend in the rotated basis (scores unchanged)
             q, k = rotate(q, r), rotate(k, r)
@@ -108,7 +115,7 @@ class Attention(nn.Module):
             else:
                 out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale, kv_rotation=r)
         else:
-            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window)
+            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, **extra)
         if r is not None and not folded:
             out = rotate(out, r.T)
         return out.reshape(t, self.num_heads * self.head_size)

@@ -67,10 +67,14 @@ class CUDAGraphRunner:
         block_size: tokens per block.
         device: the CUDA device.
         max_query_len: largest ``q`` (``1 + num_speculative_tokens``).
+        residual_groups / num_residual_slots: per group, whether its layers keep the filling
+            block exact, and the slots of their residuals (``kvserve/attention/kv_residual.py``);
+            padding rows read and write the scratch slot.
     """
 
     def __init__(self, model, max_num_seqs: int, max_blocks_per_group: list[int], max_model_len: int,
-                 block_size: int, device: torch.device, max_query_len: int = 1) -> None:
+                 block_size: int, device: torch.device, max_query_len: int = 1,
+                 residual_groups: list[bool] | None = None, num_residual_slots: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -86,16 +90,27 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.query_start_locs = {q: torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
                                  for q in self.query_lens}
+        self.residual_groups = residual_groups or [False] * len(max_blocks_per_group)
+        self.residual_scratch = num_residual_slots
+        if any(self.residual_groups):
+            self.residual_slots = torch.full((n,), num_residual_slots, dtype=torch.int32, device=dev)
+            self.residual_slot_mapping = torch.full((t,), num_residual_slots * 2 * block_size, dtype=torch.long,
+                                                    device=dev)
         self.sizes = capture_sizes(max_num_seqs)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def _meta(self, bs: int, q: int) -> list[AttentionMetadata]:
-        return [AttentionMetadata(
+        metas = [AttentionMetadata(
             slot_mapping=sm[: bs * q], block_tables=bt[:bs], query_start_loc=self.query_start_locs[q][: bs + 1],
             seq_lens=self.seq_lens[:bs], query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs,
             max_query_len=q, max_seq_len=self.max_model_len, num_decodes=bs if q == 1 else 0,
         ) for sm, bt in zip(self.slot_mappings, self.block_tables)]
+        for m, res in zip(metas, self.residual_groups):
+            if res:
+                m.residual_slots = self.residual_slots[:bs]
+                m.residual_slot_mapping = self.residual_slot_mapping[: bs * q]
+        return metas
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -157,8 +172,10 @@ class CUDAGraphRunner:
             req_idx = np.repeat(np.arange(r), inp.query_lens)
             dst = req_idx * q + np.arange(len(req_idx)) - inp.query_start_loc[:-1][req_idx]
         k = 0 if pending is None else len(pending[0])
-        # ids | positions | slots per group | seq_lens | block tables per group | pending dst | pending src.
-        sizes = [t, t] + [t] * ng + [bs] + [bs * w for w in widths] + [k, k]
+        # ids | positions | slots per group | seq_lens | block tables per group | residual slots |
+        # residual slot mapping | pending dst | pending src.
+        nr = bs if any(self.residual_groups) else 0
+        sizes = [t, t] + [t] * ng + [bs] + [bs * w for w in widths] + [nr, nr and t] + [k, k]
         offs = np.concatenate([[0], np.cumsum(sizes)])
         buf = np.zeros(int(offs[-1]), dtype=np.int64)
         buf[offs[0] + dst] = inp.token_ids
@@ -173,6 +190,13 @@ class CUDAGraphRunner:
         for g in range(ng):
             o = offs[3 + ng + g]
             buf[o:o + r * widths[g]] = inp.block_tables[g].ravel()
+        if nr:
+            o = offs[3 + 2 * ng]
+            buf[o:o + bs] = self.residual_scratch
+            buf[o:o + r] = inp.residual_slots
+            rm = buf[offs[4 + 2 * ng]:offs[5 + 2 * ng]]
+            rm[:] = self.residual_scratch * 2 * self.block_size
+            rm[dst] = inp.residual_slot_mapping
         if k:
             buf[offs[-3]:offs[-2]] = dst[pending[0]]
             buf[offs[-2]:offs[-1]] = pending[1]
@@ -184,6 +208,9 @@ class CUDAGraphRunner:
             w = widths[g]
             self.block_tables[g][:bs, :w].copy_(dev[offs[3 + ng + g]:offs[4 + ng + g]].view(bs, w))
         self.seq_lens[:bs].copy_(dev[offs[2 + ng]:offs[3 + ng]])
+        if nr:
+            self.residual_slots[:bs].copy_(dev[offs[3 + 2 * ng]:offs[4 + 2 * ng]])
+            self.residual_slot_mapping[:t].copy_(dev[offs[4 + 2 * ng]:offs[5 + 2 * ng]])
         if k:
             tail = dev[offs[-3]:]
             self.input_ids.index_copy_(0, tail[:k], pending[2].index_select(0, tail[k:]))

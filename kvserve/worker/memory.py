@@ -77,14 +77,28 @@ def _profile_gpu_kv_bytes(runner) -> int:
     budget = total * cfg.cache_config.gpu_memory_utilization
     used_now = total - free
     graph_bytes = estimate_graph_bytes(runner, peak_act)
-    kv_bytes = int(budget - used_now - peak_act - graph_bytes)
+    res_bytes = residual_bytes(runner)
+    kv_bytes = int(budget - used_now - peak_act - graph_bytes - res_bytes)
     logger.info(
         "memory: total %.2f GiB x %.2f = %.2f GiB budget; in use %.2f GiB (weights, context); "
-        "peak activations %.2f GiB; CUDA graphs (estimate) %.2f GiB; KV cache %.2f GiB",
+        "peak activations %.2f GiB; CUDA graphs (estimate) %.2f GiB; exact filling blocks %.2f GiB; KV cache %.2f GiB",
         total / 2**30, cfg.cache_config.gpu_memory_utilization, budget / 2**30,
-        used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, kv_bytes / 2**30,
+        used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, res_bytes / 2**30, kv_bytes / 2**30,
     )
     return max(kv_bytes, 0)
+
+
+def residual_bytes(runner) -> int:
+    """Bytes of the layers' exact filling blocks (``kvserve/attention/kv_residual.py``): one
+    residual slot per ``--max-num-seqs`` request for formats with ``KVFormat.residual``."""
+    from kvserve.attention.kv_residual import residual_bytes_per_layer
+    from kvserve.core.kv_cache_spec import BoundedKVSpec
+
+    n = runner.config.scheduler_config.max_num_seqs
+    item = torch.empty((), dtype=runner.dtype).element_size()
+    return sum(residual_bytes_per_layer(n, s.block_size, s.num_kv_heads, s.head_size, item)
+               for s in runner.get_kv_cache_spec().values()
+               if s.format.residual and not isinstance(s, BoundedKVSpec))
 
 
 def estimate_graph_bytes(runner, peak_act: int) -> int:

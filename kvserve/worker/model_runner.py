@@ -78,6 +78,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self.kv_connector = None  # worker half of a KV connector (tiers), set with the KV cache
+        self.residual_groups: list[bool] = []  # per KV cache group: filling block kept exact
+        self.num_residual_slots = 0
 
     # ---- KV cache ---------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
@@ -123,6 +125,7 @@ class ModelRunner:
             for layer in g.layer_indices:
                 self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group())
+        self._bind_residuals(specs)
         from kvserve.kv_connector import KVConnectorRole, make_kv_connector
 
         self.kv_connector = make_kv_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
@@ -140,8 +143,65 @@ class ModelRunner:
         if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
             layers = attention_layers(self.model)
             self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, layers[0].head_size, self.dtype,
-                                {layer.sliding_window for layer in layers}, layers[0].values_rotated)
+                                {layer.sliding_window for layer in layers}, layers[0].values_rotated,
+                                residual=layers[0].kv_residual is not None)
         self.maybe_capture_cuda_graphs()
+
+    def _bind_residuals(self, specs: dict[int, KVCacheSpec]) -> None:
+        """Give each layer whose KV format keeps the filling block exact (``KVFormat.residual``;
+        not bounded-KV groups) its residual, one slot per input-batch row
+        (``kvserve/attention/kv_residual.py``); sets ``residual_groups`` / ``num_residual_slots``."""
+        from kvserve.attention.kv_residual import residual_shape
+
+        groups = self.kv_cache_config.groups
+        self.residual_groups = [g.spec.format.residual and not isinstance(g.spec, BoundedKVSpec) for g in groups]
+        self.num_residual_slots = self.config.scheduler_config.max_num_seqs if any(self.residual_groups) else 0
+        total = 0
+        for layer in attention_layers(self.model):
+            gid = layer.kv_cache_group_id
+            layer.kv_residual = None
+            if self.residual_groups[gid]:
+                shape = residual_shape(self.num_residual_slots, self.block_size, layer.num_kv_heads, layer.head_size)
+                layer.kv_residual = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                total += layer.kv_residual.numel() * layer.kv_residual.element_size()
+        if total:
+            logger.info("KV cache: the filling block of each of %d requests kept exact in %s (%s): %.1f MiB",
+                        self.num_residual_slots, str(self.dtype).removeprefix("torch."),
+                        groups[self.residual_groups.index(True)].spec.dtype, total / 2**20)
+
+    def _residual_inputs(self, inp: BatchInputs) -> None:
+        """Each request's residual slot (its input-batch row) and each new token's residual row
+        (``kv_residual.residual_slot_mapping``), as ``inp.residual_slots`` / ``inp.residual_slot_mapping``."""
+        from kvserve.attention.kv_residual import residual_slot_mapping
+
+        states = self.input_batch.states
+        slots = np.fromiter((states[r].row for r in inp.req_ids), dtype=np.int64, count=len(inp.req_ids))
+        if len(slots) and int(slots.max()) >= self.num_residual_slots:
+            raise RuntimeError(f"input batch row {int(slots.max())} has no residual slot "
+                               f"({self.num_residual_slots}, --max-num-seqs)")
+        req_idx = np.repeat(np.arange(len(slots)), inp.query_lens)
+        inp.residual_slots = slots
+        inp.residual_slot_mapping = residual_slot_mapping(inp.positions, inp.seq_lens[req_idx], slots[req_idx],
+                                                          self.block_size, self.num_residual_slots)
+
+    def _fill_residuals(self, sched: SchedulerOutput) -> None:
+        """A request that joins with a cached prefix ending inside a block (a partial prefix
+        hit, KV loaded by a connector) did not compute that block's first tokens: their exact
+        rows come from its dequantized page (``kv_residual.fill_from_cache``)."""
+        from kvserve.attention.kv_residual import fill_from_cache
+
+        bs = self.block_size
+        states = self.input_batch.states
+        for new in sched.scheduled_new_reqs:
+            n = new.num_computed_tokens % bs
+            if not n or new.req_id not in states:
+                continue
+            b = new.num_computed_tokens // bs
+            for layer in attention_layers(self.model):
+                gid = layer.kv_cache_group_id
+                if layer.kv_residual is not None and b < len(new.block_ids[gid]):
+                    fill_from_cache(layer.kv_residual, layer.kv_cache, states[new.req_id].row,
+                                    new.block_ids[gid][b], b, n)
 
     # ---- block operations (before the forward) -------------------------------------------
     @torch.inference_mode()
@@ -173,6 +233,13 @@ class ModelRunner:
         sl = to_device(seq_lens.astype(np.int32), dev)
         metas = []
         specs = self.kv_cache_config.groups if self.kv_cache_config is not None else []
+        res_slots = res_map = None
+        if getattr(inp, "residual_slots", None) is not None:
+            rmap = inp.residual_slot_mapping
+            if pad_to is not None and pad_to > len(rmap):  # padding rows write the scratch slot
+                rmap = np.concatenate([rmap, np.full(pad_to - len(rmap), self.num_residual_slots * 2 * self.block_size,
+                                                     np.int64)])
+            res_slots, res_map = to_device(inp.residual_slots.astype(np.int32), dev), to_device(rmap, dev)
         for gi, (bt, slots) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
             if pad_to is not None and pad_to > len(slots):  # padding rows store nothing
                 slots = np.concatenate([slots, np.full(pad_to - len(slots), -1, dtype=np.int64)])
@@ -181,6 +248,8 @@ class ModelRunner:
                 seq_lens=sl, query_lens_cpu=q.tolist(), seq_lens_cpu=seq_lens.tolist(),
                 max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()), num_decodes=inp.num_decodes,
             ))
+            if res_slots is not None and self.residual_groups[gi]:
+                metas[-1].residual_slots, metas[-1].residual_slot_mapping = res_slots, res_map
             spec = specs[gi].spec if gi < len(specs) else None
             if isinstance(spec, BoundedKVSpec) and inp.req_ids:
                 metas[-1].bounded = self._bounded_plans(spec, inp, bt)
@@ -262,7 +331,8 @@ class ModelRunner:
             return
         widths = [-(-sc.max_model_len // self.block_size)] * len(self.kv_cache_config.groups)
         self.graph_runner = CUDAGraphRunner(self.model, sc.max_num_seqs, widths, sc.max_model_len,
-                                            self.block_size, self.device, self.max_query_len_decode)
+                                            self.block_size, self.device, self.max_query_len_decode,
+                                            self.residual_groups, self.num_residual_slots)
         self.graph_runner.capture()
 
     # ---- one step ----------------------------------------------------------------------
@@ -295,6 +365,10 @@ class ModelRunner:
             return res
         self.run_block_ops(sched.block_ops)
         inp = batch.prepare(sched)
+        if self.num_residual_slots:
+            if sched.scheduled_new_reqs:
+                self._fill_residuals(sched)
+            self._residual_inputs(inp)
         pending = None
         if len(inp.pending_idx):
             rows = self._last_rows

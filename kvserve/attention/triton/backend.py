@@ -16,6 +16,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_residual import residual_shape, store_residual
 from kvserve.attention.kv_quant import aligned_for_vector_loads
 from kvserve.attention.kv_rotation import kv_rotation_for
 from kvserve.attention.kv_rotation import rotate as rotate_rows
@@ -42,7 +43,8 @@ class TritonBackend(AttentionBackend):
     Shapes: query ``[T, H, D]``; key/value ``[T, Hkv, D]``; kv_cache
     ``[2, num_blocks, block_size, Hkv, D]`` (any float dtype; loaded then cast to the query
     dtype). Returns ``[T, H, D]`` in the query dtype; rows not owned by any request
-    (padding) are left unwritten.
+    (padding) are left unwritten. With ``kv_residual`` the kernels read each query's own
+    block exactly (``kv_exact``); without it they are the plain variants.
     """
 
     name = "triton"
@@ -70,12 +72,14 @@ class TritonBackend(AttentionBackend):
                 spec.page_size_bytes // 2)
 
     def warmup(self, kv_cache: torch.Tensor, num_heads: int, head_size: int, dtype: torch.dtype,
-               sliding_windows: set[int | None], values_rotated: bool = False) -> None:
+               sliding_windows: set[int | None], values_rotated: bool = False, residual: bool = False) -> None:
         """Compile, at start-up, every kernel variant a step can need: the decode kernels for
         each split-count class (1 split takes a direct path; the reduce kernel is specialized
         on the padded split count) and the prefill kernel, per sliding-window setting, so
         no request waits for a compile mid-serving. ``values_rotated``: the layers hold the
         int4/int2 value rotation in their weights (the store kernel rotates q, decode does not).
+        ``residual``: the layers keep their own blocks exact (``forward``'s ``kv_residual``):
+        the residual variants are compiled instead of the plain ones.
         Reads only the null block; stores nothing.
         """
         hkv, d = kv_cache.shape[3], head_size  # the last dim is a packed row for quantized formats
@@ -87,15 +91,23 @@ class TritonBackend(AttentionBackend):
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         rotate = kv_rotation_for(kv_cache, head_size) is not None and _rotates_inside(num_heads, hkv)
         slot = torch.full((1,), -1, dtype=torch.long, device=dev)
+        res = {}
+        k_out = v_out = None
+        if residual:  # a one-slot residual; a step of length 1 reads only its new row
+            bs = kv_cache.shape[2]
+            res = dict(kv_residual=torch.zeros(residual_shape(1, bs, hkv, d), dtype=dtype, device=dev),
+                       residual_slots=torch.zeros(1, dtype=torch.int32, device=dev), new_key=kv, new_value=kv)
+            k_out = v_out = torch.empty_like(kv) if rotate else None
         if rotate and values_rotated:
-            store_kv(kv, kv, kv_cache, slot, rotate=True, rotate_value=False, query=q)
+            store_kv(kv, kv, kv_cache, slot, rotate=True, rotate_value=False, query=q, key_out=k_out)
             rotate = False
         else:
-            store_kv(kv, kv, kv_cache, slot, rotate=rotate)
+            store_kv(kv, kv, kv_cache, slot, rotate=rotate, key_out=k_out, value_out=v_out)
         for window in sliding_windows:
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
-                decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate)
-            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window)
+                decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
+                                 **res)
+            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, **res)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -114,6 +126,7 @@ class TritonBackend(AttentionBackend):
         sliding_window: int | None = None,
         kv_rotation: torch.Tensor | None = None,
         values_rotated: bool = False,
+        kv_residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``AttentionBackend.forward``; with ``kv_rotation`` (the int4/int2 matrix ``R``) the
         cache holds ``k R`` and ``v R``, rotated in the store kernel.
@@ -128,18 +141,31 @@ class TritonBackend(AttentionBackend):
           ``benchmarks/results/issue12_h100_rotation/``).
 
         query, key and (unless ``values_rotated``) value and the output are in the model's basis.
+
+        ``kv_residual`` (``[2, num_slots + 1, 2, block_size, Hkv, D]``, compute dtype; needs
+        ``meta.residual_slots`` / ``meta.residual_slot_mapping``): each query reads its own block
+        exactly (``kvserve/attention/kv_residual.py``), in the kernels (``kv_exact``); the new rows,
+        in the cache's basis (rotated by the store kernel when it rotates), are then written to it.
         """
         rotate = kv_rotation is not None
         if rotate and not _rotates_inside(query.shape[1], key.shape[1]):
             q, k = rotate_rows(query, kv_rotation), rotate_rows(key, kv_rotation)
             v = value if values_rotated else rotate_rows(value, kv_rotation)
-            out = self.forward(q, k, v, kv_cache, meta, scale, sliding_window)
+            out = self.forward(q, k, v, kv_cache, meta, scale, sliding_window, kv_residual=kv_residual)
             return out if values_rotated else rotate_rows(out, kv_rotation.T)
+        res, k_out, v_out = {}, None, None
+        if kv_residual is not None:  # the new rows as the cache holds them: the store kernel's if it rotates
+            if rotate:
+                k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+                v_out = None if values_rotated else torch.empty(value.shape, dtype=value.dtype, device=value.device)
+            res = dict(kv_residual=kv_residual, residual_slots=meta.residual_slots,
+                       new_key=key if k_out is None else k_out, new_value=value if v_out is None else v_out)
         if rotate and values_rotated:
-            query = store_kv(key, value, kv_cache, meta.slot_mapping, rotate=True, rotate_value=False, query=query)
+            query = store_kv(key, value, kv_cache, meta.slot_mapping, rotate=True, rotate_value=False, query=query,
+                             key_out=k_out)
             rotate = False  # q R against k R: no kernel below rotates
         else:
-            store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate)
+            store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate, key_out=k_out, value_out=v_out)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_reqs = meta.seq_lens.shape[0]
         nd = meta.num_decodes
@@ -147,14 +173,16 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 nd, meta.max_seq_len, scale, sliding_window, out=out,
-                num_splits=self.decode_num_splits, rotate=rotate,
+                num_splits=self.decode_num_splits, rotate=rotate, **res,
             )
         if num_reqs > nd:
             q_p, out_p = (rotate_rows(query, kv_rotation), torch.empty_like(out)) if rotate else (query, out)
             prefill_attention(
                 q_p, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p,
+                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p, **res,
             )
             if rotate:  # the prefill rows follow the decodes' (one row each)
                 out[nd:] = rotate_rows(out_p[nd:], kv_rotation.T)
+        if kv_residual is not None:  # after both kernels read the rows it overwrites
+            store_residual(res["new_key"], res["new_value"], kv_residual, meta.residual_slot_mapping)
         return out

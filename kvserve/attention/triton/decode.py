@@ -28,6 +28,12 @@ runtime argument (only "one split or several" is a compile-time constant), so ch
 ``max_seq_len`` never recompiles; the reduce kernel compiles once per power-of-two bound.
 Keys past ``seq_len`` are never loaded (masked loads), so stale or poisoned cache slots
 are harmless.
+
+Exact own block (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexpr
+``HAS_RESIDUAL``): every split reads cache keys only below the query's block start
+``own = (seq_len - 1) // B * B``; the one split whose slice holds ``seq_len - 1`` first reads keys
+``[own, seq_len)`` exactly, one tile of ``max(16, B)`` keys (``kv_exact.attend_exact``), so the
+partition of the splits, and hence any ``num_splits``, is unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from kvserve.attention.triton.kv_load import (cache_strides, code_lane, kernel_c
                                                load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
                                                hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
                                                use_lane_split)
+from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
@@ -57,11 +64,13 @@ def _decode_split_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
+    res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
+    stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
-    ROTATE: tl.constexpr = False,
+    ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -81,6 +90,8 @@ def _decode_split_kernel(
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
     if ROTATE:  # the cache holds K R, V R: attend with q R, rotate the output back (R symmetric)
         q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:  # the own block's exact keys meet q in the compute dtype (kv_exact)
+        q_ex = q.to(tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     op_dtype: tl.constexpr = tl.float32 if WIDEN else in_dtype  # WIDEN: interpreter only (numpy dot, no bf16)
     q = q.to(op_dtype)
@@ -115,9 +126,25 @@ def _decode_split_kernel(
     acc2 = tl.zeros([G_PAD, CL], tl.float32)
     acc3 = tl.zeros([G_PAD, CL], tl.float32)
     acc_z = tl.zeros([G_PAD], tl.float32)  # sum_j p_j m_j (the V minima), the same for every channel
-    for n0 in range(start, end, BLOCK_N):
+    end_q = end  # end of the keys read from the cache
+    if HAS_RESIDUAL:
+        # Keys [own, seq_len) (own: the query's block start) are read exact, by the one split
+        # holding the query's position; every split stops its cache keys at own.
+        p_last = seq_len - 1
+        own = (p_last // BLOCK_SIZE) * BLOCK_SIZE
+        end_q = tl.minimum(end, own)
+        if (start <= p_last) & (p_last < end):
+            rslot = tl.load(res_slots_ptr + req).to(tl.int64)
+            acc, m_i, l_i = attend_exact(
+                q_ex, acc, m_i, l_i, own, tl.maximum(own, kv_lo), seq_len, p_last + offs_g * 0, window, p_last,
+                rslot, q_row, kvh, res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, stride_rs, stride_rr, stride_rh,
+                stride_nkt, stride_nkh, stride_nvt, stride_nvh, qk_scale,
+                BLOCK_SIZE, HEAD_DIM, EXACT_N, USE_WINDOW, DOT_PREC, 1.0 / CODE_SCALE)
+        if LANES > 1:  # the exact part joins the per-lane accumulators
+            acc0, acc1, acc2, acc3 = split_lanes(acc, LANES)
+    for n0 in range(start, end_q, BLOCK_N):
         pos = n0 + offs_n
-        n_mask = pos < end
+        n_mask = pos < end_q
         if USE_WINDOW:
             n_mask = n_mask & (pos >= kv_lo)
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
@@ -125,7 +152,7 @@ def _decode_split_kernel(
             k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
                             FAST_CVT)
         if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
-            sc_idx = kv_scale_index(bt_row, n0, end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+            sc_idx = kv_scale_index(bt_row, n0, end_q, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
                                     HEAD_DIM, KV_FMT, True)
             ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
             vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
@@ -281,6 +308,10 @@ def decode_attention(
     fast_cvt: bool | None = None,
     lane_split: bool | None = None,
     rotate: bool = False,
+    kv_residual: torch.Tensor | None = None,
+    residual_slots: torch.Tensor | None = None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -303,6 +334,12 @@ def decode_attention(
         rotate: the cache holds K and V rotated by ``R = H_D / sqrt(D)`` (int4/int2,
             ``kvserve/attention/kv_rotation.py``): the query is rotated in the kernel and the
             output rotated back, so ``query`` and ``out`` are in the model's basis.
+        kv_residual: ``[2, num_slots + 1, 2, block_size, num_kv_heads, D]`` (compute dtype,
+            contiguous): the exact own blocks (``kvserve/attention/kv_residual.py``); a query at
+            ``p`` then reads keys ``[p // block_size * block_size, p]`` from it (``< p``, slot
+            ``residual_slots[i]``, int32 ``[num_reqs]``) and from ``new_key`` / ``new_value``
+            (``[num_tokens, num_kv_heads, D]``, the cache's basis: rotated when ``rotate``; row
+            ``query_start_loc[i]`` for ``p``), the earlier keys from the cache.
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -336,6 +373,7 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     window = sliding_window if sliding_window is not None else 0
+    res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
     _decode_split_kernel[(num_decodes, hkv, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
@@ -344,13 +382,15 @@ def decode_attention(
         *cache_strides(k_cache, d, kv_fmt),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
+        *res_t, *res_s,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
-        ROTATE=rotate, num_warps=num_warps, num_stages=num_stages,
+        ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
+        EXACT_N=max(16, triton.next_power_of_2(block_size)), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](

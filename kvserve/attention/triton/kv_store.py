@@ -83,7 +83,7 @@ def _quant_store(x, cache_ptr, row, scale_row, mask, HEAD_DIM: tl.constexpr, KV_
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_ptr, q_out_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_co, stride_ch, stride_cd,
@@ -92,7 +92,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr, KV_FMT: tl.constexpr = 0, QMAX: tl.constexpr = 1.0,
     MIN_SCALE: tl.constexpr = 1.0, ROTATE: tl.constexpr = False, DOT_PREC: tl.constexpr = "ieee",
     WIDEN: tl.constexpr = False, ROTATE_V: tl.constexpr = True, NUM_HEADS: tl.constexpr = 0,
-    Q_ROWS: tl.constexpr = 16,
+    Q_ROWS: tl.constexpr = 16, K_OUT: tl.constexpr = False, V_OUT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -113,15 +113,24 @@ def _store_kv_kernel(
     off = safe_slot % BLOCK_SIZE
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & valid
+    ld_mask = mask
+    if K_OUT:  # the rows go out whatever the slot (the residual's rows for unstored tokens too)
+        ld_mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] >= 0)
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
-                mask=mask, other=0.0)
+                mask=ld_mask, other=0.0)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
-                mask=mask, other=0.0)
+                mask=ld_mask, other=0.0)
     if ROTATE:  # int4/int2: store K R and V R (kv_rotation.py), quantized from float32
         rot_dtype: tl.constexpr = tl.float32 if WIDEN else key_ptr.dtype.element_ty
         k = hadamard_rotate(k, HEAD_DIM, DOT_PREC, rot_dtype)
         if ROTATE_V:  # else v arrives as v R (the rotation is folded into the weights)
             v = hadamard_rotate(v, HEAD_DIM, DOT_PREC, rot_dtype)
+    if K_OUT:  # the cache-basis rows in the compute dtype, [T, NUM_KV_HEADS, HEAD_DIM] contiguous
+        out_off = (t * NUM_KV_HEADS + offs_h)[:, None] * HEAD_DIM + offs_d[None, :]
+        out_mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] >= 0)
+        tl.store(k_out_ptr + out_off, k.to(k_out_ptr.dtype.element_ty), mask=out_mask)
+        if V_OUT:
+            tl.store(v_out_ptr + out_off, v.to(v_out_ptr.dtype.element_ty), mask=out_mask)
     if KV_FMT > 0:
         # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales head-major
         # [NUM_KV_HEADS, BLOCK_SIZE, SB]; stride_co / stride_ch are the code strides.
@@ -141,6 +150,7 @@ def _store_kv_kernel(
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     rotate: bool = False, rotate_value: bool = True, query: torch.Tensor | None = None,
+    key_out: torch.Tensor | None = None, value_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Scatter new K/V rows into the paged cache (in place).
 
@@ -155,6 +165,11 @@ def store_kv(
             ``kvserve/attention/kv_rotation.py``), rotated in the kernel in float32.
         rotate_value: with ``rotate``, whether to rotate ``value`` (False: it is already ``v R``).
         query: with ``rotate``, ``[num_tokens, num_heads, head_size]`` to rotate as well.
+        key_out / value_out: contiguous ``[num_tokens, num_kv_heads, head_size]`` (e.g. the
+            compute dtype) to receive the rows as the cache holds them before quantization
+            (``key R`` / ``value R`` when rotated): the exact residual's new rows
+            (``kvserve/attention/kv_residual.py``), written for every token, whatever its slot.
+            ``value_out`` needs ``key_out``.
 
     Returns:
         ``query R`` (new contiguous tensor, ``query``'s dtype) when ``query`` is given, else None.
@@ -171,12 +186,16 @@ def store_kv(
         return q_out
     q_in = query if query is not None else key  # a placeholder pointer when there is no query
     num_heads = query.shape[1] if query is not None else 0
+    assert value_out is None or key_out is not None
+    for o in (key_out, value_out):
+        assert o is None or (o.shape == key.shape and o.is_contiguous())
     kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)
     block_size = kv_cache.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, q_in, q_out if q_out is not None else key,
+        key_out if key_out is not None else key, value_out if value_out is not None else key,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *cache_strides(k_cache, d, kv_fmt),
@@ -187,6 +206,7 @@ def store_kv(
         WIDEN=key.dtype == torch.bfloat16 and key.device.type != "cuda",
         ROTATE_V=rotate_value, NUM_HEADS=num_heads,
         Q_ROWS=min(32, max(16, triton.next_power_of_2(max(num_heads, 1)))),
+        K_OUT=key_out is not None, V_OUT=value_out is not None,
         num_warps=4 if hkv * d >= 1024 else 2,
     )
     return q_out

@@ -17,6 +17,11 @@ where ``kv_hi`` is one past its last token's position and ``kv_lo`` is 0 or the 
 start of its first token; keys at or past ``seq_len`` are never loaded. Without a window,
 the ``BLOCK_N`` steps wholly below the tile's first position run without masks (as the
 FlashAttention-2 Triton tutorial's off-diagonal stage); only the diagonal steps are masked.
+
+Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexpr
+``HAS_RESIDUAL``): a row at ``p`` reads cache keys below ``p // B * B`` only, then one extra masked
+pass over keys ``[first row's block start, last row's position]`` reads its own block's keys
+from the residual or the new rows (``kv_exact.attend_exact``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import triton.language as tl
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
                                                load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
                                                scaled_scores, use_fast_cvt)
+from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
 
@@ -38,11 +44,13 @@ def _attend_block(
     stride_cb, stride_co, stride_cd, q_scale, q_sum,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
-    in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False,
+    in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
+    RESIDUAL: tl.constexpr = False,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
-    multiple of ``BLOCK_N``; ``q_scale`` / ``q_sum``: ``kv_load.prepare_query``."""
+    multiple of ``BLOCK_N``; ``q_scale`` / ``q_sum``: ``kv_load.prepare_query``. ``RESIDUAL``:
+    a row sees cache keys below ``q_lim [M]`` (its own block's start) instead of up to ``q_pos``."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
@@ -60,7 +68,10 @@ def _attend_block(
         ks, kz, vs, vz = q_scale, q_scale, q_scale, q_scale
     qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # log2 units
     if MASKED:
-        valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if RESIDUAL:
+            valid = n_mask[None, :] & (pos[None, :] < q_lim[:, None])
+        else:
+            valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             valid = valid & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(valid, qk, float("-inf"))
@@ -84,10 +95,12 @@ def _prefill_kernel(
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
+    res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
+    stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
-    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -129,6 +142,14 @@ def _prefill_kernel(
         kv_lo = seq_len * 0
         kv_min = kv_lo
         full_end = tl.where(live, ((ctx + t0) // BLOCK_N) * BLOCK_N, 0)
+    kv_hi_q = kv_hi  # end of the keys read from the cache
+    q_lim = q_pos
+    if HAS_RESIDUAL:  # cache keys stop at each row's own block; those blocks are read exact below
+        own0 = ((ctx + t0) // BLOCK_SIZE) * BLOCK_SIZE  # the first row's block start
+        kv_hi_q = tl.where(live, ((kv_hi - 1) // BLOCK_SIZE) * BLOCK_SIZE, 0)
+        q_lim = (q_pos // BLOCK_SIZE) * BLOCK_SIZE
+        if not USE_WINDOW:
+            full_end = tl.where(live, (own0 // BLOCK_N) * BLOCK_N, 0)
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_ch
@@ -140,11 +161,25 @@ def _prefill_kernel(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
-    for n0 in range(full_end, kv_hi, BLOCK_N):
+    for n0 in range(full_end, kv_hi_q, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+            q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+            q_lim, HAS_RESIDUAL)
+    if HAS_RESIDUAL:  # keys [own0, kv_hi) exact (kv_exact), against q reloaded in the compute dtype
+        q_ex = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+                       + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+        if WIDEN:
+            q_ex = q_ex.to(tl.float32)
+        rslot = tl.load(res_slots_ptr + req).to(tl.int64)
+        ex_lo = tl.maximum(own0, kv_min)
+        for n0 in range(ex_lo, kv_hi, BLOCK_N):
+            acc, m_i, l_i = attend_exact(
+                q_ex, acc, m_i, l_i, n0, ex_lo, kv_hi, q_pos, window, ctx, rslot, q_start.to(tl.int64), kvh,
+                res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, stride_rs, stride_rr, stride_rh,
+                stride_nkt, stride_nkh, stride_nvt, stride_nvh, qk_scale,
+                BLOCK_SIZE, HEAD_DIM, BLOCK_N, USE_WINDOW, DOT_PREC, 1.0 / CODE_SCALE)
 
     o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -179,6 +214,10 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    kv_residual: torch.Tensor | None = None,
+    residual_slots: torch.Tensor | None = None,
+    new_key: torch.Tensor | None = None,
+    new_value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -192,6 +231,11 @@ def prefill_attention(
         max_query_len: host int upper bound of the query lengths (sizes the grid).
         out: ``[num_tokens, num_heads, D]``, written at these requests' rows (allocated if None).
         block_m / block_n: tile overrides (rows of the packed tile, keys per step).
+        kv_residual / residual_slots / new_key / new_value: the exact own blocks
+            (``kvserve/attention/kv_residual.py``; shapes as ``decode_attention``): a query at
+            ``p`` reads cache keys below ``p // block_size * block_size`` and the rest of its
+            block from the residual (keys below the request's cached length) or from the new
+            rows (``new_key[query_start_loc[i] + j - ctx]``, in the cache's basis).
 
     Returns ``out``. No host synchronisation.
     """
@@ -215,6 +259,7 @@ def prefill_attention(
     assert k_cache.stride() == v_cache.stride()
     window = sliding_window if sliding_window is not None else 0
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), hkv)
+    res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -223,12 +268,14 @@ def prefill_attention(
         *cache_strides(k_cache, d, kv_fmt),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
+        *res_t, *res_s,
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=bn,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
+        HAS_RESIDUAL=kv_residual is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
