@@ -246,6 +246,9 @@ def main() -> None:
     ap.add_argument("--no-value-fold", action="store_true",
                     help="engine parts: keep the int4/int2 value rotation out of the weights (bind_value_rotation "
                          "off: the kernels rotate v and the output, as before it was folded)")
+    ap.add_argument("--no-residual", action="store_true",
+                    help="engine parts: int4/int2 without the exact filling block (KVFormat.residual off: every "
+                         "key read through the quantized cache, as before kv_residual)")
     ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0: kv_load.CODE_PATHS for every "
                     "part (the engine runs in this process); recorded in each record")
     ns = ap.parse_args()
@@ -266,6 +269,13 @@ def main() -> None:
         import kvserve.layers.attention as attn_layer
 
         attn_layer.bind_value_rotation = lambda model: None
+    if ns.no_residual:
+        import dataclasses
+
+        from kvserve.core.kv_cache_spec import KV_FORMATS
+
+        for name in ("int4", "int2"):
+            KV_FORMATS[name] = dataclasses.replace(KV_FORMATS[name], residual=False)
     os.makedirs(ns.out, exist_ok=True)
     os.makedirs(ns.tmp, exist_ok=True)
     dtypes = ns.dtypes.split(",")
@@ -305,6 +315,7 @@ def main() -> None:
             rec.setdefault("code_paths", dict(CODE_PATHS))
             rec.setdefault("rotation", "unfused" if ns.unfused_rotation else "fused")
             rec.setdefault("value_rotation", "kernels" if ns.no_value_fold else "weights")
+            rec.setdefault("exact_filling_block", not ns.no_residual and d in ("int4", "int2"))
             if part == "kernel":
                 rec["rotate"] = ns.rotate
             recs.append(rec)

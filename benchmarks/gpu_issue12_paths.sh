@@ -13,7 +13,10 @@
 #   PHASE=fold   the value rotation folded into the weights (q rotated by the store kernel) vs rotated
 #                in the kernels (--no-value-fold): CUDA tests, batch-1 decode, the batch-64 x 8k step, W1
 #   PHASE=table  every dtype beside bf16 on the final code: kernel, step, batch-1 (PHASE=table_w1: W1)
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1 bash benchmarks/gpu_issue12_paths.sh
+#   PHASE=residual int4/int2 with the filling block exact (kv_residual) vs without (--no-residual): CUDA
+#                tests, the batch-64 x 8k step, batch-1 decode (PHASE=residual_w1: W1)
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1|residual|residual_w1 \
+#   bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
 PHASE=${PHASE:-sweep}
@@ -80,6 +83,25 @@ elif [ "$PHASE" = table_w1 ]; then
     --dtypes bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2
   sed -n '/^part /,$p' "$OUT/w1.txt"
   (cd "$OUT" && tar czf table_w1.tgz --remove-files w1.txt k)
+elif [ "$PHASE" = residual ]; then
+  part 120 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_residual.py tests/worker/test_cuda_graphs.py
+  part 90 "$OUT/tests_quant.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+    -k "fused_rotation or store or decode_and_prefill"
+  grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" "$OUT/tests_quant.txt" | tail -12
+  part 90 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4,int2
+  part 60 "$OUT/step_nores.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_nores" --parts step \
+    --dtypes int4,int2 --no-residual
+  part 100 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 --dtypes bfloat16,int4,int2
+  part 60 "$OUT/b1_nores.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_nores" --parts b1 \
+    --dtypes int4,int2 --no-residual
+  for f in step step_nores b1 b1_nores; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf residual.tgz --remove-files tests.txt tests_quant.txt step.txt step_nores.txt b1.txt b1_nores.txt k k_nores)
+elif [ "$PHASE" = residual_w1 ]; then
+  part 150 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4,int2
+  part 100 "$OUT/w1_nores.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_nores" --parts w1 \
+    --dtypes int4,int2 --no-residual
+  for f in w1 w1_nores; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf residual_w1.tgz --remove-files w1.txt w1_nores.txt k k_nores)
 elif [ "$PHASE" = fold ]; then
   part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
     tests/attention/test_kv_rotation.py tests/worker/test_cuda_graphs.py \

@@ -22,32 +22,37 @@ def _requests(lens, h, hkv, d, seed=0):
     return [tuple(torch.randn(n, x, d, generator=g) for x in (h, hkv, hkv)) for n in lens]
 
 
-def run_schedule(backend, reqs, schedule, dtype="int4", window=None):
-    """Drive ``backend`` through ``schedule`` (steps of ``{request: new tokens}``) over one paged
-    cache and residual; returns per request its outputs ``[n, h, d]`` in position order."""
-    h, hkv, d = reqs[0][0].shape[1], reqs[0][1].shape[1], reqs[0][0].shape[2]
-    spec = FullAttentionSpec(BS, hkv, d, dtype, "float32")
-    nbs = [-(-q.shape[0] // BS) for q, _, _ in reqs]
-    cache = backend.allocate_kv_cache(spec, sum(nbs) + 1, torch.device("cpu"))
-    residual = torch.zeros(residual_shape(len(reqs), BS, hkv, d))
-    bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
-    o = 1
-    for i, nb in enumerate(nbs):  # blocks in reverse order: block ids never follow positions
-        bt[i, :nb] = torch.arange(o + nb - 1, o - 1, -1)
-        o += nb
-    ctx = [0] * len(reqs)
-    outs = [torch.zeros_like(q) for q, _, _ in reqs]
-    for step in schedule:
+class Stepper:
+    """Drives a backend step by step over one paged cache and residual (``BS``-token blocks):
+    ``step({request: n})`` computes the next ``n`` positions of each request from ``reqs``
+    (``(q, k, v)`` per request); ``ctx`` may be lowered between steps (a rollback)."""
+
+    def __init__(self, backend, reqs, dtype="int4", window=None):
+        self.backend, self.reqs, self.window = backend, reqs, window
+        h, hkv, d = reqs[0][0].shape[1], reqs[0][1].shape[1], reqs[0][0].shape[2]
+        spec = FullAttentionSpec(BS, hkv, d, dtype, "float32")
+        nbs = [-(-q.shape[0] // BS) for q, _, _ in reqs]
+        self.cache = backend.allocate_kv_cache(spec, sum(nbs) + 1, torch.device("cpu"))
+        self.residual = torch.zeros(residual_shape(len(reqs), BS, hkv, d))
+        self.bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
+        o = 1
+        for i, nb in enumerate(nbs):  # blocks in reverse order: block ids never follow positions
+            self.bt[i, :nb] = torch.arange(o + nb - 1, o - 1, -1)
+            o += nb
+        self.ctx = [0] * len(reqs)
+        self.outs = [torch.zeros_like(q) for q, _, _ in reqs]
+
+    def step(self, step: dict) -> None:
         order = sorted(step, key=lambda r: step[r] != 1)  # decodes first
         rows_q, rows_k, rows_v, slots, pos_all, qlens, slens = [], [], [], [], [], [], []
         for r in order:
-            n, c = step[r], ctx[r]
+            n, c = step[r], self.ctx[r]
             pos = torch.arange(c, c + n)
-            q, k, v = reqs[r]
+            q, k, v = self.reqs[r]
             rows_q.append(q[c:c + n])
             rows_k.append(k[c:c + n])
             rows_v.append(v[c:c + n])
-            slots.append(bt[r, pos // BS].long() * BS + pos % BS)
+            slots.append(self.bt[r, pos // BS].long() * BS + pos % BS)
             pos_all.append(pos)
             qlens.append(n)
             slens.append(c + n)
@@ -56,18 +61,27 @@ def run_schedule(backend, reqs, schedule, dtype="int4", window=None):
         req_idx = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(qlens))
         rslots = torch.tensor(order)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots), block_tables=bt[rslots], query_start_loc=qsl,
+            slot_mapping=torch.cat(slots), block_tables=self.bt[rslots], query_start_loc=qsl,
             seq_lens=torch.tensor(slens, dtype=torch.int32), query_lens_cpu=qlens, seq_lens_cpu=slens,
             max_query_len=max(qlens), max_seq_len=max(slens), num_decodes=sum(1 for n in qlens if n == 1),
             residual_slots=rslots.to(torch.int32),
             residual_slot_mapping=torch.from_numpy(residual_slot_mapping(
-                pos.numpy(), torch.tensor(slens)[req_idx].numpy(), rslots[req_idx].numpy(), BS, len(reqs))))
-        out = backend.forward(torch.cat(rows_q), torch.cat(rows_k), torch.cat(rows_v), cache, meta, d ** -0.5,
-                              window, kv_residual=residual)
+                pos.numpy(), torch.tensor(slens)[req_idx].numpy(), rslots[req_idx].numpy(), BS, len(self.reqs))))
+        d = rows_q[0].shape[-1]
+        out = self.backend.forward(torch.cat(rows_q), torch.cat(rows_k), torch.cat(rows_v), self.cache, meta,
+                                   d ** -0.5, self.window, kv_residual=self.residual)
         for j, r in enumerate(order):
-            outs[r][ctx[r]:ctx[r] + step[r]] = out[qsl[j]:qsl[j + 1]]
-            ctx[r] += step[r]
-    return outs
+            self.outs[r][self.ctx[r]:self.ctx[r] + step[r]] = out[qsl[j]:qsl[j + 1]]
+            self.ctx[r] += step[r]
+
+
+def run_schedule(backend, reqs, schedule, dtype="int4", window=None):
+    """``Stepper`` through ``schedule`` (steps of ``{request: new tokens}``); per request its
+    outputs ``[n, h, d]`` in position order."""
+    st = Stepper(backend, reqs, dtype, window)
+    for step in schedule:
+        st.step(step)
+    return st.outs
 
 
 def dense_reference(q, k, v, dtype="int4", window=None):
@@ -184,3 +198,22 @@ def test_prefix_hits_are_whole_blocks_when_the_filling_block_is_exact(dtype, gra
     hits, n = kv.get_computed_blocks(second)
     assert n == (10 if granular else 8)
     assert (hits[0].partial is not None) == granular
+
+
+@pytest.mark.parametrize("backend", [TorchRefBackend(), CpuBackend()], ids=["torch_ref", "cpu"])
+def test_rolled_back_verify_step_across_a_block_boundary(backend):
+    """A speculative-decoding verify step writes drafts past a block boundary, then all but one
+    are rejected: the filling block (the other parity) still holds its exact rows, and the
+    recomputed positions give the dense oracle's outputs for the final sequence."""
+    final = _requests([11], h=4, hkv=2, d=16, seed=3)[0]
+    draft = tuple(t.clone() for t in final)
+    for t in draft:
+        t[3:] = torch.randn(t[3:].shape)  # drafts 3.. differ from the final tokens
+    st = Stepper(backend, [draft])
+    st.step({0: 2})
+    st.step({0: 4})  # positions 2..5: 2 is the verified token, 3..5 drafts (4, 5 in block 1)
+    st.ctx[0] = 3  # only position 2 kept: block 0 fills on, its rows 0..2 must still be exact
+    st.reqs = [final]
+    for _ in range(8):
+        st.step({0: 1})
+    torch.testing.assert_close(st.outs[0].double()[3:], dense_reference(*final)[3:], atol=2e-5, rtol=2e-5)

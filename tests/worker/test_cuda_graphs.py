@@ -69,9 +69,11 @@ def test_graph_replay_matches_eager(tmp_path, budget, kv_dtype):
 
 
 @pytest.mark.gpu
-def test_multi_token_graphs_match_eager(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_multi_token_graphs_match_eager(tmp_path, kv_dtype):
     """Decode graphs of query length 1 + k (verification steps of a scripted proposer that is
-    right, then wrong) give the plain eager tokens."""
+    right, then wrong) give the plain eager tokens; int4 also rolls back drafts written into
+    the exact filling block's residual (kvserve/attention/kv_residual.py)."""
     from kvserve import LLM, SamplingParams
     from kvserve.spec_decode import Proposer, register_proposer
 
@@ -80,7 +82,7 @@ def test_multi_token_graphs_match_eager(tmp_path):
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 9, 17, 40)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     common = dict(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
-                  max_num_seqs=8, kv_cache_memory="64MiB", disable_log_stats=True)
+                  max_num_seqs=8, kv_cache_memory="64MiB", disable_log_stats=True, kv_cache_dtype=kv_dtype)
     ref = [o.outputs[0].token_ids for o in LLM(enforce_eager=True, **common).generate(prompts, sp, use_tqdm=False)]
     script = {tuple(p): r for p, r in zip(prompts, ref)}
 
@@ -95,8 +97,8 @@ def test_multi_token_graphs_match_eager(tmp_path):
                 out.append(d)
             return out
 
-    register_proposer("scripted_gpu", Scripted)
-    llm = LLM(enforce_eager=False, speculative_config={"method": "scripted_gpu", "num_speculative_tokens": 3},
+    register_proposer(f"scripted_gpu_{kv_dtype}", Scripted)
+    llm = LLM(enforce_eager=False, speculative_config={"method": f"scripted_gpu_{kv_dtype}", "num_speculative_tokens": 3},
               **common)
     gr = llm.llm_engine.engine_core.model_runner.graph_runner
     assert gr is not None and any(q == 4 for (_, q) in gr.graphs)
