@@ -428,7 +428,11 @@ class Scheduler:
                 req.num_pending_tokens += 1
         out.total_num_scheduled_tokens = sum(nst.values())
         out.num_prompt_tokens = num_prompt
-        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        out.finished_req_ids = self.finished_req_ids
+        if nst:  # an empty step may never reach the workers: they learn of these with the next one
+            self.finished_req_ids = set()
+        else:
+            out.finished_req_ids = set(out.finished_req_ids)
         out.block_ops = self.kv.take_block_ops()
         if self._bounded:
             out.evicted_blocks = self.kv.take_evictions()

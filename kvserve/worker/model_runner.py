@@ -177,12 +177,37 @@ class ModelRunner:
         states = self.input_batch.states
         slots = np.fromiter((states[r].row for r in inp.req_ids), dtype=np.int64, count=len(inp.req_ids))
         if len(slots) and int(slots.max()) >= self.num_residual_slots:
-            raise RuntimeError(f"input batch row {int(slots.max())} has no residual slot "
-                               f"({self.num_residual_slots}, --max-num-seqs)")
+            self._grow_residuals(len(self.input_batch.num_tokens))
         req_idx = np.repeat(np.arange(len(slots)), inp.query_lens)
         inp.residual_slots = slots
         inp.residual_slot_mapping = residual_slot_mapping(inp.positions, inp.seq_lens[req_idx], slots[req_idx],
                                                           self.block_size, self.num_residual_slots)
+
+    def _grow_residuals(self, num_slots: int) -> None:
+        """More input-batch rows than residual slots (the batch grew past ``--max-num-seqs``):
+        every layer's residual is reallocated with ``num_slots`` slots (contents kept) and the
+        decode CUDA graphs, which hold its address, are captured again."""
+        from kvserve.attention.kv_residual import residual_shape
+
+        logger.warning("input batch grew to %d rows: exact filling blocks grow from %d slots", num_slots,
+                       self.num_residual_slots)
+        old = self.num_residual_slots
+        for layer in attention_layers(self.model):
+            r = layer.kv_residual
+            if r is not None:
+                new = torch.zeros(residual_shape(num_slots, *r.shape[3:]), dtype=r.dtype, device=r.device)
+                new[:, :old] = r[:, :old]
+                layer.kv_residual = new
+        self.num_residual_slots = num_slots
+        if self.graph_runner is not None:
+            from kvserve.worker.cuda_graphs import CUDAGraphRunner
+
+            gr = self.graph_runner
+            self.graph_runner = CUDAGraphRunner(self.model, gr.sizes[-1], [bt.shape[1] for bt in gr.block_tables],
+                                                gr.max_model_len, self.block_size, self.device,
+                                                max(gr.query_lens), self.residual_groups, num_slots)
+            del gr
+            self.graph_runner.capture()
 
     def _fill_residuals(self, sched: SchedulerOutput) -> None:
         """A request that joins with a cached prefix ending inside a block (a partial prefix

@@ -217,3 +217,26 @@ def test_rolled_back_verify_step_across_a_block_boundary(backend):
     for _ in range(8):
         st.step({0: 1})
     torch.testing.assert_close(st.outs[0].double()[3:], dense_reference(*final)[3:], atol=2e-5, rtol=2e-5)
+
+
+def test_triton_writes_the_residual_in_the_store_kernel_for_decode_steps(monkeypatch):
+    """Decode and verify steps (every CUDA-graph step) get their exact rows from the store kernel,
+    no extra launch; a chunk that spans 3+ blocks writes them after attention, since its writes
+    would overwrite rows its own first queries read. Both give the oracle's outputs."""
+    import kvserve.attention.triton.backend as tb
+
+    late = []
+    orig = tb.store_residual
+    monkeypatch.setattr(tb, "store_residual", lambda *a: (late.append(1), orig(*a)))
+    reqs = _requests([13, 9], h=4, hkv=2, d=16, seed=4)
+    st = Stepper(tb.TritonBackend(), reqs)
+    st.step({0: 2, 1: 1})
+    st.step({0: 4, 1: 1})  # verify-like: 2..5 crosses one boundary only
+    assert late == []
+    st.step({0: 7, 1: 1})  # 6..12 spans blocks 1, 2, 3: written after attention
+    assert late == [1]
+    for _ in range(6):
+        st.step({1: 1})
+    assert late == [1]
+    for (q, k, v), o in zip(reqs, st.outs):
+        torch.testing.assert_close(o.double(), dense_reference(q, k, v), atol=1e-4, rtol=1e-4)

@@ -371,3 +371,19 @@ def test_two_victims_in_one_step_keep_arrival_order_in_waiting():
     run_to_end(s)
     assert [r.num_output_tokens for r in (a, b, c)] == [3, 3, 3]
     assert_all_free(s)
+
+
+def test_finished_ids_of_an_empty_step_reach_the_next_step():
+    """An empty step is never sent to the workers, so the requests it reports finished (aborted
+    while nothing else runs) ride on the next step: the workers free their rows (and exact
+    filling blocks) instead of holding them forever."""
+    s = make()
+    s.add_request(mkreq("a", range(6)))
+    step(s)
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    empty = s.schedule()
+    assert empty.is_empty and empty.finished_req_ids == {"a"}
+    s.add_request(mkreq("b", range(6)))
+    nxt = s.schedule()
+    assert nxt.finished_req_ids == {"a"} and not nxt.is_empty
+    assert s.schedule().finished_req_ids == set()

@@ -123,3 +123,30 @@ def test_prompt_logprobs_match_transformers(llm, hf_smollm2, humaneval_prompts):
     assert math.isfinite(sum(e[t][0] for e, t in zip(pl[1:], ids[1:])))
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_exact_filling_blocks_grow_with_the_input_batch(loaded_once):
+    """int4 keeps each request's filling block exact, one residual slot per input-batch row; if
+    the batch outgrows them mid-generation the residuals grow with their contents, and the
+    tokens equal an engine that never grew."""
+    kw = dict(dtype="float32", kv_cache_memory="32MiB", max_model_len=512, disable_log_stats=True,
+              kv_cache_dtype="int4", max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(**kw).generate(PROMPTS[:3], sp)]
+    llm = LLM(**kw)
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.num_residual_slots == 4
+    orig, calls = runner._residual_inputs, []
+
+    def grow_on_step_5(inp):
+        calls.append(1)
+        if len(calls) == 5:
+            runner._grow_residuals(9)
+        orig(inp)
+
+    runner._residual_inputs = grow_on_step_5
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)]
+    assert runner.num_residual_slots == 9
+    assert all(layer.kv_residual.shape[1] == 10 for layer in runner.model.modules()
+               if getattr(layer, "kv_residual", None) is not None)
+    assert got == ref

@@ -37,6 +37,19 @@ def _rotates_inside(num_heads: int, num_kv_heads: int) -> bool:
     return max(num_heads // num_kv_heads, num_kv_heads) <= 32
 
 
+def _residual_written_early(meta: AttentionMetadata, block_size: int) -> bool:
+    """Whether the store kernel may write the step's exact rows (``kv_residual``) before attention:
+    a request's writes then overwrite no row its queries read (those below ``ctx``, in the
+    parity of ``ctx``'s block) as long as its tokens stay within ``ctx``'s block and the next
+    one (decode and verify steps, every CUDA-graph step). Host lists only; cached per step."""
+    early = meta.backend_cache.get("residual_early")
+    if early is None:
+        early = meta.backend_cache["residual_early"] = all(
+            s - 1 < (s - q) // block_size * block_size + 2 * block_size
+            for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+    return early
+
+
 class TritonBackend(AttentionBackend):
     """Store, then decode (split-KV) + prefill kernels; see ``AttentionBackend.forward``.
 
@@ -153,19 +166,21 @@ class TritonBackend(AttentionBackend):
             v = value if values_rotated else rotate_rows(value, kv_rotation)
             out = self.forward(q, k, v, kv_cache, meta, scale, sliding_window, kv_residual=kv_residual)
             return out if values_rotated else rotate_rows(out, kv_rotation.T)
-        res, k_out, v_out = {}, None, None
+        res, k_out, v_out, early = {}, None, None, {}
         if kv_residual is not None:  # the new rows as the cache holds them: the store kernel's if it rotates
             if rotate:
                 k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
                 v_out = None if values_rotated else torch.empty(value.shape, dtype=value.dtype, device=value.device)
             res = dict(kv_residual=kv_residual, residual_slots=meta.residual_slots,
                        new_key=key if k_out is None else k_out, new_value=value if v_out is None else v_out)
+            if _residual_written_early(meta, kv_cache.shape[2]):
+                early = dict(kv_residual=kv_residual, residual_slot_mapping=meta.residual_slot_mapping)
         if rotate and values_rotated:
             query = store_kv(key, value, kv_cache, meta.slot_mapping, rotate=True, rotate_value=False, query=query,
-                             key_out=k_out)
+                             key_out=k_out, **early)
             rotate = False  # q R against k R: no kernel below rotates
         else:
-            store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate, key_out=k_out, value_out=v_out)
+            store_kv(key, value, kv_cache, meta.slot_mapping, rotate=rotate, key_out=k_out, value_out=v_out, **early)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_reqs = meta.seq_lens.shape[0]
         nd = meta.num_decodes
@@ -183,6 +198,6 @@ class TritonBackend(AttentionBackend):
             )
             if rotate:  # the prefill rows follow the decodes' (one row each)
                 out[nd:] = rotate_rows(out_p[nd:], kv_rotation.T)
-        if kv_residual is not None:  # after both kernels read the rows it overwrites
+        if kv_residual is not None and not early:  # after both kernels read the rows it overwrites
             store_residual(res["new_key"], res["new_value"], kv_residual, meta.residual_slot_mapping)
         return out

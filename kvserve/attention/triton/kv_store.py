@@ -84,6 +84,7 @@ def _quant_store(x, cache_ptr, row, scale_row, mask, HEAD_DIM: tl.constexpr, KV_
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+    res_k_ptr, res_v_ptr, res_map_ptr,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_cb, stride_co, stride_ch, stride_cd,
@@ -93,6 +94,7 @@ def _store_kv_kernel(
     MIN_SCALE: tl.constexpr = 1.0, ROTATE: tl.constexpr = False, DOT_PREC: tl.constexpr = "ieee",
     WIDEN: tl.constexpr = False, ROTATE_V: tl.constexpr = True, NUM_HEADS: tl.constexpr = 0,
     Q_ROWS: tl.constexpr = 16, K_OUT: tl.constexpr = False, V_OUT: tl.constexpr = False,
+    RES_OUT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -114,7 +116,7 @@ def _store_kv_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & valid
     ld_mask = mask
-    if K_OUT:  # the rows go out whatever the slot (the residual's rows for unstored tokens too)
+    if K_OUT or RES_OUT:  # the rows go out whatever the slot (the residual's rows for unstored tokens too)
         ld_mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] >= 0)
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
                 mask=ld_mask, other=0.0)
@@ -131,6 +133,12 @@ def _store_kv_kernel(
         tl.store(k_out_ptr + out_off, k.to(k_out_ptr.dtype.element_ty), mask=out_mask)
         if V_OUT:
             tl.store(v_out_ptr + out_off, v.to(v_out_ptr.dtype.element_ty), mask=out_mask)
+    if RES_OUT:  # the exact filling block's row (kv_residual; its own map, the scratch row for the rest)
+        res_row = tl.load(res_map_ptr + t).to(tl.int64)
+        res_off = (res_row * NUM_KV_HEADS + offs_h)[:, None] * HEAD_DIM + offs_d[None, :]
+        res_mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] >= 0)
+        tl.store(res_k_ptr + res_off, k.to(res_k_ptr.dtype.element_ty), mask=res_mask)
+        tl.store(res_v_ptr + res_off, v.to(res_v_ptr.dtype.element_ty), mask=res_mask)
     if KV_FMT > 0:
         # Page layout (kv_quant): codes [BLOCK_SIZE, NUM_KV_HEADS, C] then scales head-major
         # [NUM_KV_HEADS, BLOCK_SIZE, SB]; stride_co / stride_ch are the code strides.
@@ -151,6 +159,7 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     rotate: bool = False, rotate_value: bool = True, query: torch.Tensor | None = None,
     key_out: torch.Tensor | None = None, value_out: torch.Tensor | None = None,
+    kv_residual: torch.Tensor | None = None, residual_slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Scatter new K/V rows into the paged cache (in place).
 
@@ -170,6 +179,11 @@ def store_kv(
             (``key R`` / ``value R`` when rotated): the exact residual's new rows
             (``kvserve/attention/kv_residual.py``), written for every token, whatever its slot.
             ``value_out`` needs ``key_out``.
+        kv_residual / residual_slot_mapping: also write those rows into the exact filling
+            blocks (contiguous ``[2, slots + 1, 2, block_size, num_kv_heads, head_size]``) at
+            ``residual_slot_mapping`` (``[num_tokens]`` int64 flat rows), as
+            ``kv_residual.store_residual`` does; only where no query of the step reads a row
+            this overwrites (``TritonBackend``: decode and verify steps).
 
     Returns:
         ``query R`` (new contiguous tensor, ``query``'s dtype) when ``query`` is given, else None.
@@ -189,6 +203,10 @@ def store_kv(
     assert value_out is None or key_out is not None
     for o in (key_out, value_out):
         assert o is None or (o.shape == key.shape and o.is_contiguous())
+    res_out = kv_residual is not None
+    if res_out:
+        assert kv_residual.is_contiguous() and kv_residual.shape[-2:] == (hkv, d)
+        assert residual_slot_mapping.shape[0] >= num_tokens
     kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)
     block_size = kv_cache.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -196,6 +214,8 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, q_in, q_out if q_out is not None else key,
         key_out if key_out is not None else key, value_out if value_out is not None else key,
+        kv_residual[0] if res_out else key, kv_residual[1] if res_out else key,
+        residual_slot_mapping if res_out else slot_mapping,
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         *cache_strides(k_cache, d, kv_fmt),
@@ -206,7 +226,7 @@ def store_kv(
         WIDEN=key.dtype == torch.bfloat16 and key.device.type != "cuda",
         ROTATE_V=rotate_value, NUM_HEADS=num_heads,
         Q_ROWS=min(32, max(16, triton.next_power_of_2(max(num_heads, 1)))),
-        K_OUT=key_out is not None, V_OUT=value_out is not None,
+        K_OUT=key_out is not None, V_OUT=value_out is not None, RES_OUT=res_out,
         num_warps=4 if hkv * d >= 1024 else 2,
     )
     return q_out
