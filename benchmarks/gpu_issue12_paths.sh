@@ -85,9 +85,7 @@ elif [ "$PHASE" = table_w1 ]; then
   (cd "$OUT" && tar czf table_w1.tgz --remove-files w1.txt k)
 elif [ "$PHASE" = residual ]; then
   part 120 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_residual.py tests/worker/test_cuda_graphs.py
-  part 90 "$OUT/tests_quant.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
-    -k "fused_rotation or store or decode_and_prefill"
-  grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" "$OUT/tests_quant.txt" | tail -12
+  grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" | tail -12
   part 90 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4,int2
   part 60 "$OUT/step_nores.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_nores" --parts step \
     --dtypes int4,int2 --no-residual
@@ -95,13 +93,16 @@ elif [ "$PHASE" = residual ]; then
   part 60 "$OUT/b1_nores.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_nores" --parts b1 \
     --dtypes int4,int2 --no-residual
   for f in step step_nores b1 b1_nores; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
-  (cd "$OUT" && tar czf residual.tgz --remove-files tests.txt tests_quant.txt step.txt step_nores.txt b1.txt b1_nores.txt k k_nores)
+  (cd "$OUT" && tar czf residual.tgz --remove-files tests.txt step.txt step_nores.txt b1.txt b1_nores.txt k k_nores)
 elif [ "$PHASE" = residual_w1 ]; then
+  part 200 "$OUT/tests_quant.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+    -k "fused_rotation or store or decode_and_prefill"
+  tail -1 "$OUT/tests_quant.txt"
   part 150 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4,int2
   part 100 "$OUT/w1_nores.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_nores" --parts w1 \
     --dtypes int4,int2 --no-residual
   for f in w1 w1_nores; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
-  (cd "$OUT" && tar czf residual_w1.tgz --remove-files w1.txt w1_nores.txt k k_nores)
+  (cd "$OUT" && tar czf residual_w1.tgz --remove-files tests_quant.txt w1.txt w1_nores.txt k k_nores)
 elif [ "$PHASE" = fold ]; then
   part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
     tests/attention/test_kv_rotation.py tests/worker/test_cuda_graphs.py \
