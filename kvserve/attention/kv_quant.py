@@ -12,9 +12,12 @@ Scheme (no calibration data needed; scales are computed from each token as it is
   byte ``j // (8 / b)``, bits ``(j % (8 / b)) * b`` up), then ``s`` and ``m`` as float16.
   KIVI (Liu et al., arXiv:2402.02750) quantizes keys per channel instead; per-token
   keys were chosen here so that every token is final the moment it is stored: a block's
-  rows never change after they are written, so prefix sharing and copy-on-write of a
-  partial block work unchanged, and no block is kept in the compute dtype while it
-  fills. The outlier channels of K that make per-token keys lossy are spread first: the
+  rows never change after they are written, so prefix sharing, tiers and transfers move
+  pages unchanged. KIVI's other half, recent tokens in full precision, is kept: each
+  request's filling block is also held exact in the compute dtype and a query reads its
+  own block from there (``KVFormat.residual``, ``kvserve/attention/kv_residual.py``); this
+  module's pages are written for every token all the same. The outlier channels of K
+  that make per-token keys lossy are spread first: the
   attention layer stores (and attends with) ``k R`` and ``v R``, ``R`` an orthogonal
   Hadamard rotation of the head dimension (QuaRot, Ashkboos et al., arXiv:2404.00456;
   ``kvserve/attention/kv_rotation.py``, ``KVFormat.rotated``), so the rows this module

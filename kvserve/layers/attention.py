@@ -14,7 +14,10 @@ own kernels (``AttentionBackend.fuses_kv_rotation``: Triton, no extra launches),
 gets ``kv_rotation=R`` and the unrotated tensors. Where the layer's value and output
 projections are dense, ``bind_kv_cache`` folds ``R`` into them (``bind_value_rotation``): v
 then arrives as ``v R``, the output leaves in the rotated basis, and only q and k rotate at
-run time (``values_rotated``). Other formats bind no matrix and run exactly as before. The
+run time (``values_rotated``). Other formats bind no matrix and run exactly as before.
+int4 / int2 layers also hold ``kv_residual`` (bound by the model runner), each request's
+filling block exact in the compute dtype, handed to the backend as ``kv_residual=``
+(``kvserve/attention/kv_residual.py``); bounded KV does not use it. The
 rotation runs after the piecewise CUDA graph split hook: while pieces are captured the hook
 returns before it, and at replay ``layer.forward`` runs eagerly between the pieces, so it runs
 exactly once per step (outside the graph pieces).
