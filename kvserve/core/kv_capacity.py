@@ -35,11 +35,17 @@ class KVPlanRow:
     tokens: int  # whole blocks that fit the budget, times block_size
     max_concurrency: float  # tokens / max_model_len
     vs_reference: float  # tokens relative to the reference dtype
+    residual_bytes: int = 0  # exact filling blocks of max_num_seqs requests (int4 / int2), off the budget
 
 
 def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, max_model_len: int,
-            block_size: int = 16, dtypes: list[str] | None = None, reference: str = "bfloat16") -> list[KVPlanRow]:
+            block_size: int = 16, dtypes: list[str] | None = None, reference: str = "bfloat16",
+            max_num_seqs: int = 0) -> list[KVPlanRow]:
     """Capacity rows for ``dtypes`` (default: every format), all layers full attention.
+
+    Formats that keep the filling block exact (``KVFormat.residual``: int4, int2) first give up
+    ``max_num_seqs`` requests' residuals (two blocks of K and V per layer in the reference dtype,
+    ``kvserve/attention/kv_residual.py``), as the engine's GPU budget does.
 
     Raises ValueError for an unknown dtype or non-positive sizes.
     """
@@ -47,31 +53,35 @@ def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int
         raise ValueError("layers, kv heads, head dim, block size and max_model_len must be positive")
     dtypes = list(dtypes or KV_FORMATS)
 
-    def tokens(name: str) -> tuple[int, int]:
+    ref_bytes = KV_FORMATS[reference].bits // 8
+    per_request = 2 * 2 * block_size * num_kv_heads * head_dim * ref_bytes * num_layers
+
+    def tokens(name: str) -> tuple[int, int, int]:
         spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, name, reference)
         page = spec.page_size_bytes * num_layers
-        return (budget_bytes // page) * block_size, spec.bytes_per_token * num_layers
+        res = max_num_seqs * per_request if spec.format.residual else 0
+        return (max(budget_bytes - res, 0) // page) * block_size, spec.bytes_per_token * num_layers, res
 
-    ref_tokens, _ = tokens(reference)
+    ref_tokens, _, _ = tokens(reference)
     rows = []
     for name in dtypes:
         fmt = KV_FORMATS.get(name)
         if fmt is None:
             raise ValueError(f"unknown kv_cache_dtype {name!r}; choose from {sorted(KV_FORMATS)}")
-        tok, bpt = tokens(name)
+        tok, bpt, res = tokens(name)
         rows.append(KVPlanRow(name, bpt, num_layers * num_kv_heads * fmt.scale_bytes_per_token_head, tok,
-                              tok / max_model_len, tok / ref_tokens if ref_tokens else float("inf")))
+                              tok / max_model_len, tok / ref_tokens if ref_tokens else float("inf"), res))
     return rows
 
 
 def format_plan(rows: list[KVPlanRow], reference: str = "bfloat16") -> str:
     """A fixed-width table of ``rows``."""
     head = f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'of which scales':>16}{'tokens':>12}" \
-           f"{'max concurrency':>17}{'vs ' + reference:>13}"
+           f"{'max concurrency':>17}{'vs ' + reference:>13}{'exact blocks MiB':>18}"
     lines = [head]
     for r in rows:
         lines.append(f"{r.kv_cache_dtype:<15}{r.bytes_per_token:>12}{r.scale_bytes_per_token:>16}{r.tokens:>12}"
-                     f"{r.max_concurrency:>16.2f}x{r.vs_reference:>12.2f}x")
+                     f"{r.max_concurrency:>16.2f}x{r.vs_reference:>12.2f}x{r.residual_bytes / 2**20:>18.1f}")
     return "\n".join(lines)
 
 

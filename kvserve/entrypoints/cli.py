@@ -272,6 +272,8 @@ def _register_plan_kv(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", action="append", default=None, metavar="D",
                    help="Only these dtypes (repeatable; default: all).")
     p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block.")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="Requests whose filling blocks int4/int2 keep exact (their bytes come off the budget).")
     p.add_argument("--reference", default="bfloat16", help="The dtype the ratios are relative to.")
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     p.set_defaults(func=run_plan_kv)
@@ -292,7 +294,7 @@ def run_plan_kv(ns: argparse.Namespace) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtypes = [get_kv_format(d).name for d in ns.kv_cache_dtype] if ns.kv_cache_dtype else None
     rows = plan_kv(cfg.num_hidden_layers, kv_heads, head_dim, int(ns.gpu_memory * 2**30), ns.max_model_len,
-                   ns.block_size, dtypes, get_kv_format(ns.reference).name)
+                   ns.block_size, dtypes, get_kv_format(ns.reference).name, ns.max_num_seqs)
     if ns.json:
         print(json.dumps({"model": path, "num_layers": cfg.num_hidden_layers, "num_kv_heads": kv_heads,
                           "head_dim": head_dim, "gpu_memory_gib": ns.gpu_memory, "max_model_len": ns.max_model_len,

@@ -37,3 +37,16 @@ def test_plan_kv_cli(capsys):
     rows = {r["kv_cache_dtype"]: r for r in out["rows"]}
     assert rows["fp8_e4m3"]["bytes_per_token"] == 2 * 30 * 3 * 64 + 30 * 3 * 4
     assert rows["bfloat16"]["tokens"] == (2**30 // (23040 * 16)) * 16
+
+
+def test_plan_kv_takes_the_exact_filling_blocks_off_the_budget():
+    """int4/int2 keep each request's filling block exact: 2 blocks of K and V per layer in the
+    reference dtype per request; 256 requests at the Llama-3.1-8B shape = 1 GiB (exact)."""
+    budget = 80 * 2**30
+    rows = {r.kv_cache_dtype: r for r in plan_kv(32, 8, 128, budget, 8192, max_num_seqs=256)}
+    per_request = 2 * 2 * 16 * 8 * 128 * 2 * 32
+    assert per_request * 256 == 2**30
+    assert rows["int4"].residual_bytes == rows["int2"].residual_bytes == 2**30
+    assert rows["fp8_e4m3"].residual_bytes == rows["bfloat16"].residual_bytes == 0
+    assert rows["int4"].tokens == ((budget - 2**30) // ((32768 + 2048) * 16)) * 16
+    assert rows["int4"].vs_reference >= 3.5 and rows["int2"].vs_reference >= 6.0
