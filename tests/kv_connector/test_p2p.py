@@ -109,7 +109,12 @@ def colocated(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"])
-def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype, transport):
+def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype, transport, monkeypatch):
+    import kvserve.attention.kv_residual as kv_residual
+
+    fills = []
+    orig_fill = kv_residual.fill_from_cache
+    monkeypatch.setattr(kv_residual, "fill_from_cache", lambda *a: (fills.append(a[-1]), orig_fill(*a)))
     producer = _llm(tiny_llama_dir, "kv_producer", kv_dtype, transport=transport)
     consumer = _llm(tiny_llama_dir, "kv_consumer", kv_dtype, transport=transport)
     try:
@@ -142,6 +147,10 @@ def test_round_trip_bit_exact(tiny_llama_dir, colocated, kv_dtype, transport):
             k = (len(PROMPT) - 1) - (n_full - 1) * 16
             assert torch.equal(t[:, n_full - 1, :k], after[layer][:, n_full - 1, :k]), layer
         assert out_c.num_cached_tokens == len(PROMPT) - 1  # computed one prompt token
+        # int4/int2 keep the filling block exact: the consumer did not compute its first
+        # (P-1) % 16 tokens, so every layer fills them from the pulled pages (kv_residual).
+        n_layers = len(before)
+        assert fills == ([k] * n_layers if kv_dtype in ("int4", "int2") and k else [])
         if kv_dtype == "auto":
             ref = colocated.generate([PROMPT], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
             assert list(out_c.outputs[0].token_ids) == list(ref.outputs[0].token_ids)
