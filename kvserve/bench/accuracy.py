@@ -10,7 +10,8 @@ For each ``--kv-cache-dtypes`` value the engine is built with that KV storage fo
    kind (code, prose); the relative increase is against the first dtype (the unquantized
    engine, ``auto``), and transformers' perplexity on the same token ids is reported beside;
 2. greedy agreement on 24 fixed chat prompts: mean tokens until the first divergence from
-   the first dtype's output (``--chat-max-tokens`` each, EOS ignored).
+   the first dtype's output (``--chat-max-tokens`` each, EOS ignored); a base model without
+   a chat template gets the same prompts as plain text.
 
 Writes one JSON (``--output-json``) and prints a table.
 """
@@ -138,16 +139,23 @@ def run_accuracy(ns: argparse.Namespace) -> int:
         if ids is None:
             ids = corpus_token_ids(llm.get_tokenizer(), docs, ns.max_doc_tokens)
         nll = engine_nll(llm, ids, kinds)
-        outs = [o.outputs[0].token_ids for o in llm.chat(chat, sampling_params=chat_sp, use_tqdm=False)]
+        if getattr(llm.get_tokenizer(), "chat_template", None) is None:  # a base model: the prompts as plain text
+            prompts_as = "text"
+            gen = llm.generate([m[0]["content"] for m in chat], chat_sp, use_tqdm=False) if chat else []
+        else:
+            prompts_as = "chat"
+            gen = llm.chat(chat, sampling_params=chat_sp, use_tqdm=False) if chat else []
+        outs = [o.outputs[0].token_ids for o in gen]
         if base_chat is None:
             base_chat = outs
         agree = [first_divergence(a, b) for a, b in zip(outs, base_chat)]
         row = {"kv_cache_dtype": d, "resolved": llm.llm_engine.config.cache_config.kv_cache_dtype,
                "perplexity": perplexity(nll), "tokens": sum(n for _, n in nll.values()),
-               "greedy_agreement_mean": sum(agree) / len(agree), "greedy_agreement": agree,
+               "greedy_agreement_mean": sum(agree) / len(agree) if agree else None, "greedy_agreement": agree,
+               "agreement_prompts_as": prompts_as,
                "seconds": time.perf_counter() - t0}
         rows.append(row)
-        print(f"{d}: ppl {row['perplexity']['all']:.4f}  agreement {row['greedy_agreement_mean']:.1f}/"
+        print(f"{d}: ppl {row['perplexity']['all']:.4f}  agreement {row['greedy_agreement_mean'] or 0:.1f}/"
               f"{ns.chat_max_tokens}  ({row['seconds']:.0f}s)", flush=True)
         llm.shutdown()
         del llm
@@ -171,7 +179,7 @@ def run_accuracy(ns: argparse.Namespace) -> int:
         p = r["perplexity"]
         print(f"{r['kv_cache_dtype']:<12}{p['all']:>10.4f}{p.get('code', float('nan')):>9.3f}"
               f"{p.get('prose', float('nan')):>9.3f}{r['ppl_increase_pct']:>+10.2f}%"
-              f"{r['greedy_agreement_mean']:>9.1f}")
+              f"{r['greedy_agreement_mean'] or 0:>9.1f}")
     if hf is not None:
         print(f"{'transformers':<12}{hf['all']:>10.4f}{hf.get('code', float('nan')):>9.3f}"
               f"{hf.get('prose', float('nan')):>9.3f}")

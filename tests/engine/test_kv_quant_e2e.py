@@ -150,3 +150,28 @@ def test_exact_filling_blocks_grow_with_the_input_batch(loaded_once):
     assert all(layer.kv_residual.shape[1] == 10 for layer in runner.model.modules()
                if getattr(layer, "kv_residual", None) is not None)
     assert got == ref
+
+
+def test_bench_accuracy_takes_plain_prompts_for_a_base_model(loaded_once, tmp_path, monkeypatch):
+    """`kvserve bench accuracy` on a model without a chat template (Gemma 3 270M is a base model)
+    measures agreement on the same prompts as plain text instead of failing."""
+    import json
+
+    from kvserve.entrypoints.cli import main
+
+    orig = LLM.get_tokenizer
+
+    def without_template(self):
+        tok = orig(self)
+        monkeypatch.setattr(tok, "chat_template", None)  # restored after the test (a shared tokenizer)
+        return tok
+
+    monkeypatch.setattr(LLM, "get_tokenizer", without_template)
+    out = tmp_path / "acc.json"
+    assert main(["bench", "accuracy", "--kv-cache-dtypes", "auto,int4", "--no-hf", "--max-docs", "1",
+                 "--max-doc-tokens", "48", "--num-chat-prompts", "2", "--chat-max-tokens", "4", "--dtype", "float32",
+                 "--max-model-len", "256", "--kv-cache-memory", "32MiB", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["agreement_prompts_as"] for r in rows] == ["text", "text"]
+    assert rows[0]["greedy_agreement_mean"] == 4.0 and len(rows[1]["greedy_agreement"]) == 2
+    assert rows[0]["tokens"] == rows[1]["tokens"] == 47
