@@ -33,10 +33,7 @@ comes back in ``ModelRunnerOutput.kv_block_mass``, and a request with ``max_toke
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable, Optional
@@ -46,6 +43,7 @@ from kvserve.core import remote_kv
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.prefix_cache import PrefixMatch
 from kvserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kvserve.core.waiting_queue import WaitingQueue
 from kvserve.request import Request, RequestStatus
 
 #: What ``update_from_output`` reports per request that got tokens: the request, its new
@@ -77,43 +75,6 @@ class SchedulerStats:
     kv_connector_stats: Optional[dict] = None  # the KV connector's counters (tiers)
 
 
-class _WaitingQueue:
-    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._dq: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def add(self, req: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-        elif front:
-            self._dq.appendleft(req)
-        else:
-            self._dq.append(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._dq[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._dq.popleft()
-
-    def remove(self, req: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
-        else:
-            self._dq.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._dq)
-
-    def __iter__(self):
-        return iter([e[3] for e in self._heap] if self.policy == "priority" else list(self._dq))
-
-
 class Scheduler:
     """Decides, each step, which requests compute how many tokens.
 
@@ -136,7 +97,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.connector = connector
         self.num_recomputed_tokens = 0
-        self.waiting = _WaitingQueue(config.scheduling_policy)
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # KV transfer between engines (kvserve.kv_connector.p2p): requests whose blocks a remote
@@ -428,11 +389,9 @@ class Scheduler:
                 req.num_pending_tokens += 1
         out.total_num_scheduled_tokens = sum(nst.values())
         out.num_prompt_tokens = num_prompt
-        out.finished_req_ids = self.finished_req_ids
+        out.finished_req_ids = set(self.finished_req_ids)
         if nst:  # an empty step may never reach the workers: they learn of these with the next one
-            self.finished_req_ids = set()
-        else:
-            out.finished_req_ids = set(out.finished_req_ids)
+            self.finished_req_ids.clear()
         out.block_ops = self.kv.take_block_ops()
         if self._bounded:
             out.evicted_blocks = self.kv.take_evictions()
