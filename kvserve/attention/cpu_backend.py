@@ -314,7 +314,7 @@ class CpuBackend(AttentionBackend):
             elif cv.kv_cast is not None:
                 cv.kv_cast.copy_(cv.kvg.view(kv_cache.dtype))
             if exact is not None:  # the rows' own blocks, exact (kv_residual)
-                self._substitute(cv, c, plan, exact, hkv, d, q.dtype)
+                self._substitute(cv, c, plan, exact, hkv, d)
             if cv.transposes is not None:
                 for dst, src in cv.transposes:
                     dst.copy_(src)
@@ -342,8 +342,7 @@ class CpuBackend(AttentionBackend):
             out_rows.index_copy_(0, plan.order, o_sorted)
 
     @staticmethod
-    def _substitute(cv: _ChunkViews, c: _Chunk, plan: _DecodePlan, exact: tuple, hkv: int, d: int,
-                    dtype: torch.dtype) -> None:
+    def _substitute(cv: _ChunkViews, c: _Chunk, plan: _DecodePlan, exact: tuple, hkv: int, d: int) -> None:
         """Write each chunk row's exact own block (residual + new row) over its dequantized
         K / V in the chunk's compute-dtype buffer."""
         kv_residual, slots, lens, key, value = exact
