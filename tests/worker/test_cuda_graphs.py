@@ -105,3 +105,34 @@ def test_multi_token_graphs_match_eager(tmp_path, kv_dtype):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == ref
     assert llm.llm_engine.engine_core.scheduler.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+def test_residual_growth_recaptures_decode_graphs(tmp_path):
+    """int4's exact filling blocks (kv_residual) grow with the input batch mid-generation: the
+    decode graphs, which hold the residuals' addresses, are captured again and give the tokens
+    of an engine that never grew."""
+    from kvserve import LLM, SamplingParams
+
+    _random_llama(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 18, 33)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", max_model_len=512, max_num_seqs=4,
+              kv_cache_memory="64MiB", disable_log_stats=True, kv_cache_dtype="int4")
+    ref = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(**kw)
+    runner = llm.llm_engine.engine_core.model_runner
+    first = runner.graph_runner
+    orig, calls = runner._residual_inputs, []
+
+    def grow_on_step_6(inp):
+        calls.append(1)
+        if len(calls) == 6:
+            runner._grow_residuals(9)
+        orig(inp)
+
+    runner._residual_inputs = grow_on_step_6
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert runner.num_residual_slots == 9 and runner.graph_runner is not first
+    assert got == ref
