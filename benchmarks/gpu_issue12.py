@@ -84,10 +84,12 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
     out = torch.empty_like(q)
     recs = []
     from kvserve.attention.triton.decode import _config
-    from kvserve.attention.triton.kv_load import KV_FMT_CODES, use_fast_cvt, use_lane_split
+    from kvserve.attention.triton.kv_load import KV_FMT_CODES, use_fast_cvt, use_lane_split, use_unpack
 
     kv_fmt = KV_FMT_CODES.get(dtype, 0)
-    default = (*_config(d, q.dtype, device != "cuda", kv_fmt, use_lane_split(kv_fmt, d)), None, None, None)
+    lanes = use_lane_split(kv_fmt, d)
+    unpack = use_unpack(kv_fmt, device == "cuda", True) if lanes else 0
+    default = (*_config(d, q.dtype, device != "cuda", kv_fmt, lanes, unpack), None, None, None)
     for cfg in [None, *(c for c in configs if c != default)]:  # the default config is timed once
         bn, nw, ns, sp, fc, ls = cfg or (None,) * 6
         if (fc is not None or ls is not None) and not kv_fmt:
@@ -249,7 +251,7 @@ def main() -> None:
     ap.add_argument("--no-residual", action="store_true",
                     help="engine parts: int4/int2 without the exact filling block (KVFormat.residual off: every "
                          "key read through the quantized cache, as before kv_residual)")
-    ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0: kv_load.CODE_PATHS for every "
+    ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0,unpack=asm: kv_load.CODE_PATHS for every "
                     "part (the engine runs in this process); recorded in each record")
     ns = ap.parse_args()
     if ns.cpu_smoke:  # before the first kvserve import: the kernels are decorated then
@@ -260,7 +262,7 @@ def main() -> None:
         key, val = kv.split("=")
         if key not in CODE_PATHS:
             raise SystemExit(f"--code-paths: unknown {key!r} (choices: {sorted(CODE_PATHS)})")
-        CODE_PATHS[key] = val if val == "packed" else val == "1"
+        CODE_PATHS[key] = val if val in ("packed", "int32", "asm") else val == "1"
     if ns.unfused_rotation:
         from kvserve.attention.triton.backend import TritonBackend
 

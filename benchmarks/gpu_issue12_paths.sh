@@ -15,7 +15,13 @@
 #   PHASE=table  every dtype beside bf16 on the final code: kernel, step, batch-1 (PHASE=table_w1: W1)
 #   PHASE=residual int4/int2 with the filling block exact (kv_residual) vs without (--no-residual): CUDA
 #                tests, the batch-64 x 8k step, batch-1 decode (PHASE=residual_w1: W1)
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1|residual|residual_w1 \
+#   PHASE=unpack int4/int2 bit lanes built by inline PTX (--code-paths unpack=asm) vs integer ops: CUDA
+#                tests, the decode kernel (default tiles; asm: a tile sweep), the batch-64 x 8k step
+#   PHASE=unpack_engine asm as the default: CUDA tests (kernels, residual, CUDA graphs), a tile sweep
+#                around the new default, the batch-64 x 8k step, batch-1 decode and W1 (bf16, int4, int2)
+#   PHASE=unpack_b1 64-key asm tiles below one program per SM: CUDA tests (residual, CUDA graphs),
+#                batch-1 decode (and int4 with unpack=int32), the batch-64 x 8k step
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1|residual|residual_w1|unpack|unpack_engine|unpack_b1 \
 #   bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
@@ -118,6 +124,43 @@ elif [ "$PHASE" = fold ]; then
   for f in b1 b1_kernels step step_kernels w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
   (cd "$OUT" && tar czf fold.tgz --remove-files tests.txt b1.txt b1_kernels.txt step.txt step_kernels.txt w1.txt \
     k k_kernels)
+elif [ "$PHASE" = unpack ]; then
+  part 200 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+    -k "unpack or lane_asm or code_paths"
+  grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
+  part 60 "$OUT/kernel_int32.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_int32" --parts kernel \
+    --dtypes bfloat16,int4,int2 --no-sweep
+  part 120 "$OUT/kernel_asm.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_asm" --parts kernel \
+    --dtypes int4,int2 --code-paths unpack=asm --configs 64x2x5,64x4x2,128x4x2,32x2x5,128x2x5,64x2x3,32x4x2
+  part 130 "$OUT/step_asm.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_asm" --parts step \
+    --dtypes bfloat16,int4,int2 --code-paths unpack=asm
+  part 90 "$OUT/step_int32.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_int32" --parts step \
+    --dtypes int4,int2 --code-paths unpack=int32
+  for f in kernel_int32 kernel_asm step_asm step_int32; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf unpack.tgz --remove-files tests.txt kernel_int32.txt kernel_asm.txt step_asm.txt \
+    step_int32.txt k_int32 k_asm)
+elif [ "$PHASE" = unpack_engine ]; then  # asm is the default now (128 x 2 x 5 tiles)
+  part 130 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+    tests/attention/test_triton_kv_residual.py tests/worker/test_cuda_graphs.py \
+    -k "unpack or code_paths or decode_and_prefill or residual or multi_token or graph_replay"
+  grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
+  part 40 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
+    --dtypes int4,int2 --configs 128x2x4,128x2x6,256x4x3,256x4x2,128x4x5,256x2x3
+  part 100 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4,int2
+  part 110 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 --dtypes bfloat16,int4,int2
+  part 190 "$OUT/w1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts w1 --dtypes bfloat16,int4,int2
+  for f in kernel step b1 w1; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf unpack_engine.tgz --remove-files tests.txt kernel.txt step.txt b1.txt w1.txt k)
+elif [ "$PHASE" = unpack_b1 ]; then  # 64-key asm tiles when programs < SMs (batch-1 decode)
+  part 150 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_residual.py \
+    tests/worker/test_cuda_graphs.py -k "residual or multi_token or graph_replay"
+  grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
+  part 110 "$OUT/b1.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts b1 --dtypes bfloat16,int4,int2
+  part 45 "$OUT/b1_int32.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_int32" --parts b1 --dtypes int4 \
+    --code-paths unpack=int32
+  part 70 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4
+  for f in b1 b1_int32 step; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf unpack_b1.tgz --remove-files tests.txt b1.txt b1_int32.txt step.txt k k_int32)
 else
   part 70 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py -k "code_paths or decode_and_prefill"
   tail -2 "$OUT/tests.txt"

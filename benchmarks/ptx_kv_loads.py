@@ -35,7 +35,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 from kvserve.attention.triton import decode, kv_store, prefill  # noqa: E402
-from kvserve.attention.triton.kv_load import KV_FMT_CODES  # noqa: E402
+from kvserve.attention.triton.kv_load import (KV_FMT_CODES, use_fast_cvt, use_lane_split,  # noqa: E402
+                                               use_unpack)
 from kvserve.core.kv_cache_spec import get_kv_format  # noqa: E402
 
 H, HKV, D, BS = 16, 8, 128, 16
@@ -97,15 +98,41 @@ def _regs(ptx: str) -> str:
     return f"regs={regs[-1] if regs else '?'} spill={spill[-1] if spill else '?'}B"
 
 
-def _show(label: str, ck, regs: bool) -> None:
+_OPS = ("ld.shared", "st.shared", "ldmatrix", "stmatrix", "mma.sync", "cvt", "prmt", "lop3", "shr", "and.b",
+        "or.b", "sub.f16x2", "sub.f16", "fma.rn.f16x2", "bar.sync", "ex2", "cp.async.ca", "cp.async.cg",
+        "shfl.sync")
+
+
+def _op_counts(ptx: str) -> dict:
+    """Static counts of a few instruction kinds in the PTX (the whole kernel, not per loop trip):
+    shared-memory traffic (layout conversions, the pipeline), conversions and the integer ops
+    that unpack codes."""
+    names = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z][a-z0-9_.]*)", ptx, re.M)
+    return {op: n for op in _OPS if (n := sum(1 for x in names if x.startswith(op)))}
+
+
+def _show(label: str, ck, ns) -> None:
     extra = f" scales: {dict(Counter(_scale_loads(ck.asm['ttgir'])))}" if "store" not in label else ""
-    print(label, _widths(ck.asm["ptx"]), extra + (f" {_regs(ck.asm['ptx'])}" if regs else ""), flush=True)
+    print(label, _widths(ck.asm["ptx"]), extra + (f" {_regs(ck.asm['ptx'])}" if ns.regs else ""), flush=True)
+    if ns.ops:
+        print("   ops:", _op_counts(ck.asm["ptx"]), flush=True)
+    if ns.dump:
+        os.makedirs(ns.dump, exist_ok=True)
+        stem = re.sub(r"[^A-Za-z0-9=]+", "_", label.strip())
+        for kind in ("ttgir", "ptx"):
+            with open(os.path.join(ns.dump, f"{stem}.{kind}"), "w") as f:
+                f.write(ck.asm[kind])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="bfloat16,fp8_e4m3,int8,int4,int2")
     ap.add_argument("--regs", action="store_true", help="registers / spills per thread (ptxas -v)")
+    ap.add_argument("--ops", action="store_true", help="static counts of shared-memory, conversion and unpacking "
+                    "instructions in the PTX")
+    ap.add_argument("--unpack", default="int32,asm", help="int4/int2 decode: the kv_load.CODE_PATHS "
+                    "'unpack' variants to compile (default %(default)s)")
+    ap.add_argument("--dump", default="", help="write each kernel's TTGIR and PTX into this directory")
     ns = ap.parse_args()
     for name in ns.dtypes.split(","):
         fmt = get_kv_format(name)
@@ -120,35 +147,54 @@ def main() -> None:
             pk = "*bf16"
         q = dict(stride_qt=H * D, stride_qh=D, stride_qd=1)
         o = dict(stride_ot=H * D, stride_oh=D, stride_od=1)
-        bn, warps, stages = decode._config(D, torch.bfloat16, False, code)
+        lane_split = use_lane_split(code, D)
+        residual = code >= 4  # int4/int2 run with the exact filling block in the engine
+        res_ptrs = dict(res_k_ptr="*bf16", res_v_ptr="*bf16", new_k_ptr="*bf16", new_v_ptr="*bf16",
+                        res_slots_ptr="*i32")
+        res_ints = dict(stride_rs=2 * BS * HKV * D, stride_rr=HKV * D, stride_rh=D, stride_nkt=HKV * D,
+                        stride_nkh=D, stride_nvt=HKV * D, stride_nvh=D)
+        unpacks = ns.unpack.split(",") if code >= 4 and lane_split else ["int32"]
         for direct in (False, True):
-            ck = _compile(
-                decode._decode_split_kernel,
-                dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                     query_start_loc_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                     qk_scale="fp32", window="i32", num_splits="i32"),
-                dict(**q, **cs, **o, stride_bt=513),
-                dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn, DIRECT=direct, USE_WINDOW=False,
-                     DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0),
-                no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
-            _show(f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}w", ck, ns.regs)
+            for unpack in unpacks:
+                unpack_code = use_unpack(code, True, True, unpack)
+                bn, warps, stages = decode._config(D, torch.bfloat16, False, code, lane_split, unpack_code)
+                ck = _compile(
+                    decode._decode_split_kernel,
+                    dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, block_tables_ptr="*i32",
+                         seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
+                         part_lse_ptr="*fp32", qk_scale="fp32", window="i32", num_splits="i32", **res_ptrs),
+                    dict(**q, **cs, **o, stride_bt=513, **res_ints),
+                    dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn, DIRECT=direct,
+                         USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0,
+                         FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False, HAS_RESIDUAL=residual,
+                         EXACT_N=BS, UNPACK=unpack_code),
+                    no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
+                label = f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}wx{stages}s"
+                _show(label + (f" unpack={unpack}" if len(unpacks) > 1 else ""), ck, ns)
         bm, bn, warps, stages = prefill._config(D, torch.bfloat16, H // HKV, False)
         ck = _compile(
             prefill._prefill_kernel,
             dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, out_ptr="*bf16", block_tables_ptr="*i32",
-                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", window="i32", req_offset="i32"),
-            dict(**q, **cs, **o, stride_bt=513),
+                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", window="i32", req_offset="i32",
+                 **res_ptrs),
+            dict(**q, **cs, **o, stride_bt=513, **res_ints),
             dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=bm, BLOCK_Q=bm // (H // HKV), BLOCK_N=bn,
-                 USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0),
+                 USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0,
+                 FAST_CVT=use_fast_cvt(code), HAS_RESIDUAL=residual),
             no_spec=("window", "req_offset", "stride_bt"), num_warps=warps, num_stages=stages)
-        _show(f"{name:9s} prefill  {bm}x{bn}x{warps}w", ck, ns.regs)
+        _show(f"{name:9s} prefill  {bm}x{bn}x{warps}w", ck, ns)
         ck = _compile(
             kv_store._store_kv_kernel,
-            dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, slot_ptr="*i64"),
-            dict(stride_kt=HKV * D, stride_kh=D, stride_kd=1, stride_vt=HKV * D, stride_vh=D, stride_vd=1, **cs),
+            dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, slot_ptr="*i64",
+                 q_ptr="*bf16", q_out_ptr="*bf16", k_out_ptr="*bf16", v_out_ptr="*bf16", res_k_ptr="*bf16",
+                 res_v_ptr="*bf16", res_map_ptr="*i64"),
+            dict(stride_kt=HKV * D, stride_kh=D, stride_kd=1, stride_vt=HKV * D, stride_vh=D, stride_vd=1, **cs,
+                 stride_qt=H * D, stride_qh=D, stride_qd=1),
             dict(NUM_KV_HEADS=HKV, BLOCK_H=HKV, HEAD_DIM=D, BLOCK_SIZE=BS, KV_FMT=code,
-                 QMAX=kv_store._QMAX_BY_CODE.get(code, 1.0), MIN_SCALE=2.0 ** -14), num_stages=3)
-        _show(f"{name:9s} store          ", ck, ns.regs)
+                 QMAX=kv_store._QMAX_BY_CODE.get(code, 1.0), MIN_SCALE=2.0 ** -14, ROTATE=False, DOT_PREC="tf32",
+                 WIDEN=False, ROTATE_V=False, NUM_HEADS=0, Q_ROWS=16, K_OUT=False, V_OUT=False, RES_OUT=residual),
+            num_stages=3)
+        _show(f"{name:9s} store          ", ck, ns)
 
 
 if __name__ == "__main__":

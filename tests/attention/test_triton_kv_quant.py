@@ -253,6 +253,106 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+def _run_lane_asm(asm: str, word: int) -> list[int]:
+    """Emulates the PTX of ``kv_load._lane_asm`` on one input register (4 packed bytes): the
+    output registers as 32-bit words (each two float16)."""
+    import re
+
+    import numpy as np
+
+    def f16x2(x):
+        return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+
+    def word_of(h):
+        b = np.asarray(h, dtype=np.float16).view(np.uint16)
+        return int(b[0]) | int(b[1]) << 16
+
+    regs, outs = {}, {}
+    val = lambda a: int(a, 0) if a[0].isdigit() else (word if a.startswith("$") else regs[a])  # noqa: E731
+    for line in asm.split("\n"):
+        m = re.match(r"(\S+) (.*);$", line.strip())
+        if not m or m[1] == ".reg":
+            continue
+        op, args = m[1], [a.strip() for a in m[2].split(",")]
+        if op == "mov.b32":
+            r = val(args[1])
+        elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles
+            src = val(args[1]).to_bytes(4, "little") + val(args[2]).to_bytes(4, "little")
+            r = int.from_bytes(bytes(src[(val(args[3]) >> 4 * i) & 7] for i in range(4)), "little")
+        elif op == "lop3.b32":
+            assert args[4] == "0xEA"  # (a & b) | c
+            r = (val(args[1]) & val(args[2])) | val(args[3])
+        elif op == "sub.f16x2":
+            r = word_of(f16x2(val(args[1])) - f16x2(val(args[2])))
+        elif op == "fma.rn.f16x2":  # exact here: every product and sum is a small integer
+            a, b, c = (f16x2(val(x)).astype(np.float32) for x in args[1:4])
+            r = word_of((a * b + c).astype(np.float16))
+        else:
+            raise AssertionError(op)
+        (outs if args[0].startswith("$") else regs)[args[0]] = r
+    return [outs[f"${i}"] for i in range(len(outs))]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_lane_asm_builds_every_code(bits):
+    """The inline PTX of the "asm" unpack path (emulated) turns 4 packed bytes into each bit
+    lane's codes as float16, in element order, for every byte value."""
+    import numpy as np
+
+    from kvserve.attention.triton.kv_load import _lane_asm
+
+    asm = _lane_asm(bits)
+    for first in range(0, 256, 4):
+        byts = [first, (first * 7 + 1) % 256, (first * 13 + 2) % 256, 255 - first]
+        out = _run_lane_asm(asm, int.from_bytes(bytes(byts), "little"))
+        for lane in range(8 // bits):
+            halves = np.array([out[2 * lane] & 0xFFFF, out[2 * lane] >> 16,
+                               out[2 * lane + 1] & 0xFFFF, out[2 * lane + 1] >> 16], dtype=np.uint16)
+            want = [(b >> bits * lane) & ((1 << bits) - 1) for b in byts]
+            assert halves.view(np.float16).tolist() == want, (bits, lane, byts)
+
+
+def test_unpack_path_choice():
+    """asm unpacking only for 4-/2-bit codes, on CUDA, with float16 operands; an unknown name
+    is a ValueError."""
+    from kvserve.attention.triton.kv_load import KV_FMT_CODES, use_unpack
+
+    int4, int2, fp8 = KV_FMT_CODES["int4"], KV_FMT_CODES["int2"], KV_FMT_CODES["fp8_e4m3"]
+    assert use_unpack(int4, True, True, "asm") == use_unpack(int2, True, True, "asm") == 1
+    assert use_unpack(fp8, True, True, "asm") == 0
+    assert use_unpack(int4, False, True, "asm") == 0  # the interpreter runs no PTX
+    assert use_unpack(int4, True, False, "asm") == 0  # float32 operands
+    assert use_unpack(int4, True, True, "int32") == 0
+    with pytest.raises(ValueError, match="unpack must be one of"):
+        use_unpack(int4, True, True, "uint4")
+
+
+@pytest.mark.skipif(not CUDA, reason="inline PTX: CUDA only")
+@pytest.mark.parametrize("name", ["int4", "int2"])
+@pytest.mark.parametrize("block_n,num_warps", [(32, 4), (64, 2), (128, 4)])
+def test_decode_unpack_asm_equals_int32(name, block_n, num_warps):
+    """The decode kernel's "asm" bit lanes give the same codes as the integer path, so the
+    outputs are bitwise equal, at several tile shapes (head dim 128, bf16 queries)."""
+    gen = torch.Generator().manual_seed(11)
+    bs, h, hkv, d = 16, 16, 8, 128
+    reqs = [(300, 1), (0, 1), (129, 1), (17, 1)]
+    meta, cache = _batch(reqs, bs, hkv, d, name, gen)
+    t = len(reqs)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(torch.bfloat16).to(DEV) for n in (h, hkv, hkv))
+    store_kv(k, v, cache, meta.slot_mapping)
+    outs = {}
+    for unpack in ("int32", "asm"):
+        for splits in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t,
+                             meta.max_seq_len, d ** -0.5, out=out, num_splits=splits, block_n=block_n,
+                             num_warps=num_warps, lane_split=True, unpack=unpack)
+            outs[unpack, splits] = out
+    for splits in (1, 3):
+        assert not outs["asm", splits].isnan().any()
+        assert torch.equal(outs["asm", splits], outs["int32", splits])
+
+
 @pytest.mark.parametrize("name,h,hkv", [("int4", 4, 2), ("int2", 4, 2), ("int4", 66, 1), ("int4", 40, 8)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("values_rotated", [False, True])

@@ -42,11 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, code_lane, kernel_cache_args, kv_row_offsets,
+from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
                                                load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
                                                hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
-                                               use_lane_split)
+                                               use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
@@ -71,6 +71,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
+    UNPACK: tl.constexpr = 0,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -159,12 +160,13 @@ def _decode_split_kernel(
         else:
             ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
         if LANES > 1:
-            rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True)  # [C, BLOCK_N]
-            qk = tl.dot(q0, code_lane(rk, 0, BITS, op_dtype, FAST_CVT), input_precision=DOT_PREC)
-            qk = tl.dot(q1, code_lane(rk, 1, BITS, op_dtype, FAST_CVT), qk, input_precision=DOT_PREC)
+            rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [C, BLOCK_N]
+            k0, k1, k2, k3 = code_lanes(rk, BITS, op_dtype, FAST_CVT, UNPACK)
+            qk = tl.dot(q0, k0, input_precision=DOT_PREC)
+            qk = tl.dot(q1, k1, qk, input_precision=DOT_PREC)
             if LANES == 4:
-                qk = tl.dot(q2, code_lane(rk, 2, BITS, op_dtype, FAST_CVT), qk, input_precision=DOT_PREC)
-                qk = tl.dot(q3, code_lane(rk, 3, BITS, op_dtype, FAST_CVT), qk, input_precision=DOT_PREC)
+                qk = tl.dot(q2, k2, qk, input_precision=DOT_PREC)
+                qk = tl.dot(q3, k3, qk, input_precision=DOT_PREC)
             qk = qk * q_scale[:, None] * ks[None, :] + q_sum[:, None] * kz[None, :]
         else:
             qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
@@ -175,17 +177,14 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if LANES > 1:
-            rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True)  # [BLOCK_N, C]
+            rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [BLOCK_N, C]
             pv = (p * vs[None, :]).to(in_dtype).to(op_dtype)
-            acc0 = tl.dot(pv, code_lane(rv, 0, BITS, op_dtype, FAST_CVT), acc0 * alpha[:, None],
-                          input_precision=DOT_PREC)
-            acc1 = tl.dot(pv, code_lane(rv, 1, BITS, op_dtype, FAST_CVT), acc1 * alpha[:, None],
-                          input_precision=DOT_PREC)
+            v0, v1, v2, v3 = code_lanes(rv, BITS, op_dtype, FAST_CVT, UNPACK)
+            acc0 = tl.dot(pv, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
+            acc1 = tl.dot(pv, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
             if LANES == 4:
-                acc2 = tl.dot(pv, code_lane(rv, 2, BITS, op_dtype, FAST_CVT), acc2 * alpha[:, None],
-                              input_precision=DOT_PREC)
-                acc3 = tl.dot(pv, code_lane(rv, 3, BITS, op_dtype, FAST_CVT), acc3 * alpha[:, None],
-                              input_precision=DOT_PREC)
+                acc2 = tl.dot(pv, v2, acc2 * alpha[:, None], input_precision=DOT_PREC)
+                acc3 = tl.dot(pv, v3, acc3 * alpha[:, None], input_precision=DOT_PREC)
             acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
         else:
             v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
@@ -262,8 +261,9 @@ def choose_num_splits(
 
 
 def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
-            lane_split: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
+            lane_split: bool = False, unpack: int = 0, few_programs: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). ``few_programs``: fewer (request, KV head) programs
+    than SMs, so the keys are split into more, shorter slices (``choose_num_splits``)."""
     if interpret:
         return 16, 1, 1
     if dtype == torch.float32:  # fp32 operands ("ieee" FMA dot): small tiles avoid spills
@@ -281,9 +281,15 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
     # 64 x 2 x 5 0.404 ms (2.70 TB/s, 0.90 of the roofline; 64 x 4 x 2 0.461), int8 0.534
     # (0.544), int4 0.391 (0.471); int2 stays at 128 x 4 x 2 (0.373; 64 x 2 x 5 0.386).
     # 7+ stages or 4 warps at 5 stages were slower (benchmarks/results/issue12_h100_table/).
+    # Bit lanes built by inline PTX (UNPACK 1) use fewer registers: 128 x 2 x 5 for both, int4
+    # 0.326 ms (64 x 2 x 5 0.358, 128 x 4 x 2 0.470), int2 0.248 (128 x 4 x 2 0.275, 64 x 2 x 5
+    # 0.306) (benchmarks/results/issue12_h100_unpack/). With few programs (batch 1) 128-key
+    # tiles halve the splits (8 for 1k keys): batch-1 decode was +4.1% over bf16, so 64 there.
     if kv_fmt >= 4:
         if not lane_split:
             return 32, 4, 2
+        if unpack:
+            return (64, 2, 5) if few_programs else (128, 2, 5)
         return (64, 2, 5) if kv_fmt == 4 else (128, 4, 2)
     if kv_fmt > 0:
         return 64, 2, 5
@@ -307,6 +313,7 @@ def decode_attention(
     num_stages: int | None = None,
     fast_cvt: bool | None = None,
     lane_split: bool | None = None,
+    unpack: str | None = None,
     rotate: bool = False,
     kv_residual: torch.Tensor | None = None,
     residual_slots: torch.Tensor | None = None,
@@ -331,6 +338,8 @@ def decode_attention(
             compare them): codes made float16 with integer ops instead of conversion
             instructions; 4-/2-bit codes multiplied one bit lane at a time (when a lane holds
             >= 16 bytes per row: ``tl.dot``'s minimum K).
+        unpack: how the bit lanes are built (``CODE_PATHS["unpack"]``: "int32" or "asm";
+            "asm" on CUDA with 16-bit queries only, else "int32").
         rotate: the cache holds K and V rotated by ``R = H_D / sqrt(D)`` (int4/int2,
             ``kvserve/attention/kv_rotation.py``): the query is rotated in the kernel and the
             output rotated back, so ``query`` and ``out`` are in the model's basis.
@@ -358,7 +367,9 @@ def decode_attention(
     interpret = query.device.type != "cuda"
     fast_cvt = use_fast_cvt(kv_fmt, fast_cvt)
     lane_split = use_lane_split(kv_fmt, d, lane_split)
-    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt, lane_split)
+    unpack_code = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32, unpack) if lane_split else 0
+    few_programs = num_decodes * hkv < _num_sms(query.device)
+    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, few_programs)
     block_n, num_warps, num_stages = block_n or cfg_n, num_warps or cfg_warps, num_stages or cfg_stages
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
@@ -390,7 +401,8 @@ def decode_attention(
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
-        EXACT_N=max(16, triton.next_power_of_2(block_size)), num_warps=num_warps, num_stages=num_stages,
+        EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](

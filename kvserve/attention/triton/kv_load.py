@@ -20,7 +20,8 @@ BLOCK_N]``: both contiguous along the channel axis; they are unpacked in registe
 converted to float16, which holds every code exactly; they are never multiplied by their
 scales. 4-/2-bit codes are split into bit lanes (``code_lane``: lane ``i`` of a byte holds
 element ``j * 8 / bits + i``) and made float16 from the bit pattern ``0x6400 | c`` (= 1024 + c)
-with integer ops, no conversion instruction; the decode kernel multiplies each lane by the
+with integer ops, no conversion instruction (in the decode kernel on CUDA, two codes per
+instruction by inline PTX: ``code_lanes``); the decode kernel multiplies each lane by the
 matching query columns (``split_lanes`` / ``merge_lanes``), the prefill kernel interleaves the
 lanes into rows (``tl.join`` + ``tl.permute`` + ``tl.reshape``). ``CODE_PATHS`` picks the
 paths (measured choices). The scales are folded
@@ -74,7 +75,15 @@ _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 #: benchmark can switch them for a whole engine run. ``fast_cvt``: True, False or "packed"
 #: (4-/2-bit codes only: on an H100, fp8's ``cvt.f16x2.e4m3x2`` beat the integer-built
 #: float16 by 1.6x and int8 gained nothing, while int4 gained 7%; benchmarks/gpu_issue12_paths.sh).
-CODE_PATHS = {"fast_cvt": "packed", "lane_split": True}
+#: ``unpack`` (the decode kernel's bit lanes; CUDA and 16-bit queries only): "int32" cuts each
+#: lane out of the code bytes with integer ops (the compiler keeps them packed 4 to a register
+#: either way: widened or not, the PTX is the same), "asm" builds two float16 codes per
+#: instruction from four packed bytes (``code_lanes``: ``prmt`` + ``lop3`` + ``f16x2``
+#: arithmetic, as mixed-precision GEMMs do). On an H100 at batch 64 x 8k, default tiles, asm
+#: took the kernel from 0.407 to 0.361 ms (int4) and 0.430 to 0.274 ms (int2), 21% fewer PTX
+#: instructions (benchmarks/gpu_issue12_paths.sh PHASE=unpack, benchmarks/ptx_kv_loads.py --ops).
+CODE_PATHS = {"fast_cvt": "packed", "lane_split": True, "unpack": "asm"}
+_UNPACK_CODES = {"int32": 0, "asm": 1}
 
 
 def use_fast_cvt(kv_fmt: int, override: bool | None = None) -> bool:
@@ -89,6 +98,16 @@ def use_lane_split(kv_fmt: int, head_size: int, override: bool | None = None) ->
     ``tl.dot``'s minimum K)."""
     v = CODE_PATHS["lane_split"] if override is None else override
     return bool(v) and kv_fmt >= 4 and head_size * _BITS[kv_fmt] // 8 >= 16
+
+
+def use_unpack(kv_fmt: int, on_cuda: bool, fp16_codes: bool, override: str | None = None) -> int:
+    """The decode kernel's ``UNPACK`` constexpr (``CODE_PATHS["unpack"]``): 1 for "asm" with
+    4-/2-bit codes on CUDA and float16 code operands, else 0 (inline PTX has no interpreter).
+    Raises ValueError for an unknown name."""
+    v = CODE_PATHS["unpack"] if override is None else override
+    if v not in _UNPACK_CODES:
+        raise ValueError(f"unpack must be one of {sorted(_UNPACK_CODES)}, got {v!r}")
+    return _UNPACK_CODES[v] if (kv_fmt >= 4 and on_cuda and fp16_codes) else 0
 
 
 @triton.jit
@@ -226,20 +245,24 @@ def _byte_codes(b, KV_FMT: tl.constexpr, out_dtype: tl.constexpr, FAST_CVT: tl.c
 
 
 @triton.jit
-def load_code_bytes(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.constexpr):
+def load_code_bytes(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.constexpr,
+                    NARROW: tl.constexpr = False):
     """The ``CB`` code bytes of each key at ``row_off [BLOCK_N]``: ``[BLOCK_N, CB]`` int32
-    (zero-extended; masked keys 0)."""
+    (zero-extended; ``NARROW``: uint8 as stored; masked keys 0)."""
     offs_c = tl.arange(0, CB)
     ptrs = cache_ptr + row_off[:, None] + offs_c[None, :]
     if MASKED:
         raw = tl.load(ptrs, mask=n_mask[:, None], other=0)
     else:
         raw = tl.load(ptrs)
-    return raw.to(tl.int32)
+    if not NARROW:
+        raw = raw.to(tl.int32)
+    return raw
 
 
 @triton.jit
-def load_code_bytes_t(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.constexpr):
+def load_code_bytes_t(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.constexpr,
+                      NARROW: tl.constexpr = False):
     """``load_code_bytes`` transposed, ``[CB, BLOCK_N]`` (the K operand's layout)."""
     offs_c = tl.arange(0, CB)
     ptrs = cache_ptr + row_off[None, :] + offs_c[:, None]
@@ -247,7 +270,9 @@ def load_code_bytes_t(cache_ptr, row_off, n_mask, CB: tl.constexpr, MASKED: tl.c
         raw = tl.load(ptrs, mask=n_mask[None, :], other=0)
     else:
         raw = tl.load(ptrs)
-    return raw.to(tl.int32)
+    if not NARROW:
+        raw = raw.to(tl.int32)
+    return raw
 
 
 @triton.jit
@@ -262,6 +287,67 @@ def code_lane(r, LANE: tl.constexpr, BITS: tl.constexpr, out_dtype: tl.constexpr
     else:
         x = c.to(out_dtype)
     return x
+
+
+# prmt picks bytes (b0, b1) / (b2, b3) of four packed codes into the low bytes of two 16-bit
+# halves; lop3 (a & mask) | 0x6400 (immLut 0xEA) makes each half the float16 1024 + c * 2^s,
+# and one f16x2 sub or fma takes 1024 off (and the 2^s shift out), exactly.
+_ASM_PAIRS = """
+prmt.b32 t0, $X, 0, 0x4140;
+prmt.b32 t1, $X, 0, 0x4342;
+"""
+
+
+def _lane_asm(bits: int) -> str:
+    lanes = 8 // bits
+    x = 2 * lanes  # the input register follows the 2 x lanes output registers
+    body = ["{", ".reg .b32 t0, t1, v, b, s, m;", _ASM_PAIRS.replace("$X", f"${x}").strip(),
+            "mov.b32 b, 0x64006400;"]
+    # float16 bits of 2^-(bits * i) and of -1024 * 2^-(bits * i), lane i's shift undone
+    scale = {0: None, 2: (0x3400, 0xDC00), 4: (0x2C00, 0xD400), 6: (0x2400, 0xCC00)}
+    for i in range(lanes):
+        mask = ((1 << bits) - 1) << (bits * i)
+        mask2 = mask | (mask << 16)
+        for half, t in ((0, "t0"), (1, "t1")):
+            out = f"${2 * i + half}"
+            body.append(f"lop3.b32 v, {t}, {mask2:#010x}, 0x64006400, 0xEA;")
+            sm = scale[bits * i]
+            if sm is None:
+                body.append(f"sub.f16x2 {out}, v, b;")
+            else:
+                body.append(f"mov.b32 s, {sm[0] * 0x10001:#010x};")
+                body.append(f"mov.b32 m, {sm[1] * 0x10001:#010x};")
+                body.append(f"fma.rn.f16x2 {out}, v, s, m;")
+    body.append("}")
+    return "\n".join(body)
+
+
+_LANE_ASM_4 = tl.constexpr(_lane_asm(4))
+_LANE_ASM_2 = tl.constexpr(_lane_asm(2))
+
+
+@triton.jit
+def code_lanes(r, BITS: tl.constexpr, out_dtype: tl.constexpr, FAST_CVT: tl.constexpr, UNPACK: tl.constexpr):
+    """Every bit lane of packed codes ``r`` (``code_lane`` 0 .. 8 / BITS - 1; with 4-bit codes
+    the last two repeat the first two, unused). ``UNPACK`` 1 (``r`` uint8, float16 out, CUDA):
+    one inline-PTX block per four bytes builds all lanes, two codes per instruction."""
+    if UNPACK == 1:
+        if BITS == 4:
+            l0, l1 = tl.inline_asm_elementwise(_LANE_ASM_4, "=r,=r,=r,=r,r", [r],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            return l0, l1, l0, l1
+        else:
+            l0, l1, l2, l3 = tl.inline_asm_elementwise(_LANE_ASM_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [r],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=4)
+            return l0, l1, l2, l3
+    else:
+        l0 = code_lane(r, 0, BITS, out_dtype, FAST_CVT)
+        l1 = code_lane(r, 1, BITS, out_dtype, FAST_CVT)
+        if BITS == 4:
+            return l0, l1, l0, l1
+        else:
+            return l0, l1, code_lane(r, 2, BITS, out_dtype, FAST_CVT), code_lane(r, 3, BITS, out_dtype, FAST_CVT)
 
 
 @triton.jit
