@@ -262,7 +262,7 @@ def main() -> None:
         key, val = kv.split("=")
         if key not in CODE_PATHS:
             raise SystemExit(f"--code-paths: unknown {key!r} (choices: {sorted(CODE_PATHS)})")
-        CODE_PATHS[key] = val if val in ("packed", "int32", "asm") else val == "1"
+        CODE_PATHS[key] = val if key == "unpack" or val == "packed" else val == "1"
     if ns.unfused_rotation:
         from kvserve.attention.triton.backend import TritonBackend
 

@@ -21,7 +21,9 @@
 #                around the new default, the batch-64 x 8k step, batch-1 decode and W1 (bf16, int4, int2)
 #   PHASE=unpack_b1 64-key asm tiles below one program per SM: CUDA tests (residual, CUDA graphs),
 #                batch-1 decode (and int4 with unpack=int32), the batch-64 x 8k step
-# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1|residual|residual_w1|unpack|unpack_engine|unpack_b1 \
+#   PHASE=i8qk   int8 queries and an int8 tensor-core q . K (unpack=asm_i8qk) beside asm: CUDA tests,
+#                the kernel, the batch-64 x 8k step
+# Usage (repo root): OUT=<dir> PHASE=sweep|engine|rotation|final|fold|table|table_w1|residual|residual_w1|unpack|unpack_engine|unpack_b1|i8qk \
 #   bash benchmarks/gpu_issue12_paths.sh
 set -u
 OUT=${OUT:-/tmp/kvserve-out}
@@ -161,6 +163,21 @@ elif [ "$PHASE" = unpack_b1 ]; then  # 64-key asm tiles when programs < SMs (bat
   part 70 "$OUT/step.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts step --dtypes bfloat16,int4
   for f in b1 b1_int32 step; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
   (cd "$OUT" && tar czf unpack_b1.tgz --remove-files tests.txt b1.txt b1_int32.txt step.txt k k_int32)
+elif [ "$PHASE" = i8qk ]; then  # int8 q . K (unpack=asm_i8qk) beside the default asm path
+  if [ -z "${NO_TESTS:-}" ]; then
+    part 200 "$OUT/tests.txt" python3 -m pytest -q tests/attention/test_triton_kv_quant.py \
+      -k "unpack or code_paths or decode_and_prefill or scale_tiles"
+    grep -hE "^FAILED|passed|failed" "$OUT/tests.txt" | tail -8
+  fi
+  part 60 "$OUT/kernel.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k" --parts kernel \
+    --dtypes bfloat16,int4,int2 --no-sweep
+  part 60 "$OUT/kernel_i8qk.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_i8qk" --parts kernel \
+    --dtypes int4,int2 --code-paths unpack=asm_i8qk --configs 64x2x5,128x4x2,128x4x5
+  part 100 "$OUT/step_i8qk.txt" python3 benchmarks/gpu_issue12.py --out "$OUT/k_i8qk" --parts step \
+    --dtypes bfloat16,int4,int2 --code-paths unpack=asm_i8qk
+  for f in kernel kernel_i8qk step_i8qk; do sed -n '/^part /,$p' "$OUT/$f.txt"; done
+  (cd "$OUT" && tar czf i8qk.tgz --remove-files $(ls tests.txt 2>/dev/null) kernel.txt kernel_i8qk.txt step_i8qk.txt \
+    k k_i8qk)
 else
   part 70 "$OUT/tests.txt" python3 -m pytest -q -x tests/attention/test_triton_kv_quant.py -k "code_paths or decode_and_prefill"
   tail -2 "$OUT/tests.txt"

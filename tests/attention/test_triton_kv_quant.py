@@ -332,7 +332,8 @@ def test_unpack_path_choice():
 @pytest.mark.parametrize("block_n,num_warps", [(32, 4), (64, 2), (128, 4)])
 def test_decode_unpack_asm_equals_int32(name, block_n, num_warps):
     """The decode kernel's "asm" bit lanes give the same codes as the integer path, so the
-    outputs are bitwise equal, at several tile shapes (head dim 128, bf16 queries)."""
+    outputs are bitwise equal, at several tile shapes (head dim 128, bf16 queries); "asm_i8qk"
+    (int8 queries) stays close."""
     gen = torch.Generator().manual_seed(11)
     bs, h, hkv, d = 16, 16, 8, 128
     reqs = [(300, 1), (0, 1), (129, 1), (17, 1)]
@@ -341,7 +342,7 @@ def test_decode_unpack_asm_equals_int32(name, block_n, num_warps):
     q, k, v = (torch.randn(t, n, d, generator=gen).to(torch.bfloat16).to(DEV) for n in (h, hkv, hkv))
     store_kv(k, v, cache, meta.slot_mapping)
     outs = {}
-    for unpack in ("int32", "asm"):
+    for unpack in ("int32", "asm", "asm_i8qk"):
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
             decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t,
@@ -351,6 +352,9 @@ def test_decode_unpack_asm_equals_int32(name, block_n, num_warps):
     for splits in (1, 3):
         assert not outs["asm", splits].isnan().any()
         assert torch.equal(outs["asm", splits], outs["int32", splits])
+        # int8 queries: within a code step of the query's maximum / 127 of the float16 scores
+        torch.testing.assert_close(outs["asm_i8qk", splits].float(), outs["int32", splits].float(),
+                                   atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("name,h,hkv", [("int4", 4, 2), ("int2", 4, 2), ("int4", 66, 1), ("int4", 40, 8)])

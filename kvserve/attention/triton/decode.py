@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, kernel_cache_args, kv_row_offsets,
+from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args, kv_row_offsets,
                                                kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
                                                load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
                                                hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
@@ -104,6 +104,10 @@ def _decode_split_kernel(
     CL: tl.constexpr = HEAD_DIM // LANES
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # _byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
+    I8QK: tl.constexpr = UNPACK == 2 and CL >= 32  # int8 q . K (tl.dot int8 needs K >= 32)
+    if I8QK:  # q / max|q| in [-1, 1] -> int8 codes of 1/127
+        q = tl.floor(q.to(tl.float32) * 127.0 + 0.5).to(tl.int8)
+        q_scale = q_scale * (1.0 / 127.0)
     if LANES > 1:
         q0, q1, q2, q3 = split_lanes(q, LANES)
 
@@ -161,12 +165,21 @@ def _decode_split_kernel(
             ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
         if LANES > 1:
             rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [C, BLOCK_N]
-            k0, k1, k2, k3 = code_lanes(rk, BITS, op_dtype, FAST_CVT, UNPACK)
-            qk = tl.dot(q0, k0, input_precision=DOT_PREC)
-            qk = tl.dot(q1, k1, qk, input_precision=DOT_PREC)
-            if LANES == 4:
-                qk = tl.dot(q2, k2, qk, input_precision=DOT_PREC)
-                qk = tl.dot(q3, k3, qk, input_precision=DOT_PREC)
+            if I8QK:
+                k0, k1, k2, k3 = code_lanes_i8(rk, BITS)
+                qki = tl.dot(q0, k0, out_dtype=tl.int32)
+                qki = tl.dot(q1, k1, qki, out_dtype=tl.int32)
+                if LANES == 4:
+                    qki = tl.dot(q2, k2, qki, out_dtype=tl.int32)
+                    qki = tl.dot(q3, k3, qki, out_dtype=tl.int32)
+                qk = qki.to(tl.float32)
+            else:
+                k0, k1, k2, k3 = code_lanes(rk, BITS, op_dtype, FAST_CVT, UNPACK)
+                qk = tl.dot(q0, k0, input_precision=DOT_PREC)
+                qk = tl.dot(q1, k1, qk, input_precision=DOT_PREC)
+                if LANES == 4:
+                    qk = tl.dot(q2, k2, qk, input_precision=DOT_PREC)
+                    qk = tl.dot(q3, k3, qk, input_precision=DOT_PREC)
             qk = qk * q_scale[:, None] * ks[None, :] + q_sum[:, None] * kz[None, :]
         else:
             qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units

@@ -82,8 +82,10 @@ _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 #: arithmetic, as mixed-precision GEMMs do). On an H100 at batch 64 x 8k, default tiles, asm
 #: took the kernel from 0.407 to 0.361 ms (int4) and 0.430 to 0.274 ms (int2), 21% fewer PTX
 #: instructions (benchmarks/gpu_issue12_paths.sh PHASE=unpack, benchmarks/ptx_kv_loads.py --ops).
+#: "asm_i8qk": as "asm" for V; the query rounded to int8 per row (the row's maximum is 127) and
+#: q . K an int8 tensor-core product on the codes, which then need only a shift and a mask.
 CODE_PATHS = {"fast_cvt": "packed", "lane_split": True, "unpack": "asm"}
-_UNPACK_CODES = {"int32": 0, "asm": 1}
+_UNPACK_CODES = {"int32": 0, "asm": 1, "asm_i8qk": 2}
 
 
 def use_fast_cvt(kv_fmt: int, override: bool | None = None) -> bool:
@@ -326,12 +328,45 @@ _LANE_ASM_4 = tl.constexpr(_lane_asm(4))
 _LANE_ASM_2 = tl.constexpr(_lane_asm(2))
 
 
+def _lane_asm_i8(bits: int) -> str:
+    """Each bit lane of 4 packed bytes as 4 int8 codes in one register: a shift and a mask."""
+    lanes, mask = 8 // bits, (1 << bits) - 1
+    body = ["{", ".reg .b32 t;"]
+    for i in range(lanes):
+        if i == 0:
+            body.append(f"and.b32 ${i}, ${lanes}, {mask * 0x01010101:#010x};")
+        else:
+            body.append(f"shr.b32 t, ${lanes}, {bits * i};")
+            body.append(f"and.b32 ${i}, t, {mask * 0x01010101:#010x};")
+    body.append("}")
+    return "\n".join(body)
+
+
+_LANE_ASM_I8_4 = tl.constexpr(_lane_asm_i8(4))
+_LANE_ASM_I8_2 = tl.constexpr(_lane_asm_i8(2))
+
+
+@triton.jit
+def code_lanes_i8(r, BITS: tl.constexpr):
+    """Every bit lane of packed codes ``r`` (uint8, CUDA) as int8 codes (``tl.dot`` int8
+    operands), four per instruction pair; 4-bit codes: the last two repeat the first two."""
+    if BITS == 4:
+        l0, l1 = tl.inline_asm_elementwise(_LANE_ASM_I8_4, "=r,=r,r", [r], dtype=(tl.int8, tl.int8),
+                                           is_pure=True, pack=4)
+        return l0, l1, l0, l1
+    else:
+        l0, l1, l2, l3 = tl.inline_asm_elementwise(_LANE_ASM_I8_2, "=r,=r,=r,=r,r", [r],
+                                                   dtype=(tl.int8, tl.int8, tl.int8, tl.int8),
+                                                   is_pure=True, pack=4)
+        return l0, l1, l2, l3
+
+
 @triton.jit
 def code_lanes(r, BITS: tl.constexpr, out_dtype: tl.constexpr, FAST_CVT: tl.constexpr, UNPACK: tl.constexpr):
     """Every bit lane of packed codes ``r`` (``code_lane`` 0 .. 8 / BITS - 1; with 4-bit codes
     the last two repeat the first two, unused). ``UNPACK`` 1 (``r`` uint8, float16 out, CUDA):
     one inline-PTX block per four bytes builds all lanes, two codes per instruction."""
-    if UNPACK == 1:
+    if UNPACK >= 1:
         if BITS == 4:
             l0, l1 = tl.inline_asm_elementwise(_LANE_ASM_4, "=r,=r,=r,=r,r", [r],
                                                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
