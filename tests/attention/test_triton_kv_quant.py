@@ -254,7 +254,7 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
 
 
 def _run_lane_asm(asm: str, word: int) -> list[int]:
-    """Emulates the PTX of ``kv_load._lane_asm`` on one input register (4 packed bytes): the
+    """Emulates the PTX of ``kv_load._lane_asm`` / ``_lane_asm_i8`` on one input register (4 packed bytes): the
     output registers as 32-bit words (each two float16)."""
     import re
 
@@ -268,6 +268,7 @@ def _run_lane_asm(asm: str, word: int) -> list[int]:
         return int(b[0]) | int(b[1]) << 16
 
     regs, outs = {}, {}
+    # $n read: the input (the asm never reads its outputs)
     val = lambda a: int(a, 0) if a[0].isdigit() else (word if a.startswith("$") else regs[a])  # noqa: E731
     for line in asm.split("\n"):
         m = re.match(r"(\S+) (.*);$", line.strip())
@@ -279,6 +280,10 @@ def _run_lane_asm(asm: str, word: int) -> list[int]:
         elif op == "prmt.b32":  # bytes of {b, a} picked by the selector's nibbles
             src = val(args[1]).to_bytes(4, "little") + val(args[2]).to_bytes(4, "little")
             r = int.from_bytes(bytes(src[(val(args[3]) >> 4 * i) & 7] for i in range(4)), "little")
+        elif op == "and.b32":
+            r = val(args[1]) & val(args[2])
+        elif op == "shr.b32":
+            r = val(args[1]) >> val(args[2])
         elif op == "lop3.b32":
             assert args[4] == "0xEA"  # (a & b) | c
             r = (val(args[1]) & val(args[2])) | val(args[3])
@@ -291,6 +296,21 @@ def _run_lane_asm(asm: str, word: int) -> list[int]:
             raise AssertionError(op)
         (outs if args[0].startswith("$") else regs)[args[0]] = r
     return [outs[f"${i}"] for i in range(len(outs))]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_lane_asm_i8_cuts_every_code(bits):
+    """The int8-lane PTX (``asm_i8qk``'s K codes, emulated): each output register holds lane
+    ``i`` of the four input bytes, as bytes, in element order."""
+    from kvserve.attention.triton.kv_load import _lane_asm_i8
+
+    asm = _lane_asm_i8(bits)
+    for first in range(0, 256, 4):
+        byts = [first, (first * 7 + 1) % 256, (first * 13 + 2) % 256, 255 - first]
+        out = _run_lane_asm(asm, int.from_bytes(bytes(byts), "little"))
+        for lane in range(8 // bits):
+            want = [(b >> bits * lane) & ((1 << bits) - 1) for b in byts]
+            assert list(out[lane].to_bytes(4, "little")) == want, (bits, lane, byts)
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -323,6 +343,7 @@ def test_unpack_path_choice():
     assert use_unpack(int4, False, True, "asm") == 0  # the interpreter runs no PTX
     assert use_unpack(int4, True, False, "asm") == 0  # float32 operands
     assert use_unpack(int4, True, True, "int32") == 0
+    assert use_unpack(int2, True, True, "asm_i8qk") == 2
     with pytest.raises(ValueError, match="unpack must be one of"):
         use_unpack(int4, True, True, "uint4")
 

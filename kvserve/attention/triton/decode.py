@@ -351,8 +351,8 @@ def decode_attention(
             compare them): codes made float16 with integer ops instead of conversion
             instructions; 4-/2-bit codes multiplied one bit lane at a time (when a lane holds
             >= 16 bytes per row: ``tl.dot``'s minimum K).
-        unpack: how the bit lanes are built (``CODE_PATHS["unpack"]``: "int32" or "asm";
-            "asm" on CUDA with 16-bit queries only, else "int32").
+        unpack: how the bit lanes are built (``CODE_PATHS["unpack"]``: "int32", "asm" or
+            "asm_i8qk"; the asm paths on CUDA with 16-bit queries only, else "int32").
         rotate: the cache holds K and V rotated by ``R = H_D / sqrt(D)`` (int4/int2,
             ``kvserve/attention/kv_rotation.py``): the query is rotated in the kernel and the
             output rotated back, so ``query`` and ``out`` are in the model's basis.

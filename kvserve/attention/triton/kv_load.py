@@ -82,8 +82,9 @@ _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 #: arithmetic, as mixed-precision GEMMs do). On an H100 at batch 64 x 8k, default tiles, asm
 #: took the kernel from 0.407 to 0.361 ms (int4) and 0.430 to 0.274 ms (int2), 21% fewer PTX
 #: instructions (benchmarks/gpu_issue12_paths.sh PHASE=unpack, benchmarks/ptx_kv_loads.py --ops).
-#: "asm_i8qk": as "asm" for V; the query rounded to int8 per row (the row's maximum is 127) and
-#: q . K an int8 tensor-core product on the codes, which then need only a shift and a mask.
+#: "asm_i8qk" (opt-in): as "asm" for V; the query rounded to int8 per row (the row's maximum is
+#: 127) and q . K an int8 tensor-core product on the codes, which then need only a shift and a
+#: mask: 8-10% faster on an H100, at 3-4x the float16 paths' error (BENCHMARKS.md).
 CODE_PATHS = {"fast_cvt": "packed", "lane_split": True, "unpack": "asm"}
 _UNPACK_CODES = {"int32": 0, "asm": 1, "asm_i8qk": 2}
 
@@ -103,9 +104,9 @@ def use_lane_split(kv_fmt: int, head_size: int, override: bool | None = None) ->
 
 
 def use_unpack(kv_fmt: int, on_cuda: bool, fp16_codes: bool, override: str | None = None) -> int:
-    """The decode kernel's ``UNPACK`` constexpr (``CODE_PATHS["unpack"]``): 1 for "asm" with
-    4-/2-bit codes on CUDA and float16 code operands, else 0 (inline PTX has no interpreter).
-    Raises ValueError for an unknown name."""
+    """The decode kernel's ``UNPACK`` constexpr (``CODE_PATHS["unpack"]``): 1 for "asm", 2 for
+    "asm_i8qk", with 4-/2-bit codes on CUDA and float16 code operands; else 0 (inline PTX has
+    no interpreter). Raises ValueError for an unknown name."""
     v = CODE_PATHS["unpack"] if override is None else override
     if v not in _UNPACK_CODES:
         raise ValueError(f"unpack must be one of {sorted(_UNPACK_CODES)}, got {v!r}")
