@@ -42,10 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args, kv_row_offsets,
-                                               kv_scale_index, load_code_bytes, load_code_bytes_t, load_k_tile,
-                                               load_scales, load_v_tile, merge_lanes, prepare_query, pv_update,
-                                               hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
+from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
+                                               kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
+                                               load_k_tile, load_scales, load_v_tile, merge_lanes, prepare_query,
+                                               pv_update, hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
                                                use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
