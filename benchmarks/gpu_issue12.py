@@ -251,8 +251,8 @@ def main() -> None:
     ap.add_argument("--no-residual", action="store_true",
                     help="engine parts: int4/int2 without the exact filling block (KVFormat.residual off: every "
                          "key read through the quantized cache, as before kv_residual)")
-    ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0,unpack=asm: kv_load.CODE_PATHS for every "
-                    "part (the engine runs in this process); recorded in each record")
+    ap.add_argument("--code-paths", default="", help="e.g. fast_cvt=0,lane_split=0,unpack=asm: kv_load.CODE_PATHS "
+                    "for every part (the engine runs in this process); recorded in each record")
     ns = ap.parse_args()
     if ns.cpu_smoke:  # before the first kvserve import: the kernels are decorated then
         os.environ["TRITON_INTERPRET"] = "1"

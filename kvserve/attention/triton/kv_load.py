@@ -519,8 +519,9 @@ def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.con
     formats (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456; symmetric, so it
     also rotates back). ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester) is built in registers:
     no matrix in memory, no extra launch (built in 32-row slabs, q/K/V loaded and the output
-    stored slab by slab, it was slower on an H100: benchmarks/results/issue12_h100_rotation/). ``M >= 16`` (``tl.dot``); the operands are
-    ``op_dtype``, where +-1 is exact, so with a bfloat16 ``x`` every product is exact.
+    stored slab by slab, it was slower on an H100: benchmarks/results/issue12_h100_rotation/).
+    ``M >= 16`` (``tl.dot``); the operands are ``op_dtype``, where +-1 is exact, so with a
+    bfloat16 ``x`` every product is exact.
     ``SPLIT`` (float32 ``x``, 16-bit ``op_dtype``): ``x = hi + lo`` in two 16-bit parts, two
     dots (about 16 mantissa bits; no tf32)."""
     idx = tl.arange(0, D)
