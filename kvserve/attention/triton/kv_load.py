@@ -294,7 +294,8 @@ def code_lane(r, LANE: tl.constexpr, BITS: tl.constexpr, out_dtype: tl.constexpr
 
 # prmt picks bytes (b0, b1) / (b2, b3) of four packed codes into the low bytes of two 16-bit
 # halves; lop3 (a & mask) | 0x6400 (immLut 0xEA) makes each half the float16 1024 + c * 2^s,
-# and one f16x2 sub or fma takes 1024 off (and the 2^s shift out), exactly.
+# and one f16x2 sub or fma takes 1024 off (and the 2^s shift out), exactly. The same trick
+# dequantizes int4 weights in mixed-precision GEMMs (Marlin, Frantar et al., arXiv:2408.11743).
 _ASM_PAIRS = """
 prmt.b32 t0, $X, 0, 0x4140;
 prmt.b32 t1, $X, 0, 0x4342;
