@@ -13,9 +13,13 @@ int32 pointers: ``kv_load.kv_scale_index``) as Triton's GPU IR has them after pi
 ``async_copy`` (a ``cp.async`` of the software pipeline) or ``load`` (a plain load in the loop),
 the tile shape and the bytes per thread per access (from the layout's ``sizePerThread``),
 with counts (prologue copies of the pipeline included).
-``--regs`` adds registers / spill bytes per thread from ``ptxas -v`` (Triton's bundled ptxas).
+``--regs`` adds registers / spill bytes per thread from ``ptxas -v`` (Triton's bundled ptxas);
+``--ops`` static counts of shared-memory, conversion and unpacking instructions; ``--unpack``
+the int4/int2 decode variants compiled (``kv_load.CODE_PATHS["unpack"]``); ``--dump DIR`` each
+kernel's TTGIR and PTX.
 
 Usage: PYTHONPATH=. python3 benchmarks/ptx_kv_loads.py [--dtypes bfloat16,fp8_e4m3,int8,int4,int2] [--regs]
+    [--ops] [--unpack int32,asm,asm_i8qk] [--dump DIR]
 """
 
 from __future__ import annotations
