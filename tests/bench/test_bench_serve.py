@@ -141,13 +141,15 @@ def test_single_request_timings(srv, endpoint):
     assert r.success, r.error
     assert r.output_tokens == n and r.prompt_tokens == 2  # from the server's usage
     assert r.text == "".join(f"w{i} " for i in range(n))
-    assert 45 <= r.ttft * 1000 <= 150
+    # Sleeps give lower bounds only; the upper bounds just catch a wrong unit (a loaded box
+    # stretches every wall time). TTFT measured at the end would leave no decode time.
+    assert FIRST_DELAY * 0.9 <= r.ttft < 5
+    assert r.e2el - r.ttft >= (n - 1) * GAP * 0.9
     assert len(r.itl) == n - 1
-    assert 8 <= statistics.median(r.itl) * 1000 <= 40
-    expected_e2e = FIRST_DELAY + (n - 1) * GAP
-    assert expected_e2e * 0.9 <= r.e2el <= expected_e2e + 0.25
+    assert GAP * 0.8 <= statistics.median(r.itl) < 5
+    assert r.e2el >= (FIRST_DELAY + (n - 1) * GAP) * 0.9
     assert r.tpot == pytest.approx((r.e2el - r.ttft) / (n - 1))
-    assert 8 <= r.tpot * 1000 <= 40
+    assert sum(r.itl) <= r.e2el - r.ttft + 1e-6  # e2el also waits for the usage chunk
     body = srv.state.bodies[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] == n
@@ -159,7 +161,8 @@ def test_token_id_only_stream_counts_as_output(srv):
     r = _single(srv, serve_client.COMPLETIONS, [1, 2, 3], 5, extra_body={"token_only": True})
     assert r.success, r.error
     assert r.output_tokens == 5 and r.text == "" and len(r.itl) == 4
-    assert 45 <= r.ttft * 1000 <= 150  # from the first id-carrying chunk, not the empty one
+    # from the first id-carrying chunk, not the empty one sent at once
+    assert FIRST_DELAY * 0.9 <= r.ttft and r.e2el - r.ttft >= 4 * GAP * 0.9
     assert r.tpot is not None
 
 
@@ -268,7 +271,7 @@ def test_cli_sweep_json_markdown_plots(srv, tmp_path, capsys):
     out = tmp_path / "res" / "serve.json"
     plots = tmp_path / "plots"
     argv = _argv(srv, "--dataset", "random", "--num-prompts", "6", "--input-len", "4:8", "--output-len", "5",
-                 "--sweep", "inf,30", "--goodput", "ttft:2000", "tpot:1000", "--save-result", str(out),
+                 "--sweep", "inf,30", "--goodput", "ttft:20000", "tpot:10000", "--save-result", str(out),
                  "--plot", str(plots), "--save-detailed", "--seed", "1")
     try:
         import matplotlib  # noqa: F401
@@ -294,7 +297,9 @@ def test_cli_sweep_json_markdown_plots(srv, tmp_path, capsys):
             for name in ("ttft", "tpot", "itl", "e2el"):
                 assert isinstance(run[f"{k}_{name}_ms"], float)
         assert len(run["per_request"]) == 6
-        assert 45 <= run["median_ttft_ms"] <= 400
+        # lower bounds from the server's sleeps; TTFT ends before the 4 decode gaps
+        assert FIRST_DELAY * 900 <= run["median_ttft_ms"] < 5000
+        assert run["median_e2el_ms"] - run["median_ttft_ms"] >= 4 * GAP * 900
     # random prompts go as token-id lists of the asked lengths
     prompts = [b["prompt"] for b in srv.state.bodies]
     assert all(isinstance(p, list) and 4 <= len(p) <= 8 for p in prompts)
