@@ -1,4 +1,4 @@
-"""Issue 16 on the GPU: bounded KV (StreamingLLM / H2O) cost and endless generation.
+"""Bounded KV (StreamingLLM / H2O) on the GPU: its cost and endless generation.
 
 Parts (each a JSON line, all written to ``$OUT/bounded_gpu.json``):
 - ``cost``: decode step time at batch 64 (2,048-token prompts, a 1,024-token KV budget per
@@ -110,7 +110,7 @@ def main() -> None:
     recs: list[dict] = []
     os.makedirs(a.out, exist_ok=True)
     path_json = os.path.join(a.out, "bounded_gpu.json")
-    from gpu_issue2 import env
+    from gpu_equality import env
 
     e = env() if torch.cuda.is_available() else {}
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_issue2 import QWEN3_06B, env, w1  # noqa: E402
+from gpu_equality import QWEN3_06B, env, w1  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy on the H100 (GPU.md)

@@ -1,4 +1,4 @@
-"""GPU benchmarks for speculative decoding (issue 14).
+"""GPU benchmarks for speculative decoding.
 
 Parts (``--parts``, comma-separated):
 

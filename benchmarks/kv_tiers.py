@@ -1,4 +1,4 @@
-"""Tiered KV cache benchmarks (issue 13): CPU tier, swap preemption, disk persistence, transfers.
+"""Tiered KV cache benchmarks: CPU tier, swap preemption, disk persistence, transfers.
 
 Parts (``--parts``, comma-separated):
 

@@ -1,4 +1,4 @@
-"""CPU: ``kvserve serve`` vs llama.cpp's ``llama-server`` on the same GGUF and requests (issue 21).
+"""CPU: ``kvserve serve`` vs llama.cpp's ``llama-server`` on the same GGUF and requests.
 
 For each round and each kvserve configuration (default flags, ``--dtype bfloat16``,
 ``--quantization gguf``) it starts ``kvserve serve`` on a free port and runs ``kvserve bench

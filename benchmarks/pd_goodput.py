@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode vs colocated replicas on the same GPUs, behind ``kvserve router``.
 
-Issue 18's two-GPU comparison. Two deployments, one after the other, each started by ``kvserve
+Two deployments, one after the other, each started by ``kvserve
 launch`` on this machine's GPUs (one GPU per worker, ``--worker-gpus auto``):
 
 - ``pd``: ``--prefill 1 --decode 1`` (``P2PKVConnector``, ``--kv-transport nixl``: the decode
@@ -13,7 +13,7 @@ prompts with short outputs, the rest chats; random token ids, random order, seed
 through ``kvserve bench serve`` at each ``--rates`` (Poisson arrivals, ``--burstiness``,
 ``--duration`` seconds of arrivals per rate; the same requests in the same order for both
 deployments). Per rate: goodput (requests/s meeting every SLO) and SLO attainment (share of
-requests meeting it) under two SLOs fixed before the run (``--slo``: the issue's TTFT <= 1 s,
+requests meeting it) under two SLOs fixed before the run (``--slo``: the target TTFT <= 1 s,
 TPOT <= 25 ms; ``--tight-slo``: TTFT <= 1 s, TPOT <= 15 ms), TTFT/TPOT/ITL percentiles, and
 from ``/metrics`` the router's phase latencies (prefill leg, decode leg's first token: the time
 from prefill done to the first decode token) and the decode worker's KV pulls (bytes, seconds:
@@ -64,7 +64,7 @@ def ceilings() -> dict:
     """Copy and link ceilings of this machine's first two GPUs (bytes per second)."""
     import torch
 
-    from gpu_issue17 import allreduce_bus_bandwidth, copy_bandwidth
+    from gpu_tensor_parallel import allreduce_bus_bandwidth, copy_bandwidth
 
     out = {"d2d_copy_bytes_per_s": copy_bandwidth()}
     if torch.cuda.device_count() >= 2:
@@ -256,9 +256,9 @@ def main() -> None:
                     "workload": {"long_chat_per_rate": kinds, "long_in": a.long_in, "long_out": a.long_out,
                                  "chat_in": a.chat_in, "chat_out": a.chat_out, "long_frac": a.long_frac,
                                  "duration_s": a.duration, "burstiness": a.burstiness},
-                    "slos": {"issue": a.slo, "tight": a.tight_slo}, "runs": []}
+                    "slos": {"target": a.slo, "tight": a.tight_slo}, "runs": []}
     if not a.cpu_smoke:
-        from gpu_issue2 import env
+        from gpu_equality import env
 
         result["env"] = env()
         result["ceilings"] = ceilings()
@@ -295,7 +295,7 @@ def main() -> None:
                 rec = {"mode": mode, "rate": rate, "requests": n, "completed": run["completed"],
                        "failed": run["failed"], "duration_s": round(run["duration_s"], 2),
                        "output_tok_per_s": round(run["output_throughput"], 1),
-                       "issue_slo": slo_stats(per, _slo(a.slo), run["duration_s"]),
+                       "target_slo": slo_stats(per, _slo(a.slo), run["duration_s"]),
                        "tight_slo": slo_stats(per, _slo(a.tight_slo), run["duration_s"]),
                        **{k: round(run[k], 2) for k in sorted(run) if k.endswith("_ms")
                           and isinstance(run[k], (int, float))
@@ -323,14 +323,14 @@ def _slo(text: str) -> dict[str, float]:
 
 
 def print_table(result: dict) -> None:
-    print("\n| mode | rate | ok/sent | goodput issue SLO (attain.) | goodput tight SLO (attain.) | TTFT p50/p99 ms "
+    print("\n| mode | rate | ok/sent | goodput target SLO (attain.) | goodput tight SLO (attain.) | TTFT p50/p99 ms "
           "| TPOT p50/p99 ms | ITL p99 ms | prefill leg / prefill done -> first decode token ms | KV pull GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in result["runs"]:
         ph = r.get("phases", {})
         tr = r.get("transfers", {}).get("decode", {})
         print(f"| {r['mode']} | {r['rate']:g} | {r['completed']}/{r['requests']} "
-              f"| {r['issue_slo']['goodput_req_per_s']} ({r['issue_slo']['attainment']:.0%}) "
+              f"| {r['target_slo']['goodput_req_per_s']} ({r['target_slo']['attainment']:.0%}) "
               f"| {r['tight_slo']['goodput_req_per_s']} ({r['tight_slo']['attainment']:.0%}) "
               f"| {r.get('median_ttft_ms')}/{r.get('p99_ttft_ms')} | {r.get('median_tpot_ms')}/{r.get('p99_tpot_ms')} "
               f"| {r.get('p99_itl_ms')} | {ph.get('prefill', {}).get('mean_ms', '-')} / "

@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_issue2 import QWEN3_06B  # noqa: E402
+from gpu_equality import QWEN3_06B  # noqa: E402
 
 
 def main() -> None:

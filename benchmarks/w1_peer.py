@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_issue2 import QWEN3_06B  # noqa: E402
+from gpu_equality import QWEN3_06B  # noqa: E402
 
 
 def w1_workload(n: int = 256, seed: int = 0):
-    rng = np.random.default_rng(seed)  # the same draws as gpu_issue2.w1
+    rng = np.random.default_rng(seed)  # the same draws as gpu_equality.w1
     in_lens = rng.integers(100, 1025, n)
     out_lens = rng.integers(100, 1025, n)
     prompts = [rng.integers(0, 10000, k).tolist() for k in in_lens]
@@ -90,7 +90,7 @@ def main() -> None:
     rec.update(workload="W1" if not a.tiny else "W1-tiny", peer="transformers continuous batching (paged sdpa, CUDA graphs)",
                requested_tokens=sum(out_lens))
     try:
-        from gpu_issue2 import env
+        from gpu_equality import env
 
         rec.update(env())
     except Exception:

@@ -10,7 +10,7 @@ throughput runs: a *cold* request is a fresh 2048-token prefix + 128 unique toke
 cache_salt of its own (nothing of it is cached); the *hit* request right after it has the same
 prefix and salt and a new 128-token suffix, so its 2048 prefix tokens come from the cache.
 TTFT = first-token time - arrival time of a 1-token request; ``--ttft-repeats`` pairs after
-one warm-up pair; medians and their ratio (issue 4 target: hit <= 0.15 x cold).
+one warm-up pair; medians and their ratio (target: hit <= 0.15 x cold).
 
 Usage (GPU machine, repo root): PYTHONPATH=. python3 benchmarks/w3_prefix.py --out $OUT
 CPU smoke run (tiny random model, small sizes): python3 benchmarks/w3_prefix.py --tiny --out /tmp
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_issue2 import QWEN3_06B  # noqa: E402
+from gpu_equality import QWEN3_06B  # noqa: E402
 
 TINY = dict(QWEN3_06B, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -41,7 +41,7 @@ TINY_SIZES = dict(requests=32, prefix_len=256, suffix_len=32, output_len=16, voc
 
 def env() -> dict:
     if torch.cuda.is_available():
-        from gpu_issue2 import env as gpu_env
+        from gpu_equality import env as gpu_env
 
         return gpu_env()
     try:

@@ -1,13 +1,13 @@
-"""GPU, issue 21: quantized weights at the Llama-3.1-8B shape (dummy weights quantized at load).
+"""GPU: quantized weights at the Llama-3.1-8B shape (dummy weights quantized at load).
 
 Parts (each optional): ``kernels`` — one linear layer per format at the 8B projection shapes, M = 1, 4,
 16, 64, CUDA-event timed, with GB/s of weight bytes beside the roofline; quantized formats twice, with
 the PyTorch kernels (path ``torch``) and the Triton GEMV (path ``triton``, CUDA; ``--sweep`` adds its
 configuration sweep to the JSON); ``w2`` — W2 (batch-1 decode, 128-token prompt)
 per format (bf16 | fp8 | int8 | int4) beside its own roofline (weight bytes / HBM bandwidth);
-``w1`` — W1-style throughput (64 requests) per format. JSON records to --out/issue21.json, table last.
+``w1`` — W1-style throughput (64 requests) per format. JSON records to --out/weight_quant.json, table last.
 
-    PYTHONPATH=. python3 benchmarks/gpu_issue21.py --out $OUT --parts kernels,w2,w1 [--cpu-smoke]
+    PYTHONPATH=. python3 benchmarks/gpu_weight_quant.py --out $OUT --parts kernels,w2,w1 [--cpu-smoke]
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def main() -> None:
     def emit(r: dict) -> None:
         records.append(r)
         print(json.dumps(r), flush=True)
-        with open(os.path.join(ns.out, "issue21.json"), "w") as f:
+        with open(os.path.join(ns.out, "weight_quant.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", records=records), f,
                       indent=1)
 

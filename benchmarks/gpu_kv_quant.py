@@ -1,4 +1,4 @@
-"""GPU benchmarks for quantized KV caches (issue 12), each dtype beside bfloat16 in one call:
+"""GPU benchmarks for quantized KV caches, each dtype beside bfloat16 in one call:
 
 - ``kernel``: the Triton split-KV decode kernel alone at batch 64 x 8k context (Qwen3-0.6B
   layer shape: 16 query heads, 8 KV heads, head dim 128), CUDA-event time, and GB/s of the
@@ -8,13 +8,13 @@
 - ``step``: the engine's decode step at batch 64 x 8k context (Qwen3-0.6B shape, dummy bf16
   weights, CUDA graphs), median ms per step;
 - ``b1``: batch-1 decode ms per step at 1k context, Llama-3.1-8B shape (dummy weights);
-- ``w1``: W1 (256 requests, Qwen3-0.6B shape; ``gpu_issue2.w1``'s workload) in output tok/s.
+- ``w1``: W1 (256 requests, Qwen3-0.6B shape; ``gpu_equality.w1``'s workload) in output tok/s.
 
 Usage (GPU machine, repo root):
-    PYTHONPATH=. python3 benchmarks/gpu_issue12.py --out $OUT --parts kernel,step,b1,w1 \
+    PYTHONPATH=. python3 benchmarks/gpu_kv_quant.py --out $OUT --parts kernel,step,b1,w1 \
         --dtypes bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2
-    python3 benchmarks/gpu_issue12.py --cpu-smoke   # tiny shapes on the CPU (interpreter kernels)
-Appends one JSON record per figure to --out/issue12.json; prints a table last.
+    python3 benchmarks/gpu_kv_quant.py --cpu-smoke   # tiny shapes on the CPU (interpreter kernels)
+Appends one JSON record per figure to --out/kv_quant.json; prints a table last.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ DTYPES = "bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2"
 
 def _record(out_dir: str, rec: dict) -> None:
     print(json.dumps(rec), flush=True)
-    with open(os.path.join(out_dir, "issue12.json"), "a") as f:
+    with open(os.path.join(out_dir, "kv_quant.json"), "a") as f:
         f.write(json.dumps(rec) + "\n")
 
 
@@ -166,7 +166,7 @@ def _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, ou
 
 def step_bench(dtype: str, tmp: str, batch: int, ctx: int) -> dict:
     from gpu_decode import decode_latency
-    from gpu_issue2 import QWEN3_06B
+    from gpu_equality import QWEN3_06B
 
     from kvserve import LLM
 
@@ -203,7 +203,7 @@ def b1_bench(dtype: str, tmp: str) -> dict:
 
 def w1_bench(dtype: str, tmp: str) -> dict:
     import numpy as np
-    from gpu_issue2 import QWEN3_06B
+    from gpu_equality import QWEN3_06B
     from transformers import Qwen3Config
 
     from kvserve import LLM, SamplingParams

@@ -1,8 +1,8 @@
-"""Issue 2's GPU run: greedy equality vs transformers (Qwen3-0.6B shape, dummy weights)
+"""GPU: greedy equality vs transformers (Qwen3-0.6B shape, dummy weights)
 and workload W1 with the torch_ref attention backend (the baseline for the kernel work).
 
 Usage (on the GPU machine, from the repo root):
-    PYTHONPATH=. python benchmarks/gpu_issue2.py --out $OUT
+    PYTHONPATH=. python benchmarks/gpu_equality.py --out $OUT
 Writes ``equality.json`` and ``w1_torch_ref.json`` under --out and prints a table last.
 """
 

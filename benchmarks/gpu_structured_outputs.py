@@ -1,4 +1,4 @@
-"""GPU run for issue 19 (structured outputs on the device): the grammar bitmask applied to
+"""Structured outputs on the GPU: the grammar bitmask applied to
 logits on CUDA (correctness vs. the CPU, time per step), and the engine with constrained
 requests mixed into a W1-like batch (CUDA graphs + async scheduling): every constrained token
 obeys its mask, plain requests are unaffected, throughput with and without constrained
@@ -9,7 +9,7 @@ requests use an allow-set "grammar" (a fixed set of token ids) through the same 
 xgrammar's matchers: ``StructuredOutputManager.make_request_state`` / ``grammar_bitmask`` and
 the ``SchedulerOutput.grammar_bitmask`` the worker applies.
 
-Usage (repo root): PYTHONPATH=. python3 benchmarks/gpu_issue19.py --out $OUT [--cpu-smoke]
+Usage (repo root): PYTHONPATH=. python3 benchmarks/gpu_structured_outputs.py --out $OUT [--cpu-smoke]
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def main() -> None:
 
             traceback.print_exc()
             recs.append({"part": "engine", "error": repr(exc)})
-    with open(os.path.join(a.out, "issue19_gpu.json"), "w") as f:
+    with open(os.path.join(a.out, "structured_outputs.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "records": recs}, f,
                   indent=1)
     print(f"\n{'part':8} {'what':34} {'value':>14}")

@@ -1,4 +1,4 @@
-"""Issue 15 part A's GPU run: Gemma 3 at the 270M shape (dummy weights, HF config written by
+"""GPU: Gemma 3 at the 270M shape (dummy weights, HF config written by
 hand; no GGUF on the GPU machine).
 
 1. ``equality``: float32 greedy tokens of the engine (Triton kernels, CUDA graphs, chunked
@@ -9,9 +9,9 @@ hand; no GGUF on the GPU machine).
 3. ``throughput``: bf16 output tok/s of 64 requests (prompts U[1000, 2000], 256 new tokens,
    ignore_eos) and the batch-1 decode time per token at a 2K-token context.
 
-Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/gpu_issue15a.py --out $OUT``;
+Usage (GPU machine, repo root): ``PYTHONPATH=. python benchmarks/gpu_gemma3.py --out $OUT``;
 ``--cpu-smoke`` runs every part at toy sizes on the CPU (checks the script, no figures).
-Writes ``issue15a_<part>.json`` under --out and prints a table last.
+Writes ``gemma3_<part>.json`` under --out and prints a table last.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def main() -> None:
             traceback.print_exc()
             r = dict(error=f"{type(exc).__name__}: {exc}")
         r = {**r, **e, "part_s": round(time.perf_counter() - t0, 1)}
-        json.dump(r, open(os.path.join(a.out, f"issue15a_{part}.json"), "w"), indent=1)
+        json.dump(r, open(os.path.join(a.out, f"gemma3_{part}.json"), "w"), indent=1)
         if "error" in r:
             rows.append((part, r["error"][:100]))
         elif part == "equality":

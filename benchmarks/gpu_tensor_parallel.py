@@ -1,4 +1,4 @@
-"""Issue 17 on two GPUs (``nvidia-h200-x2``): tensor parallelism beside one GPU, in one call.
+"""Tensor parallelism on two GPUs (``nvidia-h200-x2``): tensor parallelism beside one GPU, in one call.
 
 Measured, each printed as a JSON line and written to ``$OUT/tp_bench.json``:
 - the ceilings: device-to-device copy bandwidth on GPU 0, NCCL all-reduce bus bandwidth over
@@ -8,7 +8,7 @@ Measured, each printed as a JSON line and written to ``$OUT/tp_bench.json``:
   cluster started here (skipped without Ray);
 - Llama-3.1-70B shape, dummy bf16, TP=2: KV capacity, batch-1 ms/token next to its roofline
   (weight bytes per GPU / measured copy bandwidth), decode throughput at batch 64.
-Usage (repo root): OUT=<dir> python3 benchmarks/gpu_issue17.py [--skip-70b] [--skip-ray] [--skip-w1]
+Usage (repo root): OUT=<dir> python3 benchmarks/gpu_tensor_parallel.py [--skip-70b] [--skip-ray] [--skip-w1]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_decode import LLAMA31_8B, _config_dir, decode_latency  # noqa: E402
-from gpu_issue2 import env  # noqa: E402
+from gpu_equality import env  # noqa: E402
 
 LLAMA31_70B = dict(LLAMA31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                    num_attention_heads=64, num_key_value_heads=8)

@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# The one entry point for GPU measurements: runs the named parts one after the other, each under
+# its own time limit (a part that fails or runs out of time does not stop the next), each writing
+# into $OUT/<part>/ (console.txt + its JSON), then prints a short table last and packs the part
+# folders into $OUT/results.tgz (the device tool brings back at most 8 files; KEEP_DIRS=1 keeps
+# the folders as they are).
+#
+# Usage (repo root, on the GPU machine):
+#   OUT=<dir> bash benchmarks/gpu/run.sh PART[:SECONDS] ...     e.g.  w1 w2 w3 kv-quant-kernel:90
+#   bash benchmarks/gpu/run.sh --list                             the parts and their time limits
+#
+# The canonical workloads (parts w1, w2, w3: benchmarks/workloads.py, one engine per process):
+#   KVSERVE_SRC=<dir>       measure the kvserve tree in <dir> instead of this one (PYTHONPATH)
+#   KVSERVE_BASELINE=<dir>  also measure the tree in <dir> right after each workload, in the same
+#                           call (side by side: $OUT/<part>/current.json and baseline.json); e.g.
+#                           `git archive <commit> kvserve | tar -x -C .prev` here, carried as .prev;
+#                           KVSERVE_BASELINE_COMMIT=<sha> names it in the JSON
+#   WORKLOAD_ARGS="..."     extra workloads.py arguments (e.g. "--kv-cache-dtype fp8_e4m3")
+# Other settings: KVSERVE_COMMIT (recorded in the JSON when git metadata is absent or stale),
+# GPU_TESTS (the test paths of part tests-cuda). Wheels in .whl/ and NIXL in .whl_nixl/ (as
+# the device README says) are installed into /tmp/site first when present.
+set -u
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/kvserve-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Multicast stays off on multi-GPU hosts (it can take the host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SITE=/tmp/site
+SRC=${KVSERVE_SRC:-$ROOT}
+B=benchmarks
+
+# name:default seconds:what it measures
+PARTS="
+tests-cuda:300:the GPU-relevant tests on CUDA (GPU_TESTS; default attention, worker, layers, kv_connector)
+equality:150:greedy equality with transformers, float32, Qwen3-0.6B shape (gpu_equality.py)
+w1:240:W1 offline throughput, Qwen3-0.6B shape (workloads.py)
+w2:200:W2 batch-1 decode ms/token, Llama-3.1-8B shape (workloads.py)
+w3:300:W3 prefix reuse, caching on vs off (workloads.py)
+w2-peer:240:W2 of transformers' static-cache generate beside ours, decode step times (gpu_decode.py)
+w1-peer:300:W1 of transformers' continuous batching (w1_peer.py)
+w3-ttft:300:W3 per-request TTFT of a prefix hit vs cold, and the 0%-hit cost (w3_prefix.py)
+kv-quant-kernel:120:quantized-KV decode kernel alone per dtype vs bf16, GB/s (gpu_kv_quant.py kernel)
+kv-quant-engine:300:quantized-KV decode step b64 x 8k, batch-1 decode and W1 per dtype (gpu_kv_quant.py)
+weight-quant:240:quantized weights: linear kernels and W2 per format vs roofline (gpu_weight_quant.py)
+spec:450:speculative decoding: verify-step cost, batch-1 speedups, W1-like load (gpu_spec.py)
+tiers:300:KV tiers at the 8B shape: bandwidth, multi-turn, zero reuse, swap, persistence (kv_tiers.py)
+hybrid:240:hybrid KV (sliding window): capacity, decode 2K vs 32K, window kernel (hybrid_kv.py)
+gemma3:400:Gemma 3 270M shape: equality with transformers, throughput (gpu_gemma3.py)
+bounded:360:bounded KV: decode cost none/streaming/h2o, endless StreamingLLM (gpu_bounded.py)
+structured:360:structured outputs: bitmask on CUDA, constrained requests in a batch (gpu_structured_outputs.py)
+pd-transfer:200:P/D KV transfer on one GPU, tcp and NIXL: GB/s and TTFT vs recompute (pd_transfer.py)
+serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
+tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
+pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
+"
+
+if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
+  echo "parts (name, default seconds, what):"
+  echo "$PARTS" | sed '/^$/d' | sed 's/^\([^:]*\):\([^:]*\):/\1|\2|/' | awk -F'|' '{printf "  %-16s %4ss  %s\n", $1, $2, $3}'
+  [ $# = 0 ] && exit 2
+  exit 0
+fi
+
+install_wheels() {  # the server's wheels (.whl/) and NIXL (.whl_nixl/) into $SITE
+  mkdir -p "$SITE"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl > "$OUT/wheels.txt" 2>&1
+    echo "wheels rc=$?"
+  fi
+  if [ -f .whl_nixl/nixl_trim.tar.xz ]; then  # nixl-cu13 unpacked and trimmed to fit one call
+    tar -C "$SITE" -xJf .whl_nixl/nixl_trim.tar.xz
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl_nixl/nixl-*-py3-none-any.whl \
+      >> "$OUT/wheels.txt" 2>&1
+    echo "nixl rc=$?"
+  elif ls .whl_nixl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl_nixl/*.whl >> "$OUT/wheels.txt" 2>&1
+    echo "nixl rc=$?"
+  fi
+}
+
+py() { PYTHONPATH=$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
+
+workload() {  # workload <w1|w2|w3> <dir>: this tree (or KVSERVE_SRC), then KVSERVE_BASELINE if set
+  local w=$1 d=$2
+  # shellcheck disable=SC2086
+  py "$B/workloads.py" --workload "$w" ${WORKLOAD_ARGS:-} --out "$d/current.json"
+  if [ -n "${KVSERVE_BASELINE:-}" ]; then
+    local base
+    base=$(cd "$KVSERVE_BASELINE" && pwd)
+    # shellcheck disable=SC2086
+    (cd "$base" && KVSERVE_COMMIT=${KVSERVE_BASELINE_COMMIT:-} PYTHONPATH=$base:$SITE \
+      python3 "$ROOT/$B/workloads.py" --workload "$w" ${WORKLOAD_ARGS:-} --out "$d/baseline.json")
+  fi
+}
+
+run_part() {  # run_part <name> <dir>: the commands of one part
+  local p=$1 d=$2
+  case $p in
+    tests-cuda)
+      # shellcheck disable=SC2086
+      py -m pytest -q -p no:cacheprovider -m "not slow" ${GPU_TESTS:-tests/attention tests/worker tests/layers tests/kv_connector} ;;
+    equality) py $B/gpu_equality.py --out "$d" --skip-w1 ;;
+    w1|w2|w3) workload "$p" "$d" ;;
+    w2-peer) py $B/gpu_decode.py --out "$d" --backends triton --w1-backends "" ;;
+    w1-peer) py $B/w1_peer.py --out "$d" ;;
+    w3-ttft) py $B/w3_prefix.py --out "$d" ;;
+    kv-quant-kernel) py $B/gpu_kv_quant.py --out "$d" --parts kernel --dtypes bfloat16,fp8_e4m3,fp8_e5m2,int8,int4,int2 ;;
+    kv-quant-engine)
+      py $B/gpu_kv_quant.py --out "$d" --parts step,b1 --dtypes bfloat16,fp8_e4m3,int8,int4,int2
+      py $B/gpu_kv_quant.py --out "$d" --parts w1 --dtypes bfloat16,fp8_e4m3,int4 ;;
+    weight-quant) py $B/gpu_weight_quant.py --out "$d" --parts kernels,w2 --formats bf16,fp8,int4,int4@triton ;;
+    spec) for s in verify batch1 load; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;
+    tiers)
+      local c="--gpu8b --tier-gib 24 --kv-cache-memory 16GiB"
+      # shellcheck disable=SC2086
+      py $B/kv_tiers.py $c --parts bandwidth --bw-blocks 1024 --out "$d/tiers_bw.json"
+      # shellcheck disable=SC2086
+      py $B/kv_tiers.py $c --parts multiturn --convs 64 --turns 6 --first-tokens 512 --turn-tokens 256 \
+        --output-len 32 --out "$d/tiers_multiturn.json"
+      # shellcheck disable=SC2086
+      py $B/kv_tiers.py $c --parts zero,swap,persist --zero-n 64 --zero-len 1024 --output-len 64 --decode-len 128 \
+        --swap-n 64 --swap-prompt 512 --swap-out 512 --persist-len 2048 --out "$d/tiers_rest.json" ;;
+    hybrid) for s in capacity decode kernel; do py $B/hybrid_kv.py --out "$d" --parts $s --tag $s; done ;;
+    gemma3) py $B/gpu_gemma3.py --out "$d" ;;
+    bounded)
+      py $B/gpu_bounded.py --out "$d" --parts cost
+      py $B/gpu_bounded.py --out "$d/endless" --parts endless --endless-seconds 150 ;;
+    structured) py $B/gpu_structured_outputs.py --out "$d" ;;
+    pd-transfer)
+      for t in tcp nixl; do UCX_PROTO_INFO=y py $B/pd_transfer.py --transport $t --out "$d"; done ;;
+    serve-sweep) OUT=$d SWEEP_SKIP_WHEELS=1 PYTHONPATH=$SITE:$SRC bash $B/gpu_serve_sweep.sh ;;
+    tp) py $B/gpu_tensor_parallel.py --out "$d" ;;
+    pd)
+      # shellcheck disable=SC2086
+      UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;
+    *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
+  esac
+}
+
+headline() {  # the figures of one part, one line each
+  local p=$1 d=$2
+  case $p in
+    w1|w2|w3)
+      for f in "$d"/current.json "$d"/baseline.json; do
+        [ -f "$f" ] && python3 - "$f" <<'PY'
+import json, sys
+r = json.loads(open(sys.argv[1]).readline())
+w = r["workload"]
+if w.startswith("W1"):
+    fig = f"{r['output_tok_per_s']} out tok/s"
+elif w.startswith("W2"):
+    fig = f"{r['ms_per_token']} ms/token"
+else:
+    fig = (f"off {r['caching_off']['wall_s']} s, on {r['caching_on']['wall_s']} s ({r['speedup']}x), "
+           f"TTFT ratio {r['ttft_ratio']}")
+print(f"  {w} {r.get('kv_cache_dtype') or ''} {fig}  [{str(r['commit'])[:10]}]")
+PY
+      done ;;
+    *) grep -h '^|' "$d/console.txt" 2>/dev/null | grep -v '^|--' | tail -n 8 | cut -c1-160 | sed 's/^/  /' ;;
+  esac
+}
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>/dev/null
+git log -1 --format='commit %h %s' 2>/dev/null || echo "commit ${KVSERVE_COMMIT:-unknown}"
+
+case " $* " in *" pd"*|*" serve-sweep"*|*" pd-transfer"*) install_wheels ;; esac
+
+SUMMARY=()
+for spec in "$@"; do
+  name=${spec%%:*}
+  line=$(echo "$PARTS" | grep "^$name:" || true)
+  limit=${line#*:}; limit=${limit%%:*}
+  [ "$spec" != "$name" ] && limit=${spec#*:}
+  [ -z "$line" ] && { echo "== $name: unknown part"; SUMMARY+=("$name|2|0"); continue; }
+  d=$OUT/$name
+  mkdir -p "$d"
+  echo "== $name (limit ${limit}s)"
+  s=$(date +%s)
+  # The part's commands in a subshell, killed as a group at its limit.
+  LIMIT=$limit timeout -k 10 "$limit" bash -c "$(declare -f py workload run_part); \
+    ROOT='$ROOT' OUT='$OUT' SITE='$SITE' SRC='$SRC' B='$B' LIMIT='$limit'; run_part '$name' '$d'" \
+    > "$d/console.txt" 2>&1
+  rc=$?
+  echo "rc=$rc in $(( $(date +%s) - s ))s"; tail -n 6 "$d/console.txt"
+  SUMMARY+=("$name|$rc|$(( $(date +%s) - s ))")
+done
+
+{
+  echo
+  printf '%-16s %4s %6s\n' part rc seconds
+  for row in "${SUMMARY[@]}"; do
+    IFS='|' read -r n rc t <<< "$row"
+    printf '%-16s %4s %6s\n' "$n" "$rc" "$t"
+    headline "$n" "$OUT/$n"
+  done
+} | tee "$OUT/summary.txt"
+
+if [ -z "${KEEP_DIRS:-}" ]; then
+  dirs=()
+  for spec in "$@"; do [ -d "$OUT/${spec%%:*}" ] && dirs+=("${spec%%:*}"); done
+  [ ${#dirs[@]} -gt 0 ] && tar czf "$OUT/results.tgz" -C "$OUT" "${dirs[@]}" && (cd "$OUT" && rm -rf "${dirs[@]}")
+fi
