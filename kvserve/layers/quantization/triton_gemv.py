@@ -167,7 +167,7 @@ def gemv_config(fmt: int, m: int, n: int, k: int, group_size: int = 0) -> tuple[
     ``BLOCK_K`` is in K elements per iteration (int4: ``GPI`` groups of ``group_size``).
     """
     block_m = 1 if m == 1 else (16 if m <= 16 else (32 if m <= 32 else 64))
-    # H100 sweep (benchmarks/gpu_issue21.py --sweep): 8-row tiles of 512-1024 bytes for M = 1, 32 x 128
+    # H100 sweep (benchmarks/gpu_weight_quant.py --sweep): 8-row tiles of 512-1024 bytes for M = 1, 32 x 128
     # for the tl.dot path; INT4 (more ALU per byte: unpacking, dequantization) wants more programs.
     target = _TARGET_PROGRAMS
     if fmt == FMT_INT4:
