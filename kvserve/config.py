@@ -114,8 +114,8 @@ class CacheConfig:
                                                "--gpu-memory-utilization. Default on the CPU: 1GiB.")
     kv_cache_dtype: str = doc("auto", "KV cache storage dtype (auto = the model dtype). fp8 (= fp8_e4m3), "
                                       "fp8_e5m2 and int8 store a per-token-per-head scale; int4/int2 a per-token-"
-                                      "per-head scale and minimum of Hadamard-rotated K/V rows (README: which "
-                                      "to pick).",
+                                      "per-head scale and minimum of Hadamard-rotated K/V rows "
+                                      "(docs/kv-cache-dtypes.md: which to pick).",
                               choices=KV_CACHE_DTYPE_CHOICES)
     enable_prefix_caching: bool = doc(True, "Reuse KV blocks of shared prompt prefixes (radix tree).")
     num_gpu_blocks_override: Optional[int] = doc(None, "Force the number of KV blocks per group (testing).")

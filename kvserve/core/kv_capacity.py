@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from kvserve.core.kv_cache_spec import KV_FORMATS, FullAttentionSpec
 
-#: Formats known to lose accuracy, with the reason shown at start-up (README: which to pick).
+#: Formats known to lose accuracy, with the reason shown at start-up (docs/kv-cache-dtypes.md: which to pick).
 LOSSY_KV_FORMATS: dict[str, str] = {
     "int2": "2-bit KV codes with per-token scales wreck accuracy (SmolLM2-135M: perplexity x3.2 even with the "
             "Hadamard rotation and the filling block exact); check `kvserve bench accuracy` for your model before "
