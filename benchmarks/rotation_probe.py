@@ -71,7 +71,7 @@ def main() -> None:
             store_kv(k, v, cache, meta.slot_mapping, rotate=True)
             torch.cuda.synchronize() if dev == "cuda" else None if dev == "cuda" else None
             # Judge the stored rows by their squared error against the float32-rotated input (a
-            # range chosen by a search, as tried in this round, may differ from torch's in a few
+            # range chosen by a search, as tried once, may differ from torch's in a few
             # rows on the GPU: summation order), and count the rows that differ.
             sl = meta.slot_mapping
             x = torch.stack(rot[1:])  # [2, t, hkv, d]

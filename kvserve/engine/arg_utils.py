@@ -398,7 +398,7 @@ def resolve_auto_dtype(device: str, hf_config: Any = None) -> str:
     """The model dtype ``--dtype auto`` means on ``device`` (the one place this rule lives).
 
     CPU: bfloat16 where the CPU has native bf16 (``cpu_has_native_bf16``: 3-5x float32's decode
-    speed, BENCHMARKS.md "Quantized weights (issue 21)"), else float32 (bf16 is emulated there and
+    speed, docs/benchmarks/weight-quant.md), else float32 (bf16 is emulated there and
     slower), with or without ``--quantization``. GPU: the checkpoint's type when it is float16,
     else bfloat16.
     """

@@ -1,4 +1,4 @@
-"""``--dtype auto`` (issue 21, item 4): on the CPU bfloat16 where it has native bf16, float32
+"""``--dtype auto``: on the CPU bfloat16 where it has native bf16, float32
 elsewhere, with or without a quantization; an explicit dtype is kept. The detection is forced
 with ``KVSERVE_CPU_NATIVE_BF16`` (or by patching ``cpu_has_native_bf16``)."""
 

@@ -1,4 +1,4 @@
-"""Faults a client can cause (issue 20), on one small server without an API key.
+"""Faults a client can cause, on one small server without an API key.
 
 Dummy weights at the real shapes (fast start); the real tokenizer. Loopback only, bounded:
 every request has a timeout, generations are a few tokens.

@@ -1,4 +1,4 @@
-"""Shutdown under load and a hung engine (issue 20): each test runs a small server of its own
+"""Shutdown under load and a hung engine: each test runs a small server of its own
 (dummy weights, no API key) in a new process group, and ends it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fault-handling pieces without a server (issue 20): Host allow-list, the tokenizer pool's
+"""Fault-handling pieces without a server: Host allow-list, the tokenizer pool's
 guards, the engine core's heartbeat, AsyncLLM's stall watchdog and request deadline."""
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def test_bad_inputs_are_4xx_with_openai_bodies(server, http, wait_idle, metric_v
         assert r.status_code == status, (kind, r.status_code, r.text[:300])
         _ok_error_body(r)
         kinds[kind] = r.status_code
-    # Unknown top-level fields are a 400 naming the field (issue 19: never silently ignored);
+    # Unknown top-level fields are a 400 naming the field (never silently ignored);
     # extra keys inside a message are passed on to the chat template.
     r = http.post(C, json={"prompt": "hi", "max_tokens": 2, "no_such_field": {"x": [1]}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "no_such_field", r.text
