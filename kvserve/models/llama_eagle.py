@@ -194,7 +194,7 @@ class EagleHead(nn.Module):
 
 def published_state_dict(head_state: dict[str, torch.Tensor], eagle3: bool = False) -> dict[str, torch.Tensor]:
     """HF-named tensors (``layers.0.self_attn.q_proj.weight`` ...) of the published layout from
-    a state dict that already uses those names (``benchmarks/train_eagle.py``): renames
+    a state dict that already uses those names (``kvserve/spec_decode/train_eagle.py``): renames
     ``layers.0.`` to ``midlayer.`` for EAGLE-3 and makes tensors contiguous."""
     out = {}
     for n, t in head_state.items():

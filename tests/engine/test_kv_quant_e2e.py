@@ -60,7 +60,7 @@ def baseline(llm):
 
 
 # Mean tokens until the first divergence from the unquantized (float32) engine, out of 24
-# (measured: int8 22, fp8 see BENCHMARKS.md; the 24-prompt figures come from `bench accuracy`).
+# (measured: int8 22, fp8 see docs/benchmarks/kv-quant.md; the 24-prompt figures come from `bench accuracy`).
 # int4/int2 per-token codes flip greedy choices early on this 135M model; they must stay valid.
 @pytest.mark.parametrize("dtype,min_mean_agree", [("int8", 20), ("fp8", 8), ("int4", 2), ("int2", 0)])
 def test_greedy_agreement_batch_invariance_prefix_hits(baseline, loaded_once, dtype, min_mean_agree):

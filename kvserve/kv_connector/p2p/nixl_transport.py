@@ -91,7 +91,7 @@ class NixlAgent:
         # STRICT: the pull / lend threads of one worker share the agent.
         # UCX turns cuda_ipc READs (get zcopy) off unless it sees NVLink, so two processes on
         # one GPU (or PCIe peers) fell back to TCP emulation: 0.47 GB/s vs ~700 GB/s with it
-        # on (H100, BENCHMARKS.md). Set before the agent creates its UCX context; a user's
+        # on (H100, docs/benchmarks/disaggregation.md). Set before the agent creates its UCX context; a user's
         # own setting wins.
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         conf = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],

@@ -54,7 +54,7 @@ def check_quantization(method: Optional[str], device: str, dtype: str, load_form
                 raise ValueError(f"--quantization fp8 needs a GPU with FP8 tensor cores (compute capability "
                                  f">= 8.9); this one is {major}.{minor}")
     elif device != "cuda" and method == "fp8":
-        # torch._scaled_mm runs on the CPU but ~1000x slower than bf16 (BENCHMARKS.md): refuse it.
+        # torch._scaled_mm runs on the CPU but ~1000x slower than bf16 (docs/benchmarks/weight-quant.md): refuse it.
         raise ValueError("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); "
                          "on the CPU use int8, int4 or (GGUF models) gguf")
 

@@ -3,7 +3,7 @@
 The kernels are PyTorch's own (the ones torchao dispatches to): ``_weight_int4pack_mm_for_cpu``
 (CPU) / ``_weight_int4pack_mm`` (CUDA "tinygemm"), ``_weight_int8pack_mm`` and
 ``torch._scaled_mm`` (FP8, row-wise scales). torchao 0.18's tensor-subclass wrappers cost
-~10x the kernel time per call at our shapes (BENCHMARKS.md), so only the glue lives here.
+~10x the kernel time per call at our shapes (docs/benchmarks/weight-quant.md), so only the glue lives here.
 
 Canonical INT4 form (llama.cpp's Q4_1, asymmetric): per group of ``group_size`` input
 features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernels compute
@@ -86,7 +86,8 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: formats served by the Triton GEMV on CUDA by default (``KVSERVE_TRITON_GEMV``: "1" all, "0" none, or a list).
 #: INT4 is opt-in: on the H100 its M=1 GEMV reaches ~1.1 TB/s vs tinygemm's 1.3-1.9 (W2 4.75 vs 3.22 ms/token),
-#: though it wins from M=4 up (BENCHMARKS.md); one packing is kept, so the batch-1 winner is the default.
+#: though it wins from M=4 up (docs/benchmarks/weight-quant.md); one packing is kept, so the batch-1
+#: winner is the default.
 TRITON_GEMV_DEFAULT = "fp8,int8"
 
 
