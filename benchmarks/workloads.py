@@ -4,14 +4,15 @@
   lengths uniform in [100, 1024] of random ids in [0, 10000), output lengths uniform in
   [100, 1024], ignore_eos, temperature 0.6 (nano-vllm's bench.py). Figure: output tokens / wall s.
 - ``w2`` batch-1 decode: Llama-3.1-8B shape, dummy bf16 weights, a 128-token prompt, 256 output
-  tokens, greedy. Figure: median over ``--repeats`` runs (after a warm-up run) of
-  (finished time - first-token time) / (output tokens - 1), in ms per output token.
+  tokens, greedy. Figure: median ms between engine steps 8..256 (after a 16-step warm-up
+  request), i.e. per output token; also the mean over one whole ``LLM.generate`` request.
 - ``w3`` prefix reuse: Qwen3-0.6B shape, 512 requests, each one of 4 shared 2048-token prefixes +
   128 unique tokens, 128 output tokens, greedy, ignore_eos; prefix caching on and off, each
   engine in a child process of its own. Figures: output tok/s and mean TTFT (s) for each, and
   the on/off ratios.
 
-Only kvserve's public API is used (``LLM``, ``SamplingParams``, ``RequestOutput.metrics``), with
+Only kvserve's public API is used (``LLM``, ``SamplingParams``, ``RequestOutput.metrics``; W2 also
+``LLM.llm_engine``'s ``add_request`` / ``step`` / ``abort_request``, as vLLM's ``LLMEngine`` has them), with
 ``load_format="dummy"`` and a config written here from the shapes, so the same script measures an
 older checkout: ``PYTHONPATH=<other checkout> python3 benchmarks/workloads.py --workload w1``.
 
@@ -160,8 +161,29 @@ def w1(a: argparse.Namespace) -> dict:
                 prompt_tokens=int(in_lens.sum()), num_requests=s["requests"], engine_args=args)
 
 
+def _step_times(llm, prompt: list[int], steps: int) -> list[float]:
+    """Wall ms between ``steps`` consecutive engine steps of one request decoding alone
+    (``LLM.llm_engine``'s add_request / step / abort_request; the request is aborted after).
+    No device sync inside the loop: with async scheduling a step's return marks its token
+    reaching the host, so in steady state the interval is the time per token a user sees."""
+    from kvserve import SamplingParams
+
+    eng = llm.llm_engine
+    rid = eng.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+    _sync()
+    stamps = [time.perf_counter()]
+    for _ in range(steps):
+        eng.step()
+        stamps.append(time.perf_counter())
+    eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+
+
 def w2(a: argparse.Namespace) -> dict:
-    """Median ms per output token of one request decoding alone."""
+    """Median ms per output token of one request decoding alone (steps 8.. of 256, after a
+    16-step warm-up request), and the mean over a whole ``LLM.generate`` request."""
     import numpy as np
 
     from kvserve import SamplingParams
@@ -169,16 +191,13 @@ def w2(a: argparse.Namespace) -> dict:
     s = (TINY_SIZES if a.tiny else SIZES)["w2"]
     rng = np.random.default_rng(0)
     llm, args = make_llm("w2", a)
-    sp = SamplingParams(temperature=0, max_tokens=s["output_len"], ignore_eos=True)
-    per_run = []
-    for k in range(a.repeats + 1):  # run 0 warms up (kernels, graphs), not counted
-        prompt = rng.integers(0, s["vocab"], s["prompt_len"]).tolist()
-        o = llm.generate([prompt], sp, use_tqdm=False)[0]
-        n = len(o.outputs[0].token_ids)
-        assert n == s["output_len"], n
-        if k:
-            per_run.append((o.metrics.finished_time - o.metrics.first_token_time) / (n - 1) * 1e3)
-    return dict(ms_per_token=round(statistics.median(per_run), 3), ms_per_token_runs=[round(x, 3) for x in per_run],
+    _step_times(llm, rng.integers(0, s["vocab"], s["prompt_len"]).tolist(), 16)  # warm-up
+    times = _step_times(llm, rng.integers(0, s["vocab"], s["prompt_len"]).tolist(), s["output_len"])
+    o = llm.generate([rng.integers(0, s["vocab"], s["prompt_len"]).tolist()],
+                     SamplingParams(temperature=0, max_tokens=s["output_len"], ignore_eos=True), use_tqdm=False)[0]
+    n = len(o.outputs[0].token_ids)
+    e2e = (o.metrics.finished_time - o.metrics.first_token_time) / (n - 1) * 1e3
+    return dict(ms_per_token=round(statistics.median(times[8:]), 3), ms_per_token_mean_generate=round(e2e, 3),
                 prompt_len=s["prompt_len"], output_len=s["output_len"], engine_args=args)
 
 
@@ -245,7 +264,6 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3, int8, int4 (default: the engine's)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other LLM(...) argument, VALUE as JSON where it parses (repeatable)")
-    ap.add_argument("--repeats", type=int, default=5, help="w2: timed runs after the warm-up run")
     ap.add_argument("--prefix-caching", choices=("on", "off", "both"), default="both",
                     help="w3: one engine (on/off) in this process, or both in child processes")
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU, small sizes (checks the script)")
