@@ -302,6 +302,7 @@ def save_head(head: TrainHead, cfg, out: str, draft_vocab_size: int | None = Non
     os.makedirs(out, exist_ok=True)
     d = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
     d.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16")
+    d.pop("_name_or_path", None)  # the target's local path: no machine path in a shipped head
     if draft_vocab_size:
         d["draft_vocab_size"] = draft_vocab_size
     with open(os.path.join(out, "config.json"), "w") as f:
