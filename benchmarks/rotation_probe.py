@@ -5,7 +5,7 @@ torch_ref over the float32-rotated inputs.
 Usage (GPU machine, repo root): PYTHONPATH=. python3 benchmarks/rotation_probe.py CASE [--dtype int4]
 CASE: store | decode | prefill | prefill64 | prefill16 | forward (the prefill cases rotate around the
 kernel, as ``TritonBackend`` does: the in-kernel rotation was wrong in its 64/128-row tiles on sm_90,
-results in benchmarks/results/kv_quant/). Prints one JSON line.
+an H100 run of 2026-11-27, kept in git history). Prints one JSON line.
 """
 
 from __future__ import annotations
