@@ -288,6 +288,13 @@ class EngineArgs:
         )
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every engine flag to ``parser`` (``EngineArgs.add_cli_args``); returns the parser.
+    Used by every subcommand that starts or configures an engine (``kvserve generate``,
+    ``serve``, ``bench``, ``launch``)."""
+    return EngineArgs.add_cli_args(parser)
+
+
 def check_tensor_parallel(hf_config: Any, tp: int, device: str) -> None:
     """Raise ValueError when ``tp`` ranks cannot split this model (heads, KV heads, MLP width)
     or exceed the visible GPUs."""
