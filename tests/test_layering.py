@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "kvserve"
 
-#: Bottom to top; a module's layer is that of the longest prefix listed here that names it.
+#: Bottom to top; a module's layer is that of the longest package prefix listed here that names
+#: it ("kvserve" alone is the root package's ``__init__``). A new package must be placed here.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("kvserve.logger", "kvserve.utils", "kvserve.config", "kvserve.sampling_params",
                     "kvserve.request", "kvserve.outputs")),
@@ -128,7 +129,9 @@ def layer_of(mod: str) -> tuple[int, str]:
     best: Optional[tuple[int, int, str]] = None
     for i, (name, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (mod == p or mod.startswith(p + ".")) and (best is None or len(p) > best[0]):
+            # "kvserve" names the root package itself, not everything under it.
+            inside = mod == p or (p != "kvserve" and mod.startswith(p + "."))
+            if inside and (best is None or len(p) > best[0]):
                 best = (len(p), i, name)
     assert best is not None, f"{mod} is in no layer: add it to LAYERS"
     return best[1], best[2]
@@ -201,7 +204,8 @@ def all_cycles() -> dict[frozenset[str], list[Edge]]:
 
 
 def _describe(cycles: dict[frozenset[str], list[Edge]]) -> str:
-    return "\n".join("cycle " + " -> ".join(sorted(c)) + ":\n    " + "\n    ".join(map(str, chain))
+    return "\n".join(f"cycle {' -> '.join([e.src for e in chain] + [chain[0].src])} ({len(c)} modules "
+                     "import each other in all):\n    " + "\n    ".join(map(str, chain))
                      for c, chain in cycles.items())
 
 
