@@ -5,8 +5,12 @@
 ``ObservabilityConfig`` make up ``EngineConfig``. The user-facing fields carry their help
 text, choices and default in ``field(metadata=...)``; ``EngineArgs``
 (``kvserve.engine.arg_utils``) takes its defaults and ``--help`` text from them, resolves the
-"auto" values once (``EngineArgs.create_engine_config``) and the resolved ``EngineConfig``
-is what every process receives (it pickles). Field names follow vLLM.
+"auto" values once (``EngineArgs.create_engine_config``, with the resolvers at the end of
+this module: bounded KV, CPU threads) and the resolved ``EngineConfig`` is what every process
+receives (it pickles). Field names follow vLLM. The parallel, speculative, KV-transfer,
+attention, device and observability configs are frozen; the model, cache and scheduler
+configs also carry the values the engine core plans at start-up from the KV memory
+(``num_blocks``, a lowered ``max_model_len``).
 
 No I/O happens at import; nothing here imports torch.
 """
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -104,6 +109,12 @@ class ModelConfig:
     max_model_len_explicit: bool = resolved(False)  # the user set max_model_len (never lowered then)
 
 
+#: ``--kv-eviction-policy`` values (``kvserve.core.bounded_kv`` implements them; docs/bounded-kv.md).
+BOUNDED_KV_POLICIES = ("none", "streaming", "h2o")
+#: ``--attention-sinks`` when a bounded policy is on and the flag is not given.
+DEFAULT_ATTENTION_SINKS = 4
+
+
 @dataclass
 class CacheConfig:
     """The paged KV cache: block size, memory budget, format, prefix caching."""
@@ -140,7 +151,7 @@ class CacheConfig:
                 "--max-attention-window tokens; h2o (arXiv:2306.14048) keeps sinks, the recent window and "
                 "the blocks with the most accumulated attention within --kv-budget-tokens. Setting "
                 "--max-attention-window alone selects streaming.",
-        choices=["none", "streaming", "h2o"])
+        choices=list(BOUNDED_KV_POLICIES))
     attention_sinks: Optional[int] = doc(None, "Bounded KV: the first tokens every query keeps attending to "
                                                "(attention sinks; default 4). Kept as ceil(N / block_size) blocks.")
     max_attention_window: Optional[int] = doc(
@@ -170,7 +181,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = resolved(0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over workers."""
 
@@ -194,7 +205,7 @@ MAX_SPECULATIVE_TOKENS = 16
 SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (``--speculative-config`` JSON, vLLM's fields).
 
@@ -250,7 +261,7 @@ class SpeculativeConfig:
                 hi = max(5, lo)
             if lo > hi:
                 raise ValueError(f"prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
-            cfg.prompt_lookup_min, cfg.prompt_lookup_max = lo, hi
+            cfg = replace(cfg, prompt_lookup_min=lo, prompt_lookup_max=hi)
         if not isinstance(cfg.dynamic, bool):
             raise ValueError(f"dynamic must be true or false, got {cfg.dynamic!r}")
         if not isinstance(cfg.dynamic_max_batch, int) or cfg.dynamic_max_batch < 1:
@@ -260,7 +271,7 @@ class SpeculativeConfig:
         return cfg
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVTransferConfig:
     """KV transfer between engines and tiers (``--kv-transfer-config`` JSON, vLLM's fields)."""
 
@@ -278,7 +289,7 @@ class KVTransferConfig:
         return cls(**d)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionConfig:
     """Which attention implementation serves the model's layers."""
 
@@ -287,7 +298,7 @@ class AttentionConfig:
                                                  "the reference).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceConfig:
     device: str = doc("auto", "auto | cpu | cuda.")
     cpu_threads: int = doc(0, "Threads for torch's CPU ops in the process that runs the model (0: "
@@ -296,7 +307,7 @@ class DeviceConfig:
                               "idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE unless set).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObservabilityConfig:
     disable_log_stats: bool = doc(False, "Turn off the periodic stats log line.")
     log_stats_interval: float = doc(5.0, "Seconds between stats log lines.")
@@ -345,3 +356,94 @@ class EngineConfig:
 #: The component configs whose documented fields become engine flags, in --help order.
 COMPONENT_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, AttentionConfig,
                      DeviceConfig, ObservabilityConfig)
+
+
+# ---- flag resolution (EngineArgs.create_engine_config calls these, once) -------------------
+
+def resolve_bounded_kv(policy: Optional[str], sinks: Optional[int], window: Optional[int], budget: Optional[int],
+                       block_size: int) -> dict:
+    """The bounded-KV flags resolved into ``CacheConfig`` fields (docs/bounded-kv.md).
+
+    Returns ``{kv_eviction_policy, attention_sinks, max_attention_window, kv_budget_tokens}``
+    (all ints, or ``policy="none"`` with None values): ``--max-attention-window`` alone means
+    ``streaming``; sinks default to ``DEFAULT_ATTENTION_SINKS``; a streaming window defaults to
+    the budget less the sinks and its budget to sinks + window; an h2o window to half the budget.
+
+    Raises ValueError naming the flag: an unknown policy; sinks < 0, window < 1, budget < 1;
+    sinks + window > budget; an h2o budget whose ``block_size``-token blocks cannot hold the
+    sink and window blocks. Whether the model and the other features allow bounded KV is
+    checked by ``EngineArgs.create_engine_config``.
+    """
+    policy = policy or "none"
+    if policy not in BOUNDED_KV_POLICIES:
+        raise ValueError(f"--kv-eviction-policy must be one of {list(BOUNDED_KV_POLICIES)}, got {policy!r}")
+    if policy == "none":
+        if window is not None:
+            policy = "streaming"  # TensorRT-LLM: a max attention window alone means a bounded window
+        elif sinks is not None or budget is not None:
+            raise ValueError("--attention-sinks / --kv-budget-tokens need --kv-eviction-policy streaming|h2o "
+                             "(or --max-attention-window)")
+        else:
+            return {"kv_eviction_policy": "none", "attention_sinks": None, "max_attention_window": None,
+                    "kv_budget_tokens": None}
+    sinks = DEFAULT_ATTENTION_SINKS if sinks is None else int(sinks)
+    if sinks < 0:
+        raise ValueError(f"--attention-sinks must be >= 0, got {sinks}")
+    if budget is not None and int(budget) < 1:
+        raise ValueError(f"--kv-budget-tokens must be >= 1, got {budget}")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"--max-attention-window must be >= 1, got {window}")
+    bs = block_size
+    if policy == "streaming":
+        if window is None:
+            if budget is None:
+                raise ValueError("--kv-eviction-policy streaming needs --max-attention-window (or --kv-budget-tokens)")
+            window = int(budget) - sinks
+            if window < 1:
+                raise ValueError(f"--kv-budget-tokens {budget} leaves no window after {sinks} attention sinks")
+        window = int(window)
+        budget = sinks + window if budget is None else int(budget)
+        if sinks + window > budget:
+            raise ValueError(f"--attention-sinks {sinks} + --max-attention-window {window} > --kv-budget-tokens "
+                             f"{budget}")
+    else:
+        if budget is None:
+            raise ValueError("--kv-eviction-policy h2o needs --kv-budget-tokens")
+        budget = int(budget)
+        window = budget // 2 if window is None else int(window)
+        if sinks + window > budget:
+            raise ValueError(f"--attention-sinks {sinks} + --max-attention-window {window} > --kv-budget-tokens "
+                             f"{budget}")
+        protected = -(-sinks // bs) + -(-window // bs) + 1
+        if budget // bs < protected:
+            raise ValueError(f"--kv-budget-tokens {budget} holds {budget // bs} blocks of {bs}, fewer than the "
+                             f"{protected} blocks the sinks and the recent window span; raise the budget")
+    return {"kv_eviction_policy": policy, "attention_sinks": sinks, "max_attention_window": window,
+            "kv_budget_tokens": budget}
+
+
+def max_attention_distance(bounded: dict, block_size: int) -> Optional[int]:
+    """The longest query-key distance (tokens) a resolved ``streaming`` config (``bounded``, from
+    ``resolve_bounded_kv``) lets attention see: ``ceil(N / bs) * bs + W + bs`` (sinks are at
+    in-cache distance); None for ``none`` and ``h2o`` (h2o keeps original positions: distances
+    grow with the request)."""
+    if bounded.get("kv_eviction_policy") != "streaming":
+        return None
+    sb = -(-bounded["attention_sinks"] // block_size)
+    return sb * block_size + bounded["max_attention_window"] + block_size
+
+
+def resolve_cpu_threads(requested: int) -> int:
+    """``--cpu-threads``: ``requested`` if > 0, else ``OMP_NUM_THREADS`` if set, else the cores
+    this process may run on (``sched_getaffinity``). Raises ValueError if < 0."""
+    if requested < 0:
+        raise ValueError(f"cpu_threads must be >= 0 (0: auto), got {requested}")
+    if requested:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

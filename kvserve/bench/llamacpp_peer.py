@@ -27,7 +27,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from kvserve.bench.datasets import BenchRequest, ChatSession
-from kvserve.router.launch import die_with_parent, stop_process_group
+from kvserve.utils.processes import die_with_parent, free_port, stop_process_group
 
 PEERS = ("none", "llama.cpp", "command")
 
@@ -195,8 +195,6 @@ def build_peer(ns: Any, workloads: Sequence[Sequence[Any]], max_concurrency: Opt
     ``-t`` = ``ns.peer_threads`` (default: the CPUs this process may use); the GGUF is
     ``ns.peer_model`` or kvserve's default model. Raises FileNotFoundError (no llama-server, or
     no such GGUF) and ValueError (a model that is not a .gguf, bad flag values)."""
-    from kvserve.router.launch import free_port
-
     port = free_port()
     extra = shlex.split(ns.peer_args) if ns.peer_args else []
     if ns.peer == "command":

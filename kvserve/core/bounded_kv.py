@@ -64,111 +64,14 @@ from kvserve.core.single_type_manager import SingleTypeKVCacheManager, _ReqBlock
 from kvserve.core.sliding_window_manager import register_full_blocks
 from kvserve.request import Request
 
-POLICIES = ("none", "streaming", "h2o")
-DEFAULT_SINKS = 4
-
-
-def resolve_bounded_kv(policy: Optional[str], sinks: Optional[int], window: Optional[int], budget: Optional[int],
-                       block_size: int, hf_config: Any = None, kv_cache_dtype: str = "auto",
-                       speculative: bool = False, **_: Any) -> dict:
-    """Resolve and validate the bounded-KV flags into ``CacheConfig`` fields.
-
-    Returns ``{kv_eviction_policy, attention_sinks, max_attention_window, kv_budget_tokens}``
-    (all ints, or ``policy="none"`` with None values).
-
-    Raises ValueError naming the flag: an unknown policy; sinks < 0, window < 1, budget < 1;
-    sinks + window > budget; an h2o budget whose blocks cannot hold the sink and window blocks;
-    speculative decoding; a model whose layers already use sliding windows (Gemma 3, Mistral)
-    or a partial rotary embedding.
-    """
-    policy = policy or "none"
-    if policy not in POLICIES:
-        raise ValueError(f"--kv-eviction-policy must be one of {list(POLICIES)}, got {policy!r}")
-    if policy == "none":
-        if window is not None:
-            policy = "streaming"  # TensorRT-LLM: a max attention window alone means a bounded window
-        elif sinks is not None or budget is not None:
-            raise ValueError("--attention-sinks / --kv-budget-tokens need --kv-eviction-policy streaming|h2o "
-                             "(or --max-attention-window)")
-        else:
-            return {"kv_eviction_policy": "none", "attention_sinks": None, "max_attention_window": None,
-                    "kv_budget_tokens": None}
-    sinks = DEFAULT_SINKS if sinks is None else int(sinks)
-    if sinks < 0:
-        raise ValueError(f"--attention-sinks must be >= 0, got {sinks}")
-    if budget is not None and int(budget) < 1:
-        raise ValueError(f"--kv-budget-tokens must be >= 1, got {budget}")
-    if window is not None and int(window) < 1:
-        raise ValueError(f"--max-attention-window must be >= 1, got {window}")
-    bs = block_size
-    if policy == "streaming":
-        if window is None:
-            if budget is None:
-                raise ValueError("--kv-eviction-policy streaming needs --max-attention-window (or --kv-budget-tokens)")
-            window = int(budget) - sinks
-            if window < 1:
-                raise ValueError(f"--kv-budget-tokens {budget} leaves no window after {sinks} attention sinks")
-        window = int(window)
-        budget = sinks + window if budget is None else int(budget)
-        if sinks + window > budget:
-            raise ValueError(f"--attention-sinks {sinks} + --max-attention-window {window} > --kv-budget-tokens "
-                             f"{budget}")
-    else:
-        if budget is None:
-            raise ValueError("--kv-eviction-policy h2o needs --kv-budget-tokens")
-        budget = int(budget)
-        window = budget // 2 if window is None else int(window)
-        if sinks + window > budget:
-            raise ValueError(f"--attention-sinks {sinks} + --max-attention-window {window} > --kv-budget-tokens "
-                             f"{budget}")
-        protected = -(-sinks // bs) + -(-window // bs) + 1
-        if budget // bs < protected:
-            raise ValueError(f"--kv-budget-tokens {budget} holds {budget // bs} blocks of {bs}, fewer than the "
-                             f"{protected} blocks the sinks and the recent window span; raise the budget")
-    if speculative:
-        raise ValueError("--kv-eviction-policy: speculative decoding is not supported with bounded KV "
-                         "(draft rollback over evicted blocks)")
-    if hf_config is not None:
-        mt = str(getattr(hf_config, "model_type", ""))
-        lt = getattr(hf_config, "layer_types", None) or []
-        uses_window = (getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
-                       is not False and (not lt or "sliding_attention" in lt))
-        if mt.startswith("gemma3") or uses_window:
-            raise ValueError(f"--kv-eviction-policy {policy}: the model ({mt}) already uses sliding-window "
-                             f"layers; bounded KV serves full-attention models only")
-        prf = getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0
-        if prf != 1.0:
-            raise ValueError(f"--kv-eviction-policy {policy}: partial rotary embeddings (factor {prf}) are not "
-                             f"supported")
-    del kv_cache_dtype  # any format: stored keys are never rewritten (see the module docstring)
-    return {"kv_eviction_policy": policy, "attention_sinks": sinks, "max_attention_window": window,
-            "kv_budget_tokens": budget}
-
-
-def max_attention_distance(resolved: dict, block_size: int) -> Optional[int]:
-    """The longest query-key distance (tokens) a resolved ``streaming`` config lets attention
-    see: ``ceil(N / bs) * bs + W + bs`` (sinks are at in-cache distance); None for ``none``
-    and ``h2o`` (h2o keeps original positions: distances grow with the request)."""
-    if resolved.get("kv_eviction_policy") != "streaming":
-        return None
-    sb = -(-resolved["attention_sinks"] // block_size)
-    return sb * block_size + resolved["max_attention_window"] + block_size
-
-
 def request_limits(sampling_params: Any, sinks: int, window: int) -> tuple[int, int]:
-    """A request's ``(sinks, window)``: its ``SamplingParams`` values where set (each at most
-    the engine's), else the engine's. Raises ValueError for a value above the engine's."""
+    """A request's ``(sinks, window)``: its ``SamplingParams`` values where set, else the
+    engine's ``sinks`` / ``window``. The frontend has checked them against the engine's
+    (``kvserve.engine.input_processor.check_request_limits``, the one place); a value above
+    the engine's is capped to it."""
     rs = getattr(sampling_params, "attention_sinks", None)
     rw = getattr(sampling_params, "max_attention_window", None)
-    if rs is not None:
-        if rs > sinks:
-            raise ValueError(f"attention_sinks {rs} > the engine's --attention-sinks {sinks}")
-        sinks = rs
-    if rw is not None:
-        if rw > window:
-            raise ValueError(f"max_attention_window {rw} > the engine's --max-attention-window {window}")
-        window = rw
-    return sinks, window
+    return (sinks if rs is None else min(rs, sinks)), (window if rw is None else min(rw, window))
 
 
 def sink_shift(position: int, sinks: int, window: int, block_size: int) -> int:

@@ -16,10 +16,9 @@ import argparse
 import os
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Optional
 
-from kvserve.worker.cpu_threads import resolve_cpu_threads
 from kvserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -31,8 +30,11 @@ from kvserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    max_attention_distance,
     parse_json_arg,
     parse_size,
+    resolve_bounded_kv,
+    resolve_cpu_threads,
 )
 from kvserve.core.kv_cache_spec import get_kv_format
 
@@ -182,12 +184,10 @@ class EngineArgs:
         if quantization and self.tensor_parallel_size > 1:
             raise ValueError("--quantization is not supported with tensor_parallel_size > 1 yet")
         rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
-        from kvserve.core.bounded_kv import max_attention_distance, resolve_bounded_kv
-
-        early = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,
-                                   self.kv_budget_tokens, self.block_size)
+        bounded = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,
+                                     self.kv_budget_tokens, self.block_size)
         max_model_len = resolve_max_model_len(hf_config, self.max_model_len, rope_scaling, self.rope_theta,
-                                              max_attention_distance(early, self.block_size))
+                                              max_attention_distance(bounded, self.block_size))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -234,12 +234,9 @@ class EngineArgs:
 
             get_proposer_class(spec_config.method)  # ValueError for an unknown method
             if spec_config.model is not None and spec_config.method in ("draft_model", "eagle", "eagle3"):
-                _resolve_draft(spec_config, hf_config)
+                spec_config = _resolve_draft(spec_config, hf_config)
         kvt = parse_json_arg(self.kv_transfer_config, "--kv-transfer-config")
-        bounded = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,
-                                     self.kv_budget_tokens, self.block_size, hf_config=hf_config,
-                                     kv_cache_dtype=self.kv_cache_dtype, speculative=spec_config is not None,
-                                     attention_backend=self.attention_backend, tensor_parallel_size=tp)
+        check_bounded_kv_support(bounded["kv_eviction_policy"], hf_config, speculative=spec_config is not None)
         if bounded["kv_eviction_policy"] != "none" and (self.kv_offloading_size or kvt is not None):
             raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
                              "are not supported with bounded KV")
@@ -286,6 +283,36 @@ class EngineArgs:
             speculative_config=spec_config,
             kv_transfer_config=KVTransferConfig.from_dict(kvt) if kvt is not None else None,
         )
+
+
+def check_bounded_kv_support(policy: str, hf_config: Any, speculative: bool) -> None:
+    """Raise ValueError when a bounded ``policy`` (``streaming`` / ``h2o``) meets speculative
+    decoding, or a model whose layers already use sliding windows (Gemma 3, Mistral) or a
+    partial rotary embedding. Any KV cache dtype works: stored keys are never rewritten
+    (``kvserve.core.bounded_kv``)."""
+    if policy == "none":
+        return
+    if speculative:
+        raise ValueError("--kv-eviction-policy: speculative decoding is not supported with bounded KV "
+                         "(draft rollback over evicted blocks)")
+    mt = str(getattr(hf_config, "model_type", ""))
+    lt = getattr(hf_config, "layer_types", None) or []
+    uses_window = (getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
+                   is not False and (not lt or "sliding_attention" in lt))
+    if mt.startswith("gemma3") or uses_window:
+        raise ValueError(f"--kv-eviction-policy {policy}: the model ({mt}) already uses sliding-window "
+                         f"layers; bounded KV serves full-attention models only")
+    prf = getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0
+    if prf != 1.0:
+        raise ValueError(f"--kv-eviction-policy {policy}: partial rotary embeddings (factor {prf}) are not "
+                         f"supported")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every engine flag to ``parser`` (``EngineArgs.add_cli_args``); returns the parser.
+    Used by every subcommand that starts or configures an engine (``kvserve generate``,
+    ``serve``, ``bench``, ``launch``)."""
+    return EngineArgs.add_cli_args(parser)
 
 
 def check_tensor_parallel(hf_config: Any, tp: int, device: str) -> None:
@@ -371,15 +398,16 @@ def resolve_max_model_len(hf_config: Any, max_model_len: Optional[int], rope_sca
     return max_model_len
 
 
-def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> None:
-    """Resolve the draft model / EAGLE head path and check its vocabulary matches the
+def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> SpeculativeConfig:
+    """``spec_config`` with the draft model / EAGLE head path resolved (``draft_model_path``,
+    ``draft_load_format``, ``draft_hf_config``), after checking its vocabulary matches the
     target's. Raises ValueError / FileNotFoundError."""
     from kvserve.model_loader import load_hf_config, resolve_model
 
     if spec_config.method == "eagle" and spec_config.model == "default":  # the shipped head (default model)
         from kvserve.spec_decode.eagle import DEFAULT_EAGLE_HEAD
 
-        spec_config.model = DEFAULT_EAGLE_HEAD
+        spec_config = replace(spec_config, model=DEFAULT_EAGLE_HEAD)
     path, fmt = resolve_model(spec_config.model, spec_config.extra.get("load_format", "auto"))
     hf = load_hf_config(path, fmt)
     v_draft, v_target = getattr(hf, "vocab_size", None), getattr(target_hf_config, "vocab_size", None)
@@ -391,7 +419,7 @@ def _resolve_draft(spec_config: SpeculativeConfig, target_hf_config: Any) -> Non
         if h_head != h_target:
             raise ValueError(f"EAGLE head {spec_config.model!r} has hidden_size {h_head}, the target has "
                              f"{h_target}: the head must be trained for this target")
-    spec_config.draft_model_path, spec_config.draft_load_format, spec_config.draft_hf_config = path, fmt, hf
+    return replace(spec_config, draft_model_path=path, draft_load_format=fmt, draft_hf_config=hf)
 
 
 def resolve_auto_dtype(device: str, hf_config: Any = None) -> str:

@@ -48,14 +48,7 @@ def validate_request(
         from kvserve.structured_output.manager import validate_structured_outputs
 
         validate_structured_outputs(params.structured_outputs)
-    if params.attention_sinks is not None or params.max_attention_window is not None:
-        policy = getattr(cache_config, "kv_eviction_policy", "none")
-        if policy == "none":
-            raise ValueError("attention_sinks / max_attention_window need an engine started with "
-                             "--kv-eviction-policy streaming|h2o")
-        from kvserve.core.bounded_kv import request_limits
-
-        request_limits(params, cache_config.attention_sinks, cache_config.max_attention_window)
+    check_request_limits(params, cache_config)
     if not ids:
         raise ValueError("the prompt is empty")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -65,6 +58,25 @@ def validate_request(
         raise ValueError(f"the prompt ({len(ids)} tokens) is longer than max_model_len ({max_model_len} tokens)")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError("priority must be an integer")
+
+
+def check_request_limits(params: SamplingParams, cache_config=None) -> None:
+    """Per-request bounded-KV values (``attention_sinks`` / ``max_attention_window``) against
+    the engine's resolved ``cache_config`` (a ``CacheConfig``; None: an unbounded engine): they
+    need a bounded engine and may only lower its values (the pool is planned for the engine's).
+    The one place they are checked; below the frontend ``kvserve.core.bounded_kv.request_limits``
+    only reads them. Raises ValueError."""
+    if params.attention_sinks is None and params.max_attention_window is None:
+        return
+    if getattr(cache_config, "kv_eviction_policy", "none") == "none":
+        raise ValueError("attention_sinks / max_attention_window need an engine started with "
+                         "--kv-eviction-policy streaming|h2o")
+    sinks, window = cache_config.attention_sinks, cache_config.max_attention_window
+    if params.attention_sinks is not None and params.attention_sinks > sinks:
+        raise ValueError(f"attention_sinks {params.attention_sinks} > the engine's --attention-sinks {sinks}")
+    if params.max_attention_window is not None and params.max_attention_window > window:
+        raise ValueError(f"max_attention_window {params.max_attention_window} > the engine's "
+                         f"--max-attention-window {window}")
 
 
 def make_child_requests(

@@ -31,18 +31,13 @@ import sys
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from kvserve.bench import env as bench_env
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.arg_utils import EngineArgs, add_engine_args
 
 #: Exit status for usage errors and engine errors caused by the user's input.
 EXIT_USAGE = 2
 
 
 # --------------------------------------------------------------------------- engine flags
-
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every engine flag (``EngineArgs.add_cli_args``); returns the parser."""
-    return EngineArgs.add_cli_args(parser)
-
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     """The ``EngineArgs`` fields present in a parsed namespace (``EngineArgs.from_cli_args``)."""
@@ -322,7 +317,7 @@ def _register_export(subparsers: argparse._SubParsersAction) -> None:
 
 def run_export(ns: argparse.Namespace) -> int:
     """``kvserve export [MODEL] DIR``."""
-    from kvserve.model_loader.tokenizer_cache import export_hf
+    from kvserve.model_loader import export_hf
 
     try:
         files = export_hf(ns.model, ns.out_dir)

@@ -19,7 +19,7 @@ from kvserve.model_loader.gemma3_package import gemma3_270m_path
 from kvserve.model_loader.gguf_loader import iterate_gguf, load_gguf_config
 from kvserve.model_loader.hf_loader import iterate_safetensors
 
-__all__ = ["resolve_model", "load_hf_config", "get_model", "get_tokenizer"]
+__all__ = ["resolve_model", "load_hf_config", "get_model", "get_tokenizer", "export_hf"]
 
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # GGUF-derived configs carry no `architectures`; infer it from model_type.
@@ -187,3 +187,23 @@ def get_tokenizer(model_path: str, load_format: str, tokenizer: str | None = Non
 
         return load_gguf_tokenizer(path, use_cache=os.environ.get("KVSERVE_TOKENIZER_CACHE", "1") != "0")
     return AutoTokenizer.from_pretrained(path)
+
+
+def export_hf(model: str | None, out_dir: str, load_format: str = "auto") -> list[str]:
+    """Write a Hugging Face tokenizer directory plus ``config.json`` (and
+    ``generation_config.json`` when known) for ``model`` (default model, a ``.gguf``, or an HF
+    directory) into ``out_dir``, so that tools which need ``AutoTokenizer.from_pretrained(dir)``
+    (AIPerf, lm-eval, ...) work offline. Weights are not exported. Returns the files written.
+
+    Raises FileNotFoundError for a missing model, FileExistsError if ``out_dir`` is a
+    non-empty directory that holds no ``config.json`` (never clobbers unrelated files).
+    """
+    path, fmt = resolve_model(model, load_format)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "config.json")):
+        raise FileExistsError(f"{out_dir} is not empty; choose a new directory")
+    os.makedirs(out_dir, exist_ok=True)
+    tok = get_tokenizer(path, "gguf" if path.endswith(".gguf") else fmt)
+    tok.save_pretrained(out_dir)
+    cfg = load_hf_config(path, "gguf" if path.endswith(".gguf") else fmt)
+    cfg.save_pretrained(out_dir)
+    return sorted(os.listdir(out_dir))

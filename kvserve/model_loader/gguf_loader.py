@@ -10,6 +10,8 @@ from typing import Any, Iterator
 
 import torch
 
+from kvserve.model_loader.gguf_dequant import dequantize_tensor
+
 # llama.cpp tensor name (without blk.N.) -> HF name inside model.layers.N.
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -205,8 +207,6 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
     ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``.
     Raises ValueError on a corrupt file or an unknown tensor name.
     """
-    from kvserve.model_loader.gguf_quant import dequantize_tensor
-
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     permute = arch == "llama"

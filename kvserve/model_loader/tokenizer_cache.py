@@ -1,4 +1,4 @@
-"""A disk cache of tokenizers built from GGUF files, and the Hugging Face export.
+"""A disk cache of tokenizers built from GGUF files.
 
 Building a ``transformers`` tokenizer from GGUF metadata takes seconds (the vocabulary and
 merges are converted in Python); loading the same tokenizer saved with ``save_pretrained``
@@ -68,25 +68,3 @@ def load_gguf_tokenizer(path: str, use_cache: bool = True) -> Any:
         except OSError as exc:
             logger.warning("could not cache the tokenizer under %s: %s", entry, exc)
     return tok
-
-
-def export_hf(model: str | None, out_dir: str, load_format: str = "auto") -> list[str]:
-    """Write a Hugging Face tokenizer directory plus ``config.json`` (and
-    ``generation_config.json`` when known) for ``model`` (default model, a ``.gguf``, or an HF
-    directory) into ``out_dir``, so that tools which need ``AutoTokenizer.from_pretrained(dir)``
-    (AIPerf, lm-eval, ...) work offline. Weights are not exported. Returns the files written.
-
-    Raises FileNotFoundError for a missing model, FileExistsError if ``out_dir`` is a
-    non-empty directory that holds no ``config.json`` (never clobbers unrelated files).
-    """
-    from kvserve.model_loader import get_tokenizer, load_hf_config, resolve_model
-
-    path, fmt = resolve_model(model, load_format)
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise FileExistsError(f"{out_dir} is not empty; choose a new directory")
-    os.makedirs(out_dir, exist_ok=True)
-    tok = get_tokenizer(path, "gguf" if path.endswith(".gguf") else fmt)
-    tok.save_pretrained(out_dir)
-    cfg = load_hf_config(path, "gguf" if path.endswith(".gguf") else fmt)
-    cfg.save_pretrained(out_dir)
-    return sorted(os.listdir(out_dir))

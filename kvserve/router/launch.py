@@ -30,20 +30,16 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Optional
 
+from kvserve.engine.arg_utils import add_engine_args
+from kvserve.utils.processes import die_with_parent, free_port, stop_process_group
+
 logger = logging.getLogger("kvserve")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def kv_transfer_config(role: str, transport: str = "tcp") -> str:
@@ -103,17 +99,6 @@ def parse_worker_gpus(spec: str) -> list[str]:
     return gpus
 
 
-def die_with_parent() -> None:
-    """In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL, so that
-    no worker outlives it. Elsewhere a no-op."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 class Child:
     """One ``kvserve serve`` subprocess (own process group)."""
 
@@ -145,25 +130,6 @@ class Child:
 
     def stop(self, grace: float) -> None:
         stop_process_group(self.proc, grace)
-
-
-def stop_process_group(p: Optional[subprocess.Popen], grace: float) -> None:
-    """SIGTERM ``p``'s process group (started with ``start_new_session``), SIGKILL after
-    ``grace`` seconds; no-op when it already exited."""
-    if p is None or p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        p.wait(grace)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
 
 
 def wait_healthy(children: list[Child], timeout: float) -> None:
@@ -243,8 +209,6 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 
 def register_launch_parser(subparsers) -> argparse.ArgumentParser:
-    from kvserve.entrypoints.cli import add_engine_args
-
     p = subparsers.add_parser(
         "launch", help="Start prefill/decode workers (or replicas) and the router on one machine.",
         description="Start --prefill N producer and --decode M consumer `kvserve serve` workers (or --replicas K "

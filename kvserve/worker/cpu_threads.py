@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+from kvserve.config import resolve_cpu_threads
+
 logger = logging.getLogger("kvserve")
 
 
@@ -22,24 +24,10 @@ def set_passive_wait_policy() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def resolve_cpu_threads(requested: int) -> int:
-    """Threads for torch ops: ``requested`` if > 0, else ``OMP_NUM_THREADS`` if set, else the
-    cores this process may run on (``sched_getaffinity``). Raises ValueError if < 0."""
-    if requested < 0:
-        raise ValueError(f"cpu_threads must be >= 0 (0: auto), got {requested}")
-    if requested:
-        return requested
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def apply_cpu_threads(requested: int) -> int:
-    """Set torch's intra-op thread count (see ``resolve_cpu_threads``); returns it."""
+    """Set torch's intra-op thread count to ``requested`` (``DeviceConfig.cpu_threads``, resolved
+    by ``kvserve.config.resolve_cpu_threads``; a hand-built config's 0 is resolved the same way);
+    returns it."""
     import torch
 
     n = resolve_cpu_threads(requested)

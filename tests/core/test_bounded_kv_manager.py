@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvserve.config import SchedulerConfig
-from kvserve.core.bounded_kv import BoundedKVManager, resolve_bounded_kv, sink_shift
+from kvserve.config import SchedulerConfig, resolve_bounded_kv
+from kvserve.core.bounded_kv import BoundedKVManager, sink_shift
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_cache_spec import (
     BoundedKVSpec, KVCacheConfig, KVCacheGroup, make_kv_cache_config, max_request_tokens,

@@ -1,6 +1,7 @@
-"""``--dtype auto``: on the CPU bfloat16 where it has native bf16, float32
-elsewhere, with or without a quantization; an explicit dtype is kept. The detection is forced
-with ``KVSERVE_CPU_NATIVE_BF16`` (or by patching ``cpu_has_native_bf16``)."""
+"""``EngineArgs.create_engine_config``. ``--dtype auto``: on the CPU bfloat16 where it has native
+bf16, float32 elsewhere, with or without a quantization; an explicit dtype is kept. The detection
+is forced with ``KVSERVE_CPU_NATIVE_BF16`` (or by patching ``cpu_has_native_bf16``). The
+resolved config: bounded KV and CPU threads resolved once, frozen component configs."""
 
 from __future__ import annotations
 
@@ -64,3 +65,26 @@ def test_gpu_auto_is_the_checkpoint_16_bit_type():
     assert resolve_auto_dtype("cuda", cfg("float32")) == "bfloat16"
     assert resolve_auto_dtype("cuda", SimpleNamespace()) == "bfloat16"
     assert resolve_auto_dtype("cuda") == "bfloat16"
+
+
+def test_resolved_config_is_frozen_where_nothing_plans_it_later(monkeypatch):
+    """One resolution: bounded KV and CPU threads come resolved; the component configs that the
+    engine core does not plan further at start-up (parallel, attention, device, observability,
+    speculative) cannot be changed afterwards."""
+    import dataclasses
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cfg = EngineArgs(device="cpu", dtype="float32", max_attention_window=64).create_engine_config()
+    cc = cfg.cache_config
+    assert (cc.kv_eviction_policy, cc.attention_sinks, cc.max_attention_window, cc.kv_budget_tokens) == \
+        ("streaming", 4, 64, 68)
+    assert cfg.device_config.cpu_threads == 3
+    for sub in (cfg.parallel_config, cfg.attention_config, cfg.device_config, cfg.observability_config):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            sub.__setattr__(dataclasses.fields(sub)[0].name, None)
+    from kvserve.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.num_speculative_tokens = 3

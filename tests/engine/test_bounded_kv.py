@@ -294,3 +294,22 @@ def test_cuda_piecewise_graphs_equal_eager(tiny, policy):
     assert outs[0] == outs[1]
     if policy == "streaming":
         assert outs[1] == [streaming_greedy(hf, p, 40, SINKS, WINDOW, BS) for p in prompts]
+
+
+def test_per_request_limits_checked_once_in_the_frontend():
+    """``check_request_limits`` (input processing) is the one check; below it
+    ``request_limits`` only reads the request's values (capped at the engine's)."""
+    from kvserve.config import CacheConfig
+    from kvserve.core.bounded_kv import request_limits
+    from kvserve.engine.input_processor import check_request_limits
+
+    cc = CacheConfig(kv_eviction_policy="streaming", attention_sinks=4, max_attention_window=32)
+    check_request_limits(SamplingParams(attention_sinks=2, max_attention_window=32), cc)
+    with pytest.raises(ValueError, match="attention_sinks 5 > the engine's --attention-sinks 4"):
+        check_request_limits(SamplingParams(attention_sinks=5), cc)
+    with pytest.raises(ValueError, match="kv-eviction-policy"):
+        check_request_limits(SamplingParams(max_attention_window=8), CacheConfig())
+    check_request_limits(SamplingParams(), None)
+    assert request_limits(SamplingParams(attention_sinks=2), 4, 32) == (2, 32)
+    assert request_limits(SamplingParams(max_attention_window=8), 4, 32) == (4, 8)
+    assert request_limits(SamplingParams(), 4, 32) == (4, 32)

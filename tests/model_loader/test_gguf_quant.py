@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvserve.layers.quantization.kernels import Int4Weight, PackedInt4, quantize_int8
-from kvserve.model_loader.gguf_quant import decode_q4, decode_q8_0, q8_0_to_int8
+from kvserve.model_loader.gguf_dequant import decode_q4, decode_q8_0
+from kvserve.model_loader.gguf_quant import q8_0_to_int8
 
 
 def _requantize_with_groups(w: torch.Tensor, ref: Int4Weight) -> torch.Tensor:
@@ -119,7 +120,7 @@ def test_dequantize_tensor_bit_identical_to_gguf(kind, shape):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from kvserve.model_loader.gguf_quant import dequantize_tensor
+    from kvserve.model_loader.gguf_dequant import dequantize_tensor
 
     t = GGMLQuantizationType[kind]
     raw = quantize((np.random.default_rng(0).standard_normal(shape) * 3).astype(np.float32), t)
@@ -134,7 +135,7 @@ def test_real_gguf_reader_and_dequantization_match_gguf(smollm2_path):
     from gguf.quants import dequantize
 
     from kvserve.model_loader.gguf_loader import gguf_architecture, open_gguf
-    from kvserve.model_loader.gguf_quant import dequantize_tensor
+    from kvserve.model_loader.gguf_dequant import dequantize_tensor
 
     ours, ref = open_gguf(smollm2_path), GGUFReader(smollm2_path)
     assert gguf_architecture(ours) == "llama"

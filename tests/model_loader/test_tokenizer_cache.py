@@ -44,7 +44,7 @@ def test_cache_and_export_match_gguf(tmp_path, monkeypatch, smollm2_path):
 
 
 def test_cpu_threads_resolution(monkeypatch):
-    from kvserve.worker.cpu_threads import resolve_cpu_threads
+    from kvserve.config import resolve_cpu_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert resolve_cpu_threads(0) == 3 and resolve_cpu_threads(1) == 1

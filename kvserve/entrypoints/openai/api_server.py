@@ -42,12 +42,8 @@ from kvserve.engine.async_client import AsyncLLM, EngineDeadError
 from kvserve.entrypoints.openai import protocol as P
 from kvserve.entrypoints.openai.hosts import default_allowed_hosts, host_allowed
 from kvserve.entrypoints.openai.lifecycle import EXIT_ENGINE_FAILED, EXIT_INTERRUPTED, EXIT_OK, GracefulServer
-from kvserve.entrypoints.openai.serving import (
-    Admission,
-    APIError,
-    OpenAIServingChat,
-    OpenAIServingCompletion,
-)
+from kvserve.entrypoints.openai.errors import APIError
+from kvserve.entrypoints.openai.serving import Admission, OpenAIServingChat, OpenAIServingCompletion
 from kvserve.entrypoints.openai.tokenization import DEFAULT_MAX_CONCURRENCY, TokenizerPool
 from kvserve.entrypoints.openai.tracing import TraceMiddleware
 

@@ -9,88 +9,17 @@ of SSE lines (``"data: {json}\\n\\n"`` ... ``"data: [DONE]\\n\\n"``). Errors are
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
-from kvserve.engine.async_client import AsyncLLM, EngineDeadError
+from kvserve.engine.async_client import AsyncLLM
 from kvserve.entrypoints.openai import protocol as P
+from kvserve.entrypoints.openai.errors import APIError
+from kvserve.entrypoints.openai.sse import merge, sse
 from kvserve.entrypoints.openai.tool_stream import stream_tool_chat, tool_message
 from kvserve.entrypoints.openai.tools import resolve_tool_mode, template_tools, tool_structured_outputs
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
-          503: "service_unavailable_error"}
-
-
-class APIError(Exception):
-    """An error with an HTTP status and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type_ or _TYPES.get(status, "invalid_request_error")
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return P.error_body(self.message, self.type, self.param, self.status)
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> "APIError":
-        if isinstance(exc, APIError):
-            return exc
-        if isinstance(exc, EngineDeadError):
-            return cls(503, f"the engine is not available: {exc}")
-        if isinstance(exc, (ValueError, TypeError)):
-            return cls(400, str(exc), P.param_of(str(exc)))
-        return cls(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-def sse(obj: Union[dict, str]) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def merge(iters: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave async iterators, yielding ``(index, item)``; closing it closes them all."""
-    if len(iters) == 1:
-        try:
-            async for item in iters[0]:
-                yield 0, item
-        finally:
-            await iters[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, it: AsyncIterator) -> None:
-        try:
-            async for item in it:
-                await queue.put((i, item, None))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            await queue.put((i, None, exc))
-            return
-        await queue.put((i, done, None))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iters)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item, exc = await queue.get()
-            if exc is not None:
-                raise exc
-            if item is done:
-                remaining -= 1
-                continue
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for it in iters:
-            await it.aclose()
 
 
 class _Ticket:

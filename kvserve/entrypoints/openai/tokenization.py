@@ -25,7 +25,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
-from kvserve.entrypoints.openai.serving import APIError
+from kvserve.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger("kvserve")
 

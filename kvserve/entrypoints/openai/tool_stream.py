@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Optional
 
 from kvserve.entrypoints.openai import protocol as P
+from kvserve.entrypoints.openai.errors import APIError
+from kvserve.entrypoints.openai.sse import merge, sse
 from kvserve.entrypoints.openai.tool_parsers import ToolCall
 from kvserve.entrypoints.openai.tools import ToolMode, extract_calls
 
@@ -30,8 +32,6 @@ def tool_message(mode: ToolMode, text: str, finish: Optional[str]) -> tuple[dict
 
 async def stream_tool_chat(serving, req, rid: str, gen, n_prompt: int, sp, mode: ToolMode) -> AsyncIterator[str]:
     """The SSE lines of a streamed chat completion whose tools are active (see module doc)."""
-    from kvserve.entrypoints.openai.serving import APIError, merge, sse
-
     created, model = P.now(), serving.model_name
 
     def chunk(index: int, delta: dict, finish=None, stop_reason=None) -> str:

@@ -64,7 +64,7 @@ class _Serving:
 
 def test_tokenizer_pool_guards():
     from kvserve.entrypoints.openai.protocol import ChatMessage
-    from kvserve.entrypoints.openai.serving import APIError
+    from kvserve.entrypoints.openai.errors import APIError
     from kvserve.entrypoints.openai.tokenization import TokenizerPool
 
     pool = TokenizerPool(_Tok(), max_model_len=10, max_concurrency=1)

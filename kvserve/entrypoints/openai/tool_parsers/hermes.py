@@ -7,7 +7,12 @@ import json
 import re
 from typing import Optional
 
-from kvserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser, _call_from_obj, register_tool_parser
+from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ToolCall,
+    ToolParser,
+    call_from_obj,
+    register_tool_parser,
+)
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -23,7 +28,7 @@ class HermesToolParser(ToolParser):
         calls = []
         for body in _BLOCK.findall(text[i:]):
             try:
-                call = _call_from_obj(json.loads(body))
+                call = call_from_obj(json.loads(body))
             except json.JSONDecodeError:
                 call = None
             if call is not None:

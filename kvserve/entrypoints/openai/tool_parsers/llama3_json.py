@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from kvserve.entrypoints.openai.tool_parsers import ToolCall, ToolParser, _call_from_obj, register_tool_parser
+from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ToolCall,
+    ToolParser,
+    call_from_obj,
+    register_tool_parser,
+)
 
 
 @register_tool_parser("llama3_json")
@@ -26,7 +31,7 @@ class Llama3JsonToolParser(ToolParser):
                 obj, end = dec.raw_decode(body, pos)
             except json.JSONDecodeError:
                 return text, []
-            call = _call_from_obj(obj)
+            call = call_from_obj(obj)
             if call is None:
                 return text, []
             calls.append(call)

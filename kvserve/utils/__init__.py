@@ -1,0 +1,1 @@
+"""Helpers below every other package (standard library only): child processes and ports."""
