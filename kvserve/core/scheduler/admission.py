@@ -71,6 +71,8 @@ class AdmissionMixin:
     waiting: "WaitingQueue"
     running: list[Request]
     remote_kv: "RemoteKVTracker"
+    connector: object  # a scheduler-role KV connector, or None
+    num_recomputed_tokens: int
 
     def _admit_waiting(self, budget: int, scheduled: list) -> None:
         """Admit waiting requests in queue order while the budget and ``max_num_seqs`` allow;

@@ -36,6 +36,9 @@ class OutputUpdateMixin:
     running: list[Request]
     requests: dict[str, Request]
     remote_kv: "RemoteKVTracker"
+    connector: object  # a scheduler-role KV connector, or None
+    spec_policy: object  # DynamicSpeculation, or None
+    _bounded: bool
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append sampled tokens, roll back rejected drafts, finish requests that stop.
