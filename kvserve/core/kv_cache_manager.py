@@ -1,4 +1,4 @@
-"""The only door the scheduler uses into the KV cache: lookup, allocate_slots, rollback, free.
+"""The only door the scheduler uses into the KV cache: lookup, can_allocate / allocate_slots, rollback, free.
 
 The cache is split into KV cache groups (``kv_cache_spec.KVCacheConfig``): layers with the
 same spec share one block table per request. Each group has its own block pool and radix
@@ -209,13 +209,25 @@ class KVCacheManager:
         by_id.update((g.group_id, w) for g, w in zip(self.window_groups, wins))
         return tuple(by_id[g.group_id] for g in self.groups), k * bs
 
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: Optional[KVCacheBlocks] = None) -> bool:
+        """Whether ``allocate_slots`` with the same arguments would succeed. Allocates nothing;
+        window and bounded-KV groups first free what the request no longer reads (as
+        ``allocate_slots`` does, whether or not it succeeds)."""
+        if self._single is not None:
+            return self._single.can_allocate(request, num_new_tokens,
+                                             None if new_computed_blocks is None else new_computed_blocks[0])
+        hits = new_computed_blocks or (None,) * len(self.groups)
+        return all(g.can_allocate(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[KVCacheBlocks] = None) -> Optional[KVCacheBlocks]:
         """Make room for ``num_new_tokens`` more tokens after the request's computed ones.
 
         ``new_computed_blocks``: prefix hits from ``get_computed_blocks`` for a request being
         admitted (its ``num_computed_tokens`` still excludes them). Returns the newly
-        allocated blocks per group, or None (and changes nothing) if any group is short.
+        allocated blocks per group, or None (and changes nothing) if any group is short
+        (``can_allocate`` asks the same question without allocating).
         """
         if self._single is not None:
             new = self._single.allocate_slots(request, num_new_tokens,

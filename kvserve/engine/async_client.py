@@ -120,6 +120,9 @@ class AsyncLLM:
         self.vocab_size = 0
         self.eos_token_id: Optional[int] = None
         self.model_path: Optional[str] = None
+        #: With a KV transfer connector, once started: ``{"kv_role", "engine_id", "kv_connector",
+        #: "kv_transport", "kv_layout"}`` (``GET /v1/kv_transfer``); None otherwise.
+        self.kv_transfer_info: Optional[dict] = None
         self.proc: Optional[multiprocessing.process.BaseProcess] = None
         self.errored: Optional[BaseException] = None
         self.last_stats = None

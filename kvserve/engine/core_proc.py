@@ -38,22 +38,13 @@ HEARTBEAT_INTERVAL_S = 0.5
 IDLE_POLL_S = HEARTBEAT_INTERVAL_S
 
 
-def _token_output(o):
-    """``EngineCoreOutput`` -> the ipc ``TokenOutput`` with the same fields."""
-    from kvserve.engine.ipc import TokenOutput
-
-    return TokenOutput(o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason, o.stop_reason,
-                       o.num_cached_tokens, o.first_scheduled_time, o.first_token_time, o.finished_time,
-                       o.num_preemptions, o.prompt_logprobs, o.num_draft_tokens, o.num_accepted_tokens,
-                       o.kv_transfer_params)
-
-
 class EngineCoreProc:
     """Runs ``EngineCore`` against an input PULL and an output PUSH socket.
 
     Args:
         core: an ``EngineCore`` (anything with add_request / abort_requests / step /
-            has_unfinished_requests / scheduler.get_stats).
+            has_unfinished_requests / has_kv_transfers / has_urgent_kv_work /
+            scheduler.get_stats).
         input_addr / output_addr: zmq addresses the frontend has bound.
     """
 
@@ -72,7 +63,7 @@ class EngineCoreProc:
         self.out_sock.connect(output_addr)
         self.decoder = ipc.input_decoder()
         self.encoder = ipc.input_encoder()
-        #: TokenOutputs (finish_reason "abort") of AddRequests the core refused, sent next.
+        #: EngineCoreOutputs (finish_reason "abort") of AddRequests the core refused, sent next.
         self.rejected: list = []
         self.running = True
         self._ppid = os.getppid()
@@ -85,7 +76,7 @@ class EngineCoreProc:
 
     def _handle(self, msg) -> None:
         from kvserve.engine import ipc
-        from kvserve.engine.core_types import EngineCoreRequest
+        from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
 
         if isinstance(msg, ipc.AddRequest):
             try:
@@ -95,8 +86,7 @@ class EngineCoreProc:
                     msg.eos_token_id, msg.cache_salt))
             except Exception:  # one bad request must not take the engine down: abort it
                 logger.exception("engine core: rejected request %s", msg.request_id)
-                self.rejected.append(ipc.TokenOutput(request_id=msg.request_id, new_token_ids=[],
-                                                     finish_reason="abort"))
+                self.rejected.append(EngineCoreOutput(msg.request_id, [], finish_reason="abort"))
         elif isinstance(msg, ipc.AbortRequests):
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, ipc.Shutdown):
@@ -128,20 +118,11 @@ class EngineCoreProc:
                                  s.num_recomputed_tokens, s.kv_connector_stats,
                                  s.num_evicted_blocks, s.num_evicted_tokens)
 
-    def _urgent_kv(self) -> bool:
-        f = getattr(self.core, "has_urgent_kv_work", None)
-        return bool(f and f())
-
-    def _kv_transfers(self) -> bool:
-        """KV transfers between engines under way: step (a poll of the workers) every loop turn."""
-        f = getattr(self.core, "has_kv_transfers", None)
-        return bool(f and f())
-
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
         from kvserve.engine.ipc import Heartbeat, StepOutputs
 
-        idle = not self.core.has_unfinished_requests() and not self._urgent_kv()
+        idle = not self.core.has_unfinished_requests() and not self.core.has_urgent_kv_work()
         handled = self._drain(block=block and idle)
         if not self.running:
             return False
@@ -151,12 +132,13 @@ class EngineCoreProc:
         outputs, n_prompt, n_gen = self.rejected, 0, 0
         self.rejected = []
         stepped = False
-        if self.core.has_unfinished_requests() or self._kv_transfers():
+        # With KV transfers between engines under way, step (a poll of the workers) every turn.
+        if self.core.has_unfinished_requests() or self.core.has_kv_transfers():
             res = self.core.step()
             stepped = True
             self.num_steps += 1
             n_prompt, n_gen = res.num_prompt_tokens, res.num_generation_tokens
-            outputs.extend(_token_output(o) for o in res.outputs)
+            outputs.extend(res.outputs)
         if stepped or handled:
             self.send(StepOutputs(outputs, self._stats(), n_prompt, n_gen, time.time()))
         elif time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:

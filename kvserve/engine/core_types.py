@@ -3,14 +3,17 @@
 The frontend (offline ``LLMEngine`` or the server's ``AsyncLLM``) sends
 ``EngineCoreRequest``s and receives ``EngineCoreOutputs`` per step; it keeps its own
 per-request state (text, stop strings, ``n`` fan-in) and never sees the scheduler's
-``Request``. Over the process boundary ``kvserve.engine.ipc`` carries the same fields as
-msgspec structs.
+``Request``. ``EngineCoreOutput`` is a msgspec struct: the same record goes from the engine
+core to the frontend in process (``LLM``) and over the process boundary
+(``kvserve.engine.ipc.StepOutputs``, ``kvserve serve``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+import msgspec
 
 from kvserve.sampling_params import SamplingParams
 
@@ -38,13 +41,13 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request in one step.
 
     Attributes:
         request_id: the (child) request id.
-        new_token_ids: tokens since the previous output (one per step; more with speculation).
+        new_token_ids: tokens since the previous output (one per step; more with speculation;
+            none in the output of a request the core refused).
         new_logprobs: per new token ``{token_id: (logprob, 1-based rank)}``, if asked.
         finish_reason: "stop" | "length" | "abort" once finished, else None.
         stop_reason: the stop token id that ended it, if any.
@@ -72,7 +75,7 @@ class EngineCoreOutput:
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    kv_transfer_params: Optional[dict] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 @dataclass

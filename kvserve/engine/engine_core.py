@@ -136,7 +136,7 @@ class EngineCore:
     @property
     def model_runner(self):
         """The in-process model runner (``uni`` executor only; None otherwise)."""
-        return getattr(self.executor, "model_runner", None)
+        return self.executor.model_runner
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Queue a request. Raises ValueError for a duplicate id or an invalid structured-output
@@ -171,12 +171,12 @@ class EngineCore:
         """Whether connector work waits for the next step's metadata (e.g. blocks to lend: a
         consumer may be connecting already); the loop must not idle then."""
         conn = self.kv_connector
-        return conn is not None and getattr(conn, "has_unsent_meta", lambda: False)()
+        return conn is not None and conn.has_unsent_meta()
 
     def kv_transfer_info(self) -> Optional[dict]:
         """``{"kv_role", "engine_id", "kv_connector", "kv_layout"}`` with a transfer connector, else None."""
         conn = self.kv_connector
-        return conn.transfer_info() if conn is not None and hasattr(conn, "transfer_info") else None
+        return conn.transfer_info() if conn is not None else None
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run and update one step.
@@ -234,10 +234,13 @@ class EngineCore:
             if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 plps, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True  # the first token has none
             outs.outputs.append(EngineCoreOutput(
-                req.request_id, toks, lps if req.sampling_params.logprobs is not None else None,
-                req.finish_reason, req.stop_reason, req.num_cached_tokens, req.first_scheduled_time,
-                req.first_token_time, req.finished_time, req.num_preemptions, plps, req.num_draft_tokens,
-                req.num_accepted_tokens, req.kv_transfer_params if req.is_finished else None))
+                req.request_id, toks, new_logprobs=lps if req.sampling_params.logprobs is not None else None,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time, finished_time=req.finished_time,
+                num_preemptions=req.num_preemptions, prompt_logprobs=plps,
+                num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+                kv_transfer_params=req.kv_transfer_params if req.is_finished else None))
         outs.num_generation_tokens = n_gen
         if self.has_urgent_kv_work() and self._in_flight is None:
             # Lend a finished request's blocks now: its consumer may connect before the next step.

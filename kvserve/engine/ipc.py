@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from kvserve.engine.core_types import EngineCoreOutput
 from kvserve.engine.ipc_paths import cleanup_ipc_paths
 from kvserve.engine.ipc_paths import make_ipc_paths as _make_paths
 from kvserve.sampling_params import SamplingParams
@@ -79,39 +80,6 @@ class StartupFailed(msgspec.Struct, tag=True, array_like=True):
     message: str
 
 
-class TokenOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """New tokens of one child request in one step.
-
-    Attributes:
-        request_id: the child request id.
-        new_token_ids: tokens sampled since the previous message (usually one).
-        new_logprobs: per new token ``{token_id: (logprob, 1-based rank)}``, if asked.
-        finish_reason: "stop" | "length" | "abort" once finished, else None.
-        stop_reason: the stop token id that ended it, if any.
-        num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
-        first_scheduled_time / first_token_time / finished_time: engine-side timestamps.
-        num_preemptions: how often the request was preempted so far.
-        prompt_logprobs: per prompt token ``{token_id: (logprob, rank)}`` (None for the first),
-            in the first message of a request that asked for them.
-        num_draft_tokens / num_accepted_tokens: speculative decoding, per request so far.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: Optional[list[dict[int, tuple[float, int]]]] = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    num_cached_tokens: int = -1
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    num_preemptions: int = 0
-    prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    kv_transfer_params: Optional[dict[str, Any]] = None  # a finished request's, for a consumer engine
-
-
 class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     """Scheduler gauges (now) and cumulative counters (since start)."""
 
@@ -135,10 +103,11 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     """One engine step's (or one batch of aborts') result.
 
+    ``outputs``: the step's ``EngineCoreOutput`` records, as the engine core made them.
     ``num_prompt_tokens`` / ``num_generation_tokens`` are the tokens computed in this step.
     """
 
-    outputs: list[TokenOutput]
+    outputs: list[EngineCoreOutput]
     stats: SchedulerStatsMsg
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -205,7 +174,7 @@ def output_decoder() -> msgspec.msgpack.Decoder:
 
 
 __all__ = [
-    "AddRequest", "AbortRequests", "Shutdown", "Ready", "StartupFailed", "TokenOutput",
+    "AddRequest", "AbortRequests", "Shutdown", "Ready", "StartupFailed", "EngineCoreOutput",
     "SchedulerStatsMsg", "StepOutputs", "Heartbeat", "InputMessage", "OutputMessage", "params_to_dict",
     "params_from_dict", "make_ipc_paths", "cleanup_ipc_paths", "input_encoder", "input_decoder",
     "output_decoder",

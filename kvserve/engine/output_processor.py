@@ -55,7 +55,7 @@ class RequestState:
             self.prompt_logprobs = o.prompt_logprobs
         self.num_draft_tokens = o.num_draft_tokens
         self.num_accepted_tokens = o.num_accepted_tokens
-        if getattr(o, "kv_transfer_params", None) is not None:
+        if o.kv_transfer_params is not None:
             self.kv_transfer_params = o.kv_transfer_params
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason

@@ -27,6 +27,12 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
+    @property
+    def model_runner(self):
+        """The in-process model runner (``uni``: the worker runs in this process); None where
+        the workers run in other processes."""
+        return None
+
     @abstractmethod
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
         """Per attention layer, its KV cache spec (equal on every rank)."""

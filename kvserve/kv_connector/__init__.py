@@ -43,7 +43,7 @@ def prepare_kv_connector_config(config) -> None:
     """Let the configured connector resolve start-up values in ``config`` (ports, ids) once,
     before workers start. Raises ValueError for an unknown name or a bad connector config."""
     cls = _connector_class(config)
-    if cls is not None and hasattr(cls, "prepare_config"):
+    if cls is not None:
         cls.prepare_config(config)
 
 

@@ -8,7 +8,8 @@ once per role.
   hit the outside store holds; ``update_state_after_alloc`` learns which device blocks
   receive them; ``build_connector_meta`` turns the step's transfers into plain data that
   travels inside ``SchedulerOutput.kv_connector_metadata``; ``request_finished`` /
-  ``request_preempted`` let the store keep or drop a request's blocks.
+  ``request_preempted`` let the store keep or drop a request's blocks; between engines,
+  ``on_kv_connector_output`` learns of the workers' finished transfers.
 * **Worker role** (beside the model runner): ``bind_connector_metadata`` receives a step's
   data; ``start_load_kv`` starts the loads (and swap-outs) that must land before the
   forward; ``wait_for_layer_load`` blocks until one layer's blocks are in place;
@@ -44,11 +45,25 @@ class KVConnectorMetadata:
 class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     """Base class of KV connectors.
 
+    Every optional capability is declared here with its default (callers never probe for it);
+    a connector overrides what it supports.
+
     Args:
         config: the resolved ``EngineConfig``.
         role: which half this instance plays.
         kv_cache_config: the device cache's groups and block counts.
+
+    Attributes:
+        load_failure_policy: what the scheduler does with a request whose remote KV pull
+            failed: ``"recompute"`` its prompt locally, or ``"fail"`` it (finish_reason abort).
     """
+
+    load_failure_policy: str = "recompute"
+
+    @staticmethod
+    def prepare_config(config) -> None:
+        """Resolve start-up values in ``config`` (ports, ids) once, before the workers start,
+        so that every process reads the same ones. Raises ValueError for a bad config."""
 
     def __init__(self, config, role: KVConnectorRole, kv_cache_config) -> None:
         self.config = config
@@ -56,7 +71,15 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         self.kv_cache_config = kv_cache_config
         self._meta: Optional[KVConnectorMetadata] = None
 
+    def transfer_info(self) -> Optional[dict[str, Any]]:
+        """For KV transfer between engines: ``{"kv_role", "engine_id", "kv_connector",
+        "kv_transport", "kv_layout"}`` (``GET /v1/kv_transfer``); None for other connectors."""
+        return None
+
     # ---- scheduler role ----------------------------------------------------------------
+    def bind_scheduler(self, requests: dict[str, "Request"], kv_cache_manager) -> None:
+        """The scheduler's request map and KV cache manager (read when building metadata)."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens past ``num_computed_tokens`` (the device hit, a block multiple) the store
@@ -82,6 +105,15 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     def request_preempted(self, request: "Request", block_ids: list[int]) -> None:
         """A running request is about to lose its device blocks (swap preemption keeps them)."""
+
+    def has_unsent_meta(self) -> bool:
+        """Whether work waits for the next step's metadata that must not wait for a step (e.g.
+        blocks to lend: a consumer may be connecting already); the engine loop must not idle."""
+        return False
+
+    def on_kv_connector_output(self, output) -> None:
+        """The workers' finished transfers of a step (``kvserve.core.sched_output.KVConnectorOutput``),
+        before the scheduler applies them."""
 
     def get_stats(self) -> dict[str, float]:
         """Cumulative counters for logs and metrics."""

@@ -10,9 +10,18 @@ from kvserve.config import EngineConfig
 class Proposer(ABC):
     """Proposes draft tokens for requests after each step.
 
+    Every optional capability is declared here with its default (callers never probe for it);
+    a proposer overrides what it needs.
+
     Args:
         config: the engine config (``config.speculative_config`` holds k and the method's keys).
+
+    Attributes:
+        uses_hidden_states: the proposer drafts from the target's hidden states: the runner
+            hands each step's to ``record_hidden_states`` (EAGLE).
     """
+
+    uses_hidden_states: bool = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -24,6 +33,21 @@ class Proposer(ABC):
     def k(self) -> int:
         """Drafts to propose per request now: ``min(num_speculative_tokens, num_drafts_allowed)``."""
         return min(self.num_speculative_tokens, self.num_drafts_allowed)
+
+    @property
+    def needs_eager_target(self) -> bool:
+        """Whether the target must run without CUDA graphs (the proposer reads states the
+        graphs do not return, e.g. EAGLE-3's mid-layer ones)."""
+        return False
+
+    def bind_target(self, target) -> None:
+        """Called once the target model is loaded (``target``: its ``nn.Module``), before the KV
+        cache is sized: a proposer that shares the target's layers (EAGLE) builds itself here."""
+
+    def record_hidden_states(self, req_ids, starts, query_lens, hidden, row_start) -> None:
+        """With ``uses_hidden_states``: one step's target hidden states. Request ``req_ids[i]``
+        computed positions ``starts[i] .. starts[i] + query_lens[i] - 1`` in rows
+        ``row_start[i] ..`` of ``hidden`` (``[num_tokens, hidden_size]``)."""
 
     def remove_requests(self, req_ids) -> None:
         """Forget finished or preempted requests (free what the proposer holds for them)."""

@@ -341,7 +341,7 @@ class ModelRunner:
         for decode-only steps and piecewise graphs, attention eager, for steps with prefill."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.cuda_graph_safe:
             return
-        if getattr(self.proposer, "needs_eager_target", False):
+        if self.proposer is not None and self.proposer.needs_eager_target:
             logger.info("EAGLE-3 reads the target's mid-layer states: CUDA graphs off")
             return
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
@@ -440,7 +440,7 @@ class ModelRunner:
     def _record_hidden(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> None:
         """Hand the step's target hidden states to a proposer that drafts from them (EAGLE)."""
         p = self.proposer
-        if p is not None and getattr(p, "uses_hidden_states", False):
+        if p is not None and p.uses_hidden_states:
             p.record_hidden_states(inp.req_ids, inp.seq_lens - inp.query_lens, inp.query_lens, hidden, row_start)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,

@@ -49,8 +49,7 @@ class Worker:
             from kvserve.spec_decode import get_proposer_class
 
             self.model_runner.proposer = get_proposer_class(spec.method)(config)
-            if hasattr(self.model_runner.proposer, "bind_target"):  # EAGLE: shares the target's layers
-                self.model_runner.proposer.bind_target(self.model_runner.model)
+            self.model_runner.proposer.bind_target(self.model_runner.model)  # EAGLE: shares its layers
 
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
         """Per attention layer, its KV cache spec."""

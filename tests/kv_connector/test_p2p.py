@@ -293,7 +293,7 @@ def test_abort_while_waiting_frees_both_sides(tiny_llama_dir, transport):
         eng = consumer.llm_engine
         sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params}, **GREEDY)
         eng.add_request("r1", PROMPT, sp)
-        _poll(consumer, lambda: bool(_core(consumer).scheduler.waiting_for_remote))
+        _poll(consumer, lambda: bool(_core(consumer).scheduler.remote_kv.waiting))
         assert not _free_all(consumer)
         eng.abort_request("r1")
         gate.set()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.config import SpeculativeConfig
-from kvserve.spec_decode.dynamic import DynamicSpeculation
+from kvserve.core.scheduler.spec_policy import DynamicSpeculation
 from kvserve.spec_decode.ngram import ngram_propose
 from kvserve.spec_decode.rejection_sampler import rejection_sample, verify
 

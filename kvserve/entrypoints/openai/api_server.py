@@ -275,7 +275,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     @app.get("/v1/kv_transfer")
     async def kv_transfer():
         """This worker's KV transfer role and layout, for a router's compatibility check."""
-        info = getattr(engine, "kv_transfer_info", None) or {}
+        info = engine.kv_transfer_info or {}
         return {"kv_role": info.get("kv_role"), "engine_id": info.get("engine_id"),
                 "kv_connector": info.get("kv_connector"), "kv_transport": info.get("kv_transport"),
                 "kv_layout": info.get("kv_layout")}

@@ -127,7 +127,7 @@ class OpenAIServing:
         ktp = req.kv_transfer_params
         if ktp is None:
             return
-        info = getattr(self.engine, "kv_transfer_info", None) or {}
+        info = self.engine.kv_transfer_info or {}
         role = info.get("kv_role")
         if num_prompts != 1 or req.n != 1:
             raise APIError(400, "kv_transfer_params needs exactly one prompt and n == 1", "kv_transfer_params")

@@ -129,6 +129,12 @@ def test_engine_core_sends_heartbeats_when_idle():
         def has_unfinished_requests(self):
             return False
 
+        def has_kv_transfers(self):
+            return False
+
+        def has_urgent_kv_work(self):
+            return False
+
         def abort_requests(self, ids):
             pass
 

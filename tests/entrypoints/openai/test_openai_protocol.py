@@ -117,7 +117,7 @@ def test_ipc_roundtrip():
     assert back == msg
     sp2 = ipc.params_from_dict(back.sampling_params)
     assert sp2 == sp and sp2.all_stop_token_ids == {7, 9}
-    out = ipc.StepOutputs([ipc.TokenOutput("r1", [5], [{5: (-0.5, 1), 6: (-1.0, 2)}], "stop", 7, 3)],
+    out = ipc.StepOutputs([ipc.EngineCoreOutput("r1", [5], [{5: (-0.5, 1), 6: (-1.0, 2)}], "stop", 7, 3)],
                           ipc.SchedulerStatsMsg(1, 0, 0.5, 0, 10, 3), 4, 1, 2.0)
     back = ipc.output_decoder().decode(ipc.input_encoder().encode(out))
     assert back.outputs[0].new_logprobs == [{5: (-0.5, 1), 6: (-1.0, 2)}]
@@ -128,8 +128,9 @@ def test_import_kvserve_stays_light():
     import subprocess
     import sys
 
+    # msgspec is not here: the engine's output record (EngineCoreOutput) is a msgspec struct.
     code = ("import sys, kvserve, kvserve.entrypoints.cli, kvserve.entrypoints.openai;"
-            "bad=[m for m in ('fastapi','uvicorn','zmq','msgspec','prometheus_client') if m in sys.modules];"
+            "bad=[m for m in ('fastapi','uvicorn','zmq','prometheus_client') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

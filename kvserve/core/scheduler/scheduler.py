@@ -1,4 +1,4 @@
-"""Phase-free, token-budget scheduler with chunked prefill and preemption (recompute or swap).
+"""The scheduler's loop: phase-free, token-budget steps with chunked prefill and preemption.
 
 Each step every scheduled request gets some of its ``num_tokens - num_computed_tokens``
 tokens (plus a pending one, see below) under one budget (``max_num_batched_tokens``) and one request cap
@@ -10,6 +10,12 @@ arXiv:2309.06180); with ``--preemption-mode swap`` the victim is the one with th
 sunk compute and its KV waits in the CPU tier. A KV connector (``kvserve.kv_connector``:
 the CPU / disk / remote tiers) is asked for more prompt tokens where the device prefix cache
 stops. Pure Python; never touches tensors.
+
+This module holds the loop (``Scheduler.schedule``: running requests first, then
+admission; the budget; preemption) and the step's description as data. Admission
+(waiting -> running) is ``admission.py``, the update from the runner's output
+(``update_from_output``: stops, draft rollback) ``update.py``, the requests in KV transfer
+between engines ``remote_kv.py`` (``RemoteKVTracker``, owned by the scheduler).
 
 ``num_computed_tokens`` advances when a step is scheduled, not when its output comes back,
 so with async scheduling (the engine schedules step N+1 while the GPU runs step N) a
@@ -39,16 +45,16 @@ from operator import attrgetter
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
-from kvserve.core import remote_kv
 from kvserve.core.kv_cache_manager import KVCacheManager
-from kvserve.core.prefix_cache import PrefixMatch
-from kvserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kvserve.core.waiting_queue import WaitingQueue
+from kvserve.core.sched_output import NewRequestData, SchedulerOutput
+from kvserve.core.scheduler.admission import AdmissionMixin
+from kvserve.core.scheduler.remote_kv import RemoteKVTracker
+from kvserve.core.scheduler.spec_policy import DynamicSpeculation
+from kvserve.core.scheduler.update import OutputUpdateMixin, RequestUpdate
+from kvserve.core.scheduler.waiting_queue import WaitingQueue
 from kvserve.request import Request, RequestStatus
 
-#: What ``update_from_output`` reports per request that got tokens: the request, its new
-#: token ids and their logprobs (None unless asked).
-RequestUpdate = tuple[Request, list[int], Optional[list]]
+__all__ = ["Scheduler", "SchedulerStats", "RequestUpdate"]
 
 
 @dataclass
@@ -75,7 +81,7 @@ class SchedulerStats:
     kv_connector_stats: Optional[dict] = None  # the KV connector's counters (tiers)
 
 
-class Scheduler:
+class Scheduler(AdmissionMixin, OutputUpdateMixin):
     """Decides, each step, which requests compute how many tokens.
 
     Args:
@@ -101,10 +107,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # KV transfer between engines (kvserve.kv_connector.p2p): requests whose blocks a remote
-        # engine is filling (-> the KV they will hold), and finished requests whose blocks stay
-        # held until the connector reports the transfer over (delayed free).
-        self.waiting_for_remote: dict[str, tuple[Request, int]] = {}
-        self.kv_held: dict[str, Request] = {}
+        # engine is filling, and finished requests whose blocks a remote engine still reads.
+        self.remote_kv = RemoteKVTracker(kv_cache_manager, connector)
         if connector is not None:
             connector.bind_scheduler(self.requests, kv_cache_manager)
         self.num_preemptions = 0
@@ -121,8 +125,6 @@ class Scheduler:
         self.num_accepted_tokens_per_pos = [0] * k_max
         self.spec_policy = None
         if sc is not None and sc.dynamic:
-            from kvserve.spec_decode.dynamic import DynamicSpeculation
-
             self.spec_policy = DynamicSpeculation(k_max, sc.dynamic_max_batch, sc.dynamic_min_acceptance)
         self._k_max = self._k_cap = k_max  # configured / allowed this step: drafts per request
         # Requests the workers must drop before the next step (finished or aborted).
@@ -159,14 +161,14 @@ class Scheduler:
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None and rid in self.kv_held and status == RequestStatus.FINISHED_ABORTED:
-                self.connector.release_held(rid)  # stop lending its blocks (freed when the worker says so)
+            if req is None and status == RequestStatus.FINISHED_ABORTED:
+                self.remote_kv.release(rid)  # stop lending its blocks (freed when the worker says so)
             if req is None or req.is_finished:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                del self.waiting_for_remote[rid]
+                self.remote_kv.remove_waiting(rid)
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -180,18 +182,18 @@ class Scheduler:
         if self.connector is not None:
             delay, req.kv_transfer_params = self.connector.request_finished(req, [])
         if delay:  # a remote engine reads (or writes) its blocks: freed when that ends
-            self.kv_held[req.request_id] = req
+            self.remote_kv.hold(req)
         else:
             self.kv.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_remote)
+        return bool(self.running) or len(self.waiting) > 0 or self.remote_kv.num_waiting > 0
 
     def has_kv_transfers(self) -> bool:
         """Whether KV transfers between engines are under way (the workers must be polled)."""
-        return bool(self.waiting_for_remote) or bool(self.kv_held)
+        return self.remote_kv.has_transfers()
 
     # ---- scheduling --------------------------------------------------------------------
 
@@ -254,18 +256,18 @@ class Scheduler:
                 i += 1
                 continue
             k = self._num_drafts(req, n, budget)
-            blocks = self.kv.allocate_slots(req, n + k)
-            if blocks is None and k:
-                k = 0  # drop the drafts before preempting anyone
-                blocks = self.kv.allocate_slots(req, n)
-            while blocks is None:
+            # allocate_slots changes nothing when blocks are short: retry with the drafts dropped,
+            # then preempting the worst request (this one last) until it fits.
+            while (blocks := self.kv.allocate_slots(req, n + k)) is None:
+                if k:
+                    k = 0
+                    continue
                 victim = self._pick_victim(i)
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
                 preempted = True
                 if victim is req:
                     break
-                blocks = self.kv.allocate_slots(req, n)
             if req.status != RequestStatus.RUNNING:
                 break
             new_blocks[req.request_id] = blocks
@@ -273,86 +275,9 @@ class Scheduler:
             budget -= n + k
             i += 1
         num_cached = len(scheduled)
-
-        # Admit waiting requests; none while this step had to preempt (memory is short).
-        while not preempted and len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting.peek()
-            if req.kv_ready:  # its blocks hold KV from another engine (or a failed pull's recompute)
-                n = req.num_tokens - req.num_computed_tokens
-                if not cfg.enable_chunked_prefill and n > budget:
-                    break
-                n = min(n, budget)
-                if self.kv.allocate_slots(req, n) is None:
-                    break
-                self.waiting.pop()
-                req.kv_ready = False
-                budget -= self._start(req, n, scheduled)
-                continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            if req.sampling_params.prompt_logprobs is not None and num_hit:
-                hits, num_hit = tuple(PrefixMatch() for _ in hits), 0  # every prompt position's logits
-            num_ext = 0  # tokens the connector (a tier) loads past the device hit
-            load_async = False
-            if self.connector is not None and req.sampling_params.prompt_logprobs is None:
-                base = num_hit - num_hit % self.kv.block_size
-                ext, load_async = self.connector.get_num_new_matched_tokens(req, base)
-                if ext and base + ext > num_hit:
-                    for h in hits:
-                        h.partial = None
-                    num_hit, num_ext = base, ext
-                else:
-                    load_async = False
-            if load_async:
-                if not self._admit_remote(req, hits, num_hit, num_ext):
-                    break
-                continue
-            n = req.num_tokens - num_hit - num_ext
-            if not cfg.enable_chunked_prefill and n > budget:
-                break
-            n = min(n, budget)
-            if self.kv.allocate_slots(req, n + num_ext, hits) is None:
-                partial = hits[0].partial
-                if partial is None:
-                    break
-                # The copy source holds one block for the allocation: try without it.
-                num_hit -= partial.num_tokens
-                for h in hits:
-                    h.partial = None
-                n = req.num_tokens - num_hit
-                if not cfg.enable_chunked_prefill and n > budget:
-                    break
-                n = min(n, budget)
-                if self.kv.allocate_slots(req, n, hits) is None:
-                    break
-            self.waiting.pop()
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    req, self.kv.get_block_ids(req.request_id)[0] if num_ext else [], num_ext)
-                num_hit += num_ext
-            if req.num_cached_tokens < 0:  # first admission
-                req.num_cached_tokens = num_hit
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_hit
-            else:  # a preempted request's recompute, counted apart
-                self.prefix_cache_recompute_queries += req.num_tokens
-                self.prefix_cache_recompute_hits += num_hit
-                self.num_recomputed_tokens += max(req.num_computed_at_preemption - num_hit, 0)
-            req.num_computed_tokens = num_hit
-            budget -= self._start(req, n, scheduled)
-
+        if not preempted:  # admit none while this step had to preempt (memory is short)
+            self._admit_waiting(budget, scheduled)
         return self._make_output(out, scheduled, num_cached, new_blocks)
-
-    def _start(self, req: Request, n: int, scheduled: list) -> int:
-        """A waiting request joins the running ones with ``n`` tokens this step; returns ``n``."""
-        req.status = RequestStatus.RUNNING
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.time()
-        self.running.append(req)
-        scheduled.append((req, n, 0))
-        return n
-
-    def _admit_remote(self, req: Request, hits, num_hit: int, num_ext: int) -> bool:
-        return remote_kv.admit_remote(self, req, hits, num_hit, num_ext)
 
     def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_cached: int,
                      new_blocks: dict) -> SchedulerOutput:
@@ -424,130 +349,9 @@ class Scheduler:
         self.running.remove(victim)
         return victim
 
-    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Append sampled tokens, roll back rejected drafts, finish requests that stop.
-
-        Args:
-            sched: the step's schedule (with async scheduling, a later step may already
-                have been scheduled).
-            output: the step's sampled tokens (and drafts for the next step).
-
-        Returns:
-            ``(request, new token ids, new logprobs)`` for requests that got tokens (finished
-            ones included); tokens past a stop are dropped.
-        """
-        now = time.time()
-        updated: list[RequestUpdate] = []
-        if output.kv_connector_output is not None and self.connector is not None:
-            updated.extend(remote_kv.update_kv_transfers(self, output.kv_connector_output))
-        spec = sched.scheduled_spec_decode_tokens
-        all_lps = output.logprobs
-        for rid, (start, entries) in output.prompt_logprobs.items():
-            req = self.requests.get(rid)
-            have = len(req.prompt_logprobs) if req is not None else -1
-            if start <= have < start + len(entries):  # chunks in order; a recompute adds nothing new
-                req.prompt_logprobs.extend(entries[have - start:])
-        for rid, mass in output.kv_block_mass.items():
-            if rid in self.requests:
-                self.kv.observe_block_mass(rid, mass)
-        for rid, toks in output.sampled_token_ids.items():
-            req = self.requests.get(rid)
-            if req is None:
-                continue  # finished or aborted since: a token computed past the end is dropped
-            if req.status == RequestStatus.RUNNING:
-                req.num_pending_tokens -= 1
-                drafts = spec.get(rid)
-                if drafts:
-                    accepted = len(toks) - 1
-                    self.num_accepted_tokens += accepted
-                    for j in range(accepted):
-                        self.num_accepted_tokens_per_pos[j] += 1
-                    req.num_draft_tokens += len(drafts)
-                    req.num_accepted_tokens += accepted
-                    if self.spec_policy is not None:
-                        self.spec_policy.observe(len(drafts), accepted)
-                    req.num_computed_tokens -= len(drafts) - accepted
-                    self.kv.rollback(req)
-            elif req.status != RequestStatus.PREEMPTED:
-                continue
-            # A request preempted after this step was scheduled keeps the token: its KV was
-            # valid, and the recompute then includes it.
-            if req.first_token_time is None:
-                req.first_token_time = now
-            lps = all_lps.get(rid)
-            status = None
-            so = req.structured_output
-            for j, tok in enumerate(toks):
-                req.append_output_token(tok)
-                status = self._check_stop(req, tok)
-                if so is not None and status is None and (not so.accept(tok) or so.is_terminated):
-                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-                if status is not None:
-                    toks = toks[: j + 1]
-                    break
-            if status is not None:
-                if req.status == RequestStatus.RUNNING:
-                    self.running.remove(req)
-                else:
-                    self.waiting.remove(req)
-                self._finish(req, status)
-            elif req.status == RequestStatus.RUNNING:
-                drafts = output.draft_token_ids.get(rid)
-                if drafts:
-                    req.spec_token_ids = list(drafts)
-            updated.append((req, toks, lps[: len(toks)] if lps is not None else None))
-        if self.kv.has_sliding_window or self._bounded:
-            self._free_outside_window(sched)
-        return updated
-
-    def _free_outside_window(self, sched: SchedulerOutput) -> None:
-        """The step's queries have run: free window-group blocks none of the request's later
-        queries can read (up to the step's end; with async scheduling the next step was
-        scheduled from that same point, so it reads none of them either)."""
-        start = dict(zip(sched.scheduled_cached_reqs.req_ids, sched.scheduled_cached_reqs.num_computed_tokens))
-        for new in sched.scheduled_new_reqs:
-            start[new.req_id] = new.num_computed_tokens
-        for rid, n in sched.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
-            if req is not None and req.status == RequestStatus.RUNNING:
-                c = min(start[rid] + n, req.num_computed_tokens)
-                self.kv.remove_skipped_blocks(req, c)
-                if self._bounded:
-                    self.kv.evict_after_step(req, c)
-
-    def _reaches_limit(self, req: Request) -> bool:
-        """Whether the tokens already sampled (pending included) end the request by length."""
-        total = req.num_tokens + req.num_pending_tokens
-        mt = req.sampling_params.max_tokens
-        return (mt is not None and req.num_output_tokens + req.num_pending_tokens >= mt) \
-            or total >= self._max_len(req)
-
-    def _max_len(self, req: Request) -> int:
-        """Tokens (prompt + output) at which the request stops by length: ``max_model_len``, or,
-        with bounded KV and an explicit ``max_tokens``, the prompt plus ``max_tokens`` (vLLM
-        users expect ``max_tokens`` honoured; the KV a request holds stays bounded)."""
-        mt = req.sampling_params.max_tokens
-        if self._bounded and mt is not None:
-            return max(req.num_prompt_tokens + mt, self.config.max_model_len)
-        return self.config.max_model_len
-
-    def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
-        sp = req.sampling_params
-        n_out = req.num_output_tokens
-        # Length first, as vLLM does: a stop token that is also the last allowed one reads "length".
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self._max_len(req):
-            return RequestStatus.FINISHED_LENGTH
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and tok == req.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if tok in sp.stop_token_ids:
-                req.stop_reason = tok
-                return RequestStatus.FINISHED_STOPPED
-        return None
-
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting) + len(self.waiting_for_remote),
+            num_running=len(self.running), num_waiting=len(self.waiting) + self.remote_kv.num_waiting,
             kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
             prefix_cache_recompute_queries=self.prefix_cache_recompute_queries,
