@@ -167,7 +167,8 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>/dev/null
 git log -1 --format='commit %h %s' 2>/dev/null || echo "commit ${KVSERVE_COMMIT:-unknown}"
 
-case " $* " in *" pd"*|*" serve-sweep"*|*" pd-transfer"*) install_wheels ;; esac
+# msgspec travels as a wheel too (`import kvserve` needs it; the GPU image lacks it)
+install_wheels
 
 SUMMARY=()
 for spec in "$@"; do
