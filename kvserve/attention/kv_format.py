@@ -163,12 +163,19 @@ class KVCacheFormat:
         kv_quant.copy_slots(cache, self.head_size, src_slots, dst_slots, self.desc)
 
 
+#: ``KVFormat.name`` -> the ``KVCacheFormat`` subclass serving it (default: ``KVCacheFormat``).
+#: A format with its own page layout or routines (say a latent, head-less MLA cache)
+#: registers its class here; the model runner and the scheduler stay as they are.
+FORMAT_CLASSES: dict[str, type[KVCacheFormat]] = {}
+
+
 @functools.lru_cache(maxsize=None)
 def kv_format_for(name: str, head_size: int) -> KVCacheFormat:
     """The format object of ``--kv-cache-dtype name`` for rows of ``head_size`` values.
 
     Raises ValueError for an unknown name."""
-    return KVCacheFormat(get_kv_format(name), head_size)
+    desc = get_kv_format(name)
+    return FORMAT_CLASSES.get(desc.name, KVCacheFormat)(desc, head_size)
 
 
 def format_of_spec(spec: KVCacheSpec) -> KVCacheFormat:

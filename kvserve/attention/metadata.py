@@ -71,9 +71,9 @@ class AttentionMetadataBuilder:
                                 for i, g in enumerate(groups)]
         self.residual: Optional[ExactFillingBlocks] = None
         if any(self.residual_groups):
-            self.residual = ExactFillingBlocks(
-                [(layer.kv_cache_group_id, layer.kv) for layer in layers if self.residual_groups[layer.kv_cache_group_id]],
-                max_num_seqs, self.block_size, dtype, device)
+            exact = [(layer.kv_cache_group_id, layer.kv) for layer in layers
+                     if self.residual_groups[layer.kv_cache_group_id]]
+            self.residual = ExactFillingBlocks(exact, max_num_seqs, self.block_size, dtype, device)
         self.bounded: Optional[BoundedPlanner] = None
         if any(s is not None for s in self.bounded_specs):
             self.bounded = BoundedPlanner(model, self.block_size, device)
@@ -94,11 +94,13 @@ class AttentionMetadataBuilder:
         stale = False
         if self.residual is not None:
             states = self.input_batch.states
+            slots = np.fromiter((states[r].row for r in inp.req_ids), dtype=np.int64, count=len(inp.req_ids))
+            max_rows = len(self.input_batch.num_tokens)
+            if len(slots) and int(slots.max()) >= self.residual.num_slots:  # before a joining row is filled
+                self.residual.grow(max_rows)
             if sched.scheduled_new_reqs:
                 self.residual.fill(sched.scheduled_new_reqs, states)
-            slots = np.fromiter((states[r].row for r in inp.req_ids), dtype=np.int64, count=len(inp.req_ids))
-            stale |= self.residual.step_inputs(slots, inp.positions, inp.query_lens, inp.seq_lens,
-                                               len(self.input_batch.num_tokens))
+            stale |= self.residual.step_inputs(slots, inp.positions, inp.query_lens, inp.seq_lens, max_rows)
         if self.bounded is not None and inp.req_ids:
             stale |= self.bounded.grow_rotary(int(inp.seq_lens.max()))
         return stale
