@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvserve.attention.bounded import bounded_attention
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_format import KVCacheView, format_of_spec
 from kvserve.attention.kv_rotation import rotate
@@ -112,8 +113,6 @@ class AttentionBackend(ABC):
         window or H2O's kept blocks; ``kvserve.attention.bounded``). The default is the reference
         implementation for every backend; shapes as ``forward``. With a rotation, q/k/v are
         rotated first (the sink queries' rotary shift is then applied in the unrotated basis)."""
-        from kvserve.attention.bounded import bounded_attention
-
         r = kv.rotation
         folded = kv.values_rotated
         if r is not None:

@@ -322,9 +322,9 @@ class BoundedPlanner:
     positions pass them (bounded requests run past ``max_model_len``), h2o's block mass."""
 
     def __init__(self, model, block_size: int, device: torch.device) -> None:
-        from kvserve.layers.rotary import RotaryEmbedding
-
-        self.ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        # The model's rotary tables (``kvserve.layers.rotary.RotaryEmbedding``: ``inv_freq``,
+        # ``max_position``, ``extend``), found by shape so attention imports no layer module.
+        self.ropes = [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "extend")]
         self.block_size = block_size
         self.device = device
 

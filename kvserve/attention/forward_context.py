@@ -13,10 +13,26 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from kvserve.attention.bounded import BoundedAttention
+
+
+def to_device(x: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host array -> tensor on ``device``; on CUDA through pinned memory with ``non_blocking``.
+
+    A copy from pageable memory may wait for the stream, which would stall the host behind
+    the step in flight (async scheduling). Pinned buffers come from torch's caching host
+    allocator, which keeps each one until its copy is done.
+    """
+    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

@@ -47,7 +47,7 @@ import logging
 import numpy as np
 import torch
 
-from kvserve.attention.forward_context import ResidualMetadata
+from kvserve.attention.forward_context import ResidualMetadata, to_device
 from kvserve.attention.kv_format import KVCacheFormat, KVCacheView
 
 logger = logging.getLogger("kvserve")
@@ -209,8 +209,6 @@ class ExactFillingBlocks:
     def metadata(self, query_lens: list[int], seq_lens: list[int], device: torch.device,
                  pad_to: int | None = None) -> ResidualMetadata:
         """This step's ``ResidualMetadata``; ``pad_to`` pads the token rows with the scratch row."""
-        from kvserve.attention.metadata import to_device
-
         rmap = self.slot_mapping
         if pad_to is not None and pad_to > len(rmap):  # padding rows write the scratch slot
             rmap = np.concatenate([rmap, np.full(pad_to - len(rmap), self.scratch_row, dtype=np.int64)])

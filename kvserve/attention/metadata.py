@@ -22,23 +22,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.bounded import BoundedPlanner
+from kvserve.attention.forward_context import AttentionMetadata, to_device
+from kvserve.attention.kv_residual import ExactFillingBlocks
 from kvserve.core.kv_cache_spec import BoundedKVSpec, KVCacheGroup
 
-
-def to_device(x: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host array -> tensor on ``device``; on CUDA through pinned memory with ``non_blocking``.
-
-    A copy from pageable memory may wait for the stream, which would stall the host behind
-    the step in flight (async scheduling). Pinned buffers come from torch's caching host
-    allocator, which keeps each one until its copy is done.
-    """
-    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=dtype)
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+__all__ = ["AttentionMetadataBuilder", "base_metadata", "metadata_from_arrays", "to_device"]
 
 
 class AttentionMetadataBuilder:
@@ -59,9 +48,6 @@ class AttentionMetadataBuilder:
 
     def __init__(self, layers: list, groups: list[KVCacheGroup], input_batch, model, device: torch.device,
                  dtype: torch.dtype, max_num_seqs: int) -> None:
-        from kvserve.attention.bounded import BoundedPlanner
-        from kvserve.attention.kv_residual import ExactFillingBlocks
-
         self.groups = groups
         self.input_batch = input_batch
         self.device = device
@@ -135,17 +121,15 @@ class AttentionMetadataBuilder:
               device: torch.device) -> tuple[list[AttentionMetadata], torch.Tensor]:
         """Metadata for a prefill of ``lens`` tokens per row over ``block_table`` (one group, no
         features; memory profiling, training tools); returns ``(metadata list, positions)``."""
-        from kvserve.worker.input_batch import BatchInputs
-
         q = np.asarray(lens, dtype=np.int64)
         qsl = np.zeros(len(q) + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         req_idx = np.repeat(np.arange(len(q)), q)
         pos = np.arange(int(qsl[-1])) - qsl[:-1][req_idx]
         slots = block_table[req_idx, pos // block_size].astype(np.int64) * block_size + pos % block_size
-        inp = BatchInputs([], q, np.zeros_like(q), q, qsl, pos, pos, np.zeros(0, np.int64), [], [block_table],
-                          [slots], int(np.count_nonzero(q == 1)), np.zeros_like(q), np.zeros(len(q), bool))
-        return base_metadata(inp, device, None, cls.metadata_cls), to_device(pos, device)
+        metas = metadata_from_arrays(q, q, qsl, [block_table], [slots], int(np.count_nonzero(q == 1)), device,
+                                     None, cls.metadata_cls)
+        return metas, to_device(pos, device)
 
     # ---- CUDA graphs -----------------------------------------------------------------------
     def prepare_for_capture(self, max_num_seqs: int, query_lens: list[int], max_blocks_per_group: list[int],
@@ -211,17 +195,29 @@ def base_metadata(inp, device: torch.device, pad_to: int | None = None,
                   metadata_cls: type[AttentionMetadata] = AttentionMetadata) -> list[AttentionMetadata]:
     """The featureless metadata of a step (``BatchInputs``) per KV cache group; ``pad_to``
     pads each slot mapping with -1 to that many rows."""
-    q, seq_lens = inp.query_lens, inp.seq_lens
-    qsl = to_device(inp.query_start_loc.astype(np.int32), device)
+    return metadata_from_arrays(inp.query_lens, inp.seq_lens, inp.query_start_loc, inp.block_tables,
+                                inp.slot_mappings, inp.num_decodes, device, pad_to, metadata_cls)
+
+
+def metadata_from_arrays(query_lens: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
+                         block_tables: list[np.ndarray], slot_mappings: list[np.ndarray], num_decodes: int,
+                         device: torch.device, pad_to: int | None = None,
+                         metadata_cls: type[AttentionMetadata] = AttentionMetadata) -> list[AttentionMetadata]:
+    """One featureless ``AttentionMetadata`` per KV cache group from host arrays (int64
+    ``[R]`` lengths, ``[R + 1]`` prefix sums; per group a block table ``[R, width]`` and a
+    slot mapping ``[T]``); ``pad_to`` pads each slot mapping with -1 to that many rows."""
+    qsl = to_device(query_start_loc.astype(np.int32), device)
     sl = to_device(seq_lens.astype(np.int32), device)
-    q_list, s_list = q.tolist(), seq_lens.tolist()
+    q_list, s_list = query_lens.tolist(), seq_lens.tolist()
+    max_q = int(query_lens.max()) if len(query_lens) else 0
+    max_s = int(seq_lens.max()) if len(seq_lens) else 0
     metas = []
-    for bt, sm in zip(inp.block_tables, inp.slot_mappings):
+    for bt, sm in zip(block_tables, slot_mappings):
         if pad_to is not None and pad_to > len(sm):
             sm = np.concatenate([sm, np.full(pad_to - len(sm), -1, dtype=np.int64)])
         metas.append(metadata_cls(
             slot_mapping=to_device(sm, device), block_tables=to_device(bt, device), query_start_loc=qsl,
-            seq_lens=sl, query_lens_cpu=q_list, seq_lens_cpu=s_list, max_query_len=int(q.max()) if len(q) else 0,
-            max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0, num_decodes=inp.num_decodes,
+            seq_lens=sl, query_lens_cpu=q_list, seq_lens_cpu=s_list, max_query_len=max_q, max_seq_len=max_s,
+            num_decodes=num_decodes,
         ))
     return metas
