@@ -34,6 +34,7 @@ if "--tiny" in sys.argv:
 import torch  # noqa: E402
 
 from kvserve.attention.forward_context import AttentionMetadata  # noqa: E402
+from kvserve.attention.kv_format import view_of  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention  # noqa: E402
 from kvserve.attention.triton.decode import _num_sms, choose_num_splits  # noqa: E402
@@ -97,8 +98,8 @@ def run_case(name, model, ctx_lens, q_lens, dtype, block_size, device):
     scale = d ** -0.5
     tri_be, ref_be = TritonBackend(), TorchRefBackend()
     kv_ref = kv.clone()
-    out_ref = ref_be.forward(q, k, v, kv_ref, meta, scale)
-    out_tri = tri_be.forward(q, k, v, kv, meta, scale)
+    out_ref = ref_be.forward(q, k, v, view_of(kv_ref), meta, scale)
+    out_tri = tri_be.forward(q, k, v, view_of(kv), meta, scale)
     rel_err = ((out_tri.float() - out_ref.float()).abs().max() / out_ref.float().abs().max()).item()
     store_ok = torch.equal(kv, kv_ref)
 
@@ -114,8 +115,8 @@ def run_case(name, model, ctx_lens, q_lens, dtype, block_size, device):
                               r - nd, meta.max_query_len, scale, out=out)
 
     t_attn = bench(attn_only, device)
-    t_fwd = bench(lambda: tri_be.forward(q, k, v, kv, meta, scale), device)
-    t_ref = bench(lambda: ref_be.forward(q, k, v, kv_ref, meta, scale), device)
+    t_fwd = bench(lambda: tri_be.forward(q, k, v, view_of(kv), meta, scale), device)
+    t_ref = bench(lambda: ref_be.forward(q, k, v, view_of(kv_ref), meta, scale), device)
 
     esz = kv.element_size()
     seq_lens = meta.seq_lens_cpu

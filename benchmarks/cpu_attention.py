@@ -19,8 +19,8 @@ import time
 import torch
 
 from kvserve.attention.registry import get_attn_backend
-from kvserve.attention.cpu_backend import CpuBackend
-from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.cpu_backend import CpuAttentionMetadata, CpuBackend
+from kvserve.attention.kv_format import view_of
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -43,8 +43,8 @@ def make_step(batch: int, lo: int, hi: int, args, gen: torch.Generator):
     caches = [torch.randn(2, num_blocks, bs, args.kv_heads, args.head_dim, generator=gen).to(dtype)
               for _ in range(args.layers)]
 
-    def meta() -> AttentionMetadata:
-        return AttentionMetadata(
+    def meta() -> CpuAttentionMetadata:
+        return CpuAttentionMetadata(
             slot_mapping=torch.tensor(slots), block_tables=bt,
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
             seq_lens=torch.tensor(lens, dtype=torch.int32), query_lens_cpu=[1] * batch, seq_lens_cpu=lens,
@@ -92,13 +92,13 @@ def main() -> None:
     def step(backend) -> None:
         m = meta()  # fresh per step: per-step plans are part of the cost
         for cache in caches:
-            backend.forward(q, k, v, cache, m, d**-0.5)
+            backend.forward(q, k, v, view_of(cache), m, d**-0.5)
 
     times: dict[str, list[float]] = {n: [] for n in backends}
     with torch.inference_mode():
-        ref = backends["torch_ref"].forward(q, k, v, caches[0], meta(), d**-0.5).float()
+        ref = backends["torch_ref"].forward(q, k, v, view_of(caches[0]), meta(), d**-0.5).float()
         for name, b in backends.items():
-            err = (b.forward(q, k, v, caches[0], meta(), d**-0.5).float() - ref).abs().max().item()
+            err = (b.forward(q, k, v, view_of(caches[0]), meta(), d**-0.5).float() - ref).abs().max().item()
             print(f"{name:24s} max |diff| vs torch_ref {err:.2e}")
             step(b)  # warm-up: buffers, oneDNN primitives
         for _ in range(args.reps):

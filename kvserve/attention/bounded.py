@@ -15,9 +15,10 @@ reference computes attention; a fused kernel may replace it later, and must matc
   summed per block (over query rows, heads and layers) into ``BoundedPlan.mass``, the score
   the eviction policy ranks blocks by.
 
-Per step the model runner builds one ``BoundedPlan`` per request (host work, once for all
-layers: which block-table columns to read, key positions, the mask, the sink-query rotation)
-and attaches them to the group's ``AttentionMetadata.bounded``. Each layer then gathers only
+Per step the attention metadata builder (``BoundedPlanner``, ``kvserve/attention/metadata.py``)
+builds one ``BoundedPlan`` per request (host work, once for all layers: which block-table
+columns to read, key positions, the mask, the sink-query rotation) and attaches them to the
+group's ``AttentionMetadata.bounded``. Each layer then gathers only
 the kept blocks: ``O(sinks + window)`` keys per query, not ``O(position)``.
 
 Numerics: scores, softmax and the weighted sum run in float32 and the result is cast to the
@@ -27,13 +28,16 @@ matrix stays bounded in memory.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
-from kvserve.attention.kv_quant import cache_format, dequantize_pages
+from kvserve.attention.kv_format import KVCacheFormat
+
+logger = logging.getLogger("kvserve")
 
 QUERY_TILE = 256
 
@@ -95,11 +99,13 @@ class BoundedAttention:
         policy: ``"streaming"`` or ``"h2o"``.
         plans: per request of the batch (batch order), its ``BoundedPlan``.
         decode: the leading decode requests batched (``DecodeBatch``), or None.
+        query_start_loc: ``[R + 1]`` prefix sums of the query lengths (host ints).
     """
 
     policy: str
     plans: list[BoundedPlan] = field(default_factory=list)
     decode: Optional[DecodeBatch] = None
+    query_start_loc: list[int] = field(default_factory=list)
 
 
 def _rotation(shifts: np.ndarray, inv_freq: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +132,7 @@ def build_plans(policy: str, block_table: np.ndarray, seq_lens: np.ndarray, quer
     Raises ValueError when a streaming plan needs a rotation and ``inv_freq`` is None.
     """
     bs = block_size
-    out = BoundedAttention(policy)
+    out = BoundedAttention(policy, query_start_loc=[0] + np.cumsum(query_lens).tolist())
     ar = np.arange(bs, dtype=np.int64)
     nd = 0  # leading decodes (the runner orders decodes first): planned as one padded batch
     while nd < len(query_lens) and int(query_lens[nd]) == 1:
@@ -217,18 +223,16 @@ def _decode_batch(out: BoundedAttention, policy: str, block_table: np.ndarray, s
             mass=dec.mass[i, :c] if dec.mass is not None else None))
 
 
-def _decode_attention(query: torch.Tensor, cache: torch.Tensor, kv_cache: torch.Tensor, dec: DecodeBatch,
-                      fmt, scale: float, out: torch.Tensor, rotation: Optional[torch.Tensor] = None) -> None:
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, dec: DecodeBatch, fmt: KVCacheFormat,
+                      scale: float, out: torch.Tensor, rotation: Optional[torch.Tensor] = None) -> None:
     """One batched attention for the ``n`` leading decode requests (padded to ``C`` blocks)."""
     n, C = dec.block_ids.shape
     _, _, bs, hkv, _ = kv_cache.shape
     d = query.shape[2]
     g = query.shape[1] // hkv
     ids = dec.block_ids.reshape(-1)
-    k = dequantize_pages(cache[0].index_select(0, ids).view(kv_cache.dtype), d, torch.float32,
-                         fmt).reshape(n, C * bs, hkv, d)
-    v = dequantize_pages(cache[1].index_select(0, ids).view(kv_cache.dtype), d, torch.float32,
-                         fmt).reshape(n, C * bs, hkv, d)
+    k = fmt.load_blocks(kv_cache, 0, ids, torch.float32).reshape(n, C * bs, hkv, d)
+    v = fmt.load_blocks(kv_cache, 1, ids, torch.float32).reshape(n, C * bs, hkv, d)
     v.masked_fill_(~dec.mask.view(n, C * bs, 1, 1), 0.0)  # padding reads the null block: any bits, even NaN
     q = query[:n].float()
     scores = torch.einsum("rkgd,rlkd->rkgl", q.view(n, hkv, g, d), k)
@@ -259,16 +263,14 @@ def rotate_back(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return q * cos[:, None, :] - rot * sin[:, None, :]
 
 
-def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: BoundedAttention,
-                      query_start_loc: list[int], scale: float,
-                      kv_rotation: Optional[torch.Tensor] = None) -> torch.Tensor:
+def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, fmt: KVCacheFormat, bounded: BoundedAttention,
+                      scale: float, kv_rotation: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of every request of the batch over its kept keys (K/V already stored).
 
     Args:
         query: ``[T, H, d]`` (already rotated at the tokens' positions).
-        kv_cache: ``[2, num_blocks, block_size, Hkv, row]`` in the cache format.
+        kv_cache: ``[2, num_blocks, block_size, Hkv, row]`` in format ``fmt``.
         bounded: the step's plans (``build_plans``).
-        query_start_loc: ``[R + 1]`` prefix sums of query lengths (host ints).
         scale: softmax scale.
         kv_rotation: ``[d, d]`` when query and cache are in a rotated basis (int4 / int2,
             ``kvserve/attention/kv_rotation.py``): only the sink queries' rotary shift needs it.
@@ -279,23 +281,20 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
     _, _, bs, hkv, _ = kv_cache.shape
     d = query.shape[2]
     g = query.shape[1] // hkv
-    fmt = cache_format(kv_cache, d)
-    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+    query_start_loc = bounded.query_start_loc
     if query.shape[0] > query_start_loc[-1]:  # piecewise CUDA graphs pad the step's rows
         out[query_start_loc[-1]:].zero_()
     start = 0
     if bounded.decode is not None:
-        _decode_attention(query, cache, kv_cache, bounded.decode, fmt, scale, out, kv_rotation)
+        _decode_attention(query, kv_cache, bounded.decode, fmt, scale, out, kv_rotation)
         start = bounded.decode.block_ids.shape[0]
     for i in range(start, len(bounded.plans)):
         plan = bounded.plans[i]
         s, e = query_start_loc[i], query_start_loc[i + 1]
         c = len(plan.cols)
         # Whole pages, dequantized from the page layout (codes, then scales, per block).
-        k = dequantize_pages(cache[0].index_select(0, plan.block_ids).view(kv_cache.dtype), d, torch.float32,
-                             fmt).reshape(c * bs, hkv, d)  # [L, hkv, d]
-        v = dequantize_pages(cache[1].index_select(0, plan.block_ids).view(kv_cache.dtype), d, torch.float32,
-                             fmt).reshape(c * bs, hkv, d)
+        k = fmt.load_blocks(kv_cache, 0, plan.block_ids, torch.float32).reshape(c * bs, hkv, d)  # [L, hkv, d]
+        v = fmt.load_blocks(kv_cache, 1, plan.block_ids, torch.float32).reshape(c * bs, hkv, d)
         for t0 in range(s, e, QUERY_TILE):
             t1 = min(t0 + QUERY_TILE, e)
             q = query[t0:t1].float()
@@ -315,3 +314,52 @@ def bounded_attention(query: torch.Tensor, kv_cache: torch.Tensor, bounded: Boun
             if plan.mass is not None:
                 plan.mass += p.sum(dim=(0, 1, 2)).view(c, bs).sum(dim=1)
     return out
+
+
+class BoundedPlanner:
+    """A bounded-KV group's per-step plans, for the attention metadata builder: per-request
+    sinks and window (``SamplingParams`` may lower the engine's), the rotary tables widened as
+    positions pass them (bounded requests run past ``max_model_len``), h2o's block mass."""
+
+    def __init__(self, model, block_size: int, device: torch.device) -> None:
+        # The model's rotary tables (``kvserve.layers.rotary.RotaryEmbedding``: ``inv_freq``,
+        # ``max_position``, ``extend``), found by shape so attention imports no layer module.
+        self.ropes = [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "extend")]
+        self.block_size = block_size
+        self.device = device
+
+    def grow_rotary(self, max_seq_len: int) -> bool:
+        """Widen the rotary tables to cover ``max_seq_len`` positions (doubling, so O(log
+        length) times). Returns True when they grew: graphed pieces read them by address."""
+        grown = False
+        for r in self.ropes:
+            if max_seq_len > r.max_position:
+                r.extend(max(max_seq_len, 2 * r.max_position))
+                grown = True
+        if grown:
+            logger.info("rotary tables grown to %d positions", self.ropes[0].max_position)
+        return grown
+
+    def plans(self, spec, inp, block_table: np.ndarray, states: dict) -> BoundedAttention:
+        """The step's ``BoundedAttention`` for a group of ``BoundedKVSpec`` ``spec``
+        (``inp``: the step's ``BatchInputs``; ``states``: request id -> input-batch state)."""
+        from kvserve.core.bounded_kv import request_limits
+
+        lims = [request_limits(states[r].sampling_params, spec.sink_tokens, spec.window) for r in inp.req_ids]
+        return build_plans(spec.policy, block_table, inp.seq_lens, inp.query_lens, [a for a, _ in lims],
+                           [b for _, b in lims], self.block_size, self.device,
+                           self.ropes[0].inv_freq if self.ropes else None)
+
+    @staticmethod
+    def block_mass(req_ids: list[str], metas: list) -> dict:
+        """h2o: request id -> group id -> {block-table column: attention mass} of this step."""
+        out: dict = {}
+        for gi, m in enumerate(metas):
+            b = m.bounded
+            if b is None or b.policy != "h2o":
+                continue
+            dec = b.decode.mass.cpu().numpy() if b.decode is not None else None  # one copy for the decodes
+            for i, (rid, plan) in enumerate(zip(req_ids, b.plans)):
+                mass = dec[i, :len(plan.cols)] if dec is not None and i < len(dec) else plan.mass.cpu().numpy()
+                out.setdefault(rid, {})[gi] = dict(zip(plan.cols.tolist(), mass.tolist()))
+        return out

@@ -37,7 +37,7 @@ Cost model behind the design: on this kind of CPU a step's decode attention is b
 reading K/V once from memory plus small-M GEMMs; sorting and chunking leave little
 padding, and a chunk's K/V stay in the core's cache between the gather and the
 matmuls. Gather indices, masks and every buffer view are made once per step (by the
-first layer, cached in ``AttentionMetadata.backend_cache``); buffers are reused across
+first layer, cached in ``CpuAttentionMetadata.decode_plans``); buffers are reused across
 layers and steps, because fresh multi-MB tensors cost page faults on every call.
 Prefill rows run ``torch_ref.prefill_attention`` (a small share of decode-heavy work).
 """
@@ -51,9 +51,10 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import cache_format, dequantize_pages
+from kvserve.attention.kv_format import KVCacheFormat, KVCacheView
 from kvserve.attention.kv_residual import store_residual
-from kvserve.attention.torch_ref import prefill_attention, residual_slots_list, store_kv, substitute_exact_block
+from kvserve.attention.metadata import AttentionMetadataBuilder
+from kvserve.attention.torch_ref import prefill_attention, store_kv, substitute_exact_block, uses_residual
 
 # Padded KV rows per chunk: a chunk's K and V (1.5 MB each at 3 KV heads x 64 dims in
 # bfloat16) stay cached between the gather and the matmuls, and larger chunks mean fewer
@@ -156,6 +157,18 @@ def _chunk_mask(ch: _Chunk, block_size: int, window: int | None, shape: tuple[in
     return mask
 
 
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    """``AttentionMetadata`` plus the CPU backend's decode plans of the step, made by the first
+    layer and reused by the others (keyed by block size, chunk size and window)."""
+
+    decode_plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+class CpuMetadataBuilder(AttentionMetadataBuilder):
+    metadata_cls = CpuAttentionMetadata
+
+
 class CpuBackend(AttentionBackend):
     """Paged attention for the CPU (the module docstring describes the method).
 
@@ -172,6 +185,7 @@ class CpuBackend(AttentionBackend):
     """
 
     name = "cpu"
+    metadata_builder_cls = CpuMetadataBuilder
 
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, block_diagonal: bool | None = None,
                  exact_scores: bool = False) -> None:
@@ -195,39 +209,41 @@ class CpuBackend(AttentionBackend):
                 buf = self._bufs[key] = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=device)
         return buf
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv: KVCacheView,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
-        kv_residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """See ``AttentionBackend.forward``; ``kv_residual``: as ``TorchRefBackend.forward`` (each
-        decode row's own block is overwritten with its exact rows after the chunk's dequantization)."""
+        """See ``AttentionBackend.attend``; with an exact filling block as ``TorchRefBackend``
+        (each decode row's own block is overwritten with its exact rows after the chunk's
+        dequantization)."""
+        kv_cache = kv.cache
         if query.shape[1] % kv_cache.shape[3]:
             raise ValueError(f"{query.shape[1]} query heads not a multiple of {kv_cache.shape[3]} KV heads")
-        store_kv(key, value, kv_cache, meta.slot_mapping)
+        store_kv(key, value, kv, meta.slot_mapping)
+        kv_residual = kv.residual if uses_residual(kv, meta) else None
         out = torch.empty_like(query)
         if meta.num_decodes > 0:
             block_size = kv_cache.shape[2]
-            plan_key = ("cpu_decode", block_size, self.chunk_tokens, sliding_window)
-            plan = meta.backend_cache.get(plan_key)
+            plan_key = (block_size, self.chunk_tokens, sliding_window)
+            plans = meta.decode_plans if isinstance(meta, CpuAttentionMetadata) else {}
+            plan = plans.get(plan_key)
             if plan is None:
-                plan = meta.backend_cache[plan_key] = _build_plan(meta, block_size, self.chunk_tokens,
-                                                                  sliding_window)
+                plan = plans[plan_key] = _build_plan(meta, block_size, self.chunk_tokens, sliding_window)
             exact = None
             if kv_residual is not None:
-                slots = residual_slots_list(meta)
+                slots = meta.residual.slots_cpu
                 exact = (kv_residual, [slots[i] for i in plan.rows],
                          [meta.seq_lens_cpu[i] for i in plan.rows], key, value)
-            self._decode(query, kv_cache, plan, meta.num_decodes, scale, sliding_window, out, exact)
-        prefill_attention(query, kv_cache, meta, scale, sliding_window, out, kv_residual, key, value)
+            self._decode(query, kv_cache, kv.format, plan, meta.num_decodes, scale, sliding_window, out, exact)
+        prefill_attention(query, kv, meta, scale, sliding_window, out, key, value)
         if kv_residual is not None:
-            store_residual(key, value, kv_residual, meta.residual_slot_mapping)
+            store_residual(key, value, kv_residual, meta.residual.slot_mapping)
         return out
 
     def _views(self, plan: _DecodePlan, nd: int, query: torch.Tensor, kv_cache: torch.Tensor, bdiag: bool):
@@ -283,12 +299,11 @@ class CpuBackend(AttentionBackend):
                 ))
         return qin, o_sorted, per_chunk
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, nd: int,
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, fmt: KVCacheFormat, plan: _DecodePlan, nd: int,
                 scale: float, window: int | None, out: torch.Tensor, exact: tuple | None = None) -> None:
         _, nblocks, bs, hkv, rw = kv_cache.shape
         h, d = query.shape[1], query.shape[2]
         g = h // hkv
-        fmt = cache_format(kv_cache, d)
         bdiag = self.block_diagonal
         if bdiag is None:
             one_gemm = query.dtype != torch.float32 and not self.exact_scores
@@ -310,7 +325,7 @@ class CpuBackend(AttentionBackend):
             torch.index_select(cache, 1, c.block_idx, out=cv.kvg)  # K and V in one call
             if fmt.quantized:  # dequantize the chunk's pages into the compute-dtype buffer
                 pages = cv.kvg.view(2, -1, bs, hkv, rw)
-                cv.kv_cast.view(2, -1, bs, hkv, d).copy_(dequantize_pages(pages, d, query.dtype, fmt))
+                cv.kv_cast.view(2, -1, bs, hkv, d).copy_(fmt.dequantize_pages(pages, query.dtype))
             elif cv.kv_cast is not None:
                 cv.kv_cast.copy_(cv.kvg.view(kv_cache.dtype))
             if exact is not None:  # the rows' own blocks, exact (kv_residual)

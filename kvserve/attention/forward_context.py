@@ -11,9 +11,49 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.attention.bounded import BoundedAttention
+
+
+def to_device(x: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host array -> tensor on ``device``; on CUDA through pinned memory with ``non_blocking``.
+
+    A copy from pageable memory may wait for the stream, which would stall the host behind
+    the step in flight (async scheduling). Pinned buffers come from torch's caching host
+    allocator, which keeps each one until its copy is done.
+    """
+    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class ResidualMetadata:
+    """A step's exact-filling-block inputs (``kvserve/attention/kv_residual.py``).
+
+    Attributes:
+        slots: ``[num_reqs]`` int32 residual slot of each request (device).
+        slot_mapping: ``[num_tokens]`` int64 flat residual row of each new token
+            (``kv_residual.residual_slot_mapping``; padding and rows nobody reads go to the
+            scratch slot) (device).
+        slots_cpu: ``slots`` as a host list (the torch paths index with it; no device read).
+        written_early: every request's new tokens stay within the block of its first new
+            token and the next one (decode and verify steps), so a store may write the
+            residual before attention reads it (``TritonBackend``).
+    """
+
+    slots: torch.Tensor
+    slot_mapping: torch.Tensor
+    slots_cpu: list[int]
+    written_early: bool
 
 
 @dataclass
@@ -37,18 +77,14 @@ class AttentionMetadata:
         max_query_len / max_seq_len: maxima of those lists.
         num_decodes: the first ``num_decodes`` requests have query length 1 (the runner
             orders decodes first so backends can batch them).
-        backend_cache: scratch for a backend's derived tensors (gather indices, masks),
-            filled by the first layer and reused by the others. It describes this step
-            only: an object refilled for another step needs a fresh (empty) dict.
+        residual: for a group whose layers keep the filling block exact
+            (``kvserve/attention/kv_residual.py``), the step's ``ResidualMetadata``; else None.
         bounded: for a bounded-KV group (StreamingLLM / H2O), the step's
             ``kvserve.attention.bounded.BoundedAttention`` (which blocks each request reads, its
-            mask and sink-query rotation); None otherwise.
-        residual_slots: for a group whose layers keep the filling block exact
-            (``kvserve/attention/kv_residual.py``), ``[num_reqs]`` int32 residual slot of each
-            request; None otherwise.
-        residual_slot_mapping: with ``residual_slots``, ``[num_tokens]`` int64 flat residual
-            row of each new token (``kv_residual.residual_slot_mapping``; padding and rows
-            nobody reads go to the scratch slot).
+            mask and sink-query rotation); else None.
+
+    The metadata builder (``kvserve/attention/metadata.py``) fills the feature fields; a
+    backend may subclass this for its own per-step data (``CpuAttentionMetadata``).
     """
 
     slot_mapping: torch.Tensor
@@ -60,10 +96,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int
-    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
-    bounded: Optional[object] = field(default=None, repr=False, compare=False)
-    residual_slots: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    residual_slot_mapping: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    residual: Optional[ResidualMetadata] = field(default=None, repr=False, compare=False)
+    bounded: Optional[BoundedAttention] = field(default=None, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

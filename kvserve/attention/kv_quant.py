@@ -62,31 +62,12 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.core.kv_cache_spec import KV_FORMATS, KVFormat
+from kvserve.core.kv_cache_spec import KVFormat
 
 #: largest code magnitude of the symmetric formats
 QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 #: smallest stored scale (float16's smallest normal)
 MIN_SCALE = 2.0 ** -14
-
-_UNQUANTIZED = {getattr(torch, f.torch_dtype): f for f in KV_FORMATS.values() if not f.quantized}
-
-
-def cache_format(cache: torch.Tensor, head_size: int) -> KVFormat:
-    """The storage format of cache rows ``cache[..., row]`` holding ``head_size`` values each.
-
-    Raises ValueError when dtype and row width match no format.
-    """
-    if cache.dtype in _UNQUANTIZED:
-        return _UNQUANTIZED[cache.dtype]
-    if cache.is_floating_point() and cache.element_size() > 1:  # e.g. a float64 oracle in tests
-        return KVFormat(str(cache.dtype), 8 * cache.element_size(), str(cache.dtype).removeprefix("torch."))
-    row = cache.shape[-1]
-    for f in KV_FORMATS.values():
-        if f.quantized and getattr(torch, f.torch_dtype) == cache.dtype and f.row_elems(head_size) == row:
-            return f
-    raise ValueError(f"no KV format stores head_size {head_size} in rows of {row} {cache.dtype}")
-
 
 def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """Rows ``x [..., D]`` (any float dtype) -> ``[..., fmt.row_elems(D)]`` in the storage dtype."""
@@ -117,12 +98,9 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     return torch.cat([codes, tail], -1).view(store_dtype)
 
 
-def dequantize(rows: torch.Tensor, head_size: int, dtype: torch.dtype, fmt: KVFormat | None = None) -> torch.Tensor:
-    """Cache rows ``[..., row]`` (codes then scale bytes) -> values ``[..., head_size]`` in ``dtype``.
-
-    The format is read from ``rows`` (``cache_format``) unless given.
-    """
-    fmt = fmt or cache_format(rows, head_size)
+def dequantize(rows: torch.Tensor, head_size: int, dtype: torch.dtype, fmt: KVFormat) -> torch.Tensor:
+    """Cache rows ``[..., row]`` of format ``fmt`` (codes then scale bytes) -> values
+    ``[..., head_size]`` in ``dtype``."""
     if not fmt.quantized:
         return rows.to(dtype)
     b = rows.view(torch.uint8)
@@ -171,8 +149,7 @@ def aligned_for_vector_loads(fmt: KVFormat, head_size: int, block_size: int, num
     return c % 16 == 0 and (block_size * num_kv_heads * (c + scale_bytes(fmt))) % 16 == 0
 
 
-def _page_bytes(pages: torch.Tensor, head_size: int, fmt: KVFormat | None):
-    fmt = fmt or cache_format(pages, head_size)
+def _page_bytes(pages: torch.Tensor, head_size: int, fmt: KVFormat):
     if not fmt.quantized:
         raise ValueError(f"{fmt.name} caches have no page layout (rows are plain values)")
     *lead, bs, hkv, row = pages.shape
@@ -186,7 +163,7 @@ def _page_bytes(pages: torch.Tensor, head_size: int, fmt: KVFormat | None):
     return fmt, flat, bs, hkv, c
 
 
-def page_views(pages: torch.Tensor, head_size: int, fmt: KVFormat | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def page_views(pages: torch.Tensor, head_size: int, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Strided views ``(codes, scales)`` of quantized pages ``[..., block_size, Hkv, row]``
     (e.g. a whole cache ``[2, num_blocks, ...]`` or gathered blocks): codes
     ``[..., block_size, Hkv, C]`` uint8 and scales ``[..., block_size, Hkv, n_scale]``
@@ -200,17 +177,15 @@ def page_views(pages: torch.Tensor, head_size: int, fmt: KVFormat | None = None)
     return codes, scales
 
 
-def pages_to_rows(pages: torch.Tensor, head_size: int, fmt: KVFormat | None = None) -> torch.Tensor:
+def pages_to_rows(pages: torch.Tensor, head_size: int, fmt: KVFormat) -> torch.Tensor:
     """Pages ``[..., block_size, Hkv, row]`` -> per-row form (same shape and dtype, each row
     its codes then its scale bytes), as ``quantize`` writes and ``dequantize`` reads. A copy."""
-    fmt = fmt or cache_format(pages, head_size)
     codes, scales = page_views(pages, head_size, fmt)
     return torch.cat([codes, scales.view(torch.uint8)], -1).view(pages.dtype)
 
 
-def rows_to_pages(rows: torch.Tensor, head_size: int, fmt: KVFormat | None = None) -> torch.Tensor:
+def rows_to_pages(rows: torch.Tensor, head_size: int, fmt: KVFormat) -> torch.Tensor:
     """The inverse of ``pages_to_rows``: rows ``[..., block_size, Hkv, row]`` -> pages (a new tensor)."""
-    fmt = fmt or cache_format(rows, head_size)
     out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
     codes, scales = page_views(out, head_size, fmt)
     b = rows.view(torch.uint8)
@@ -227,21 +202,19 @@ def quantize_pages(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     return rows_to_pages(rows, x.shape[-1], fmt) if fmt.quantized else rows
 
 
-def dequantize_pages(pages: torch.Tensor, head_size: int, dtype: torch.dtype,
-                     fmt: KVFormat | None = None) -> torch.Tensor:
-    """Pages ``[..., block_size, Hkv, row]`` -> values ``[..., block_size, Hkv, head_size]``."""
-    fmt = fmt or cache_format(pages, head_size)
+def dequantize_pages(pages: torch.Tensor, head_size: int, dtype: torch.dtype, fmt: KVFormat) -> torch.Tensor:
+    """Pages ``[..., block_size, Hkv, row]`` of format ``fmt`` -> values ``[..., block_size, Hkv, head_size]``."""
     if not fmt.quantized:
         return pages.to(dtype)
     codes, scales = page_views(pages, head_size, fmt)
     return _dequantize_parts(codes, scales, head_size, dtype, fmt)
 
 
-def copy_slots(cache: torch.Tensor, head_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy the K and V of flat slots ``src_slots`` into ``dst_slots`` (in place), codes and
-    scales for quantized caches ``[2, num_blocks, block_size, Hkv, row]``."""
+def copy_slots(cache: torch.Tensor, head_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+               fmt: KVFormat) -> None:
+    """Copy the K and V of flat slots ``src_slots`` into ``dst_slots`` (in place) of a cache
+    ``[2, num_blocks, block_size, Hkv, row]`` of format ``fmt``, codes and scales when quantized."""
     bs = cache.shape[2]
-    fmt = cache_format(cache, head_size)
     if not fmt.quantized:
         flat = (cache.view(torch.uint8) if cache.element_size() == 1 else cache).flatten(1, 2)
         flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
@@ -253,10 +226,9 @@ def copy_slots(cache: torch.Tensor, head_size: int, src_slots: torch.Tensor, dst
 
 
 def scatter_rows(cache: torch.Tensor, head_size: int, slots: torch.Tensor, k_rows: torch.Tensor,
-                 v_rows: torch.Tensor, fmt: KVFormat | None = None) -> None:
+                 v_rows: torch.Tensor, fmt: KVFormat) -> None:
     """Write per-row K/V ``[num_tokens, Hkv, row]`` (``quantize``'s output) at flat ``slots``
     (all >= 0) of a quantized cache ``[2, num_blocks, block_size, Hkv, row]``."""
-    fmt = fmt or cache_format(cache, head_size)
     bs = cache.shape[2]
     blk, off = slots // bs, slots % bs
     codes, scales = page_views(cache, head_size, fmt)

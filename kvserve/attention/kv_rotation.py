@@ -9,18 +9,18 @@ its largest channel. Attention is unchanged in exact arithmetic:
 - scores: ``(q R) . (k R) = q R R^T k^T = q . k``;
 - output: ``softmax(s) (v R) R^T = softmax(s) v``.
 
-So ``Attention.forward`` (``kvserve/layers/attention.py``) hands the backend ``q R``,
-``k R``, ``v R`` (after RoPE, which the models apply before calling it) and multiplies its
-output by ``R^T`` -- unless the backend rotates inside its own kernels
-(``AttentionBackend.fuses_kv_rotation``: Triton's store and decode kernels build ``H_D`` in
-registers, ``triton/kv_load.hadamard_rotate``), which then gets ``kv_rotation=R`` and the
-unrotated tensors. The cache layout does not know.
+So the layer's ``KVCacheView`` carries ``R`` (``kvserve/attention/kv_format.py``) and
+``AttentionBackend.forward`` attends with ``q R``, ``k R``, ``v R`` (after RoPE, which the
+models apply before attention) and multiplies the output by ``R^T`` -- unless the backend
+rotates inside its own kernels (``AttentionBackend.fuses_kv_rotation``: Triton's store and
+decode kernels build ``H_D`` in registers, ``triton/kv_load.hadamard_rotate``), which then
+reads ``R`` from the view and gets the unrotated tensors. The cache layout does not know.
 Every stored row stays per token (a block never changes after it is written: prefix
 sharing, copy-on-write and the tiers work unchanged); the cache content is in the rotated
 basis, which the disk tier's key version and the P2P ``kv_layout`` (field ``kv_rotation``)
 name, so a rotated cache is never mixed with an unrotated one.
 
-Which formats rotate: those with ``KVFormat.rotated`` (int4, int2). Unquantized, fp8 and
+Which formats rotate: those with ``KVFormat.rotated`` (int4, int2; ``KVCacheFormat.rotation``). Unquantized, fp8 and
 int8 caches are untouched (no matrix is bound, the forward is bit-identical).
 
 The matrix (``rotation_matrix``), for head size ``D``:
@@ -79,19 +79,6 @@ def rotation_matrix(head_size: int, device: torch.device | str = "cpu") -> torch
 def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """``x [..., D] @ r [D, D]`` computed in float32, returned in ``x``'s dtype and shape."""
     return (x.float() @ r).to(x.dtype)
-
-
-def kv_rotation_for(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor | None:
-    """The matrix a layer bound to ``kv_cache`` (rows of ``head_size`` values) rotates by, on
-    the cache's device, or None when its format does not rotate (``KVFormat.rotated``).
-
-    Raises ValueError when the cache's dtype and row width match no format.
-    """
-    from kvserve.attention.kv_quant import cache_format
-
-    if not cache_format(kv_cache, head_size).rotated:
-        return None
-    return rotation_matrix(head_size, kv_cache.device)
 
 
 def _projections(model: torch.nn.Module) -> dict[int, tuple]:

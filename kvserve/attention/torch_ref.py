@@ -14,58 +14,17 @@ import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import cache_format, dequantize, pages_to_rows, quantize, scatter_rows
+from kvserve.attention.kv_format import KVCacheView
+from kvserve.attention.kv_residual import exact_rows, store_residual
 
 
-def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots,
-    quantized to the cache's format (``kv_quant.quantize``).
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv: KVCacheView, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into their slots of
+    ``kv.cache``, quantized to its format (``KVCacheFormat.store``).
 
     ``slot_mapping``: ``[num_tokens]`` int64 flat slot ids; negative ids are skipped (padding).
     """
-    _, num_blocks, block_size, hkv, row = kv_cache.shape
-    d = key.shape[-1]
-    fmt = cache_format(kv_cache, d)
-    key, value = quantize(key, fmt), quantize(value, fmt)
-    if fmt.quantized:  # codes and scales go to their places in the block's page (kv_quant)
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-        scatter_rows(kv_cache, d, slot_mapping, key, value, fmt)
-        return
-    k_flat = kv_cache[0].view(num_blocks * block_size, hkv, row)
-    v_flat = kv_cache[1].view(num_blocks * block_size, hkv, row)
-    if kv_cache.element_size() == 1:  # index_copy_ has no float8 kernel; copy the bytes
-        k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
-        key, value = key.view(torch.uint8), value.view(torch.uint8)
-    k_flat.index_copy_(0, slot_mapping, key)
-    v_flat.index_copy_(0, slot_mapping, value)
-
-
-def gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, head_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the first ``num_blocks`` blocks of each row of ``block_tables``.
-
-    Returns K and V rows of shape ``[num_reqs, num_blocks * block_size, num_kv_heads, row]``
-    in the cache dtype, quantized pages turned into per-row form (``kv_quant.pages_to_rows``;
-    ``dequantize`` turns them into values).
-    """
-    r = block_tables.shape[0]
-    _, _, bs, hkv, row = kv_cache.shape
-    fmt = cache_format(kv_cache, head_size)
-    idx = block_tables[:, :num_blocks].reshape(-1).long()
-    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # no float8 index_select
-    out = []
-    for half in (cache[0], cache[1]):
-        # index_select copies whole blocks (pages); several times faster than advanced indexing on the CPU.
-        pages = half.index_select(0, idx)
-        if fmt.quantized:
-            pages = pages_to_rows(pages, head_size, fmt)
-        out.append(pages.view(r, num_blocks * bs, hkv, row).view(kv_cache.dtype))
-    return out[0], out[1]
+    kv.format.store(key, value, kv.cache, slot_mapping)
 
 
 def window_block_tables(block_tables: torch.Tensor, seq_lens: list[int], first_pos: list[int],
@@ -87,14 +46,18 @@ def window_block_tables(block_tables: torch.Tensor, seq_lens: list[int], first_p
     return block_tables.gather(1, cols), lo, nb
 
 
+def uses_residual(kv: KVCacheView, meta: AttentionMetadata) -> bool:
+    """Whether this layer reads its own block exactly this step (``kv_residual.py``)."""
+    return kv.residual is not None and meta.residual is not None
+
+
 def prefill_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv: KVCacheView,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
-    kv_residual: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
 ) -> None:
@@ -102,17 +65,17 @@ def prefill_attention(
 
     Each request's query rows attend causally to its cached prefix and its new tokens;
     K/V must already be stored. Writes those rows of ``out`` (``[num_tokens, num_heads,
-    head_size]``, the query's dtype); decode rows are left untouched. With ``kv_residual``
-    (and the step's new ``key`` / ``value`` rows), each query reads its own block exactly
-    (``kvserve/attention/kv_residual.py``).
+    head_size]``, the query's dtype); decode rows are left untouched. When the layer keeps
+    its filling block exact (``uses_residual``; the step's new ``key`` / ``value`` rows
+    given), each query reads its own block exactly (``kvserve/attention/kv_residual.py``).
     """
     nd = meta.num_decodes
     if meta.num_reqs == nd:
         return
+    kv_cache, fmt = kv.cache, kv.format
+    kv_residual = kv.residual if uses_residual(kv, meta) else None
     block_size = kv_cache.shape[2]
     group = query.shape[1] // kv_cache.shape[3]
-    d = query.shape[2]
-    fmt = cache_format(kv_cache, d)
     qsl = meta.query_start_loc.tolist()
     for i in range(nd, meta.num_reqs):
         start, end = qsl[i], qsl[i + 1]
@@ -123,10 +86,10 @@ def prefill_attention(
         if sliding_window is not None:  # keys below the first query's window are never read
             lo = max(ctx - sliding_window + 1, 0) // block_size
         nb = -(-seq_len // block_size) - lo
-        k, v = gather_kv(kv_cache, meta.block_tables[i : i + 1, lo:], nb, d)
+        k, v = fmt.gather(kv_cache, meta.block_tables[i : i + 1, lo:], nb)
         k0 = lo * block_size
-        k = dequantize(k[0, : seq_len - k0], d, query.dtype, fmt).transpose(0, 1)  # [hkv, L, d]
-        v = dequantize(v[0, : seq_len - k0], d, query.dtype, fmt).transpose(0, 1)
+        k = fmt.dequantize(k[0, : seq_len - k0], query.dtype).transpose(0, 1)  # [hkv, L, d]
+        v = fmt.dequantize(v[0, : seq_len - k0], query.dtype).transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [h, n, d]
         qpos = torch.arange(ctx, seq_len, device=query.device).unsqueeze(1)
         kpos = torch.arange(k0, seq_len, device=query.device).unsqueeze(0)
@@ -145,25 +108,15 @@ def prefill_attention(
         out[start:end] = o[0].transpose(0, 1)
 
 
-def residual_slots_list(meta: AttentionMetadata) -> list[int]:
-    """``meta.residual_slots`` as a Python list (one device read per step, cached)."""
-    slots = meta.backend_cache.get("residual_slots")
-    if slots is None:
-        slots = meta.backend_cache["residual_slots"] = meta.residual_slots.tolist()
-    return slots
-
-
 def _attend_with_exact_block(q, k, v, qpos, kpos, mask, kv_residual, meta, i, ctx, new_key, new_value,
                              block_size, scale, sliding_window):
     """One request's prefill rows with their own block exact: scores against the dequantized
     keys outside the query's block and against the exact rows inside it, one softmax over
     both (float32). q ``[h, n, d]``, k / v ``[hkv, L, d]``; returns ``[h, n, d]``."""
-    from kvserve.attention.kv_residual import exact_rows
-
     h, hkv = q.shape[0], k.shape[0]
     seq_len = ctx + q.shape[1]
     start = ctx // block_size * block_size
-    ke, ve = exact_rows(kv_residual, residual_slots_list(meta)[i], start, ctx, new_key, new_value)
+    ke, ve = exact_rows(kv_residual, meta.residual.slots_cpu[i], start, ctx, new_key, new_value)
     own_start = qpos // block_size * block_size  # [n, 1]
     epos = torch.arange(start, seq_len, device=q.device).unsqueeze(0)
     emask = (epos >= own_start) & (epos <= qpos)
@@ -202,22 +155,25 @@ def substitute_exact_block(k: torch.Tensor, v: torch.Tensor, kv_residual: torch.
 
 
 class TorchRefBackend(AttentionBackend):
+    """Gather the blocks, dequantize, SDPA: the reference every backend is tested against."""
+
     name = "torch_ref"
 
-    def forward(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv: KVCacheView,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
-        kv_residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``AttentionBackend.forward``; with ``kv_residual`` each query reads its own block
-        exactly, and the new rows are then written to the residual (``kv_residual``)."""
-        store_kv(key, value, kv_cache, meta.slot_mapping)
+        """``AttentionBackend.attend``; a layer that keeps its filling block exact
+        (``uses_residual``) reads its own block from the residual, whose new rows are then written."""
+        store_kv(key, value, kv, meta.slot_mapping)
+        kv_cache, fmt = kv.cache, kv.format
+        kv_residual = kv.residual if uses_residual(kv, meta) else None
         block_size = kv_cache.shape[2]
         hkv = kv_cache.shape[3]
         num_tokens, num_heads, d = query.shape
@@ -232,11 +188,11 @@ class TorchRefBackend(AttentionBackend):
                                                      [n - sliding_window for n in lens], block_size)
             else:
                 tables, lo, nb = meta.block_tables[:nd], [0] * nd, -(-max(lens) // block_size)
-            k, v = gather_kv(kv_cache, tables, nb, d)  # [nd, L, hkv, d]
-            k = dequantize(k, d, query.dtype)  # [nd, L, hkv, d]
-            v = dequantize(v, d, query.dtype)
+            k, v = fmt.gather(kv_cache, tables, nb)  # [nd, L, hkv, row]
+            k = fmt.dequantize(k, query.dtype)  # [nd, L, hkv, d]
+            v = fmt.dequantize(v, query.dtype)
             if kv_residual is not None:
-                substitute_exact_block(k, v, kv_residual, residual_slots_list(meta)[:nd], lens,
+                substitute_exact_block(k, v, kv_residual, meta.residual.slots_cpu[:nd], lens,
                                        [b * block_size for b in lo], key, value)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [nd, hkv, L, d]
             q = query[:nd].view(nd, hkv, group, d)  # a KV group's heads as query rows
@@ -250,9 +206,7 @@ class TorchRefBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
             out[:nd] = o.reshape(nd, num_heads, d)
 
-        prefill_attention(query, kv_cache, meta, scale, sliding_window, out, kv_residual, key, value)
+        prefill_attention(query, kv, meta, scale, sliding_window, out, key, value)
         if kv_residual is not None:
-            from kvserve.attention.kv_residual import store_residual
-
-            store_residual(key, value, kv_residual, meta.residual_slot_mapping)
+            store_residual(key, value, kv_residual, meta.residual.slot_mapping)
         return out

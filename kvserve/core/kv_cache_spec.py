@@ -26,7 +26,9 @@ class KVFormat:
     their scales, ``row_elems(head_size)`` one-byte elements per row; within a block's page
     all codes come first, then all scales (``kvserve/attention/kv_quant.py``: scheme and
     layout). The scales live in the block (store, copy-on-write, prefix sharing, tiers need
-    no extra tensor).
+    no extra tensor). Its torch side -- storage dtype, store and load routines, rotation, the
+    kernel variant it selects -- is ``kvserve.attention.kv_format.KVCacheFormat``, bound to
+    each attention layer with its cache.
 
     Attributes:
         name: the ``--kv-cache-dtype`` value.

@@ -2,25 +2,21 @@
 
 Each layer owns its binding: ``bind_attention(model, backend)`` gives every ``Attention``
 module of a model its backend implementation (right after the model is built), and
-``bind_kv_cache(model, caches)`` its own KV cache tensor (once the cache is allocated). The
-forward context carries only the step's metadata, so two models in one process (a target
-and a draft) hold separate caches and may use different backends.
+``bind_kv_cache(model, caches, ...)`` its own ``KVCacheView`` (``kvserve/attention/kv_format.py``:
+the cache tensor, its format object, the format's rotation and, bound later by the metadata
+builder, the exact filling block) once the cache is allocated. The forward context carries
+only the step's metadata, so two models in one process (a target and a draft) hold separate
+caches and may use different backends.
 
-Rotated KV formats (int4 / int2, ``KVFormat.rotated``): ``bind_kv_cache`` also binds the
-layer's rotation ``R`` (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456), and
-``forward`` then hands the backend ``q R``, ``k R``, ``v R`` and returns its output times
-``R^T`` -- the same for every backend and for bounded KV -- unless the backend rotates in its
-own kernels (``AttentionBackend.fuses_kv_rotation``: Triton, no extra launches), which then
-gets ``kv_rotation=R`` and the unrotated tensors. Where the layer's value and output
-projections are dense, ``bind_kv_cache`` folds ``R`` into them (``bind_value_rotation``): v
-then arrives as ``v R``, the output leaves in the rotated basis, and only q and k rotate at
-run time (``values_rotated``). Other formats bind no matrix and run exactly as before.
-int4 / int2 layers also hold ``kv_residual`` (bound by the model runner), each request's
-filling block exact in the compute dtype, handed to the backend as ``kv_residual=``
-(``kvserve/attention/kv_residual.py``); bounded KV does not use it. The
-rotation runs after the piecewise CUDA graph split hook: while pieces are captured the hook
-returns before it, and at replay ``layer.forward`` runs eagerly between the pieces, so it runs
-exactly once per step (outside the graph pieces).
+``forward`` has one path: it hands the backend q/k/v, the layer's view and its group's
+metadata; the backend's format-, rotation- and feature-specific work keys off the view and
+the metadata (``AttentionBackend.forward``). Rotated formats (int4 / int2, QuaRot
+arXiv:2404.00456): where the layer's value and output projections are dense,
+``bind_kv_cache`` folds ``R`` into them (``kv_rotation.bind_value_rotation``): v then arrives
+as ``v R``, the output leaves in the rotated basis, and only q and k rotate at run time
+(``KVCacheView.values_rotated``). The piecewise CUDA graph split hook returns before the
+backend runs while pieces are captured, and at replay ``layer.forward`` runs eagerly between
+the pieces, so attention (and any rotation) runs exactly once per step, outside the pieces.
 """
 
 from __future__ import annotations
@@ -32,7 +28,9 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import get_forward_context
-from kvserve.attention.kv_rotation import bind_value_rotation, kv_rotation_for, rotate
+from kvserve.attention.kv_format import KVCacheView, format_of_spec, plain_format
+from kvserve.attention.kv_rotation import bind_value_rotation
+from kvserve.core.kv_cache_spec import KVCacheSpec
 
 
 class Attention(nn.Module):
@@ -46,18 +44,13 @@ class Attention(nn.Module):
 
     Attributes (bound by the model runner):
         impl: the attention backend implementation.
-        kv_cache: this layer's paged KV tensor (layout from the backend).
+        kv: this layer's ``KVCacheView`` (cache tensor, format, rotation, exact filling block).
         kv_cache_group_id: which KV cache group's metadata (block table) it reads.
         split_hook: while piecewise CUDA graphs are captured, called instead of attention
             (``hook(layer, q, k, v) -> o``) to end the current graph piece.
-        kv_rotation: ``[head_size, head_size]`` float32 orthogonal matrix for a rotated KV
-            format (int4 / int2), else None (bound by ``bind_kv_cache``).
         values_rotated_by: the rotation folded into this layer's value and output projections
             (``kv_rotation.bind_value_rotation``), else None: v then arrives as ``v R`` and
             the output is returned in the rotated basis (``o_proj`` takes it).
-        kv_residual: for a format that keeps the filling block exact (``KVFormat.residual``),
-            ``[2, slots + 1, 2, block_size, num_kv_heads, head_size]`` in the compute dtype
-            (``kvserve/attention/kv_residual.py``), bound by the model runner; else None.
     """
 
     def __init__(
@@ -79,17 +72,45 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
         self.impl: Optional[AttentionBackend] = None
-        self.kv_cache: Optional[torch.Tensor] = None
         self.kv_cache_group_id = 0
         self.split_hook: Optional[Callable] = None
-        self.kv_rotation: Optional[torch.Tensor] = None
-        self.values_rotated_by: Optional[torch.Tensor] = None
-        self.kv_residual: Optional[torch.Tensor] = None
+        self._kv: Optional[KVCacheView] = None
+        self._values_rotated_by: Optional[torch.Tensor] = None
+
+    @property
+    def kv(self) -> Optional[KVCacheView]:
+        return self._kv
+
+    @kv.setter
+    def kv(self, view: Optional[KVCacheView]) -> None:
+        self._kv = view
+        if view is not None:
+            view.values_rotated = self._values_rotated_by is not None
+
+    @property
+    def kv_cache(self) -> Optional[torch.Tensor]:
+        """This layer's paged KV tensor (``kv.cache``)."""
+        return None if self._kv is None else self._kv.cache
+
+    @property
+    def kv_rotation(self) -> Optional[torch.Tensor]:
+        """The view's rotation ``[head_size, head_size]`` float32 (int4 / int2), else None."""
+        return None if self._kv is None else self._kv.rotation
+
+    @property
+    def values_rotated_by(self) -> Optional[torch.Tensor]:
+        return self._values_rotated_by
+
+    @values_rotated_by.setter
+    def values_rotated_by(self, r: Optional[torch.Tensor]) -> None:
+        self._values_rotated_by = r
+        if self._kv is not None:
+            self._kv.values_rotated = r is not None
 
     @property
     def values_rotated(self) -> bool:
         """Whether v arrives rotated and the output leaves rotated (weights folded)."""
-        return self.values_rotated_by is not None
+        return self._values_rotated_by is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, num_heads * head_size]``, k/v ``[T, num_kv_heads * head_size]`` -> ``[T, num_heads * head_size]``."""
@@ -97,30 +118,9 @@ class Attention(nn.Module):
             return self.split_hook(self, q, k, v)
         meta = get_forward_context().attn_metadata[self.kv_cache_group_id]
         t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_size)
-        k = k.view(t, self.num_kv_heads, self.head_size)
-        v = v.view(t, self.num_kv_heads, self.head_size)
-        r = self.kv_rotation
-        folded = self.values_rotated
-        extra = {}
-        if self.kv_residual is not None and meta.residual_slots is not None and meta.bounded is None:
-            extra["kv_residual"] = self.kv_residual
-        if r is not None and meta.bounded is None and self.impl.fuses_kv_rotation:  # rotated in its kernels
-            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, kv_rotation=r,
-                                    values_rotated=folded, **extra)
-            return out.reshape(t, self.num_heads * self.head_size)
-        if r is not None:  # rotated KV format: attend in the rotated basis (scores unchanged)
-            q, k = rotate(q, r), rotate(k, r)
-            v = v if folded else rotate(v, r)
-        if meta.bounded is not None:  # bounded KV (StreamingLLM / H2O): kvserve.attention.bounded
-            if r is None:
-                out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale)
-            else:
-                out = self.impl.forward_bounded(q, k, v, self.kv_cache, meta, self.scale, kv_rotation=r)
-        else:
-            out = self.impl.forward(q, k, v, self.kv_cache, meta, self.scale, self.sliding_window, **extra)
-        if r is not None and not folded:
-            out = rotate(out, r.T)
+        out = self.impl.forward(q.view(t, self.num_heads, self.head_size), k.view(t, self.num_kv_heads, self.head_size),
+                                v.view(t, self.num_kv_heads, self.head_size), self.kv, meta, self.scale,
+                                self.sliding_window)
         return out.reshape(t, self.num_heads * self.head_size)
 
 
@@ -136,15 +136,19 @@ def bind_attention(model: nn.Module, backend: AttentionBackend) -> None:
 
 
 def bind_kv_cache(model: nn.Module, kv_caches: dict[int, torch.Tensor],
-                  layer_group: Optional[dict[int, int]] = None) -> None:
-    """Give each attention layer its KV tensor (``kv_caches[layer_idx]``), KV cache group and,
-    for a rotated format (int4 / int2), its rotation matrix (``Attention.kv_rotation``), folded
-    into the layer's value / output weights where they are dense (``bind_value_rotation``).
+                  layer_group: Optional[dict[int, int]] = None,
+                  specs: Optional[dict[int, KVCacheSpec]] = None) -> None:
+    """Give each attention layer its ``KVCacheView``: its tensor (``kv_caches[layer_idx]``) in
+    the format of its spec (``specs[layer_idx]``; without specs, a plain cache of the tensor's
+    own float dtype), its rotation for a rotated format (int4 / int2), folded into the layer's
+    value / output weights where they are dense (``bind_value_rotation``), and its KV cache group.
 
-    Raises KeyError when a layer has no tensor, ValueError when a tensor matches no KV format.
+    Raises KeyError when a layer has no tensor, ValueError when a tensor does not hold its format.
     """
     for layer in attention_layers(model):
-        layer.kv_cache = kv_caches[layer.layer_idx]
+        cache = kv_caches[layer.layer_idx]
+        fmt = format_of_spec(specs[layer.layer_idx]) if specs is not None else plain_format(cache.dtype,
+                                                                                             layer.head_size)
+        layer.kv = KVCacheView.bind(cache, fmt)
         layer.kv_cache_group_id = (layer_group or {}).get(layer.layer_idx, 0)
-        layer.kv_rotation = kv_rotation_for(layer.kv_cache, layer.head_size)
     bind_value_rotation(model)

@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.forward_context import forward_context
 from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_spec import FullAttentionSpec
@@ -66,11 +66,12 @@ class DraftModelProposer(Proposer):
         per_req = -(-min(sched.max_model_len, 512 + self.num_speculative_tokens) // self.block_size)
         n = int(sc.extra.get("draft_num_blocks", per_req * min(sched.max_num_seqs, 16) + 1))
         kv_dtype = config.cache_config.kv_cache_dtype
-        caches = {}
+        caches, specs = {}, {}
         for layer in layers:
-            spec = FullAttentionSpec(self.block_size, layer.num_kv_heads, layer.head_size, kv_dtype, mc.dtype)
+            spec = specs[layer.layer_idx] = FullAttentionSpec(self.block_size, layer.num_kv_heads, layer.head_size,
+                                                              kv_dtype, mc.dtype)
             caches[layer.layer_idx] = self.backend.allocate_kv_cache(spec, n, self.device)
-        bind_kv_cache(self.model, caches)
+        bind_kv_cache(self.model, caches, specs=specs)
         self.max_blocks = -(-sched.max_model_len // self.block_size) + 1
         self.free_blocks = list(range(n - 1, 0, -1))  # block 0 stays unused (padding reads it)
         self.states: dict[str, _DraftState] = {}
@@ -153,7 +154,7 @@ class DraftModelProposer(Proposer):
         np.cumsum(q, out=qsl[1:])
         req_idx = np.repeat(np.arange(R), q)
         slots = bt[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
-        meta = AttentionMetadata(
+        meta = self.backend.metadata_builder_cls.metadata_cls(  # the backend's own metadata class
             slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(bt).to(dev),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), query_lens_cpu=list(qlens),

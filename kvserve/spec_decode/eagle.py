@@ -25,7 +25,7 @@ import os
 import numpy as np
 import torch
 
-from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.forward_context import forward_context
 from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_spec import FullAttentionSpec
@@ -120,12 +120,12 @@ class EagleProposer(Proposer):
             self.aux_layers = tuple(getattr(self.head.config, "eagle_aux_hidden_state_layer_ids", None)
                                     or eagle3_layers(hf.num_hidden_layers))
             target.model.aux_hidden_state_layers = self.aux_layers
-        backend = get_attn_backend(self.config.attention_backend)
+        backend = self.head_backend = get_attn_backend(self.config.attention_backend)
         bind_attention(self.head, backend)
         layer = attention_layers(self.head)[0]
         spec = FullAttentionSpec(self.block_size, layer.num_kv_heads, layer.head_size,
                                  self.config.cache_config.kv_cache_dtype, mc.dtype)
-        bind_kv_cache(self.head, {0: backend.allocate_kv_cache(spec, self.num_blocks, self.device)})
+        bind_kv_cache(self.head, {0: backend.allocate_kv_cache(spec, self.num_blocks, self.device)}, specs={0: spec})
         logger.info("EAGLE%s head %s: %d KV blocks of %d tokens", "-3" if self.eagle3 else "", self.head_path,
                     self.num_blocks, self.block_size)
 
@@ -241,7 +241,7 @@ class EagleProposer(Proposer):
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
         slots = bt[np.repeat(np.arange(R), q), pos // bs].astype(np.int64) * bs + pos % bs
-        meta = AttentionMetadata(
+        meta = self.head_backend.metadata_builder_cls.metadata_cls(  # the backend's own metadata class
             slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(bt).to(dev),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), query_lens_cpu=list(qlens),

@@ -153,7 +153,7 @@ def target_hidden(runner, token_ids: list[int]) -> torch.Tensor:
     n = -(-len(token_ids) // bs)
     bt = np.zeros((1, n + 1), dtype=np.int32)
     bt[0, :n] = np.arange(1, n + 1)
-    metas, pos = runner.build_dummy_metadata(bt, [len(token_ids)])
+    metas, pos = runner.backend.metadata_builder_cls.dummy(bt, [len(token_ids)], runner.block_size, runner.device)
     with forward_context(metas):
         h = runner.model(torch.tensor(token_ids, dtype=torch.long, device=runner.device), pos)
     return h.float().cpu()

@@ -20,23 +20,11 @@ import numpy as np
 import torch
 
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.metadata import AttentionMetadataBuilder, to_device
+
+__all__ = ["CUDAGraphRunner", "PiecewiseCUDAGraphRunner", "capture_sizes", "piecewise_sizes", "to_device"]
 
 logger = logging.getLogger("kvserve")
-
-
-def to_device(x: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host array -> tensor on ``device``; on CUDA through pinned memory with ``non_blocking``.
-
-    A copy from pageable memory may wait for the stream, which would stall the host behind
-    the step in flight (async scheduling). Pinned buffers come from torch's caching host
-    allocator, which keeps each one until its copy is done.
-    """
-    t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=dtype)
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -57,68 +45,51 @@ class CUDAGraphRunner:
     rows that store nothing (slot -1) and come after its real ones, so causal attention
     keeps them out of the real rows.
 
+    The attention metadata lives in static buffers the backend's metadata builder owns
+    (``AttentionMetadataBuilder.prepare_for_capture`` / ``capture_metadata`` /
+    ``prepare_for_replay``); this runner owns the token inputs and the graphs.
+
     Args:
         model: the causal LM (``forward(input_ids [T], positions [T]) -> hidden [T, H]``),
             its attention layers bound to their caches (captured by address).
+        builder: the backend's metadata builder for this model's KV cache groups.
         max_num_seqs: largest batch to capture.
         max_blocks_per_group: per KV cache group, the block-table columns.
         max_model_len: the ``max_seq_len`` the graphs are captured with (it fixes the
             decode kernel's split count; each request still walks only its own keys).
-        block_size: tokens per block.
         device: the CUDA device.
         max_query_len: largest ``q`` (``1 + num_speculative_tokens``).
-        residual_groups / num_residual_slots: per group, whether its layers keep the filling
-            block exact, and the slots of their residuals (``kvserve/attention/kv_residual.py``);
-            padding rows read and write the scratch slot.
     """
 
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_group: list[int], max_model_len: int,
-                 block_size: int, device: torch.device, max_query_len: int = 1,
-                 residual_groups: list[bool] | None = None, num_residual_slots: int = 0) -> None:
+    def __init__(self, model, builder: AttentionMetadataBuilder, max_num_seqs: int,
+                 max_blocks_per_group: list[int], max_model_len: int, device: torch.device,
+                 max_query_len: int = 1) -> None:
         self.model = model
-        self.block_size = block_size
+        self.builder = builder
         self.max_model_len = max_model_len
-        dev = device
-        n = max_num_seqs
-        t = n * max_query_len
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_group = max_blocks_per_group
+        self.device = device
+        t = max_num_seqs * max_query_len
         # Several q so a step whose k was lowered (dynamic speculation) pads to near its size.
         self.query_lens = sorted({q for q in (1, 2, 3, 5, 9) if q < max_query_len} | {max_query_len})
-        self.input_ids = torch.zeros(t, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.long, device=dev)
-        self.slot_mappings = [torch.full((t,), -1, dtype=torch.long, device=dev) for _ in max_blocks_per_group]
-        self.block_tables = [torch.zeros((n, w), dtype=torch.int32, device=dev) for w in max_blocks_per_group]
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.query_start_locs = {q: torch.arange(0, n * q + 1, q, dtype=torch.int32, device=dev)
-                                 for q in self.query_lens}
-        self.residual_groups = residual_groups or [False] * len(max_blocks_per_group)
-        self.residual_scratch = num_residual_slots
-        if any(self.residual_groups):
-            self.residual_slots = torch.full((n,), num_residual_slots, dtype=torch.int32, device=dev)
-            self.residual_slot_mapping = torch.full((t,), num_residual_slots * 2 * block_size, dtype=torch.long,
-                                                    device=dev)
+        self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
+        self.positions = torch.zeros(t, dtype=torch.long, device=device)
         self.sizes = capture_sizes(max_num_seqs)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def _meta(self, bs: int, q: int) -> list[AttentionMetadata]:
-        metas = [AttentionMetadata(
-            slot_mapping=sm[: bs * q], block_tables=bt[:bs], query_start_loc=self.query_start_locs[q][: bs + 1],
-            seq_lens=self.seq_lens[:bs], query_lens_cpu=[q] * bs, seq_lens_cpu=[self.max_model_len] * bs,
-            max_query_len=q, max_seq_len=self.max_model_len, num_decodes=bs if q == 1 else 0,
-        ) for sm, bt in zip(self.slot_mappings, self.block_tables)]
-        for m, res in zip(metas, self.residual_groups):
-            if res:
-                m.residual_slots = self.residual_slots[:bs]
-                m.residual_slot_mapping = self.residual_slot_mapping[: bs * q]
-        return metas
+        return self.builder.capture_metadata(bs, q)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every (size, q), largest first so smaller graphs reuse its memory pool."""
         t0 = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
+        self.builder.prepare_for_capture(self.max_num_seqs, self.query_lens, self.max_blocks_per_group,
+                                         self.max_model_len)
         for q in reversed(self.query_lens):
-            self.seq_lens.fill_(q)
             for bs in reversed(self.sizes):
                 t = bs * q
                 with forward_context(self._meta(bs, q)):
@@ -163,54 +134,31 @@ class CUDAGraphRunner:
         r = len(inp.query_lens)
         bs = self.sizes[bisect.bisect_left(self.sizes, r)]
         t = bs * q
-        ng = len(inp.block_tables)
-        widths = [bt.shape[1] for bt in inp.block_tables]
         # Where each real token goes: request i's j-th token at row i * q + j.
         if q == 1:
             dst = np.arange(r)
         else:
             req_idx = np.repeat(np.arange(r), inp.query_lens)
             dst = req_idx * q + np.arange(len(req_idx)) - inp.query_start_loc[:-1][req_idx]
+        ids = np.zeros(t, dtype=np.int64)
+        ids[dst] = inp.token_ids
+        pos = np.zeros(t, dtype=np.int64)
+        pos[dst] = inp.positions
+        pairs = [(self.input_ids[:t], ids), (self.positions[:t], pos)]
+        pairs += self.builder.prepare_for_replay(inp, bs, q, dst)
         k = 0 if pending is None else len(pending[0])
-        # ids | positions | slots per group | seq_lens | block tables per group | residual slots |
-        # residual slot mapping | pending dst | pending src.
-        nr = bs if any(self.residual_groups) else 0
-        sizes = [t, t] + [t] * ng + [bs] + [bs * w for w in widths] + [nr, nr and t] + [k, k]
+        # One packed host buffer: every (static tensor, values) pair, then pending dst | src.
+        sizes = [v.size for _, v in pairs] + [k, k]
         offs = np.concatenate([[0], np.cumsum(sizes)])
-        buf = np.zeros(int(offs[-1]), dtype=np.int64)
-        buf[offs[0] + dst] = inp.token_ids
-        buf[offs[1] + dst] = inp.positions
-        for g in range(ng):
-            sl = buf[offs[2 + g]:offs[3 + g]]
-            sl[:] = -1
-            sl[dst] = inp.slot_mappings[g]
-        seq = buf[offs[2 + ng]:offs[3 + ng]]
-        seq[:] = q
-        seq[:r] = inp.ctx_lens + q
-        for g in range(ng):
-            o = offs[3 + ng + g]
-            buf[o:o + r * widths[g]] = inp.block_tables[g].ravel()
-        if nr:
-            o = offs[3 + 2 * ng]
-            buf[o:o + bs] = self.residual_scratch
-            buf[o:o + r] = inp.residual_slots
-            rm = buf[offs[4 + 2 * ng]:offs[5 + 2 * ng]]
-            rm[:] = self.residual_scratch * 2 * self.block_size
-            rm[dst] = inp.residual_slot_mapping
+        buf = np.empty(int(offs[-1]), dtype=np.int64)
+        for (_, v), o in zip(pairs, offs):
+            buf[o:o + v.size] = v.ravel()
         if k:
             buf[offs[-3]:offs[-2]] = dst[pending[0]]
             buf[offs[-2]:offs[-1]] = pending[1]
         dev = to_device(buf, self.input_ids.device)
-        self.input_ids[:t].copy_(dev[offs[0]:offs[1]])
-        self.positions[:t].copy_(dev[offs[1]:offs[2]])
-        for g in range(ng):
-            self.slot_mappings[g][:t].copy_(dev[offs[2 + g]:offs[3 + g]])
-            w = widths[g]
-            self.block_tables[g][:bs, :w].copy_(dev[offs[3 + ng + g]:offs[4 + ng + g]].view(bs, w))
-        self.seq_lens[:bs].copy_(dev[offs[2 + ng]:offs[3 + ng]])
-        if nr:
-            self.residual_slots[:bs].copy_(dev[offs[3 + 2 * ng]:offs[4 + 2 * ng]])
-            self.residual_slot_mapping[:t].copy_(dev[offs[4 + 2 * ng]:offs[5 + 2 * ng]])
+        for (static, v), o in zip(pairs, offs):
+            static.copy_(dev[o:o + v.size].view(static.shape))
         if k:
             tail = dev[offs[-3]:]
             self.input_ids.index_copy_(0, tail[:k], pending[2].index_select(0, tail[k:]))

@@ -109,8 +109,6 @@ class BatchInputs:
         num_decodes: the first ``num_decodes`` requests have query length 1.
         num_drafts: int64 ``[R]`` draft tokens among each request's ``query_lens``.
         samples: bool ``[R]``: the request reaches its last known token and samples.
-        residual_slots / residual_slot_mapping: int64 ``[R]`` / ``[T]``, set by the model runner
-            when layers keep the filling block exact (``kvserve/attention/kv_residual.py``).
     """
 
     req_ids: list[str]
@@ -127,8 +125,6 @@ class BatchInputs:
     num_decodes: int
     num_drafts: np.ndarray
     samples: np.ndarray
-    residual_slots: Optional[np.ndarray] = None
-    residual_slot_mapping: Optional[np.ndarray] = None
 
 
 class InputBatch:

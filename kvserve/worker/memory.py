@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.forward_context import forward_context
-from kvserve.attention.kv_rotation import kv_rotation_for
+from kvserve.attention.kv_format import KVCacheView, format_of_spec
 from kvserve.core.kv_cache_spec import KVCacheSpec
 from kvserve.layers.attention import attention_layers
 
@@ -44,12 +44,12 @@ def _profile_gpu_kv_bytes(runner) -> int:
     nb = -(-t // bs) + 1
     specs: dict[int, KVCacheSpec] = runner.get_kv_cache_spec()
     layers = attention_layers(runner.model)
-    saved = [(layer.kv_cache, layer.kv_cache_group_id, layer.kv_rotation) for layer in layers]
+    saved = [(layer.kv, layer.kv_cache_group_id) for layer in layers]
     for layer in layers:
-        layer.kv_cache = runner.backend.allocate_kv_cache(specs[layer.layer_idx], nb, runner.device)
+        spec = specs[layer.layer_idx]
+        # int4/int2: the view's rotation, whose float32 temporaries count among the activations.
+        layer.kv = KVCacheView.bind(runner.backend.allocate_kv_cache(spec, nb, runner.device), format_of_spec(spec))
         layer.kv_cache_group_id = 0
-        # int4/int2: the Hadamard rotation's float32 temporaries count among the activations.
-        layer.kv_rotation = kv_rotation_for(layer.kv_cache, layer.head_size)
     base = torch.cuda.memory_allocated()
     try:
         # One request per max_model_len tokens, over consecutive blocks.
@@ -60,7 +60,7 @@ def _profile_gpu_kv_bytes(runner) -> int:
         for i, n in enumerate(blocks_per):
             bt[i, :n] = np.arange(nxt, nxt + n)
             nxt += n
-        meta, pos = runner.build_dummy_metadata(bt, lens)
+        meta, pos = runner.backend.metadata_builder_cls.dummy(bt, lens, bs, runner.device)
         ids = torch.randint(0, 100, (sum(lens),), device=runner.device)
         with forward_context(meta):
             hidden = runner.model(ids, pos)
@@ -70,8 +70,8 @@ def _profile_gpu_kv_bytes(runner) -> int:
         peak_act = torch.cuda.max_memory_allocated() - base
         del hidden
     finally:
-        for layer, (cache, gid, rot) in zip(layers, saved):
-            layer.kv_cache, layer.kv_cache_group_id, layer.kv_rotation = cache, gid, rot
+        for layer, (kv, gid) in zip(layers, saved):
+            layer.kv, layer.kv_cache_group_id = kv, gid
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     budget = total * cfg.cache_config.gpu_memory_utilization

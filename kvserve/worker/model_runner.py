@@ -17,8 +17,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvserve.attention.forward_context import AttentionMetadata, forward_context
-from kvserve.attention.kv_quant import copy_slots
+from kvserve.attention.forward_context import forward_context
+from kvserve.attention.kv_format import format_of_spec
+from kvserve.attention.metadata import AttentionMetadataBuilder
 from kvserve.attention.registry import get_attn_backend
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_spec import BoundedKVSpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
@@ -78,8 +79,7 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self.kv_connector = None  # worker half of a KV connector (tiers), set with the KV cache
-        self.residual_groups: list[bool] = []  # per KV cache group: filling block kept exact
-        self.num_residual_slots = 0
+        self.attn_builder: Optional[AttentionMetadataBuilder] = None  # the backend's, with the KV cache
 
     # ---- KV cache ---------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
@@ -124,8 +124,7 @@ class ModelRunner:
         for g in kv_cache_config.groups:
             for layer in g.layer_indices:
                 self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
-        bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group())
-        self._bind_residuals(specs)
+        bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group(), specs)
         from kvserve.kv_connector import KVConnectorRole, make_kv_connector
 
         self.kv_connector = make_kv_connector(self.config, KVConnectorRole.WORKER, kv_cache_config)
@@ -140,93 +139,13 @@ class ModelRunner:
         self.input_batch = InputBatch(sc.max_num_seqs, rows, self.block_size,
                                       [width] * len(kv_cache_config.groups),
                                       [getattr(g.spec, "sliding_window", None) for g in kv_cache_config.groups])
-        if self.device.type == "cuda" and hasattr(self.backend, "warmup"):
-            layers = attention_layers(self.model)
-            self.backend.warmup(layers[0].kv_cache, layers[0].num_heads, layers[0].head_size, self.dtype,
-                                {layer.sliding_window for layer in layers}, layers[0].values_rotated,
-                                residual=layers[0].kv_residual is not None)
+        layers = attention_layers(self.model)
+        self.attn_builder = self.backend.metadata_builder_cls(layers, kv_cache_config.groups, self.input_batch,
+                                                              self.model, self.device, self.dtype, sc.max_num_seqs)
+        if self.device.type == "cuda":
+            self.backend.warmup(layers[0].kv, layers[0].num_heads, self.dtype,
+                                {layer.sliding_window for layer in layers})
         self.maybe_capture_cuda_graphs()
-
-    def _bind_residuals(self, specs: dict[int, KVCacheSpec]) -> None:
-        """Give each layer whose KV format keeps the filling block exact (``KVFormat.residual``;
-        not bounded-KV groups) its residual, one slot per input-batch row
-        (``kvserve/attention/kv_residual.py``); sets ``residual_groups`` / ``num_residual_slots``."""
-        from kvserve.attention.kv_residual import residual_shape
-
-        groups = self.kv_cache_config.groups
-        self.residual_groups = [g.spec.format.residual and not isinstance(g.spec, BoundedKVSpec) for g in groups]
-        self.num_residual_slots = self.config.scheduler_config.max_num_seqs if any(self.residual_groups) else 0
-        total = 0
-        for layer in attention_layers(self.model):
-            gid = layer.kv_cache_group_id
-            layer.kv_residual = None
-            if self.residual_groups[gid]:
-                shape = residual_shape(self.num_residual_slots, self.block_size, layer.num_kv_heads, layer.head_size)
-                layer.kv_residual = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                total += layer.kv_residual.numel() * layer.kv_residual.element_size()
-        if total:
-            logger.info("KV cache: the filling block of each of %d requests kept exact in %s (%s): %.1f MiB",
-                        self.num_residual_slots, str(self.dtype).removeprefix("torch."),
-                        groups[self.residual_groups.index(True)].spec.dtype, total / 2**20)
-
-    def _residual_inputs(self, inp: BatchInputs) -> None:
-        """Each request's residual slot (its input-batch row) and each new token's residual row
-        (``kv_residual.residual_slot_mapping``), as ``inp.residual_slots`` / ``inp.residual_slot_mapping``."""
-        from kvserve.attention.kv_residual import residual_slot_mapping
-
-        states = self.input_batch.states
-        slots = np.fromiter((states[r].row for r in inp.req_ids), dtype=np.int64, count=len(inp.req_ids))
-        if len(slots) and int(slots.max()) >= self.num_residual_slots:
-            self._grow_residuals(len(self.input_batch.num_tokens))
-        req_idx = np.repeat(np.arange(len(slots)), inp.query_lens)
-        inp.residual_slots = slots
-        inp.residual_slot_mapping = residual_slot_mapping(inp.positions, inp.seq_lens[req_idx], slots[req_idx],
-                                                          self.block_size, self.num_residual_slots)
-
-    def _grow_residuals(self, num_slots: int) -> None:
-        """More input-batch rows than residual slots (the batch grew past ``--max-num-seqs``):
-        every layer's residual is reallocated with ``num_slots`` slots (contents kept) and the
-        decode CUDA graphs, which hold its address, are captured again."""
-        from kvserve.attention.kv_residual import residual_shape
-
-        logger.warning("input batch grew to %d rows: exact filling blocks grow from %d slots", num_slots,
-                       self.num_residual_slots)
-        old = self.num_residual_slots
-        for layer in attention_layers(self.model):
-            r = layer.kv_residual
-            if r is not None:
-                new = torch.zeros(residual_shape(num_slots, *r.shape[3:]), dtype=r.dtype, device=r.device)
-                new[:, :old] = r[:, :old]
-                layer.kv_residual = new
-        self.num_residual_slots = num_slots
-        if self.graph_runner is not None:
-            from kvserve.worker.cuda_graphs import CUDAGraphRunner
-
-            gr = self.graph_runner
-            self.graph_runner = CUDAGraphRunner(self.model, gr.sizes[-1], [bt.shape[1] for bt in gr.block_tables],
-                                                gr.max_model_len, self.block_size, self.device,
-                                                max(gr.query_lens), self.residual_groups, num_slots)
-            del gr
-            self.graph_runner.capture()
-
-    def _fill_residuals(self, sched: SchedulerOutput) -> None:
-        """A request that joins with a cached prefix ending inside a block (a partial prefix
-        hit, KV loaded by a connector) did not compute that block's first tokens: their exact
-        rows come from its dequantized page (``kv_residual.fill_from_cache``)."""
-        from kvserve.attention.kv_residual import fill_from_cache
-
-        bs = self.block_size
-        states = self.input_batch.states
-        for new in sched.scheduled_new_reqs:
-            n = new.num_computed_tokens % bs
-            if not n or new.req_id not in states:
-                continue
-            b = new.num_computed_tokens // bs
-            for layer in attention_layers(self.model):
-                gid = layer.kv_cache_group_id
-                if layer.kv_residual is not None and b < len(new.block_ids[gid]):
-                    fill_from_cache(layer.kv_residual, layer.kv_cache, states[new.req_id].row,
-                                    new.block_ids[gid][b], b, n)
 
     # ---- block operations (before the forward) -------------------------------------------
     @torch.inference_mode()
@@ -245,95 +164,10 @@ class ModelRunner:
             src_t = to_device(src, self.device, torch.long)
             dst_t = to_device(dst, self.device, torch.long)
             group = self.kv_cache_config.groups[gid]
+            fmt = format_of_spec(group.spec)
             for layer in group.layer_indices:
-                # (2, num_blocks, block_size, kv_heads, row): quantized pages keep codes and
-                # scales apart, so the slots' codes and scales are copied (kv_quant.copy_slots).
-                copy_slots(self.kv_caches[layer], group.spec.head_size, src_t, dst_t)
-
-    # ---- metadata ------------------------------------------------------------------------
-    def _metadata(self, inp: BatchInputs, pad_to: int | None = None) -> list[AttentionMetadata]:
-        dev = self.device
-        q, seq_lens = inp.query_lens, inp.seq_lens
-        qsl = to_device(inp.query_start_loc.astype(np.int32), dev)
-        sl = to_device(seq_lens.astype(np.int32), dev)
-        metas = []
-        specs = self.kv_cache_config.groups if self.kv_cache_config is not None else []
-        res_slots = res_map = None
-        if getattr(inp, "residual_slots", None) is not None:
-            rmap = inp.residual_slot_mapping
-            if pad_to is not None and pad_to > len(rmap):  # padding rows write the scratch slot
-                rmap = np.concatenate([rmap, np.full(pad_to - len(rmap), self.num_residual_slots * 2 * self.block_size,
-                                                     np.int64)])
-            res_slots, res_map = to_device(inp.residual_slots.astype(np.int32), dev), to_device(rmap, dev)
-        for gi, (bt, slots) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
-            if pad_to is not None and pad_to > len(slots):  # padding rows store nothing
-                slots = np.concatenate([slots, np.full(pad_to - len(slots), -1, dtype=np.int64)])
-            metas.append(AttentionMetadata(
-                slot_mapping=to_device(slots, dev), block_tables=to_device(bt, dev), query_start_loc=qsl,
-                seq_lens=sl, query_lens_cpu=q.tolist(), seq_lens_cpu=seq_lens.tolist(),
-                max_query_len=int(q.max()), max_seq_len=int(seq_lens.max()), num_decodes=inp.num_decodes,
-            ))
-            if res_slots is not None and self.residual_groups[gi]:
-                metas[-1].residual_slots, metas[-1].residual_slot_mapping = res_slots, res_map
-            spec = specs[gi].spec if gi < len(specs) else None
-            if isinstance(spec, BoundedKVSpec) and inp.req_ids:
-                metas[-1].bounded = self._bounded_plans(spec, inp, bt)
-        return metas
-
-    def _bounded_plans(self, spec: BoundedKVSpec, inp: BatchInputs, bt: np.ndarray):
-        """The step's per-request bounded-KV plans (``kvserve.attention.bounded``); widens the
-        rotary tables when positions pass them (bounded requests run past ``max_model_len``)."""
-        from kvserve.attention.bounded import build_plans
-        from kvserve.core.bounded_kv import request_limits
-        from kvserve.layers.rotary import RotaryEmbedding
-
-        ropes = self.__dict__.get("_ropes")
-        if ropes is None:
-            ropes = self._ropes = [m for m in self.model.modules() if isinstance(m, RotaryEmbedding)]
-        top = int(inp.seq_lens.max())
-        grown = False
-        for r in ropes:
-            if top > r.max_position:
-                r.extend(max(top, 2 * r.max_position))
-                grown = True
-        if grown and self.piecewise_runner is not None:
-            # The graphed pieces read the rotary tables by address: capture them again (the
-            # tables double, so this happens O(log length) times).
-            logger.info("rotary tables grown to %d positions: capturing piecewise CUDA graphs again",
-                        ropes[0].max_position)
-            self.piecewise_runner.capture()
-        states = self.input_batch.states
-        lims = [request_limits(states[r].sampling_params, spec.sink_tokens, spec.window) for r in inp.req_ids]
-        return build_plans(spec.policy, bt, inp.seq_lens, inp.query_lens, [a for a, _ in lims],
-                           [b for _, b in lims], self.block_size, self.device,
-                           ropes[0].inv_freq if ropes else None)
-
-    def _block_mass(self, inp: BatchInputs, metas: list[AttentionMetadata]) -> dict:
-        """h2o: request id -> group id -> {block-table column: attention mass} of this step."""
-        out: dict = {}
-        for gi, m in enumerate(metas):
-            b = m.bounded
-            if b is None or b.policy != "h2o":
-                continue
-            dec = b.decode.mass.cpu().numpy() if b.decode is not None else None  # one copy for the decodes
-            for i, (rid, plan) in enumerate(zip(inp.req_ids, b.plans)):
-                mass = dec[i, :len(plan.cols)] if dec is not None and i < len(dec) else plan.mass.cpu().numpy()
-                out.setdefault(rid, {})[gi] = dict(zip(plan.cols.tolist(), mass.tolist()))
-        return out
-
-    def build_dummy_metadata(self, block_table: np.ndarray, lens: list[int]):
-        """Metadata for a prefill of ``lens`` tokens per row over ``block_table`` (one group);
-        returns ``(metadata list, positions)``."""
-        q = np.asarray(lens, dtype=np.int64)
-        qsl = np.zeros(len(q) + 1, dtype=np.int64)
-        np.cumsum(q, out=qsl[1:])
-        req_idx = np.repeat(np.arange(len(q)), q)
-        pos = np.arange(int(qsl[-1])) - qsl[:-1][req_idx]
-        bs = self.block_size
-        slots = block_table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
-        inp = BatchInputs([], q, np.zeros_like(q), q, qsl, pos, pos, np.zeros(0, np.int64), [], [block_table],
-                          [slots], int(np.count_nonzero(q == 1)), np.zeros_like(q), np.zeros(len(q), bool))
-        return self._metadata(inp), to_device(pos, self.device)
+                # quantized pages keep codes and scales apart: the format copies both
+                fmt.copy_slots(self.kv_caches[layer], src_t, dst_t)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def maybe_capture_cuda_graphs(self) -> None:
@@ -349,16 +183,30 @@ class ModelRunner:
         sc = self.config.scheduler_config
         self.piecewise_runner = PiecewiseCUDAGraphRunner(self.model, sc.max_num_batched_tokens, self.device)
         self.piecewise_runner.capture()
-        if self.config.cache_config.kv_eviction_policy != "none":
-            # Attention reads per-step host plans (kvserve.attention.bounded): it stays eager
-            # between the graphed pieces, for decode steps too.
-            logger.info("bounded KV (--kv-eviction-policy): piecewise CUDA graphs only (attention eager)")
+        if not self.attn_builder.decode_graphs_supported:
+            # e.g. bounded KV: attention reads per-step host plans, so it stays eager between
+            # the graphed pieces, for decode steps too.
+            logger.info("attention metadata of this KV cache is per-step host work: piecewise CUDA graphs only")
             return
         widths = [-(-sc.max_model_len // self.block_size)] * len(self.kv_cache_config.groups)
-        self.graph_runner = CUDAGraphRunner(self.model, sc.max_num_seqs, widths, sc.max_model_len,
-                                            self.block_size, self.device, self.max_query_len_decode,
-                                            self.residual_groups, self.num_residual_slots)
+        self.graph_runner = CUDAGraphRunner(self.model, self.attn_builder, sc.max_num_seqs, widths, sc.max_model_len,
+                                            self.device, self.max_query_len_decode)
         self.graph_runner.capture()
+
+    def _recapture_cuda_graphs(self) -> None:
+        """A metadata buffer that graphs read by address was reallocated (a grown exact
+        filling block, grown rotary tables): capture the graphs again."""
+        logger.info("attention buffers moved: capturing CUDA graphs again")
+        if self.piecewise_runner is not None:
+            self.piecewise_runner.capture()
+        gr = self.graph_runner
+        if gr is not None:
+            from kvserve.worker.cuda_graphs import CUDAGraphRunner
+
+            self.graph_runner = CUDAGraphRunner(self.model, self.attn_builder, gr.max_num_seqs, gr.max_blocks_per_group,
+                                                gr.max_model_len, self.device, max(gr.query_lens))
+            del gr
+            self.graph_runner.capture()
 
     # ---- one step ----------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput):
@@ -390,10 +238,8 @@ class ModelRunner:
             return res
         self.run_block_ops(sched.block_ops)
         inp = batch.prepare(sched)
-        if self.num_residual_slots:
-            if sched.scheduled_new_reqs:
-                self._fill_residuals(sched)
-            self._residual_inputs(inp)
+        if self.attn_builder.prepare(sched, inp):
+            self._recapture_cuda_graphs()
         pending = None
         if len(inp.pending_idx):
             rows = self._last_rows
@@ -419,16 +265,13 @@ class ModelRunner:
             input_ids.index_copy_(0, dst, self._last_sampled.index_select(0, src))
         positions = to_device(inp.positions, self.device)
         tp = pw.padded_size(len(inp.token_ids)) if pw is not None else None
-        mass = None
+        metas = self.attn_builder.build(inp, pad_to=tp)
         if tp is not None:
-            metas = self._metadata(inp, pad_to=tp)
             hidden = pw.run(input_ids, positions, metas)
         else:
-            metas = self._metadata(inp)
             with forward_context(metas):
                 hidden = self.model(input_ids, positions)
-        if any(m.bounded is not None and m.bounded.policy == "h2o" for m in metas):
-            mass = self._block_mass(inp, metas)
+        mass = self.attn_builder.kv_block_mass(inp, metas)
         self._record_hidden(inp, hidden, inp.query_start_loc[:num_reqs])
         if conn is not None:
             conn.start_save_kv()

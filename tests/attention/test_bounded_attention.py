@@ -15,6 +15,7 @@ import torch
 
 from kvserve.attention.bounded import build_plans
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_format import view_of
 from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.kv_quant import dequantize, quantize
 from kvserve.attention.kv_rotation import rotation_matrix
@@ -68,7 +69,7 @@ def _batch(policy, ctx_lens, q_lens, sinks, window, evict_cols, seed=0, kv_dtype
         spec = KVCacheSpec(BS, HKV, D, kv_dtype, "float32")
         qcache = get_attn_backend("torch_ref").allocate_kv_cache(spec, num_blocks, torch.device("cpu"))
         live = cache[0, 1:].reshape(-1, HKV, D), cache[1, 1:].reshape(-1, HKV, D)
-        store_kv(live[0], live[1], qcache, torch.arange(BS, num_blocks * BS))
+        store_kv(live[0], live[1], view_of(qcache, kv_dtype, D), torch.arange(BS, num_blocks * BS))
         cache = qcache
     return reqs, table, cache, seq
 
@@ -95,7 +96,9 @@ def _dense(policy, q, k, v, c, L, sinks, window, table_row):
     return torch.einsum("hnl,lhd->nhd", p, vv), p
 
 
-def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window, kv_rotation=None):
+def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window, kv_rotation=None, kv_dtype=None):
+    """``forward_bounded`` over the layer view of ``cache`` (format ``kv_dtype``, plain if None);
+    with ``kv_rotation`` the view rotates q/k/v (and the output back) by it."""
     order = sorted(range(len(reqs)), key=lambda i: q_lens[i] != 1)  # decodes first, as the runner does
     reqs = [reqs[i] for i in order]
     table, seq, ql = table[order], np.asarray([seq[i] for i in order]), np.asarray([q_lens[i] for i in order])
@@ -116,9 +119,9 @@ def _run(backend_name, policy, reqs, table, cache, seq, q_lens, sinks, window, k
         max_seq_len=int(seq.max()), num_decodes=int((ql == 1).sum()))
     meta.bounded = build_plans(policy, table, seq, ql, [sinks] * len(reqs), [window] * len(reqs), BS,
                                dev, INV.float().to(dev))
-    kv = cache.clone().to(dev)
-    kw = {} if kv_rotation is None else {"kv_rotation": kv_rotation.to(dev)}
-    out = get_attn_backend(backend_name).forward_bounded(query, key, value, kv, meta, 1 / math.sqrt(D), **kw)
+    kv = view_of(cache.clone().to(dev), kv_dtype, D)
+    kv.rotation = None if kv_rotation is None else kv_rotation.to(dev)
+    out = get_attn_backend(backend_name).forward_bounded(query, key, value, kv, meta, 1 / math.sqrt(D))
     return out.cpu(), meta, reqs, table, qsl
 
 
@@ -134,7 +137,7 @@ def test_streaming_matches_dense_reference(backend, kv_dtype):
     evict = [list(range(2, max(c - window + 1, 0) // BS)) for c in ctx]
     assert any(evict)
     reqs, table, cache, seq = _batch("streaming", ctx, ql, sinks, window, evict, kv_dtype=kv_dtype)
-    out, _, reqs, _, qsl = _run(backend, "streaming", reqs, table, cache, seq, ql, sinks, window)
+    out, _, reqs, _, qsl = _run(backend, "streaming", reqs, table, cache, seq, ql, sinks, window, kv_dtype=kv_dtype)
     assert not torch.isnan(out).any()
     for i, (q, k, v, c, L) in enumerate(reqs):
         ref, _ = _dense("streaming", q, k, v, c, L, sinks, window, None)
@@ -159,9 +162,10 @@ def test_h2o_matches_dense_reference_and_reports_block_mass():
 
 @pytest.mark.parametrize("backend", ["cpu", "torch_ref"])
 def test_streaming_in_the_rotated_basis(backend):
-    """int4 / int2 layers attend in a Hadamard-rotated basis (``kv_rotation``): q, k, v and the
-    cache hold ``x R`` and the output comes back times ``R^T``; the sink queries' rotary shift
-    must then act on the unrotated channels (``kv_rotation=R``), or the sink scores are wrong."""
+    """int4 / int2 layers attend in a Hadamard-rotated basis (the view's ``rotation``): the
+    backend attends with ``x R`` against a cache holding ``k R``, ``v R`` and returns the
+    output times ``R^T``; the sink queries' rotary shift must then act on the unrotated
+    channels, or the sink scores are wrong (as rotating around a backend that is not told R)."""
     sinks, window = 5, 6
     ctx, ql = [30, 9, 0, 41, 17], [1, 1, 7, 5, 1]
     evict = [list(range(2, max(c - window + 1, 0) // BS)) for c in ctx]
@@ -170,8 +174,12 @@ def test_streaming_in_the_rotated_basis(backend):
     rreqs = [(q @ r, k @ r, v @ r, c, L) for q, k, v, c, L in reqs]
     rcache = (cache.double() @ r).float()  # the null block stays NaN
     for rot, ok in ((r.float(), True), (None, False)):
-        out, _, sreqs, _, qsl = _run(backend, "streaming", rreqs, table, rcache, seq, ql, sinks, window, rot)
-        out = out.double() @ r.T
+        if rot is not None:  # the view rotates q/k/v, and the output back
+            out, _, sreqs, _, qsl = _run(backend, "streaming", reqs, table, rcache, seq, ql, sinks, window, rot)
+            out = out.double()
+        else:  # rotated around a backend that does not know R
+            out, _, sreqs, _, qsl = _run(backend, "streaming", rreqs, table, rcache, seq, ql, sinks, window)
+            out = out.double() @ r.T
         order = sorted(range(len(reqs)), key=lambda i: ql[i] != 1)
         close = []
         for j, i in enumerate(order):

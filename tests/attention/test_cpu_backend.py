@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvserve.attention.registry import get_attn_backend
-from kvserve.attention.cpu_backend import CpuBackend
-from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.cpu_backend import CpuAttentionMetadata, CpuBackend
+from kvserve.attention.kv_format import view_of
 from kvserve.attention.torch_ref import TorchRefBackend
 
 # bfloat16: by default the cpu backend rounds the scores to bf16 (transformers' eager
@@ -41,7 +41,7 @@ def _batch(reqs, block_size, hkv, d, kv_dtype, gen, spare_blocks=3):
         qsl.append(qsl[-1] + n)
     qlens, slens = [n for _, n in reqs], [c + n for c, n in reqs]
     nd = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
-    meta = AttentionMetadata(
+    meta = CpuAttentionMetadata(  # one per step: layers share its decode plans
         slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=bt,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(slens, dtype=torch.int32),
         query_lens_cpu=qlens, seq_lens_cpu=slens, max_query_len=max(qlens), max_seq_len=max(slens),
@@ -66,10 +66,10 @@ def _compare(reqs, *, block_size=16, heads=(9, 3), d=64, dtype=torch.float32, kv
         k = torch.randn(t, hkv, d, generator=gen).to(dtype)
         v = torch.randn(t, hkv, d, generator=gen).to(dtype)
         c_ref, c_cpu, c64 = cache.clone(), cache.clone(), cache.double()
-        ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), d**-0.5, window)
-        out = backend.forward(q, k, v, c_cpu, meta, d**-0.5, window)
-        exact = TorchRefBackend().forward(q.double(), k.double(), v.double(), c64,
-                                          dataclasses.replace(meta, backend_cache={}), d**-0.5, window)
+        ref = TorchRefBackend().forward(q, k, v, view_of(c_ref), dataclasses.replace(meta), d**-0.5, window)
+        out = backend.forward(q, k, v, view_of(c_cpu), meta, d**-0.5, window)
+        exact = TorchRefBackend().forward(q.double(), k.double(), v.double(), view_of(c64),
+                                          dataclasses.replace(meta), d**-0.5, window)
         assert torch.equal(c_cpu, c_ref)
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out, ref, **_TOL[dtype])
@@ -155,9 +155,9 @@ def test_reuse_across_steps_and_layer_windows():
         for window in (None, 20, 300):  # alternating layers (Gemma 3, Qwen 2/3 layer_types)
             _, cache = _batch(reqs, 16, 2, 64, torch.float32, gen)
             q, k, v = (torch.randn(t, hh, 64, generator=gen) for hh in (8, 2, 2))
-            ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, backend_cache={}),
+            ref = TorchRefBackend().forward(q, k, v, view_of(cache.clone()), dataclasses.replace(meta),
                                             0.125, window)
-            out = backend.forward(q, k, v, cache, meta, 0.125, window)
+            out = backend.forward(q, k, v, view_of(cache), meta, 0.125, window)
             torch.testing.assert_close(out, ref, **_TOL[torch.float32])
 
 

@@ -11,7 +11,8 @@ import torch
 
 from kvserve.attention.cpu_backend import CpuBackend
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_quant import (MIN_SCALE, aligned_for_vector_loads, cache_format, copy_slots, dequantize,
+from kvserve.attention.kv_format import kv_format_for, view_of
+from kvserve.attention.kv_quant import (MIN_SCALE, aligned_for_vector_loads, copy_slots, dequantize,
                                         dequantize_pages, page_views, pages_to_rows, quantize, quantize_pages,
                                         rows_to_pages)
 from kvserve.attention.torch_ref import TorchRefBackend
@@ -34,8 +35,8 @@ def test_round_trip_error_bound(name):
     x = torch.randn(64, 3, 64, generator=gen) * torch.rand(64, 3, 1, generator=gen) * 10
     rows = quantize(x, fmt)
     assert rows.shape == (64, 3, fmt.row_elems(64)) and rows.dtype == getattr(torch, fmt.torch_dtype)
-    assert cache_format(rows, 64) is fmt
-    y = dequantize(rows, 64, torch.float32)
+    assert torch.equal(kv_format_for(name, 64).quantize(x).view(torch.uint8), rows.view(torch.uint8))
+    y = dequantize(rows, 64, torch.float32, fmt)
     err = (x - y).abs().amax(-1) / x.abs().amax(-1)
     assert err.max() <= ROW_REL_BOUND[name]
     # not just bounded: a typical element's error is well under the worst case
@@ -53,7 +54,7 @@ def test_known_answers():
     r = quantize(x, KV_FORMATS["int4"])
     assert r.shape == (1, 8 + 4)
     assert r[0, :2].tolist() == [5 | (8 << 4), 0 | (15 << 4)]
-    y = dequantize(r, 16, torch.float32)
+    y = dequantize(r, 16, torch.float32, KV_FORMATS["int4"])
     assert torch.allclose(y[0, :4], torch.tensor([0.0, 1.2, -2.0, 4.0]), atol=2e-3)
     # int2: scale 2: codes 1, 1.5 -> 2, 0, 3 packed in one byte.
     r = quantize(x, KV_FORMATS["int2"])
@@ -62,7 +63,7 @@ def test_known_answers():
     r = quantize(x, KV_FORMATS["fp8_e4m3"])
     assert r[0, :4].float().tolist() == [0.0, 112.0, -224.0, 448.0]
     # a constant row: the scale floors at MIN_SCALE, no NaN.
-    z = dequantize(quantize(torch.full((1, 16), 3.0), KV_FORMATS["int2"]), 16, torch.float32)
+    z = dequantize(quantize(torch.full((1, 16), 3.0), KV_FORMATS["int2"]), 16, torch.float32, KV_FORMATS["int2"])
     assert torch.isfinite(z).all() and torch.allclose(z, torch.full((1, 16), 3.0), atol=MIN_SCALE * 3)
 
 
@@ -117,14 +118,14 @@ def test_cpu_backend_matches_torch_ref(name):
         q = torch.randn(t, h, d, generator=gen).to(dtype) * 2
         k, v = torch.randn(t, hkv, d, generator=gen).to(dtype), torch.randn(t, hkv, d, generator=gen).to(dtype)
         c_ref, c_cpu = cache.clone(), cache.clone()
-        ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
-        out = CpuBackend().forward(q, k, v, c_cpu, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+        ref = TorchRefBackend().forward(q, k, v, view_of(c_ref, name, d), dataclasses.replace(meta), d ** -0.5)
+        out = CpuBackend().forward(q, k, v, view_of(c_cpu, name, d), dataclasses.replace(meta), d ** -0.5)
         assert torch.equal(c_cpu.view(torch.uint8), c_ref.view(torch.uint8))
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(out, ref, **tol)
         # The oracle itself: dense attention over dequantized K/V equals torch_ref.
-        kd = dequantize_pages(c_ref[0], d, torch.float32)
-        vd = dequantize_pages(c_ref[1], d, torch.float32)
+        kd = dequantize_pages(c_ref[0], d, torch.float32, get_kv_format(name))
+        vd = dequantize_pages(c_ref[1], d, torch.float32, get_kv_format(name))
         i, (cached, new) = 3, reqs[3]
         L = cached + new
         kk = kd[bt[i, :nbs[i]].long()].reshape(-1, hkv, d)[:L].transpose(0, 1).repeat_interleave(h // hkv, 0)
@@ -145,15 +146,15 @@ def test_prefix_hit_and_copy_on_write_carry_scales(name):
     cache = _quant_cache(8, bs, hkv, d, name, gen)
     # Request A: 10 tokens in blocks 1, 2, 3 (last partial, 2 slots). Request B shares blocks 1, 2
     # and a copy of block 3's first 2 slots in block 5 (copy-on-write), then both decode 1 token.
-    copy_slots(cache, d, torch.tensor([3 * bs, 3 * bs + 1]), torch.tensor([5 * bs, 5 * bs + 1]))
+    copy_slots(cache, d, torch.tensor([3 * bs, 3 * bs + 1]), torch.tensor([5 * bs, 5 * bs + 1]), get_kv_format(name))
     q = torch.randn(2, h, d, generator=gen)
     k = torch.randn(1, hkv, d, generator=gen).expand(2, hkv, d)
     v = torch.randn(1, hkv, d, generator=gen).expand(2, hkv, d)
     bt = torch.tensor([[1, 2, 3], [1, 2, 5]], dtype=torch.int32)
     meta = _meta([(10, 1), (10, 1)], bs, bt)
     for be in (TorchRefBackend(), CpuBackend()):
-        meta_i = dataclasses.replace(meta, backend_cache={})
-        out = be.forward(torch.cat([q[:1], q[:1]]), k, v, cache.clone(), meta_i, 0.25)
+        meta_i = dataclasses.replace(meta)
+        out = be.forward(torch.cat([q[:1], q[:1]]), k, v, view_of(cache.clone(), name, d), meta_i, 0.25)
         torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
 
 
@@ -182,12 +183,12 @@ def test_page_layout_known_answers(name):
     # every byte is accounted for: codes region then scales region, nothing else
     assert torch.equal(flat[..., :bs * hkv * c].reshape(2, nb, bs, hkv, c), rb[..., :c])
     assert torch.equal(flat[..., bs * hkv * c:].reshape(2, nb, hkv, bs, s), rb[..., c:].transpose(2, 3))
-    codes, scales = page_views(pages, d)
+    codes, scales = page_views(pages, d, fmt)
     assert codes.shape == (2, nb, bs, hkv, c) and scales.shape == (2, nb, bs, hkv, s // 2)
     assert scales.dtype == torch.float16 and codes.data_ptr() == pages.data_ptr()
-    assert torch.equal(pages_to_rows(pages, d).view(torch.uint8), rb)
-    assert torch.equal(rows_to_pages(rows, d).view(torch.uint8), flat.view(pages.shape))
-    assert torch.equal(dequantize_pages(pages, d, torch.float32), dequantize(rows, d, torch.float32))
+    assert torch.equal(pages_to_rows(pages, d, fmt).view(torch.uint8), rb)
+    assert torch.equal(rows_to_pages(rows, d, fmt).view(torch.uint8), flat.view(pages.shape))
+    assert torch.equal(dequantize_pages(pages, d, torch.float32, fmt), dequantize(rows, d, torch.float32, fmt))
     # the views write the page: a new scale lands in the scales region only
     scales[1, 2, 3, 2, 0] = 7.0
     sc = bs * hkv * c + (2 * bs + 3) * s
@@ -201,9 +202,9 @@ def test_copy_slots_carries_codes_and_scales():
     fmt = get_kv_format("int4")
     bs, hkv, d = 4, 2, 32
     pages = quantize_pages(torch.randn(2, 5, bs, hkv, d, generator=torch.Generator().manual_seed(6)), fmt)
-    before = pages_to_rows(pages, d)
-    copy_slots(pages, d, torch.tensor([4, 5, 6]), torch.tensor([12, 13, 14]))  # block 1 slots 0-2 -> block 3
-    after = pages_to_rows(pages, d)
+    before = pages_to_rows(pages, d, fmt)
+    copy_slots(pages, d, torch.tensor([4, 5, 6]), torch.tensor([12, 13, 14]), fmt)  # block 1 slots 0-2 -> block 3
+    after = pages_to_rows(pages, d, fmt)
     want = before.clone()
     want[:, 3, :3] = before[:, 1, :3]
     assert torch.equal(after, want)

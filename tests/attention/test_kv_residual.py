@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kvserve.attention.cpu_backend import CpuBackend
-from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.forward_context import AttentionMetadata, ResidualMetadata
+from kvserve.attention.kv_format import format_of_spec, view_of
 from kvserve.attention.kv_quant import dequantize, quantize
-from kvserve.attention.kv_residual import residual_shape, residual_slot_mapping
+from kvserve.attention.kv_residual import residual_shape, residual_slot_mapping, written_early
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.core.kv_cache_spec import FullAttentionSpec, get_kv_format
 
@@ -34,6 +35,7 @@ class Stepper:
         nbs = [-(-q.shape[0] // BS) for q, _, _ in reqs]
         self.cache = backend.allocate_kv_cache(spec, sum(nbs) + 1, torch.device("cpu"))
         self.residual = torch.zeros(residual_shape(len(reqs), BS, hkv, d))
+        self.kv = view_of(self.cache, format_of_spec(spec), residual=self.residual)
         self.bt = torch.zeros(len(reqs), max(nbs), dtype=torch.int32)
         o = 1
         for i, nb in enumerate(nbs):  # blocks in reverse order: block ids never follow positions
@@ -64,12 +66,13 @@ class Stepper:
             slot_mapping=torch.cat(slots), block_tables=self.bt[rslots], query_start_loc=qsl,
             seq_lens=torch.tensor(slens, dtype=torch.int32), query_lens_cpu=qlens, seq_lens_cpu=slens,
             max_query_len=max(qlens), max_seq_len=max(slens), num_decodes=sum(1 for n in qlens if n == 1),
-            residual_slots=rslots.to(torch.int32),
-            residual_slot_mapping=torch.from_numpy(residual_slot_mapping(
-                pos.numpy(), torch.tensor(slens)[req_idx].numpy(), rslots[req_idx].numpy(), BS, len(self.reqs))))
+            residual=ResidualMetadata(
+                rslots.to(torch.int32), torch.from_numpy(residual_slot_mapping(
+                    pos.numpy(), torch.tensor(slens)[req_idx].numpy(), rslots[req_idx].numpy(), BS, len(self.reqs))),
+                rslots.tolist(), written_early(qlens, slens, BS)))
         d = rows_q[0].shape[-1]
-        out = self.backend.forward(torch.cat(rows_q), torch.cat(rows_k), torch.cat(rows_v), self.cache, meta,
-                                   d ** -0.5, self.window, kv_residual=self.residual)
+        out = self.backend.forward(torch.cat(rows_q), torch.cat(rows_k), torch.cat(rows_v), self.kv, meta,
+                                   d ** -0.5, self.window)
         for j, r in enumerate(order):
             self.outs[r][self.ctx[r]:self.ctx[r] + step[r]] = out[qsl[j]:qsl[j + 1]]
             self.ctx[r] += step[r]
@@ -167,9 +170,9 @@ def test_fill_from_cache_gives_the_dequantized_rows():
     spec = FullAttentionSpec(BS, hkv, d, "int4", "float32")
     cache = TorchRefBackend().allocate_kv_cache(spec, 4, torch.device("cpu"))
     k, v = torch.randn(3, hkv, d), torch.randn(3, hkv, d)
-    store_kv(k, v, cache, torch.arange(2 * BS, 2 * BS + 3))  # block 2, slots 0..2
+    store_kv(k, v, view_of(cache, format_of_spec(spec)), torch.arange(2 * BS, 2 * BS + 3))  # block 2, slots 0..2
     res = torch.zeros(residual_shape(2, BS, hkv, d))
-    fill_from_cache(res, cache, slot=1, block_id=2, block_index=5, num_tokens=3)
+    fill_from_cache(res, cache, format_of_spec(spec), slot=1, block_id=2, block_index=5, num_tokens=3)
     fmt = get_kv_format("int4")
     torch.testing.assert_close(res[0, 1, 1, :3], dequantize(quantize(k, fmt), d, torch.float32, fmt))
     torch.testing.assert_close(res[1, 1, 1, :3], dequantize(quantize(v, fmt), d, torch.float32, fmt))

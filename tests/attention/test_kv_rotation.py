@@ -14,10 +14,10 @@ from torch import nn
 
 from kvserve.attention.bounded import rotate_back
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
+from kvserve.attention.kv_format import kv_format_for, view_of
 from kvserve.attention.kv_quant import dequantize as dequantize_rows
-from kvserve.attention.kv_quant import dequantize_pages
 from kvserve.attention.kv_quant import quantize as quantize_rows
-from kvserve.attention.kv_rotation import ROTATION_NAME, kv_rotation_for, rotate, rotation_matrix
+from kvserve.attention.kv_rotation import ROTATION_NAME, rotate, rotation_matrix
 from kvserve.attention.registry import get_attn_backend
 from kvserve.core.kv_cache_spec import KVCacheSpec, get_kv_format
 from kvserve.layers.attention import Attention, bind_attention, bind_kv_cache
@@ -91,10 +91,11 @@ def _batch(reqs, bs, hkv, d, name, backend, gen, kv_scale=None, device=None):
         kv = torch.randn(2, len(prefix), hkv, d, generator=gen)
         if kv_scale is not None:
             kv = kv * kv_scale
-        r = kv_rotation_for(cache, d)
+        r = kv_format_for(name, d).rotation()
         if r is not None:
-            kv = rotate(kv, r.cpu())
-        impl.store_kv(kv[0].to(dev), kv[1].to(dev), cache, torch.tensor(prefix, dtype=torch.int64, device=dev))
+            kv = rotate(kv, r)
+        impl.store_kv(kv[0].to(dev), kv[1].to(dev), view_of(cache, name, d),
+                      torch.tensor(prefix, dtype=torch.int64, device=dev))
     qlens, slens = [n for _, n in reqs], [c + n for c, n in reqs]
     nd = next((i for i, n in enumerate(qlens) if n != 1), len(qlens))
     meta = AttentionMetadata(
@@ -106,18 +107,26 @@ def _batch(reqs, bs, hkv, d, name, backend, gen, kv_scale=None, device=None):
     return meta, cache, bt, nbs
 
 
-def _layer(h, hkv, d, backend, cache):
+def _spec(cache, d, name):
+    return KVCacheSpec(cache.shape[2], cache.shape[3], d, name, "float32")
+
+
+def _layer(h, hkv, d, backend, cache, name):
     m = _Model(h, hkv, d)
     bind_attention(m, get_attn_backend(backend))
-    bind_kv_cache(m, {0: cache})
+    bind_kv_cache(m, {0: cache}, specs={0: _spec(cache, d, name)})
     return m.attn
 
 
-def _dense_over_cache(q, cache, bt, nbs, reqs, h, hkv, d, rot):
-    """float64 dense causal attention over the dequantized cache; with ``rot`` the query is
-    rotated in and the output rotated back out, as the layer does."""
-    kd = dequantize_pages(cache[0].cpu(), d, torch.float64)
-    vd = dequantize_pages(cache[1].cpu(), d, torch.float64)
+def dequantize_pages(pages, d, dtype, name):
+    return kv_format_for(name, d).dequantize_pages(pages, dtype)
+
+
+def _dense_over_cache(q, cache, bt, nbs, reqs, h, hkv, d, rot, name):
+    """float64 dense causal attention over the dequantized cache (format ``name``); with ``rot``
+    the query is rotated in and the output rotated back out, as the layer does."""
+    kd = dequantize_pages(cache[0].cpu(), d, torch.float64, name)
+    vd = dequantize_pages(cache[1].cpu(), d, torch.float64, name)
     qq_all = q.cpu().double() @ rot.double() if rot is not None else q.cpu().double()
     outs, s = [], 0
     for i, (c, n) in enumerate(reqs):
@@ -144,7 +153,7 @@ def test_rotated_layer_equals_dense_over_dequantized_rotated_cache(backend, name
     h, hkv, bs = 4, 2, 4
     reqs = [(9, 1), (3, 1), (5, 6), (0, 7)] if backend == "triton" else [(13, 1), (4, 1), (0, 1), (7, 5), (0, 9)]
     meta, cache, bt, nbs = _batch(reqs, bs, hkv, d, name, backend, gen)
-    layer = _layer(h, hkv, d, backend, cache)
+    layer = _layer(h, hkv, d, backend, cache, name)
     r = layer.kv_rotation
     assert r is not None and torch.equal(r.cpu(), rotation_matrix(d))
     t = sum(n for _, n in reqs)
@@ -155,11 +164,11 @@ def test_rotated_layer_equals_dense_over_dequantized_rotated_cache(backend, name
         out = layer(q, k, v)
     assert out.shape == (t, h * d) and out.dtype == torch.float32
     # The new tokens were stored in the rotated basis: their dequantized rows are near k @ R.
-    new_k = dequantize_pages(cache[0].cpu(), d, torch.float32).reshape(-1, hkv, d)[meta.slot_mapping.cpu()]
+    new_k = dequantize_pages(cache[0].cpu(), d, torch.float32, name).reshape(-1, hkv, d)[meta.slot_mapping.cpu()]
     kr = k.cpu().view(t, hkv, d) @ r.cpu()
     step = (kr.amax(-1) - kr.amin(-1))[..., None] / ((1 << get_kv_format(name).bits) - 1)
     assert ((new_k - kr).abs() <= step / 2 + 1e-3).all()
-    ref = _dense_over_cache(q.view(t, h, d), cache, bt, nbs, reqs, h, hkv, d, r.cpu())
+    ref = _dense_over_cache(q.view(t, h, d), cache, bt, nbs, reqs, h, hkv, d, r.cpu(), name)
     torch.testing.assert_close(out.cpu().view(t, h, d).double(), ref, atol=2e-4, rtol=2e-4)
 
 
@@ -185,11 +194,12 @@ def test_rotation_shrinks_int4_error_on_outlier_channels():
             cache = get_attn_backend("torch_ref").allocate_kv_cache(spec, vals.shape[1], torch.device("cpu"))
             r = rotation_matrix(d) if rotated else torch.eye(d)
             flat = rotate(vals.reshape(2, -1, hkv, d), r)
-            get_attn_backend("torch_ref").store_kv(flat[0], flat[1], cache, torch.arange(flat.shape[1]))
-        layer = _layer(h, hkv, d, "torch_ref", cache)
+            get_attn_backend("torch_ref").store_kv(flat[0], flat[1], view_of(cache, "int4", d),
+                                                   torch.arange(flat.shape[1]))
+        layer = _layer(h, hkv, d, "torch_ref", cache, name)
         if name == "int4" and not rotated:
-            layer.kv_rotation = None  # the same int4 format without the rotation
-        with forward_context(dataclasses.replace(meta, backend_cache={})):
+            layer.kv.rotation = None  # the same int4 format without the rotation
+        with forward_context(dataclasses.replace(meta)):
             outs[(name, rotated)] = layer(q, k, v)
     ref = outs[("float32", False)]
     err_rot = (outs[("int4", True)] - ref).norm() / ref.norm()
@@ -209,17 +219,17 @@ def test_unrotated_formats_untouched(name):
     h, hkv, d, bs = 4, 2, 32, 4
     reqs = [(6, 1), (0, 5)]
     meta, cache, _, _ = _batch(reqs, bs, hkv, d, name, "cpu", gen)
-    layer = _layer(h, hkv, d, "cpu", cache.clone())
+    layer = _layer(h, hkv, d, "cpu", cache.clone(), name)
     assert layer.kv_rotation is None and not get_kv_format(name).rotated
     t = sum(n for _, n in reqs)
     dt = torch.bfloat16 if name == "bfloat16" else torch.float32
     q = torch.randn(t, h * d, generator=gen).to(dt)
     k, v = torch.randn(t, hkv * d, generator=gen).to(dt), torch.randn(t, hkv * d, generator=gen).to(dt)
-    with forward_context(dataclasses.replace(meta, backend_cache={})):
+    with forward_context(dataclasses.replace(meta)):
         out = layer(q, k, v)
     c2 = cache.clone()
-    direct = get_attn_backend("cpu").forward(q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d), c2,
-                                             dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+    direct = get_attn_backend("cpu").forward(q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d),
+                                             view_of(c2, name, d), dataclasses.replace(meta), d ** -0.5)
     assert torch.equal(out, direct.reshape(t, h * d))
     assert torch.equal(layer.kv_cache.view(torch.uint8), c2.view(torch.uint8))
 
@@ -297,7 +307,7 @@ def test_value_rotation_folded_into_the_weights(backend, name):
     cache_plain = cache.clone()
     for m, c in ((folded, cache), (plain, cache_plain)):
         bind_attention(m, impl)
-        bind_kv_cache(m, {0: c})
+        bind_kv_cache(m, {0: c}, specs={0: _spec(c, d, name)})
     assert folded.attn.values_rotated and torch.equal(folded.attn.values_rotated_by, rotation_matrix(d))
     plain.attn.values_rotated_by = None  # as if its projections were not dense: rotate at run time
     with torch.no_grad():
@@ -307,12 +317,12 @@ def test_value_rotation_folded_into_the_weights(backend, name):
     with forward_context(meta), torch.no_grad():
         out, ref = folded(x), plain(x)
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(dequantize_pages(cache.cpu(), d, torch.float32),
-                               dequantize_pages(cache_plain.cpu(), d, torch.float32), atol=2e-3, rtol=0)
+    torch.testing.assert_close(dequantize_pages(cache.cpu(), d, torch.float32, name),
+                               dequantize_pages(cache_plain.cpu(), d, torch.float32, name), atol=2e-3, rtol=0)
     w1 = [p.detach().clone() for p in folded.parameters()]
-    bind_kv_cache(folded, {0: cache})  # same matrix: left alone
+    bind_kv_cache(folded, {0: cache}, specs={0: _spec(cache, d, name)})  # same matrix: left alone
     assert all(torch.equal(a, b) for a, b in zip(w1, folded.parameters()))
-    folded.attn.kv_rotation = None  # e.g. rebound to an unrotated cache: unfolded
+    folded.attn.kv.rotation = None  # e.g. rebound to an unrotated cache: unfolded
     bind_value_rotation(folded)
     assert not folded.attn.values_rotated
     for a, b in zip(w0, folded.parameters()):

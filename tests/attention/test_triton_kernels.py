@@ -18,6 +18,7 @@ import torch
 
 from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_format import view_of
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.triton import (
     TritonBackend,
@@ -125,7 +126,7 @@ def run_case(ctx_lens, q_lens, num_heads, hkv, d, block_size, q_dtype, kv_dtype,
                                    q_dtype, kv_dtype, seed)
     scale = d ** -0.5
     ref_cache = nan_free(kv)
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, scale, window)
+    ref = TorchRefBackend().forward(q, k, v, view_of(ref_cache), meta, scale, window)
 
     store_kv(k, v, kv, meta.slot_mapping)
     # The store wrote exactly the new slots, cast like torch_ref's.
@@ -270,8 +271,8 @@ def test_backend_matches_torch_ref(q_dtype, kv_dtype, window):
     k = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d)
     v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
     ref_cache = nan_free(kv)
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, d ** -0.5, window)
-    out = backend.forward(q, k, v, kv, meta, d ** -0.5, window)
+    ref = TorchRefBackend().forward(q, k, v, view_of(ref_cache), meta, d ** -0.5, window)
+    out = backend.forward(q, k, v, view_of(kv), meta, d ** -0.5, window)
     assert out.shape == q.shape and out.dtype == q_dtype
     rtol, atol = _tol(q_dtype)
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
@@ -290,15 +291,15 @@ def test_cuda_graph_capture():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        backend.forward(q, k, v, kv, meta, d ** -0.5)  # compile outside the capture
+        backend.forward(q, k, v, view_of(kv), meta, d ** -0.5)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, kv, meta, d ** -0.5)
+        out = backend.forward(q, k, v, view_of(kv), meta, d ** -0.5)
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
     graph.replay()
     ref_cache = kv.clone()
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, d ** -0.5)
+    ref = TorchRefBackend().forward(q, k, v, view_of(ref_cache), meta, d ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(kv, ref_cache)

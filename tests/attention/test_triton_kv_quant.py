@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_format import kv_format_for, view_of
 from kvserve.attention.kv_quant import aligned_for_vector_loads, dequantize, pages_to_rows, quantize_pages
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.torch_ref import store_kv as ref_store_kv
@@ -31,15 +32,16 @@ QUANT = ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"]
 LEVELS = {"fp8_e4m3": 448 / 32, "fp8_e5m2": 57344 / 8192, "int8": 127, "int4": 7.5, "int2": 1.5}
 
 
-def _triton_outputs(q, cache, meta, num_reqs, d):
+def _triton_outputs(q, cache, meta, num_reqs, d, name):
     """The decode (1 and 2 KV splits) + prefill kernels' outputs over one batch, NaN-poisoned first."""
     outs = []
+    fmt = kv_format_for(name, d)
     for splits in (1, 2):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits)
+                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits, kv_format=fmt)
         prefill_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                          num_reqs - meta.num_decodes, meta.max_query_len, d ** -0.5, out=out)
+                          num_reqs - meta.num_decodes, meta.max_query_len, d ** -0.5, out=out, kv_format=fmt)
         outs.append(out)
     return outs
 
@@ -71,23 +73,24 @@ def test_store_quantizes_like_torch_ref(name):
     k = (torch.randn(t, hkv, d, generator=gen) * 3).to(DEV)
     v = torch.randn(t, hkv, d, generator=gen).to(DEV)
     c_tri, c_ref = cache.clone(), cache.clone()
-    store_kv(k, v, c_tri, meta.slot_mapping)
-    ref_store_kv(k, v, c_ref, meta.slot_mapping)
+    store_kv(k, v, c_tri, meta.slot_mapping, kv_format=kv_format_for(name, d))
+    ref_store_kv(k, v, view_of(c_ref, name, d), meta.slot_mapping)
     slots = meta.slot_mapping
-    rows_tri, rows_ref = pages_to_rows(c_tri, d), pages_to_rows(c_ref, d)  # the page layout as per-slot rows
+    fmt = get_kv_format(name)
+    rows_tri, rows_ref = pages_to_rows(c_tri, d, fmt), pages_to_rows(c_ref, d, fmt)  # the page layout as per-slot rows
     a = rows_tri.flatten(1, 2)[:, slots]
     b = rows_ref.flatten(1, 2)[:, slots]
     same = (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
     assert same >= 0.98, same  # ties may round differently; nothing else
     x = torch.stack([k, v])
-    da, db = dequantize(a, d, torch.float32), dequantize(b, d, torch.float32)
+    da, db = dequantize(a, d, torch.float32, fmt), dequantize(b, d, torch.float32, fmt)
     step = x.abs().amax(-1, keepdim=True) / LEVELS[name]  # one code step (upper bound) per row
     assert ((da - db).abs() <= step * 1.01 + 1e-6).all()
     assert ((da - x).abs() <= step * 0.51 + 1e-3 * step + 1e-6).all() or name.startswith("fp8")
     # Slots not in slot_mapping are untouched.
     mask = torch.ones(c_tri.shape[1] * c_tri.shape[2], dtype=torch.bool, device=DEV)
     mask[slots] = False
-    rows0 = pages_to_rows(cache, d)
+    rows0 = pages_to_rows(cache, d, fmt)
     untouched = rows0.flatten(1, 2)[:, mask].view(torch.uint8)
     assert torch.equal(rows_tri.flatten(1, 2)[:, mask].view(torch.uint8), untouched)
 
@@ -104,10 +107,10 @@ def test_decode_and_prefill_read_quantized_cache(name, q_dtype):
     q = torch.randn(t, h, d, generator=gen).to(q_dtype).to(DEV)
     k = torch.randn(t, hkv, d, generator=gen).to(q_dtype).to(DEV)
     v = torch.randn(t, hkv, d, generator=gen).to(q_dtype).to(DEV)
-    store_kv(k, v, cache, meta.slot_mapping)
-    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kv_format_for(name, d))
+    ref = TorchRefBackend().forward(q, k, v, view_of(cache.clone(), name, d), dataclasses.replace(meta), d ** -0.5)
     tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for out in _triton_outputs(q, cache, meta, len(reqs), d):
+    for out in _triton_outputs(q, cache, meta, len(reqs), d, name):
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
@@ -119,8 +122,8 @@ def test_backend_forward_quantized_with_window():
     q = torch.randn(6, 2, 16, generator=gen).to(DEV)
     k, v = torch.randn(6, 1, 16, generator=gen).to(DEV), torch.randn(6, 1, 16, generator=gen).to(DEV)
     c_ref = cache.clone()
-    out = TritonBackend().forward(q, k, v, cache, meta, 0.25, 3)
-    ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), 0.25, 3)
+    out = TritonBackend().forward(q, k, v, view_of(cache, "int4", 16), meta, 0.25, 3)
+    ref = TorchRefBackend().forward(q, k, v, view_of(c_ref, "int4", 16), dataclasses.replace(meta), 0.25, 3)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)  # int4 stores may differ at ties
 
 
@@ -136,7 +139,7 @@ def test_warmup_takes_the_head_size_not_the_packed_row(name):
     else:
         cache = torch.zeros(2, 3, 4, hkv, d, dtype=torch.bfloat16, device=DEV)
     before = cache.clone()
-    TritonBackend().warmup(cache, 4, d, torch.bfloat16 if CUDA else torch.float32, {None})
+    TritonBackend().warmup(view_of(cache, name, d), 4, torch.bfloat16 if CUDA else torch.float32, {None})
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))  # warm-up stores nothing
 
 
@@ -159,14 +162,14 @@ def test_page_layout_shapes(name, bs, hkv, d, h):
     t = sum(n for _, n in reqs)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
     c_ref = cache.clone()
-    store_kv(k, v, cache, meta.slot_mapping)
-    ref = TorchRefBackend().forward(q, k, v, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kv_format_for(name, d))
+    ref = TorchRefBackend().forward(q, k, v, view_of(c_ref, name, d), dataclasses.replace(meta), d ** -0.5)
     # the Triton store wrote the page layout: same bytes as torch_ref's store (up to rounding ties)
     same = (cache.view(torch.uint8) == c_ref.view(torch.uint8)).float().mean().item()
     assert same >= 0.98, same
-    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(meta, backend_cache={},
-                                    slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
-    for out in _triton_outputs(q, cache, meta, len(reqs), d):
+    ref = TorchRefBackend().forward(q, k, v, view_of(cache.clone(), name, d), dataclasses.replace(
+                                    meta, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
+    for out in _triton_outputs(q, cache, meta, len(reqs), d, name):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -188,19 +191,20 @@ def test_decode_scale_tiles(name, bs, block_n, window):
     meta, cache = _batch(reqs, bs, hkv, d, name, gen)
     t = len(reqs)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
-    store_kv(k, v, cache, meta.slot_mapping)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kv_format_for(name, d))
     # head-major scales: the bytes after the codes are [Hkv, block_size, S] per page
-    _, scales = page_views(cache, d)
+    _, scales = page_views(cache, d, fmt)
     c = d * fmt.bits // 8
     tail = cache.view(torch.uint8).flatten(-3)[..., bs * hkv * c:]
     want = scales.transpose(-3, -2).contiguous().view(torch.uint8).flatten(-3)
     assert torch.equal(tail, want)
-    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(  # the same bytes, stored once
-        meta, backend_cache={}, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5, window)
+    ref = TorchRefBackend().forward(q, k, v, view_of(cache.clone(), name, d), dataclasses.replace(  # stored once
+        meta, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5, window)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
-                         d ** -0.5, window, out=out, num_splits=splits, block_n=block_n)
+                         d ** -0.5, window, out=out, num_splits=splits, block_n=block_n,
+                         kv_format=kv_format_for(name, d))
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -241,15 +245,15 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
     meta, cache = _batch(reqs, bs, hkv, d, name, gen)
     t = len(reqs)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(q_dtype).to(DEV) for n in (h, hkv, hkv))
-    store_kv(k, v, cache, meta.slot_mapping)
-    ref = TorchRefBackend().forward(q, k, v, cache.clone(), dataclasses.replace(
-        meta, backend_cache={}, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kv_format_for(name, d))
+    ref = TorchRefBackend().forward(q, k, v, view_of(cache.clone(), name, d), dataclasses.replace(
+        meta, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
     tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for splits in (1, 2):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
                          d ** -0.5, out=out, num_splits=splits, block_n=32, fast_cvt=fast_cvt,
-                         lane_split=lane_split)
+                         lane_split=lane_split, kv_format=kv_format_for(name, d))
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
@@ -361,14 +365,14 @@ def test_decode_unpack_asm_equals_int32(name, block_n, num_warps):
     meta, cache = _batch(reqs, bs, hkv, d, name, gen)
     t = len(reqs)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(torch.bfloat16).to(DEV) for n in (h, hkv, hkv))
-    store_kv(k, v, cache, meta.slot_mapping)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kv_format_for(name, d))
     outs = {}
     for unpack in ("int32", "asm", "asm_i8qk"):
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
             decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, t,
                              meta.max_seq_len, d ** -0.5, out=out, num_splits=splits, block_n=block_n,
-                             num_warps=num_warps, lane_split=True, unpack=unpack)
+                             num_warps=num_warps, lane_split=True, unpack=unpack, kv_format=kv_format_for(name, d))
             outs[unpack, splits] = out
     for splits in (1, 3):
         assert not outs["asm", splits].isnan().any()
@@ -391,7 +395,6 @@ def test_fused_rotation_equals_rotating_around_the_backend(name, h, hkv, q_dtype
     - ``values_rotated=True`` (the weights hold the value rotation): v arrives as ``v R``, the
       store kernel rotates K and q (40 heads: two q chunks of 32 rows), the output stays rotated.
     """
-    from kvserve.attention.kv_quant import dequantize_pages
     from kvserve.attention.kv_rotation import rotate, rotation_matrix
 
     gen = torch.Generator().manual_seed(6)
@@ -403,15 +406,18 @@ def test_fused_rotation_equals_rotating_around_the_backend(name, h, hkv, q_dtype
     r = rotation_matrix(d, DEV)
     c_ref = cache.clone()
     v_in = rotate(v, r) if values_rotated else v
-    out = TritonBackend().forward(q, k, v_in, cache, meta, d ** -0.5, kv_rotation=r, values_rotated=values_rotated)
+    view = view_of(cache, name, d, rotate=True)
+    view.values_rotated = values_rotated
+    out = TritonBackend().forward(q, k, v_in, view, meta, d ** -0.5)
     around = max(h // hkv, hkv) > 32  # rotated in torch, in the activations' dtype, around the kernels
     rot = [rotate(x, r).float() if around else x.float() @ r for x in (q, k)]
     rot.append(v_in.float() if values_rotated else rotate(v, r).float() if around else v.float() @ r)
-    ref = TorchRefBackend().forward(*rot, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5)
+    ref = TorchRefBackend().forward(*rot, view_of(c_ref, name, d), dataclasses.replace(meta), d ** -0.5)
     ref = ref if values_rotated else ref @ r.T
     tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
-    torch.testing.assert_close(dequantize_pages(cache, d, torch.float32), dequantize_pages(c_ref, d, torch.float32),
+    fmt = kv_format_for(name, d)
+    torch.testing.assert_close(fmt.dequantize_pages(cache, torch.float32), fmt.dequantize_pages(c_ref, torch.float32),
                                atol=1e-3, rtol=1e-3)
 
 
@@ -425,5 +431,5 @@ def test_store_kernel_rotates_the_query():
     q, k, v = (torch.randn(3, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
     slots = meta.slot_mapping.clone()
     slots[1] = -1
-    qr = store_kv(k, v, cache, slots, rotate=True, rotate_value=False, query=q)
+    qr = store_kv(k, v, cache, slots, rotate=True, rotate_value=False, query=q, kv_format=kv_format_for("int4", d))
     torch.testing.assert_close(qr, q @ rotation_matrix(d, DEV), atol=1e-5, rtol=1e-5)

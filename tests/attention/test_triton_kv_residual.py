@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.forward_context import AttentionMetadata, ResidualMetadata
+from kvserve.attention.kv_format import kv_format_for, view_of
 from kvserve.attention.kv_quant import quantize_pages
-from kvserve.attention.kv_residual import residual_shape, residual_slot_mapping
+from kvserve.attention.kv_residual import residual_shape, residual_slot_mapping, written_early
 from kvserve.attention.kv_rotation import rotate, rotation_matrix
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention, store_kv
@@ -59,14 +60,21 @@ def _batch(reqs, bs, hkv, d, name, gen, dtype=torch.float32, pad=0):
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
         seq_lens=torch.tensor(slens, dtype=torch.int32, device=DEV),
         query_lens_cpu=qlens, seq_lens_cpu=slens, max_query_len=max(qlens), max_seq_len=max(slens),
-        num_decodes=nd, residual_slots=rslots.to(torch.int32).to(DEV),
-        residual_slot_mapping=torch.from_numpy(rmap).to(DEV))
+        num_decodes=nd, residual=ResidualMetadata(rslots.to(torch.int32).to(DEV), torch.from_numpy(rmap).to(DEV),
+                                                  rslots.tolist(), written_early(qlens, slens, bs)))
     res = torch.randn(residual_shape(num_slots, bs, hkv, d), generator=gen).to(dtype).to(DEV)
     return meta, cache.to(DEV), res
 
 
 def _fresh(meta):
-    return dataclasses.replace(meta, backend_cache={})
+    return dataclasses.replace(meta)
+
+
+def _view(cache, name, d, residual, rotation=None, values_rotated=False):
+    """The layer view of ``cache`` (format ``name``) with its exact filling block."""
+    view = view_of(cache, name, d, residual=residual)
+    view.rotation, view.values_rotated = rotation, values_rotated
+    return view
 
 
 def _run(reqs, name, bs, h, hkv, d, splits, values_rotated, window=None, dtype=torch.float32, seed=0, pad=0):
@@ -80,15 +88,15 @@ def _run(reqs, name, bs, h, hkv, d, splits, values_rotated, window=None, dtype=t
     if get_kv_format(name).rotated:
         r = rotation_matrix(d, DEV)
         v_in = rotate(v, r) if values_rotated else v
-        out = TritonBackend(splits).forward(q, k, v_in, cache, _fresh(meta), d ** -0.5, window, kv_rotation=r,
-                                            values_rotated=values_rotated, kv_residual=res)
+        out = TritonBackend(splits).forward(q, k, v_in, _view(cache, name, d, res, r, values_rotated), _fresh(meta),
+                                            d ** -0.5, window)
         rot = [q.float() @ r, k.float() @ r, v_in.float() if values_rotated else v.float() @ r]
-        ref = TorchRefBackend().forward(*rot, c_ref, _fresh(meta), d ** -0.5, window, kv_residual=res_ref)
+        ref = TorchRefBackend().forward(*rot, _view(c_ref, name, d, res_ref), _fresh(meta), d ** -0.5, window)
         ref = ref if values_rotated else ref @ r.T
     else:
-        out = TritonBackend(splits).forward(q, k, v, cache, _fresh(meta), d ** -0.5, window, kv_residual=res)
-        ref = TorchRefBackend().forward(q.float(), k.float(), v.float(), c_ref, _fresh(meta), d ** -0.5, window,
-                                        kv_residual=res_ref)
+        out = TritonBackend(splits).forward(q, k, v, _view(cache, name, d, res), _fresh(meta), d ** -0.5, window)
+        ref = TorchRefBackend().forward(q.float(), k.float(), v.float(), _view(c_ref, name, d, res_ref), _fresh(meta),
+                                        d ** -0.5, window)
     tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out[:t].float(), ref[:t].float(), **tol)
     torch.testing.assert_close(res.float(), res_ref, **tol)
@@ -137,11 +145,14 @@ def test_wide_group_rotated_around_the_kernels():
 
 @pytest.mark.parametrize("values_rotated", [False, True])
 def test_warmup_compiles_residual_variants(values_rotated):
-    """``warmup(residual=True)`` runs every residual kernel variant (int4) and stores nothing."""
+    """``warmup`` of a view with an exact filling block runs every residual kernel variant (int4)
+    and stores nothing."""
     cache = quantize_pages(torch.randn(2, 3, 8, 2, 16), get_kv_format("int4")).to(DEV)
     before = cache.clone()
-    TritonBackend().warmup(cache, 4, 16, torch.bfloat16 if CUDA else torch.float32, {None, 5},
-                           values_rotated=values_rotated, residual=True)
+    dt = torch.bfloat16 if CUDA else torch.float32
+    view = _view(cache, "int4", 16, torch.zeros(residual_shape(2, 8, 2, 16), dtype=dt, device=DEV),
+                 rotation_matrix(16, DEV), values_rotated)
+    TritonBackend().warmup(view, 4, dt, {None, 5})
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
 
@@ -156,9 +167,10 @@ def test_fp8_kernels_with_fast_codes(monkeypatch):
     meta, cache, res = _batch(MIXED, bs, hkv, d, "fp8_e4m3", gen)
     t = sum(n for _, n in MIXED)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
-    ref = TorchRefBackend().forward(q, k, v, cache.clone(), _fresh(meta), d ** -0.5, kv_residual=res.clone())
-    store_kv(k, v, cache, meta.slot_mapping)
-    kw = dict(kv_residual=res, residual_slots=meta.residual_slots, new_key=k, new_value=v)
+    fmt = kv_format_for("fp8_e4m3", d)
+    ref = TorchRefBackend().forward(q, k, v, _view(cache.clone(), "fp8_e4m3", d, res.clone()), _fresh(meta), d ** -0.5)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=fmt)
+    kw = dict(kv_residual=res, residual_slots=meta.residual.slots, new_key=k, new_value=v, kv_format=fmt)
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
         decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
@@ -179,11 +191,12 @@ def test_store_kernel_writes_rotated_rows():
     slots[1] = -1
     r = rotation_matrix(d, DEV)
     ko, vo = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
-    store_kv(k, v, cache, slots, rotate=True, key_out=ko, value_out=vo)
+    fmt = kv_format_for("int4", d)
+    store_kv(k, v, cache, slots, rotate=True, key_out=ko, value_out=vo, kv_format=fmt)
     torch.testing.assert_close(ko, k @ r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vo, v @ r, atol=1e-5, rtol=1e-5)
     ko = torch.full_like(k, float("nan"))
-    store_kv(k, v, cache, slots, rotate=True, rotate_value=False, query=k, key_out=ko)
+    store_kv(k, v, cache, slots, rotate=True, rotate_value=False, query=k, key_out=ko, kv_format=fmt)
     torch.testing.assert_close(ko, k @ r, atol=1e-5, rtol=1e-5)
 
 
@@ -198,11 +211,10 @@ def test_residual_is_read_and_own_block_pages_are_not():
     r = rotation_matrix(d, DEV)
 
     def run(c, x):
-        return TritonBackend(2).forward(q, k, v, c.clone(), _fresh(meta), d ** -0.5, kv_rotation=r,
-                                        kv_residual=x.clone())
+        return TritonBackend(2).forward(q, k, v, _view(c.clone(), "int4", d, x.clone(), r), _fresh(meta), d ** -0.5)
 
     base = run(cache, res)
-    slots = meta.residual_slots.tolist()
+    slots = meta.residual.slots_cpu
     res2 = res.clone()
     res2[0, slots[0], 0, 17 % bs] += 1.0  # request 0: key 17 (block 2, parity 0)
     res2[1, slots[2], 0, 2] += 1.0  # request 2: value 2 (block 0)

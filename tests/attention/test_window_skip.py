@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvserve.attention.forward_context import AttentionMetadata
+from kvserve.attention.kv_format import view_of
 from kvserve.attention.registry import get_attn_backend
 
 CUDA = torch.cuda.is_available()
@@ -71,6 +72,6 @@ def test_blocks_below_the_window_are_never_read(backend, window):
     reqs = [(40, 1), (3, 1), (71, 1), (23, 1), (37, 9), (16, 5), (2, 13)]
     meta, q, k, v, cache, dense = _case(reqs, window, seed=window)
     impl = get_attn_backend(backend)
-    out = impl.forward(q, k, v, cache, meta, q.shape[-1] ** -0.5, window)
+    out = impl.forward(q, k, v, view_of(cache), meta, q.shape[-1] ** -0.5, window)
     assert not out.isnan().any(), "a block below the window was read"
     torch.testing.assert_close(out.cpu().double(), dense, rtol=1e-4, atol=1e-4)

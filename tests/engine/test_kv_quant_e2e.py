@@ -135,20 +135,20 @@ def test_exact_filling_blocks_grow_with_the_input_batch(loaded_once):
     ref = [o.outputs[0].token_ids for o in LLM(**kw).generate(PROMPTS[:3], sp)]
     llm = LLM(**kw)
     runner = llm.llm_engine.engine_core.model_runner
-    assert runner.num_residual_slots == 4
-    orig, calls = runner._residual_inputs, []
+    res = runner.attn_builder.residual
+    assert res.num_slots == 4
+    orig, calls = runner.attn_builder.prepare, []
 
-    def grow_on_step_5(inp):
+    def grow_on_step_5(sched, inp):
         calls.append(1)
         if len(calls) == 5:
-            runner._grow_residuals(9)
-        orig(inp)
+            res.grow(9)
+        return orig(sched, inp)
 
-    runner._residual_inputs = grow_on_step_5
+    runner.attn_builder.prepare = grow_on_step_5
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp)]
-    assert runner.num_residual_slots == 9
-    assert all(layer.kv_residual.shape[1] == 10 for layer in runner.model.modules()
-               if getattr(layer, "kv_residual", None) is not None)
+    assert res.num_slots == 9
+    assert all(view.residual.shape[1] == 10 for _, view in res.layers)
     assert got == ref
 
 

@@ -40,12 +40,13 @@ def test_copy_ops_carry_codes_and_scales_of_quantized_pages():
     for name in ("int4", "fp8_e4m3"):
         spec = FullAttentionSpec(4, 3, 32, name, "float32")
         mr.kv_cache_config = KVCacheConfig([KVCacheGroup(0, [0], spec, 6)])
-        mr.kv_caches = {0: quantize_pages(torch.randn(2, 6, 4, 3, 32), get_kv_format(name))}
-        before = pages_to_rows(mr.kv_caches[0], 32)
+        fmt = get_kv_format(name)
+        mr.kv_caches = {0: quantize_pages(torch.randn(2, 6, 4, 3, 32), fmt)}
+        before = pages_to_rows(mr.kv_caches[0], 32, fmt)
         mr.run_block_ops([BlockOp("copy", 0, 2, 4, 3)])
         want = before.clone()
         want[:, 4, :3] = before[:, 2, :3]
         after = mr.kv_caches[0]
-        assert torch.equal(pages_to_rows(after, 32).view(torch.uint8), want.view(torch.uint8))
-        vals = dequantize_pages(after, 32, torch.float32)
+        assert torch.equal(pages_to_rows(after, 32, fmt).view(torch.uint8), want.view(torch.uint8))
+        vals = dequantize_pages(after, 32, torch.float32, fmt)
         assert torch.equal(vals[:, 4, :3], vals[:, 2, :3])

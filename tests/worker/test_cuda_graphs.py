@@ -124,15 +124,16 @@ def test_residual_growth_recaptures_decode_graphs(tmp_path):
     llm = LLM(**kw)
     runner = llm.llm_engine.engine_core.model_runner
     first = runner.graph_runner
-    orig, calls = runner._residual_inputs, []
+    res = runner.attn_builder.residual
+    orig, calls = runner.attn_builder.prepare, []
 
-    def grow_on_step_6(inp):
+    def grow_on_step_6(sched, inp):
         calls.append(1)
         if len(calls) == 6:
-            runner._grow_residuals(9)
-        orig(inp)
+            res.grow(9)
+        return orig(sched, inp)
 
-    runner._residual_inputs = grow_on_step_6
+    runner.attn_builder.prepare = grow_on_step_6
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert runner.num_residual_slots == 9 and runner.graph_runner is not first
+    assert res.num_slots == 9 and runner.graph_runner is not first
     assert got == ref

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
                                                kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
                                                load_k_tile, load_scales, load_v_tile, merge_lanes, prepare_query,
@@ -328,6 +329,7 @@ def decode_attention(
     lane_split: bool | None = None,
     unpack: str | None = None,
     rotate: bool = False,
+    kv_format: KVCacheFormat | None = None,
     kv_residual: torch.Tensor | None = None,
     residual_slots: torch.Tensor | None = None,
     new_key: torch.Tensor | None = None,
@@ -338,8 +340,8 @@ def decode_attention(
     Args:
         query: ``[num_tokens, num_heads, D]`` fp32/bf16/fp16; request ``i``'s row is
             ``query_start_loc[i]``.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, D]``, any float dtype (cast to
-            the query dtype after loading).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, row]`` in ``kv_format`` (plain
+            values are cast to the query dtype after loading).
         block_tables: ``[num_reqs, max_blocks]`` int32; seq_lens ``[num_reqs]`` int32
             (including the new token, already stored); query_start_loc ``[num_reqs + 1]``.
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
@@ -353,6 +355,8 @@ def decode_attention(
             >= 16 bytes per row: ``tl.dot``'s minimum K).
         unpack: how the bit lanes are built (``CODE_PATHS["unpack"]``: "int32", "asm" or
             "asm_i8qk"; the asm paths on CUDA with 16-bit queries only, else "int32").
+        kv_format: the cache's format (``KVCacheFormat``; selects ``KV_FMT``); None: plain
+            values of the cache's own float dtype.
         rotate: the cache holds K and V rotated by ``R = H_D / sqrt(D)`` (int4/int2,
             ``kvserve/attention/kv_rotation.py``): the query is rotated in the kernel and the
             output rotated back, so ``query`` and ``out`` are in the model's basis.
@@ -372,7 +376,7 @@ def decode_attention(
     _, num_heads, d = query.shape
     _, _, block_size, hkv, dk = kv_cache.shape
     assert num_heads % hkv == 0
-    kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)  # bytes + format code when quantized
+    kv_cache, kv_fmt = kernel_cache_args(kv_cache, kv_format)  # bytes + format code when quantized
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     assert block_size >= 2 or not kv_fmt, "quantized caches: scales are read as 4-byte words"

@@ -42,15 +42,22 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.kv_format import KERNEL_CODES, KVCacheFormat
+
 #: ``KV_FMT`` constexpr per ``--kv-cache-dtype`` (0: read and cast, no scales)
-KV_FMT_CODES = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4, "int2": 5}
+KV_FMT_CODES = KERNEL_CODES
 
 
-def kernel_cache_args(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, int]:
-    """The cache as the kernels take it (bytes for quantized formats) and its ``KV_FMT``."""
-    from kvserve.attention.kv_quant import cache_format
+def kernel_cache_args(kv_cache: torch.Tensor, kv_format: KVCacheFormat | None) -> tuple[torch.Tensor, int]:
+    """The cache as the kernels take it (bytes for quantized formats) and its ``KV_FMT``
+    (``KVCacheFormat.kernel_code``). ``kv_format`` None: a plain cache of its own float dtype.
 
-    code = KV_FMT_CODES.get(cache_format(kv_cache, head_size).name, 0)
+    Raises ValueError for a one-byte cache without its format."""
+    if kv_format is None:
+        if kv_cache.element_size() == 1:
+            raise ValueError("a one-byte KV cache is quantized: pass its kv_format")
+        return kv_cache, 0
+    code = kv_format.kernel_code
     return (kv_cache.view(torch.uint8) if code else kv_cache), code
 
 

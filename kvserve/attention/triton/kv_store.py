@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.kv_quant import MIN_SCALE, QMAX
 from kvserve.attention.triton.kv_load import cache_strides, hadamard_rotate, kernel_cache_args
 
@@ -160,6 +161,7 @@ def store_kv(
     rotate: bool = False, rotate_value: bool = True, query: torch.Tensor | None = None,
     key_out: torch.Tensor | None = None, value_out: torch.Tensor | None = None,
     kv_residual: torch.Tensor | None = None, residual_slot_mapping: torch.Tensor | None = None,
+    kv_format: KVCacheFormat | None = None,
 ) -> torch.Tensor | None:
     """Scatter new K/V rows into the paged cache (in place).
 
@@ -185,6 +187,9 @@ def store_kv(
             ``kv_residual.store_residual`` does; only where no query of the step reads a row
             this overwrites (``TritonBackend``: decode and verify steps).
 
+        kv_format: the cache's format (``KVCacheFormat``; selects ``KV_FMT``); None: plain
+            values of the cache's own float dtype.
+
     Returns:
         ``query R`` (new contiguous tensor, ``query``'s dtype) when ``query`` is given, else None.
     """
@@ -207,7 +212,7 @@ def store_kv(
     if res_out:
         assert kv_residual.is_contiguous() and kv_residual.shape[-2:] == (hkv, d)
         assert residual_slot_mapping.shape[0] >= num_tokens
-    kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)
+    kv_cache, kv_fmt = kernel_cache_args(kv_cache, kv_format)
     block_size = kv_cache.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()

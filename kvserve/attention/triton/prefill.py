@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
                                                load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
                                                scaled_scores, use_fast_cvt)
@@ -214,6 +215,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    kv_format: KVCacheFormat | None = None,
     kv_residual: torch.Tensor | None = None,
     residual_slots: torch.Tensor | None = None,
     new_key: torch.Tensor | None = None,
@@ -231,6 +233,8 @@ def prefill_attention(
         max_query_len: host int upper bound of the query lengths (sizes the grid).
         out: ``[num_tokens, num_heads, D]``, written at these requests' rows (allocated if None).
         block_m / block_n: tile overrides (rows of the packed tile, keys per step).
+        kv_format: the cache's format (``KVCacheFormat``; selects ``KV_FMT``); None: plain
+            values of the cache's own float dtype.
         kv_residual / residual_slots / new_key / new_value: the exact own blocks
             (``kvserve/attention/kv_residual.py``; shapes as ``decode_attention``): a query at
             ``p`` reads cache keys below ``p // block_size * block_size`` and the rest of its
@@ -246,7 +250,7 @@ def prefill_attention(
     _, num_heads, d = query.shape
     _, _, block_size, hkv, dk = kv_cache.shape
     assert num_heads % hkv == 0
-    kv_cache, kv_fmt = kernel_cache_args(kv_cache, d)  # bytes + format code when quantized
+    kv_cache, kv_fmt = kernel_cache_args(kv_cache, kv_format)  # bytes + format code when quantized
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
