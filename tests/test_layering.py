@@ -46,13 +46,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 CORE_THIRD_PARTY = {"numpy", "msgspec"}
 NO_TORCH_LAYERS = ("foundation", "core")
 
-#: Cycles that branches being merged beside this one remove (the attention backend ABC and its
-#: reference backend; the scheduler and its P/D remote-KV helpers). Empty this at merge: a
-#: listed cycle that no longer exists fails the test too, so the list cannot go stale.
-CYCLES_REMOVED_ELSEWHERE: set[frozenset[str]] = {
-    frozenset({"kvserve.attention.backend", "kvserve.attention.torch_ref"}),
-    frozenset({"kvserve.core.scheduler", "kvserve.core.remote_kv"}),
-}
 
 
 class Edge(NamedTuple):
@@ -217,10 +210,7 @@ def test_every_module_has_a_layer():
 def test_no_import_cycles():
     cycles = all_cycles()
     print(_describe(cycles) or "no cycles")
-    new = {c: chain for c, chain in cycles.items() if c not in CYCLES_REMOVED_ELSEWHERE}
-    assert not new, "import cycles (each with one closing chain of imports):\n" + _describe(new)
-    gone = CYCLES_REMOVED_ELSEWHERE - set(cycles)
-    assert not gone, f"these cycles are gone: remove them from CYCLES_REMOVED_ELSEWHERE: {sorted(map(sorted, gone))}"
+    assert not cycles, "import cycles (each with one closing chain of imports):\n" + _describe(cycles)
 
 
 def test_no_upward_imports():
