@@ -59,11 +59,13 @@ KERNEL_CONFIGS = [(None, None, None, None, False, False), (None, None, None, Non
 def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int, d: int, bs: int = 16,
                  configs=(), rotate: bool = False) -> list[dict]:
     """The default decode config, then each of ``configs`` (records ``part="kernel_cfg"``)."""
+    from kvserve.attention.kv_format import kv_format_for
     from kvserve.attention.kv_quant import quantize_pages
     from kvserve.attention.triton import decode_attention
     from kvserve.core.kv_cache_spec import get_kv_format
 
     fmt = get_kv_format(dtype)
+    kvf = kv_format_for(dtype, d)  # the format object the kernel reads its switches from
     nb_per = -(-ctx // bs)
     num_blocks = batch * nb_per + 1
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -98,7 +100,7 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
             continue  # bit lanes: 4-/2-bit codes only
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
                                       block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp,
-                                      fast_cvt=fc, lane_split=ls, rotate=rotate)
+                                      fast_cvt=fc, lane_split=ls, rotate=rotate, kv_format=kvf)
         if cfg is None:
             recs.append(_time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out, rotate))
             continue
@@ -112,7 +114,7 @@ def kernel_bench(dtype: str, device: str, batch: int, ctx: int, hkv: int, h: int
         recs.append(rec)
     if device == "cuda" and configs:  # the default again, last: no first-in-line advantage either way
         fn = lambda: decode_attention(q, cache, bt, seq, qsl, batch, ctx, d ** -0.5, out=out,  # noqa: E731
-                                      rotate=rotate)
+                                      rotate=rotate, kv_format=kvf)
         rec = _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, out, rotate)
         rec.update(part="kernel_cfg", block_n=default[0], num_warps=default[1], num_stages=default[2],
                    num_splits=None, default=True, fast_cvt=use_fast_cvt(kv_fmt),
@@ -131,7 +133,7 @@ def _time_kernel(fn, dtype, device, batch, ctx, hkv, h, d, fmt, cache, bt, q, ou
     nr = min(2, batch)
     raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # no float8 indexing
     pages = raw[:, bt[:nr].long()].view(cache.dtype)  # [2, nr, blocks, bs, hkv, row]
-    kv = dequantize_pages(pages, d, torch.float32).reshape(2, nr, -1, hkv, d)[:, :, :ctx]
+    kv = dequantize_pages(pages, d, torch.float32, fmt).reshape(2, nr, -1, hkv, d)[:, :, :ctx]
     kk, vv = (t.transpose(1, 2).repeat_interleave(h // hkv, 1) for t in kv)  # [nr, h, ctx, d]
     qr = q[:nr].float()
     if rotate:  # the kernel rotates q in and its output back (the pages hold rotated rows)

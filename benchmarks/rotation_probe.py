@@ -32,6 +32,7 @@ def main() -> None:
     from kvserve.attention.kv_rotation import rotation_matrix
     from kvserve.attention.torch_ref import TorchRefBackend
     from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention, store_kv
+    from kvserve.attention.kv_format import kv_format_for, view_of
     from kvserve.core.kv_cache_spec import get_kv_format
 
     dev, d, h, hkv, bs = ns.device, ns.d, 16, 8, 16
@@ -60,43 +61,44 @@ def main() -> None:
         max_query_len=max(n for _, n in reqs), max_seq_len=max(c + n for c, n in reqs), num_decodes=2)
     q, k, v = (torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(dev) for n in (h, hkv, hkv))
     r = rotation_matrix(d, dev)
+    kvf = kv_format_for(ns.dtype, d)
     rec = dict(case=ns.case, dtype=ns.dtype, d=d)
     try:
         c_ref = cache.clone()
         rot = [x.float() @ r for x in (q, k, v)]
-        ref = TorchRefBackend().forward(*rot, c_ref, dataclasses.replace(meta, backend_cache={}), d ** -0.5) @ r.T
+        ref = TorchRefBackend().forward(*rot, view_of(c_ref, kvf), dataclasses.replace(meta), d ** -0.5) @ r.T
         torch.cuda.synchronize() if dev == "cuda" else None
         out = torch.full_like(q, float("nan"))
         if ns.case == "store":
-            store_kv(k, v, cache, meta.slot_mapping, rotate=True)
+            store_kv(k, v, cache, meta.slot_mapping, rotate=True, kv_format=kvf)
             torch.cuda.synchronize() if dev == "cuda" else None if dev == "cuda" else None
             # Judge the stored rows by their squared error against the float32-rotated input (a
             # range chosen by a search, as tried once, may differ from torch's in a few
             # rows on the GPU: summation order), and count the rows that differ.
             sl = meta.slot_mapping
             x = torch.stack(rot[1:])  # [2, t, hkv, d]
-            deq_t, deq_r = (dequantize_pages(c, d, torch.float32).flatten(1, 2)[:, sl] for c in (cache, c_ref))
+            deq_t, deq_r = (dequantize_pages(c, d, torch.float32, get_kv_format(ns.dtype)).flatten(1, 2)[:, sl] for c in (cache, c_ref))
             e_t, e_r = ((y - x).square().sum().item() for y in (deq_t, deq_r))
             differ = ((deq_t - deq_r).abs().amax(-1) > 1e-6).float().mean().item()
             rec.update(ok=bool(e_t <= 1.001 * e_r and differ < 0.05), sq_err=e_t, sq_err_torch=e_r,
                        rows_differing=round(differ, 4))
         else:
-            store_kv(k, v, cache, meta.slot_mapping, rotate=True)
+            store_kv(k, v, cache, meta.slot_mapping, rotate=True, kv_format=kvf)
             torch.cuda.synchronize() if dev == "cuda" else None if dev == "cuda" else None
             rows = slice(0, t)
             if ns.case == "decode":
                 decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2,
-                                 meta.max_seq_len, d ** -0.5, out=out, rotate=True)
+                                 meta.max_seq_len, d ** -0.5, out=out, rotate=True, kv_format=kvf)
                 rows = slice(0, 2)
             elif ns.case.startswith("prefill"):  # rotated around the kernel, as the backend does
                 bm = {"prefill": None, "prefill64": 64, "prefill16": 16}[ns.case]
                 qr = (q.float() @ r).to(q.dtype)
                 prefill_attention(qr, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, 2,
-                                  meta.max_query_len, d ** -0.5, out=out, block_m=bm)
+                                  meta.max_query_len, d ** -0.5, out=out, block_m=bm, kv_format=kvf)
                 out = (out.float() @ r.T).to(q.dtype)
                 rows = slice(2, t)
             else:
-                out = TritonBackend().forward(q, k, v, cache.copy_(c_ref), meta, d ** -0.5, kv_rotation=r)
+                out = TritonBackend().forward(q, k, v, view_of(cache.copy_(c_ref), kvf, rotate=True), meta, d ** -0.5)
             torch.cuda.synchronize() if dev == "cuda" else None if dev == "cuda" else None
             err = (out[rows].float() - ref[rows]).abs().max()
             rec.update(ok=bool(err < 3e-2), max_err=float(err))

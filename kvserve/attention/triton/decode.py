@@ -266,7 +266,7 @@ def choose_num_splits(
 
     At most one split per ``block_n`` keys of the longest request, and at most 32. (More
     splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
-    64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_issue12.py times ``num_splits=1``.)
+    64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_kv_quant.py times ``num_splits=1``.)
     """
     programs = max(1, num_reqs * num_kv_heads)
     want = triton.cdiv(2 * num_sms, programs)
@@ -284,20 +284,20 @@ def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
         return 16, 4, 2
     if head_dim >= 256:
         return 32, 4, 2
-    # Quantized tiles, from the H100 sweep (benchmarks/gpu_issue12.py, batch 64 x 8k, head dim
+    # Quantized tiles, from the H100 sweep (benchmarks/gpu_kv_quant.py, batch 64 x 8k, head dim
     # 128, folded scales; bf16 0.714 ms at 64 x 4 x 2): 8-bit codes 64 keys x 4 warps x 2
     # stages (fp8 0.460 ms, int8 0.548; 32 x 4 x 3: 0.604 / 0.670), int4/int2 32 x 4 x 2
     # (0.745 / 0.743; 64 x 4 x 2: 0.900 / 0.913). Re-check after kernel changes
     # (registers per config: benchmarks/ptx_kv_loads.py --regs). One dot per bit lane
-    # (benchmarks/gpu_issue12_paths.sh, same shape): int4 128 x 4 x 2 0.465 ms (64 x 4 x 2
+    # (gpu_kv_quant.py --code-paths, same shape): int4 128 x 4 x 2 0.465 ms (64 x 4 x 2
     # 0.467, 32 x 4 x 2 0.593), int2 0.374 (0.447, 0.540).
-    # Deeper pipelines with 2 warps (this round's sweep, --configs of the same benchmark): fp8
+    # Deeper pipelines with 2 warps (a sweep with --configs of the same benchmark): fp8
     # 64 x 2 x 5 0.404 ms (2.70 TB/s, 0.90 of the roofline; 64 x 4 x 2 0.461), int8 0.534
     # (0.544), int4 0.391 (0.471); int2 stays at 128 x 4 x 2 (0.373; 64 x 2 x 5 0.386).
-    # 7+ stages or 4 warps at 5 stages were slower (benchmarks/results/issue12_h100_table/).
+    # 7+ stages or 4 warps at 5 stages were slower (benchmarks/results/kv_quant/h100_dtypes/).
     # Bit lanes built by inline PTX (UNPACK 1) use fewer registers: 128 x 2 x 5 for both, int4
     # 0.326 ms (64 x 2 x 5 0.358, 128 x 4 x 2 0.470), int2 0.248 (128 x 4 x 2 0.275, 64 x 2 x 5
-    # 0.306) (benchmarks/results/issue12_h100_unpack/). With few programs (batch 1) 128-key
+    # 0.306) (benchmarks/results/kv_quant/h100_unpack/). With few programs (batch 1) 128-key
     # tiles halve the splits (8 for 1k keys): batch-1 decode was +4.1% over bf16, so 64 there.
     if kv_fmt >= 4:
         if not lane_split:

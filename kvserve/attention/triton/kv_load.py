@@ -81,14 +81,14 @@ _BITS = {1: 8, 2: 8, 3: 8, 4: 4, 5: 2}
 #: ``fast_cvt`` / ``lane_split``; the prefill kernel's ``FAST_CVT``); a module dict so a
 #: benchmark can switch them for a whole engine run. ``fast_cvt``: True, False or "packed"
 #: (4-/2-bit codes only: on an H100, fp8's ``cvt.f16x2.e4m3x2`` beat the integer-built
-#: float16 by 1.6x and int8 gained nothing, while int4 gained 7%; benchmarks/gpu_issue12_paths.sh).
+#: float16 by 1.6x and int8 gained nothing, while int4 gained 7%; benchmarks/gpu_kv_quant.py --code-paths).
 #: ``unpack`` (the decode kernel's bit lanes; CUDA and 16-bit queries only): "int32" cuts each
 #: lane out of the code bytes with integer ops (the compiler keeps them packed 4 to a register
 #: either way: widened or not, the PTX is the same), "asm" builds two float16 codes per
 #: instruction from four packed bytes (``code_lanes``: ``prmt`` + ``lop3`` + ``f16x2``
 #: arithmetic, as mixed-precision GEMMs do). On an H100 at batch 64 x 8k, default tiles, asm
 #: took the kernel from 0.407 to 0.361 ms (int4) and 0.430 to 0.274 ms (int2), 21% fewer PTX
-#: instructions (benchmarks/gpu_issue12_paths.sh PHASE=unpack, benchmarks/ptx_kv_loads.py --ops).
+#: instructions (benchmarks/gpu_kv_quant.py --code-paths, benchmarks/ptx_kv_loads.py --ops).
 #: "asm_i8qk" (opt-in): as "asm" for V; the query rounded to int8 per row (the row's maximum is
 #: 127) and q . K an int8 tensor-core product on the codes, which then need only a shift and a
 #: mask: 8-10% faster on an H100, at 3-4x the float16 paths' error (BENCHMARKS.md).
@@ -527,7 +527,7 @@ def hadamard_rotate(x, D: tl.constexpr, DOT_PREC: tl.constexpr, op_dtype: tl.con
     formats (``kvserve/attention/kv_rotation.py``, QuaRot arXiv:2404.00456; symmetric, so it
     also rotates back). ``H_D[i, j] = (-1)^popcount(i & j)`` (Sylvester) is built in registers:
     no matrix in memory, no extra launch (built in 32-row slabs, q/K/V loaded and the output
-    stored slab by slab, it was slower on an H100: benchmarks/results/issue12_h100_rotation/).
+    stored slab by slab, it was slower on an H100: its H100 results are in git history).
     ``M >= 16`` (``tl.dot``); the operands are ``op_dtype``, where +-1 is exact, so with a
     bfloat16 ``x`` every product is exact.
     ``SPLIT`` (float32 ``x``, 16-bit ``op_dtype``): ``x = hi + lo`` in two 16-bit parts, two
