@@ -1,4 +1,10 @@
-"""Shared fixtures. The real default model is loaded once per test session."""
+"""Shared fixtures. The real default model is loaded once per test session.
+
+Markers are set here, from what a test uses: ``slow`` on every test that uses a fixture of
+``SLOW_FIXTURES`` (directly or through another fixture): the real default model or gemma3, or a
+``kvserve`` server process (``remote_server``, tests/utils.py). ``gpu`` tests are skipped
+without CUDA.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +19,27 @@ import pytest
 import torch
 
 
+# Fixtures that load a real model (seconds to minutes on a CPU) or start a server process.
+SLOW_FIXTURES = frozenset({"smollm2_path", "llm", "hf_smollm2", "gemma3_path", "server", "remote_server"})
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def remote_server():
+    """``RemoteServer`` (tests/utils.py): the one way a test starts a ``kvserve`` process
+    (``remote_server.serve(args, log)``, ``remote_server(["router", ...], log)``). Requesting it
+    marks the test ``slow``."""
+    from tests.utils import RemoteServer
+
+    return RemoteServer
 
 
 @pytest.fixture(scope="session")

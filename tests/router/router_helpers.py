@@ -1,21 +1,19 @@
 """Real ``kvserve serve`` workers and ``kvserve router`` processes on free loopback ports.
 
 Workers run the embedded default model (``--max-model-len 512``, 64 MiB KV); each module
-starts its own (module-scoped fixtures) because the chaos test kills them. No API key.
+starts its own (module-scoped fixtures) because the chaos test kills them. No API key. The
+processes are ``RemoteServer``s (tests/utils.py); a fixture or test that starts them requests
+the ``remote_server`` fixture, which marks it ``slow``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from typing import Iterator
 
 import pytest
+
+from tests.utils import RemoteServer, free_port  # noqa: F401 - free_port: re-exported for the tests
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -26,73 +24,12 @@ WORKER_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memor
                "--uvicorn-log-level", "warning"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A ``kvserve`` subprocess (own process group) logging to a file."""
-
-    def __init__(self, args: list[str], log_path: str, port: int | None = None, env: dict | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_args, self.log_path, self.env = args, log_path, env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Proc":
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(self.env or {}))
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", *self.base_args,
-                                      "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        log.close()
-        return self
-
-    def wait_ready(self, timeout: float = 180.0, path: str = "/health") -> "Proc":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited ({self.proc.returncode}):\n{self.read_log()}")
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"not ready in {timeout} s:\n{self.read_log()}")
-
-    def read_log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (API server and engine core)."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-            except ProcessLookupError:
-                pass
-
-
-def start_workers(tmp_path, n: int, extra: list[str] | None = None, prefix: str = "worker") -> list[Proc]:
-    ws = [Proc(["serve", *WORKER_ARGS, *(extra or [])], str(tmp_path / f"{prefix}{i}.log")).start()
+def start_workers(tmp_path, n: int, extra: list[str] | None = None, prefix: str = "worker") -> list[RemoteServer]:
+    ws = [RemoteServer(["serve", *WORKER_ARGS, *(extra or [])], str(tmp_path / f"{prefix}{i}.log")).start()
           for i in range(n)]
     try:
         for w in ws:
-            w.wait_ready()
+            w.wait_ready(180)
     except BaseException:
         for w in ws:
             w.stop()
@@ -100,9 +37,9 @@ def start_workers(tmp_path, n: int, extra: list[str] | None = None, prefix: str 
     return ws
 
 
-def start_router(tmp_path, args: list[str], env: dict | None = None, path: str = "/health") -> Proc:
+def start_router(tmp_path, args: list[str], env: dict | None = None, path: str = "/health") -> RemoteServer:
     """``kvserve router`` ready when ``path`` answers 200 (``/health``: a routable worker per pool)."""
-    r = Proc(["router", "--health-check-interval", "0.5", *args], str(tmp_path / "router.log"), env=env).start()
+    r = RemoteServer(["router", "--health-check-interval", "0.5", *args], str(tmp_path / "router.log"), env=env).start()
     try:
         r.wait_ready(60, path)
     except BaseException:

@@ -14,8 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from tests.utils import RemoteServer
 from router_helpers import (
-    Proc,
     kv_transfer_available,
     p2p_connector_known,
     sse_events,
@@ -25,7 +25,6 @@ from router_helpers import (
 )
 
 httpx = pytest.importorskip("httpx")
-pytestmark = pytest.mark.slow
 
 N_REQUESTS = 200
 CONCURRENCY = 8
@@ -44,14 +43,14 @@ def _kv(role: str) -> list[str]:
 
 
 @pytest.fixture(scope="module", params=["colocated", "pd"])
-def deployment(request, tmp_path_factory):
+def deployment(request, tmp_path_factory, remote_server):
     mode = request.param
     if mode == "pd" and not p2p_connector_known():
         pytest.skip("P/D chaos needs the KV connector (P2PKVConnector, GET /v1/kv_transfer), not in this tree yet")
     tmp = tmp_path_factory.mktemp(f"chaos_{mode}")
     if mode == "colocated":
         targets = start_workers(tmp, 2)
-        others: list[Proc] = []
+        others: list[RemoteServer] = []
         args = [a for w in targets for a in ("--worker", w.url)]
     else:
         others = start_workers(tmp, 1, _kv("kv_producer"), prefix="prefill")

@@ -4,9 +4,7 @@ spec_decode counters."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import re
 
 import pytest
@@ -15,14 +13,6 @@ TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_l
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
             architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-
-
-def _server_handle_cls():
-    path = pathlib.Path(__file__).parents[1] / "entrypoints" / "openai" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_openai_conftest_spec", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ServerHandle
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +24,7 @@ def tiny_dir(tmp_path_factory):
     return str(d)
 
 
-def test_serve_with_ngram_speculation(tiny_dir, tmp_path):
+def test_serve_with_ngram_speculation(tiny_dir, tmp_path, remote_server):
     pytest.importorskip("fastapi")
     import httpx
 
@@ -46,7 +36,7 @@ def test_serve_with_ngram_speculation(tiny_dir, tmp_path):
         [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
     args = [tiny_dir, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "512",
             "--kv-cache-memory", "32MiB", "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC)]
-    h = _server_handle_cls()(args, str(tmp_path / "server.log"), api_key=None)
+    h = remote_server.serve(args, str(tmp_path / "server.log"), api_key=None)
     try:
         h.wait_ready()
         with httpx.Client(base_url=h.url, timeout=120) as c:

@@ -8,7 +8,6 @@ import time
 import pytest
 
 MODEL = "SmolLM2-135M-Instruct"
-pytestmark = pytest.mark.slow
 
 
 def test_100_concurrent_streams(server, http, wait_idle, metric_value):

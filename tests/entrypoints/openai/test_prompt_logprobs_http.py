@@ -6,8 +6,6 @@ import math
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 
 def test_prompt_logprobs_completion(http, tokenizer):
     prompt = "def add(a, b):\n    return a + b\n"

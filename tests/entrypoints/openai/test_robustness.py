@@ -16,7 +16,6 @@ import pytest
 
 API_KEY = "test-key"  # conftest.API_KEY (conftest is not importable as a module here)
 
-pytestmark = pytest.mark.slow
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 C, CH = "/v1/completions", "/v1/chat/completions"

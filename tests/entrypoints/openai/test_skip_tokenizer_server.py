@@ -4,9 +4,7 @@ the path of ``benchmarks/gpu_serve_sweep.sh`` on the GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
@@ -15,16 +13,7 @@ TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_l
             architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
 
 
-def _server_handle_cls():
-    """conftest.ServerHandle, loaded by path (as in test_robustness_overload.py)."""
-    path = pathlib.Path(__file__).with_name("conftest.py")
-    spec = importlib.util.spec_from_file_location("_openai_conftest_copy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ServerHandle
-
-
-def tiny_dummy_server(tmp_path_factory, name: str, flags: list[str]):
+def tiny_dummy_server(remote_server, tmp_path_factory, name: str, flags: list[str]):
     """Yield a ready ``kvserve serve`` of the tiny dummy-weight Llama (no tokenizer, served as
     ``tiny``) with ``flags`` added; stopped afterwards. For module-scoped fixtures."""
     from transformers import LlamaConfig
@@ -32,7 +21,7 @@ def tiny_dummy_server(tmp_path_factory, name: str, flags: list[str]):
     d = tmp_path_factory.mktemp(name)
     LlamaConfig(**TINY).save_pretrained(str(d))
     args = [str(d), "--load-format", "dummy", "--skip-tokenizer-init", "--served-model-name", "tiny", *flags]
-    h = _server_handle_cls()(args, str(d / "server.log"), api_key=None)
+    h = remote_server.serve(args, str(d / "server.log"))
     try:
         h.wait_ready()
         yield h
@@ -41,8 +30,8 @@ def tiny_dummy_server(tmp_path_factory, name: str, flags: list[str]):
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
-    yield from tiny_dummy_server(tmp_path_factory, "tiny-llama", ["--max-model-len", "512", "--kv-cache-memory",
+def tiny_server(remote_server, tmp_path_factory):
+    yield from tiny_dummy_server(remote_server, tmp_path_factory, "tiny-llama", ["--max-model-len", "512", "--kv-cache-memory",
                                                                   "32MiB", "--disable-log-stats"])
 
 

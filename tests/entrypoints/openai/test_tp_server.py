@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
 pytest.importorskip("zmq")
 
 
@@ -26,11 +25,11 @@ def _worker_pids() -> list[int]:
     return pids
 
 
-def test_tp3_server_answers_and_a_killed_rank_is_a_503(tmp_path, server_handle_cls):
+def test_tp3_server_answers_and_a_killed_rank_is_a_503(tmp_path, remote_server):
     import httpx
 
     before = set(_worker_pids())
-    h = server_handle_cls(["--load-format", "dummy", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
+    h = remote_server.serve(["--load-format", "dummy", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
                            "--tensor-parallel-size", "3"], str(tmp_path / "tp.log"), api_key=None)
     try:
         h.wait_ready()
