@@ -161,3 +161,29 @@ class RemoteServer:
             if ppid == self.proc.pid and b"spawn_main" in cmd:
                 return int(d)
         raise RuntimeError("engine core process not found")
+
+
+def load_benchmark(name: str):
+    """``benchmarks/load/NAME.py`` as a module: the suite runs each load script at smoke size."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "load" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvserve_load_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gpu_only(*values):
+    """A ``pytest.param`` marked ``gpu``: a parametrization the Triton interpreter skips on the CPU
+    because another case there covers the same code path (CUDA runs every case)."""
+    import pytest
+
+    return pytest.param(*values, marks=pytest.mark.gpu)
+
+
+def cpu_subset(cases, keep):
+    """``cases`` (tuples of parameter values) with every one not in ``keep`` made ``gpu_only``."""
+    keep = set(keep)
+    return [c if c in keep else gpu_only(*c) for c in cases]
