@@ -14,8 +14,9 @@ import os
 import re
 
 import pytest
+
+from tests.server.router_helpers import free_port, p2p_connector_known, sse_events
 from tests.utils import RemoteServer
-from router_helpers import free_port, p2p_connector_known, sse_events
 
 from kvserve.router.launch import (
     assign_gpus, kv_transfer_config, parse_worker_gpus, visible_gpus, worker_argv,

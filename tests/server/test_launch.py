@@ -13,7 +13,8 @@ import signal
 import time
 
 import pytest
-from router_helpers import WORKER_ARGS, complete, p2p_connector_known, stream
+
+from tests.server.router_helpers import WORKER_ARGS, complete, p2p_connector_known, stream
 
 from tests.utils import RemoteServer
 

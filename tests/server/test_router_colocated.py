@@ -12,7 +12,8 @@ import signal
 import time
 
 import pytest
-from router_helpers import complete, free_port, start_router, start_workers, stream
+
+from tests.server.router_helpers import complete, free_port, start_router, start_workers, stream
 
 httpx = pytest.importorskip("httpx")
 
@@ -185,7 +186,7 @@ def test_hung_worker_is_bounded_and_bypassed(dep):
 
 def test_no_worker_is_a_clear_503(tmp_path, remote_server):
     """A router whose only worker is down answers 503 (OpenAI-shaped) after --queue-timeout."""
-    from router_helpers import start_router as start
+    from tests.server.router_helpers import start_router as start
 
     dead = f"http://127.0.0.1:{free_port()}"
     r = start(tmp_path, ["--worker", dead, "--queue-timeout", "1"], path="/workers")

@@ -14,8 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from tests.utils import RemoteServer
-from router_helpers import (
+
+from tests.server.router_helpers import (
     kv_transfer_available,
     p2p_connector_known,
     sse_events,
@@ -23,6 +23,7 @@ from router_helpers import (
     start_workers,
     stream,
 )
+from tests.utils import RemoteServer
 
 httpx = pytest.importorskip("httpx")
 

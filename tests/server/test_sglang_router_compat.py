@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from router_helpers import complete, free_port, start_workers, stream
+
+from tests.server.router_helpers import complete, free_port, start_workers, stream
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("sglang_router", reason="pip install sglang-router")
