@@ -23,13 +23,27 @@ import torch
 SLOW_FIXTURES = frozenset({"smollm2_path", "llm", "hf_smollm2", "gemma3_path", "server", "remote_server"})
 
 
+# Session fixtures worth building once: under pytest-xdist (``--dist loadgroup``) every file that
+# uses one runs on the same worker; any other file runs whole on one worker (its module fixtures
+# are built once).
+SESSION_GROUPS = {"server": "session-server", "llm": "session-llm", "hf_smollm2": "session-llm"}
+
+
 def pytest_collection_modifyitems(config, items):
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    file_group: dict[str, str] = {}
     for item in items:
-        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        names = getattr(item, "fixturenames", ())
+        if SLOW_FIXTURES.intersection(names):
             item.add_marker(pytest.mark.slow)
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        for name in names:
+            if name in SESSION_GROUPS:
+                file_group.setdefault(item.nodeid.split("::")[0], SESSION_GROUPS[name])
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(file_group.get(path, path)))
 
 
 @pytest.fixture(scope="session")

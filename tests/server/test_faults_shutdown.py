@@ -36,7 +36,6 @@ def group_server(tmp_path, remote_server):
         except OSError:
             pass
         h.proc.wait(10)
-        h.log.close()
 
 
 class _Client(threading.Thread):
