@@ -26,7 +26,8 @@ SLOW_FIXTURES = frozenset({"smollm2_path", "llm", "hf_smollm2", "gemma3_path", "
 # Session fixtures worth building once: under pytest-xdist (``--dist loadgroup``) every file that
 # uses one runs on the same worker; any other file runs whole on one worker (its module fixtures
 # are built once).
-SESSION_GROUPS = {"server": "session-server", "llm": "session-llm", "hf_smollm2": "session-llm"}
+SESSION_GROUPS = {"server": "session-server", "tiny_server": "session-tiny-server", "llm": "session-llm",
+                  "hf_smollm2": "session-llm"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -163,6 +163,31 @@ class RemoteServer:
         raise RuntimeError("engine core process not found")
 
 
+# A tiny Llama (random weights under ``--load-format dummy``, token ids only: no tokenizer), for
+# server mechanics that need no real text.
+TINY_LLAMA = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+                  architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+
+
+def tiny_dummy_server(remote_server, tmp_path_factory, name: str, flags: list[str]):
+    """Yield a ready ``kvserve serve`` of the tiny dummy-weight Llama (``TINY_LLAMA``, no tokenizer,
+    served as ``tiny``; ``.model_dir`` is its config directory) with ``flags`` added; stopped
+    afterwards. For module- or session-scoped fixtures."""
+    from transformers import LlamaConfig
+
+    d = tmp_path_factory.mktemp(name)
+    LlamaConfig(**TINY_LLAMA).save_pretrained(str(d))
+    args = [str(d), "--load-format", "dummy", "--skip-tokenizer-init", "--served-model-name", "tiny", *flags]
+    h = remote_server.serve(args, str(d / "server.log"))
+    h.model_dir = str(d)
+    try:
+        h.wait_ready()
+        yield h
+    finally:
+        h.stop()
+
+
 def load_benchmark(name: str):
     """``benchmarks/load/NAME.py`` as a module: the suite runs each load script at smoke size."""
     import importlib.util

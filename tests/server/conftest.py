@@ -1,10 +1,15 @@
-"""One live ``kvserve serve`` (the real default model) per test session, on a free port."""
+"""The shared servers of the server tests, one each per test session on a free port:
+``server`` (the real default model, an API key) and ``tiny_server`` (the tiny dummy Llama, token
+ids only). Tests that stop, kill or reconfigure a server start their own (``remote_server``)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+
+from tests.utils import tiny_dummy_server
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
@@ -41,6 +46,21 @@ def server(tmp_path_factory, remote_server):
         yield h
     finally:
         h.stop()
+
+
+# n-gram speculation on the shared small server (tests/server/test_spec_serve.py checks it).
+TINY_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="session")
+def tiny_server(remote_server, tmp_path_factory):
+    """The shared small server for the non-destructive tiny-model tests: ``TINY_LLAMA`` with dummy
+    weights (tests/utils.py), served as ``tiny`` without a tokenizer, float32, 512 tokens, 32 MiB
+    of KV cache, n-gram speculation (``TINY_SPEC``); no API key. ``tiny_server.model_dir``: the
+    config directory (an offline engine on it gets the same dummy weights)."""
+    yield from tiny_dummy_server(remote_server, tmp_path_factory, "tiny-llama-shared",
+                                 ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "32MiB",
+                                  "--speculative-config", json.dumps(TINY_SPEC)])
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.test_skip_tokenizer_server import tiny_dummy_server
+from tests.utils import tiny_dummy_server
 
 
 @pytest.fixture(scope="module")
