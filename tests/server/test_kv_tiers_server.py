@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
             architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)

@@ -35,7 +35,8 @@ def servers(tmp_path_factory, request, remote_server):
     d = tmp_path_factory.mktemp("p2p_http")
     # float32 (not --dtype auto, bf16 on CPUs with native bf16): the decode leg must equal a plain run.
     base = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-log-stats"]
-    hs = [remote_server.serve(base + ["--kv-transfer-config", _ktc(role, request.param)], str(d / f"{role}.log")) for role in ("kv_producer", "kv_consumer")]
+    hs = [remote_server.serve(base + ["--kv-transfer-config", _ktc(role, request.param)], str(d / f"{role}.log"))
+          for role in ("kv_producer", "kv_consumer")]
     for h in hs:
         h.transport = request.param
     try:
@@ -55,7 +56,7 @@ def _sse(lines):
     return out
 
 
-def test_pd_over_http(servers):
+def test_pd_over_http(servers, metric_value):
     import httpx
 
     prod, cons = servers
@@ -103,11 +104,10 @@ def test_pd_over_http(servers):
         assert chunks[0]["choices"][0]["prompt_token_ids"] == ref["choices"][0]["prompt_token_ids"]
 
         metrics = c.get(cons.url + "/metrics").text
-        conf = _conftest()
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_requests_total") == 1
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_bytes_total") > 0
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_failures_total") == 0
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_seconds_count") == 1
+        assert metric_value(metrics, "kvserve:kv_transfer_requests_total") == 1
+        assert metric_value(metrics, "kvserve:kv_transfer_bytes_total") > 0
+        assert metric_value(metrics, "kvserve:kv_transfer_failures_total") == 0
+        assert metric_value(metrics, "kvserve:kv_transfer_seconds_count") == 1
 
         # The chat route, not streamed: prefill leg, decode leg, equal to a plain chat.
         chat = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 6,
