@@ -42,6 +42,8 @@ def pytest_collection_modifyitems(config, items):
         for name in names:
             if name in SESSION_GROUPS:
                 file_group.setdefault(item.nodeid.split("::")[0], SESSION_GROUPS[name])
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     for item in items:
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(file_group.get(path, path)))
