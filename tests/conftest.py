@@ -14,6 +14,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before torch loads libgomp: waiting OpenMP threads sleep instead of spinning, so that the test
+# process, its servers and a second pytest-xdist worker share 2 cores without stalling each
+# other (kvserve/worker/cpu_threads.py says why).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
