@@ -34,6 +34,7 @@ SESSION_GROUPS = {"server": "session-server", "tiny_server": "session-tiny-serve
                   "hf_smollm2": "session-llm"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks, and before -m selects
 def pytest_collection_modifyitems(config, items):
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     file_group: dict[str, str] = {}
