@@ -21,6 +21,7 @@ from kvserve.attention.triton import TritonBackend, decode_attention, prefill_at
 from kvserve.attention.triton.kv_load import _byte_codes
 from kvserve.core.kv_cache_spec import get_kv_format
 from tests.attention.paged_ref import random_block_tables
+from tests.utils import cpu_subset
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -232,10 +233,19 @@ def test_fast_byte_codes_every_code(name):
     assert torch.equal(out.cpu().float()[finite], want[finite])
 
 
-@pytest.mark.parametrize("name,fast_cvt,lane_split", [
-    *((n, f, False) for n in ("fp8_e4m3", "fp8_e5m2", "int8") for f in (False, True)),
-    *((n, f, ls) for n in ("int4", "int2") for f in (False, True) for ls in (False, True))])
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+# The interpreter runs every code path with float32 queries and one per KV dtype with bfloat16.
+@pytest.mark.parametrize("name,fast_cvt,lane_split,q_dtype", cpu_subset(
+    [(n, f, ls, q) for n, f, ls in [
+        *((n, f, False) for n in ("fp8_e4m3", "fp8_e5m2", "int8") for f in (False, True)),
+        *((n, f, ls) for n in ("int4", "int2") for f in (False, True) for ls in (False, True))]
+     for q in (torch.float32, torch.bfloat16)],
+    [(n, f, ls, q) for n, f, ls in [
+        *((n, f, False) for n in ("fp8_e4m3", "fp8_e5m2", "int8") for f in (False, True)),
+        *((n, f, ls) for n in ("int4", "int2") for f in (False, True) for ls in (False, True))]
+     for q in (torch.float32,)]
+    + [("fp8_e4m3", True, False, torch.bfloat16), ("fp8_e5m2", False, False, torch.bfloat16),
+       ("int8", True, False, torch.bfloat16), ("int4", True, True, torch.bfloat16),
+       ("int2", False, True, torch.bfloat16)]))
 def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
     """Every quantized-code path of the decode kernel (conversion instructions or integer-built
     float16; 4-/2-bit codes interleaved or one dot per bit lane) equals torch_ref, head dim 64."""
@@ -382,9 +392,15 @@ def test_decode_unpack_asm_equals_int32(name, block_n, num_warps):
                                    atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("name,h,hkv", [("int4", 4, 2), ("int2", 4, 2), ("int4", 66, 1), ("int4", 40, 8)])
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("values_rotated", [False, True])
+# The interpreter runs one case per path: int4 and int2, the fused path in both activation dtypes,
+# more than 32 query heads per KV head (rotated around the kernels), two q chunks of 32 rows.
+@pytest.mark.parametrize("name,h,hkv,q_dtype,values_rotated", cpu_subset(
+    [(n, h, hkv, q, vr) for n, h, hkv in [("int4", 4, 2), ("int2", 4, 2), ("int4", 66, 1), ("int4", 40, 8)]
+     for q in (torch.float32, torch.bfloat16) for vr in (False, True)],
+    [("int4", 4, 2, q, vr) for q in (torch.float32, torch.bfloat16) for vr in (False, True)]
+    + [("int2", 4, 2, torch.float32, False), ("int2", 4, 2, torch.bfloat16, True),
+       ("int4", 66, 1, torch.float32, False), ("int4", 66, 1, torch.float32, True),
+       ("int4", 40, 8, torch.float32, True)]))
 def test_fused_rotation_equals_rotating_around_the_backend(name, h, hkv, q_dtype, values_rotated):
     """Triton with ``kv_rotation`` equals torch_ref given the float32-rotated q, k, v: the same
     outputs, and the same rotated rows in the cache.

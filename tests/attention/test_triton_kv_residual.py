@@ -23,6 +23,7 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.triton import TritonBackend, decode_attention, prefill_attention, store_kv
 from kvserve.core.kv_cache_spec import get_kv_format
 from tests.attention.paged_ref import random_block_tables
+from tests.utils import gpu_only
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -111,7 +112,7 @@ def test_mixed_batch_equals_torch_ref(name, values_rotated, splits):
     _run(MIXED, name, bs=8, h=4, hkv=2, d=64, splits=splits, values_rotated=values_rotated, pad=1)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("splits", [1, 2, gpu_only(5)])  # 5: the path of 2, slower in the interpreter
 def test_decodes_own_block_straddles_splits(splits):
     """Block 32 > BLOCK_N: a decode's own block spans two key steps, and split boundaries
     (2 and 5 splits of BLOCK_N-aligned slices) fall inside it; int4, GQA 4/2."""
@@ -124,7 +125,7 @@ def test_prefill_only_int2_block_32():
     _run([(0, 40), (37, 30)], "int2", bs=32, h=4, hkv=2, d=16, splits=1, values_rotated=True, seed=2)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [gpu_only(1), 3])  # 1: covered by 3's first split
 def test_sliding_window(splits):
     """A window of 6 < the block (8): some own-block keys fall out of it (decodes and prefill rows)."""
     _run(MIXED, "int4", bs=8, h=4, hkv=2, d=16, splits=splits, values_rotated=False, window=6, seed=3)
@@ -143,7 +144,8 @@ def test_wide_group_rotated_around_the_kernels():
     _run(MIXED[:1] + MIXED[5:], "int2", bs=8, h=40, hkv=1, d=16, splits=2, values_rotated=False, seed=8)
 
 
-@pytest.mark.parametrize("values_rotated", [False, True])
+# The interpreter compiles nothing: one warm-up there; the outputs of both are checked above.
+@pytest.mark.parametrize("values_rotated", [gpu_only(False), True])
 def test_warmup_compiles_residual_variants(values_rotated):
     """``warmup`` of a view with an exact filling block runs every residual kernel variant (int4)
     and stores nothing."""

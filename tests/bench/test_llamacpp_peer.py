@@ -91,8 +91,7 @@ def test_peer_command_needs_port_and_startup_failure_is_reported(srv):
                        "--peer-command", cmd))
 
 
-@pytest.mark.slow
-def test_kvserve_serve_as_the_peer_through_the_same_path(srv, tmp_path, capsys):
+def test_kvserve_serve_as_the_peer_through_the_same_path(srv, tmp_path, capsys, smollm2_path):
     # The real kvserve serve (default model) started by the glue as the peer server.
     cmd = (f"{sys.executable} -m kvserve.entrypoints.cli serve --port {{port}} --max-model-len 256 "
            "--kv-cache-memory 32MiB --disable-access-log --uvicorn-log-level warning")

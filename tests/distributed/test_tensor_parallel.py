@@ -35,7 +35,6 @@ def test_bad_tensor_parallel_size_is_a_clear_error():
         LLM(tensor_parallel_size=3, distributed_executor_backend="uni", disable_log_stats=True)
 
 
-@pytest.mark.slow
 def test_tp3_real_model_equals_tp1(llm):
     tok = llm.get_tokenizer()
     prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):\n    return",

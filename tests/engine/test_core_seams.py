@@ -10,7 +10,6 @@ from kvserve import LLM, SamplingParams
 from kvserve.layers.attention import attention_layers
 from kvserve.spec_decode import Proposer, register_proposer
 
-pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -320,7 +320,6 @@ def _until_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.slow
 def test_default_model_w4a16_greedy_vs_dense(smollm2_path, tmp_path, capsys):
     """SmolLM2-135M (the default GGUF, dequantized by transformers) quantized W4A16 group 32 by the library."""
     from kvserve import LLM, SamplingParams

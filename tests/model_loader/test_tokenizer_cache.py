@@ -10,7 +10,6 @@ import pytest
 SAMPLES = ["Hello world", "  spaces\tand\ttabs\n", "naïve café — 東京 🚀", "def f(x):\n    return x**2"]
 
 
-@pytest.mark.slow
 def test_cache_and_export_match_gguf(tmp_path, monkeypatch, smollm2_path):
     from transformers import AutoTokenizer
 

@@ -14,7 +14,9 @@ import os
 import re
 
 import pytest
-from router_helpers import Proc, free_port, p2p_connector_known, sse_events
+
+from tests.server.router_helpers import free_port, p2p_connector_known, sse_events
+from tests.utils import RemoteServer
 
 from kvserve.router.launch import (
     assign_gpus, kv_transfer_config, parse_worker_gpus, visible_gpus, worker_argv,
@@ -90,10 +92,10 @@ def test_launch_pd_nixl_tokenizerless_workers_one_gpu_each(tmp_path):
     engine = [model, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len",
               "256", "--kv-cache-memory", "16MiB"]
     port = free_port()
-    launch = Proc(["launch", "--prefill", "1", "--decode", "1", "--kv-transport", "nixl", "--worker-gpus", "0,1",
+    launch = RemoteServer(["launch", "--prefill", "1", "--decode", "1", "--kv-transport", "nixl", "--worker-gpus", "0,1",
                    "--policy", "round_robin", "--health-check-interval", "0.5", *engine],
                   str(tmp_path / "launch.log"), port=port).start()
-    plain = Proc(["serve", *engine, "--disable-access-log"], str(tmp_path / "plain.log")).start()
+    plain = RemoteServer(["serve", *engine, "--disable-access-log"], str(tmp_path / "plain.log")).start()
     try:
         launch.wait_ready(180)
         plain.wait_ready(180)

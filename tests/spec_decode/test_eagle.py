@@ -152,7 +152,6 @@ def chat_prompts(llm):
             for q in qs]
 
 
-@pytest.mark.slow
 def test_eagle_greedy_lossless_on_default_model(llm, chat_prompts, tmp_path):
     """Random EAGLE-1 and EAGLE-3 heads (nearly nothing accepted) and the shipped head: batched
     greedy outputs identical to no speculation, with chunked prefill and prefix-cache hits."""

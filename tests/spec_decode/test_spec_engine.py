@@ -41,7 +41,6 @@ def _spec_llm(**kw):
     return LLM(**args)
 
 
-@pytest.mark.slow
 def test_ngram_greedy_is_lossless_batched_chunked_prefix_preempted(llm, prompts):
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -63,7 +62,6 @@ def test_ngram_greedy_is_lossless_batched_chunked_prefix_preempted(llm, prompts)
     spec.shutdown()
 
 
-@pytest.mark.slow
 def test_ngram_sampled_with_seeds_penalties_logprobs_equals_no_speculation(llm, prompts):
     sps = [SamplingParams(temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=24, ignore_eos=True,
                           logprobs=2 if i % 2 else None, repetition_penalty=1.1 if i % 3 == 0 else 1.0,
@@ -166,7 +164,6 @@ def test_spec_metrics_in_prometheus():
         assert line in text, line
 
 
-@pytest.mark.slow
 def test_draft_model_equal_to_target_accepts_everything(llm, prompts, smollm2_path):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sp, use_tqdm=False)]
@@ -190,8 +187,7 @@ def test_draft_model_equal_to_target_accepts_everything(llm, prompts, smollm2_pa
     spec.shutdown()
 
 
-@pytest.mark.slow  # the default model is the target
-def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model):
+def test_draft_model_with_another_vocabulary_is_a_startup_error(tiny_model, smollm2_path):  # the default model is the target
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(disable_log_stats=True, speculative_config={"method": "draft_model", "model": tiny_model})
     with pytest.raises(ValueError, match="needs 'model'"):

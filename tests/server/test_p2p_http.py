@@ -9,25 +9,14 @@ where NIXL does not import).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
-
-
-def _conftest():
-    path = pathlib.Path(__file__).parents[1] / "entrypoints" / "openai" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_openai_conftest_p2p", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _ktc(role: str, transport: str) -> str:
@@ -37,18 +26,17 @@ def _ktc(role: str, transport: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
-def servers(tmp_path_factory, request):
+def servers(tmp_path_factory, request, remote_server):
     if request.param == "nixl":
         from kvserve.kv_connector.p2p.nixl_transport import nixl_import_error
 
         if nixl_import_error():
             pytest.skip(f"NIXL does not import ({nixl_import_error()})")
-    conf = _conftest()
     d = tmp_path_factory.mktemp("p2p_http")
     # float32 (not --dtype auto, bf16 on CPUs with native bf16): the decode leg must equal a plain run.
     base = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--disable-log-stats"]
-    hs = [conf.ServerHandle(base + ["--kv-transfer-config", _ktc(role, request.param)], str(d / f"{role}.log"),
-                            api_key=None) for role in ("kv_producer", "kv_consumer")]
+    hs = [remote_server.serve(base + ["--kv-transfer-config", _ktc(role, request.param)], str(d / f"{role}.log"))
+          for role in ("kv_producer", "kv_consumer")]
     for h in hs:
         h.transport = request.param
     try:
@@ -68,7 +56,7 @@ def _sse(lines):
     return out
 
 
-def test_pd_over_http(servers):
+def test_pd_over_http(servers, metric_value):
     import httpx
 
     prod, cons = servers
@@ -116,11 +104,10 @@ def test_pd_over_http(servers):
         assert chunks[0]["choices"][0]["prompt_token_ids"] == ref["choices"][0]["prompt_token_ids"]
 
         metrics = c.get(cons.url + "/metrics").text
-        conf = _conftest()
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_requests_total") == 1
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_bytes_total") > 0
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_failures_total") == 0
-        assert conf.metric_value(metrics, "kvserve:kv_transfer_seconds_count") == 1
+        assert metric_value(metrics, "kvserve:kv_transfer_requests_total") == 1
+        assert metric_value(metrics, "kvserve:kv_transfer_bytes_total") > 0
+        assert metric_value(metrics, "kvserve:kv_transfer_failures_total") == 0
+        assert metric_value(metrics, "kvserve:kv_transfer_seconds_count") == 1
 
         # The chat route, not streamed: prefill leg, decode leg, equal to a plain chat.
         chat = {"messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 6,

@@ -13,7 +13,6 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.layers.attention import attention_layers
 
-pytestmark = pytest.mark.slow
 
 MAX_NEW = 16
 WINDOW = 512

@@ -1,50 +1,11 @@
 """``kvserve serve --skip-tokenizer-init`` (a tiny dummy Llama, no tokenizer): token-id prompts
 in, ``token_ids`` out (the text is empty), and ``kvserve bench serve`` measures it; this is
-the path of ``benchmarks/gpu_serve_sweep.sh`` on the GPU."""
+the path of ``benchmarks/gpu_serve_sweep.sh`` on the GPU. The server is the session's shared
+small server (``tiny_server``, tests/server/conftest.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
-
-import pytest
-
-TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
-            architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
-
-
-def _server_handle_cls():
-    """conftest.ServerHandle, loaded by path (as in test_robustness_overload.py)."""
-    path = pathlib.Path(__file__).with_name("conftest.py")
-    spec = importlib.util.spec_from_file_location("_openai_conftest_copy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ServerHandle
-
-
-def tiny_dummy_server(tmp_path_factory, name: str, flags: list[str]):
-    """Yield a ready ``kvserve serve`` of the tiny dummy-weight Llama (no tokenizer, served as
-    ``tiny``) with ``flags`` added; stopped afterwards. For module-scoped fixtures."""
-    from transformers import LlamaConfig
-
-    d = tmp_path_factory.mktemp(name)
-    LlamaConfig(**TINY).save_pretrained(str(d))
-    args = [str(d), "--load-format", "dummy", "--skip-tokenizer-init", "--served-model-name", "tiny", *flags]
-    h = _server_handle_cls()(args, str(d / "server.log"), api_key=None)
-    try:
-        h.wait_ready()
-        yield h
-    finally:
-        h.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory):
-    yield from tiny_dummy_server(tmp_path_factory, "tiny-llama", ["--max-model-len", "512", "--kv-cache-memory",
-                                                                  "32MiB", "--disable-log-stats"])
-
 
 def test_token_ids_without_tokenizer(tiny_server):
     import httpx

@@ -15,32 +15,19 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 MAX_NUM_SEQS, MAX_WAITING = 4, 4
 CAPACITY = MAX_NUM_SEQS + MAX_WAITING
 BURST = 5 * CAPACITY
 
 
-def _server_handle_cls():
-    """conftest.ServerHandle (conftest's fixture for it is function-scoped; this server is per module)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name("conftest.py")
-    spec = importlib.util.spec_from_file_location("_openai_conftest_copy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ServerHandle
-
-
 @pytest.fixture(scope="module")
-def small_server(tmp_path_factory):
+def small_server(tmp_path_factory, remote_server):
     log = str(tmp_path_factory.mktemp("small") / "small.log")
-    h = _server_handle_cls()(["--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+    h = remote_server.serve(["--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
                            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
                            "--max-n", "4", "--max-request-body-bytes", "65536", "--protect-metrics"],
-                          log)
+                          log, api_key="test-key")
     try:
         h.wait_ready()
         yield h

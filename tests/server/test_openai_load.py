@@ -2,54 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
+from tests.utils import load_benchmark
+
 MODEL = "SmolLM2-135M-Instruct"
-pytestmark = pytest.mark.slow
 
 
-def test_100_concurrent_streams(server, http, wait_idle, metric_value):
-    import openai
+N_STREAMS = 16  # benchmarks/load/concurrent_streams.py: 100
 
+
+def test_concurrent_streams(server, http, wait_idle, metric_value):
     before = http.get("/metrics").text
     n_before = metric_value(before, "kvserve:request_success_total")
-
-    async def run():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0,
-                                    timeout=600)
-
-        async def one(i: int):
-            stream = await client.completions.create(model=MODEL, prompt=f"Item {i}: the", max_tokens=8,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
-            text, finish, usage = "", None, None
-            async for chunk in stream:
-                if chunk.choices:
-                    text += chunk.choices[0].text
-                    finish = chunk.choices[0].finish_reason or finish
-                if chunk.usage:
-                    usage = chunk.usage
-            return text, finish, usage
-
-        try:
-            return await asyncio.gather(*(one(i) for i in range(100)))
-        finally:
-            await client.close()
-
     t0 = time.monotonic()
-    results = asyncio.run(run())
+    results = load_benchmark("concurrent_streams").run(server.url, server.api_key, streams=N_STREAMS, max_tokens=8,
+                                                       model=MODEL)
     elapsed = time.monotonic() - t0
-    assert len(results) == 100
+    assert len(results) == N_STREAMS
     for text, finish, usage in results:
         assert finish == "length"
         assert usage.completion_tokens == 8
     text = wait_idle(http)
-    assert metric_value(text, "kvserve:request_success_total") - n_before == 100
-    print(f"100 concurrent streams of 8 tokens: {elapsed:.1f} s")
+    assert metric_value(text, "kvserve:request_success_total") - n_before == N_STREAMS
+    print(f"{N_STREAMS} concurrent streams of 8 tokens: {elapsed:.1f} s")
 
 
 def test_disconnect_mid_stream_frees_request(server, http, wait_idle, metric_value):

@@ -11,8 +11,6 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
-pytestmark = pytest.mark.slow
-
 
 def test_models_health_version(server, http):
     models = http.get("/v1/models").json()

@@ -12,8 +12,6 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.bench.accuracy import load_corpus
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def streaming_llm(smollm2_path):

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 
 def test_prompt_logprobs_completion(http, tokenizer):
     prompt = "def add(a, b):\n    return a + b\n"

@@ -9,7 +9,6 @@ import torch
 
 from kvserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
 
 MAX_NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

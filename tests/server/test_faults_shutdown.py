@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 SMALL = ["--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
 SHUTDOWN_TIMEOUT = 3.0
@@ -20,11 +19,11 @@ STALL_TIMEOUT = 2.0
 
 
 @pytest.fixture
-def group_server(tmp_path, server_handle_cls):
+def group_server(tmp_path, remote_server):
     started = []
 
     def start(extra: list[str]):
-        h = server_handle_cls([*SMALL, *extra], str(tmp_path / f"server{len(started)}.log"), api_key=None,
+        h = remote_server.serve([*SMALL, *extra], str(tmp_path / f"server{len(started)}.log"), api_key=None,
                               new_session=True)
         started.append(h)
         h.wait_ready()
@@ -37,7 +36,6 @@ def group_server(tmp_path, server_handle_cls):
         except OSError:
             pass
         h.proc.wait(10)
-        h.log.close()
 
 
 class _Client(threading.Thread):

@@ -10,58 +10,27 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from router_helpers import WORKER_ARGS, complete, free_port, p2p_connector_known, stream
+
+from tests.server.router_helpers import WORKER_ARGS, complete, p2p_connector_known, stream
+
+from tests.utils import RemoteServer
 
 httpx = pytest.importorskip("httpx")
-pytestmark = pytest.mark.slow
 
 ENGINE = [a for a in WORKER_ARGS if a not in ("--disable-access-log", "--uvicorn-log-level", "warning")]
 
 
-class Launch:
-    def __init__(self, tmp_path, args: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / "launch.log"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.entrypoints.cli", "launch", *args,
-                                          "--port", str(self.port), "--log-dir", str(tmp_path / "workers"),
-                                          "--health-check-interval", "0.5", *ENGINE],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+def Launch(tmp_path, args: list[str]) -> RemoteServer:
+    """``kvserve launch ARGS`` (engine args and worker logs under ``tmp_path/workers``), started."""
+    return RemoteServer(["launch", *args, "--log-dir", str(tmp_path / "workers"), "--health-check-interval", "0.5",
+                         *ENGINE], tmp_path / "launch.log").start()
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 240.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("launch not ready:\n" + self.log())
-
-    def worker_pids(self) -> dict[str, int]:
-        return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\w+) \(pid (\d+)\)", self.log())}
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+def worker_pids(ln: RemoteServer) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"started (\w+) \(pid (\d+)\)", ln.read_log())}
 
 
 def _alive(pid: int) -> bool:
@@ -76,10 +45,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _reap(ln: Launch) -> list[int]:
+def _reap(ln: RemoteServer) -> list[int]:
     """Workers of ``ln`` still alive (then SIGKILLed: a test never leaves one behind)."""
     time.sleep(0.5)
-    left = [pid for pid in ln.worker_pids().values() if _alive(pid)]
+    left = [pid for pid in worker_pids(ln).values() if _alive(pid)]
     for pid in left:
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -88,11 +57,11 @@ def _reap(ln: Launch) -> list[int]:
     return left
 
 
-def test_launch_colocated_serves_and_stops_cleanly(tmp_path):
+def test_launch_colocated_serves_and_stops_cleanly(tmp_path, remote_server):
     ln = Launch(tmp_path, ["--prefill", "0", "--decode", "0", "--replicas", "2", "--restart-failed"])
     try:
-        ln.wait_ready()
-        pids = ln.worker_pids()
+        ln.wait_ready(240)
+        pids = worker_pids(ln)
         assert set(pids) == {"replica0", "replica1"}
         listed = httpx.get(ln.url + "/workers", timeout=10).json()
         assert listed["mode"] == "colocated" and len(listed["workers"]) == 2
@@ -104,20 +73,20 @@ def test_launch_colocated_serves_and_stops_cleanly(tmp_path):
         os.killpg(pids["replica0"], signal.SIGKILL)
         assert complete(ln.url, body)[0]["choices"][0]["text"] == direct
         deadline = time.monotonic() + 120
-        while ln.worker_pids()["replica0"] == pids["replica0"] or not all(
+        while worker_pids(ln)["replica0"] == pids["replica0"] or not all(
                 w["healthy"] for w in httpx.get(ln.url + "/workers", timeout=5).json()["workers"]):
-            assert time.monotonic() < deadline, ln.log()[-3000:]
+            assert time.monotonic() < deadline, ln.read_log()[-3000:]
             time.sleep(0.5)
-        pids = ln.worker_pids()
+        pids = worker_pids(ln)
         assert complete(listed["workers"][0]["url"], body)[0]["choices"][0]["text"] == direct
     finally:
         t0 = time.monotonic()
         rc = ln.stop()
         leftover = _reap(ln)
-    assert rc == 0, ln.log()[-3000:]
+    assert rc == 0, ln.read_log()[-3000:]
     assert time.monotonic() - t0 < 30
     assert not leftover, "a worker outlived kvserve launch"
-    assert "all workers stopped" in ln.log()
+    assert "all workers stopped" in ln.read_log()
 
 
 def test_launch_bad_counts_are_usage_errors():
@@ -128,10 +97,10 @@ def test_launch_bad_counts_are_usage_errors():
 
 
 @pytest.mark.skipif(not p2p_connector_known(), reason="needs the KV connector (P2PKVConnector): not in this tree yet")
-def test_launch_pd_equality_and_prefill_failover(tmp_path):
+def test_launch_pd_equality_and_prefill_failover(tmp_path, remote_server):
     ln = Launch(tmp_path, ["--prefill", "2", "--decode", "1"])
     try:
-        ln.wait_ready()
+        ln.wait_ready(240)
         listed = httpx.get(ln.url + "/workers", timeout=10).json()
         assert listed["mode"] == "pd"
         decode_url = next(w["url"] for w in listed["workers"] if w["pool"] == "decode")
@@ -151,11 +120,11 @@ def test_launch_pd_equality_and_prefill_failover(tmp_path):
         assert resp.status_code == 200 and resp.headers["traceparent"] == tp
         time.sleep(1.0)
         logs = {p.stem: p.read_text(errors="replace") for p in (tmp_path / "workers").glob("*.log")}
-        assert trace_id in ln.log()
+        assert trace_id in ln.read_log()
         assert any(f"[trace_id={trace_id}]" in t for k, t in logs.items() if k.startswith("prefill"))
         assert f"[trace_id={trace_id}]" in logs["decode0"]
         # A prefill worker dies: requests are retried on the other one.
-        os.killpg(ln.worker_pids()["prefill0"], signal.SIGKILL)
+        os.killpg(worker_pids(ln)["prefill0"], signal.SIGKILL)
         for p in prompts:
             body = {"prompt": p, "max_tokens": 8, "temperature": 0}
             assert stream(ln.url, body)[0] == complete(decode_url, body)[0]["choices"][0]["text"]

@@ -8,7 +8,6 @@ import torch
 
 from kvserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

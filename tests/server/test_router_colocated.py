@@ -12,10 +12,10 @@ import signal
 import time
 
 import pytest
-from router_helpers import complete, free_port, start_router, start_workers, stream
+
+from tests.server.router_helpers import complete, free_port, start_router, start_workers, stream
 
 httpx = pytest.importorskip("httpx")
-pytestmark = pytest.mark.slow
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are"]
@@ -23,7 +23,7 @@ CHATS = ["Say hello in French.", "What is 2 + 2?"]
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
+def dep(tmp_path_factory, remote_server):
     tmp = tmp_path_factory.mktemp("router_colocated")
     ws = start_workers(tmp, 2)
     try:
@@ -184,9 +184,9 @@ def test_hung_worker_is_bounded_and_bypassed(dep):
     assert 'kvserve_router:worker_failures_total{kind="timeout"' in text
 
 
-def test_no_worker_is_a_clear_503(tmp_path):
+def test_no_worker_is_a_clear_503(tmp_path, remote_server):
     """A router whose only worker is down answers 503 (OpenAI-shaped) after --queue-timeout."""
-    from router_helpers import start_router as start
+    from tests.server.router_helpers import start_router as start
 
     dead = f"http://127.0.0.1:{free_port()}"
     r = start(tmp_path, ["--worker", dead, "--queue-timeout", "1"], path="/workers")

@@ -1,7 +1,7 @@
 """Soak test of a running ``kvserve serve``: steady streaming load for N minutes while sampling
 the server's resident memory and KV-cache usage.
 
-    python benchmarks/soak.py --minutes 10 --base-url http://127.0.0.1:8000 [--api-key KEY] [--pid PID]
+    python benchmarks/load/soak.py --minutes 10 --base-url http://127.0.0.1:8000 [--api-key KEY] [--pid PID]
 
 * ``--concurrency`` clients loop on streaming completions / chat completions (``ignore_eos``,
   ``--max-tokens`` tokens each); every 10th request hangs up mid-stream on purpose.

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.test_skip_tokenizer_server import tiny_dummy_server
+from tests.utils import tiny_dummy_server
 
 
 @pytest.fixture(scope="module")
-def bounded_server(tmp_path_factory):
-    yield from tiny_dummy_server(tmp_path_factory, "tiny-llama-bounded",
+def bounded_server(remote_server, tmp_path_factory):
+    yield from tiny_dummy_server(remote_server, tmp_path_factory, "tiny-llama-bounded",
                                  ["--max-model-len", "64", "--kv-cache-memory", "8MiB", "--block-size", "16",
                                   "--attention-sinks", "4", "--max-attention-window", "32"])
 

@@ -9,12 +9,10 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture
-def doomed_server(tmp_path, server_handle_cls):
-    h = server_handle_cls(["--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+def doomed_server(tmp_path, remote_server):
+    h = remote_server.serve(["--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
                       "--served-model-name", "doomed"], str(tmp_path / "doomed.log"), api_key=None)
     try:
         h.wait_ready()

@@ -12,7 +12,6 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.core.kv_cache_spec import FullAttentionSpec
 
-pytestmark = pytest.mark.slow
 
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "import numpy as np\n\ndef softmax(x):\n",
            "Once upon a time, in a small village,"]
@@ -24,7 +23,7 @@ def _agree(a: list[int], b: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def loaded_once():
+def loaded_once(smollm2_path):
     """Engines of this module load the GGUF (weights, tokenizer) once: later engines get a deep
     copy of the same real weights (an unbound model: each engine binds its own attention
     backend and cache) and the same tokenizer."""

@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 SMALL = ["--load-format", "dummy", "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
 DEFAULT_MAX_TOKENS = 5
@@ -23,9 +22,9 @@ MAX_REQUEST_DURATION = 2.0
 
 
 @pytest.fixture(scope="module")
-def faults_server(tmp_path_factory, server_handle_cls):
+def faults_server(tmp_path_factory, remote_server):
     log = str(tmp_path_factory.mktemp("faults") / "server.log")
-    h = server_handle_cls([*SMALL, "--served-model-name", "faults", "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
+    h = remote_server.serve([*SMALL, "--served-model-name", "faults", "--default-max-tokens", str(DEFAULT_MAX_TOKENS),
                            "--max-request-duration", str(MAX_REQUEST_DURATION), "--shutdown-timeout", "5"],
                           log, api_key=None)
     try:

@@ -1,22 +1,22 @@
 """Robustness of the live server (the session's real-model server from conftest.py):
 bad inputs never give 5xx, auth covers every non-open route, schemathesis fuzzing against
-the server's own /openapi.json, and 200 clients hanging up mid-stream leave nothing behind.
+the server's own /openapi.json, and clients hanging up mid-stream leave nothing behind (the
+fuzz, disconnect and soak runs are benchmarks/load/ scripts, run here at smoke size).
 
 Each test prints one ``RELIABILITY ...`` line; docs/reliability.md is built from them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 import time
 
 import pytest
 
+from tests.utils import load_benchmark
+
 API_KEY = "test-key"  # conftest.API_KEY (conftest is not importable as a module here)
 
-pytestmark = pytest.mark.slow
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 C, CH = "/v1/completions", "/v1/chat/completions"
@@ -225,69 +225,17 @@ def test_auth_uses_constant_time_comparison():
 
 
 # ----------------------------------------------------------------------------- fuzzing
+# The load runs live in benchmarks/load/ (fuzz.py, disconnects.py, soak.py, run by hand at full
+# size); here each runs at smoke size against the session's server.
 
-FUZZ_OPS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
-            ("/detokenize", "POST")]
-FUZZ_EXAMPLES = 30
-
-
-def _cap_tokens(body, positive: bool):
-    """Keep generations short: valid max_tokens values become 1..4 (invalid ones are kept).
-
-    In positive mode, also drop the fields that are rejected for reasons unrelated to the
-    shape of the request (a random model name, unsupported logit_bias / suffix / best_of), so
-    that most cases get as far as the engine.
-    """
-    if not isinstance(body, dict):
-        return body
-    if positive:
-        for key in ("model", "logit_bias", "suffix", "best_of", "top_logprobs"):
-            body.pop(key, None)
-        if not body.get("stream"):
-            body.pop("stream_options", None)
-        if isinstance(body.get("tokens"), list):
-            body["tokens"] = [t % 49152 if isinstance(t, int) and not isinstance(t, bool) else t
-                              for t in body["tokens"]]
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and 4 < v <= 4096:
-            body[key] = 4
-    if "max_tokens" not in body or body.get("max_tokens") is None:
-        body["max_tokens"] = 4
-    if isinstance(body.get("min_tokens"), int) and 4 < body["min_tokens"] <= 4096:
-        body["min_tokens"] = 4
-    if isinstance(body.get("n"), int) and 4 < body["n"] <= 16:
-        body["n"] = 4
-    return body
+FUZZ_EXAMPLES = 4  # per route (benchmarks/load/fuzz.py: 30)
 
 
 def test_schemathesis_fuzz(server, http, wait_idle, metric_value):
-    schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis import GenerationMode
-
-    raw = http.get("/openapi.json").json()
-    schema = schemathesis.openapi.from_dict(raw)
-    stats: dict[str, dict[int, int]] = {}
+    pytest.importorskip("schemathesis")
+    fuzz = load_benchmark("fuzz")
     t0 = time.monotonic()
-    for path, method in FUZZ_OPS:
-        op = schema[path][method]
-        counts = stats.setdefault(path, {})
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            @settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=op.as_strategy(generation_mode=mode))
-            def run(case):
-                case.body = _cap_tokens(case.body, mode == GenerationMode.POSITIVE)
-                resp = case.call(base_url=server.url, headers=AUTH, timeout=60)
-                counts[resp.status_code] = counts.get(resp.status_code, 0) + 1
-                assert resp.status_code < 500, (path, case.body, resp.status_code, resp.text[:500])
-                if resp.status_code >= 400:
-                    body = resp.json()
-                    assert "error" in body and body["error"]["code"] == resp.status_code, body
-
-            run()
+    stats = fuzz.run(server.url, API_KEY, examples=FUZZ_EXAMPLES)  # asserts < 500 and OpenAI error bodies
     elapsed = time.monotonic() - t0
     assert http.get("/health", timeout=2).status_code == 200
     _assert_idle(http, wait_idle, metric_value)
@@ -297,68 +245,13 @@ def test_schemathesis_fuzz(server, http, wait_idle, metric_value):
 
 # ----------------------------------------------------------------------------- disconnects
 
-N_CLIENTS = 200
+N_CLIENTS = 24  # benchmarks/load/disconnects.py: 200
 
 
-def test_200_clients_hang_up_at_random_points(server, http, wait_idle, metric_value):
-    import httpx
-
-    rng = random.Random(1234)
-    plans = []
-    for i in range(N_CLIENTS):
-        r = rng.random()
-        if r < 0.3:
-            plans.append(("before_first_token", rng.uniform(0.0, 0.5)))
-        elif r < 0.85:
-            plans.append(("mid_stream", rng.randint(1, 6)))
-        elif r < 0.93:
-            plans.append(("non_stream", rng.uniform(0.0, 1.5)))
-        else:
-            plans.append(("complete", 0))
-    outcome: dict[str, int] = {}
-
-    async def one(c: httpx.AsyncClient, i: int, plan) -> None:
-        kind, arg = plan
-        chat = i % 4 == 1
-        body = {"max_tokens": 8, "ignore_eos": True, "stream": kind != "non_stream", "temperature": 0.8}
-        if chat:
-            body["messages"] = [{"role": "user", "content": f"Tell me about item {i}."}]
-        else:
-            body["prompt"] = f"Item {i} is"
-        path = CH if chat else C
-
-        async def go():
-            if kind == "non_stream":
-                await c.post(path, json=body)
-                return
-            async with c.stream("POST", path, json=body) as r:
-                assert r.status_code == 200, await r.aread()
-                seen = 0
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        seen += 1
-                        if kind == "mid_stream" and seen >= arg:
-                            return  # leaving the block closes the connection mid-stream
-            outcome["completed"] = outcome.get("completed", 0) + 1
-
-        if kind in ("before_first_token", "non_stream"):
-            try:
-                await asyncio.wait_for(go(), timeout=arg)
-                outcome["finished_before_hangup"] = outcome.get("finished_before_hangup", 0) + 1
-            except asyncio.TimeoutError:
-                outcome[kind] = outcome.get(kind, 0) + 1
-        else:
-            await go()
-            if kind == "mid_stream":
-                outcome[kind] = outcome.get(kind, 0) + 1
-
-    async def main():
-        limits = httpx.Limits(max_connections=N_CLIENTS + 10, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as c:
-            await asyncio.gather(*(one(c, i, p) for i, p in enumerate(plans)))
-
+def test_clients_hang_up_at_random_points(server, http, wait_idle, metric_value):
+    disconnects = load_benchmark("disconnects")
     t0 = time.monotonic()
-    asyncio.run(main())
+    outcome = disconnects.run(server.url, API_KEY, clients=N_CLIENTS)
     elapsed = time.monotonic() - t0
     text = _assert_idle(http, wait_idle, metric_value, timeout=30)
     assert http.get("/health").status_code == 200
@@ -371,23 +264,20 @@ def test_200_clients_hang_up_at_random_points(server, http, wait_idle, metric_va
 
 # ----------------------------------------------------------------------------- soak
 
+SOAK_MINUTES = 0.2  # benchmarks/load/soak.py: 10
+
 
 def test_soak_short(server, http, wait_idle, metric_value):
-    """benchmarks/soak.py for 0.5 minute (CI size): RSS flat after warm-up, no 5xx, idle after."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[3] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("kvserve_soak", path)
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
-    argv = ["--minutes", "0.5", "--base-url", server.url, "--api-key", API_KEY, "--pid", str(server.proc.pid),
-            "--concurrency", "4", "--max-tokens", "6", "--sample-s", "1", "--max-rss-growth-pct", "10"]
+    """benchmarks/load/soak.py for 12 s: RSS flat after warm-up, no 5xx, idle after."""
+    soak = load_benchmark("soak")
+    argv = ["--minutes", str(SOAK_MINUTES), "--base-url", server.url, "--api-key", API_KEY, "--pid",
+            str(server.proc.pid), "--concurrency", "4", "--max-tokens", "6", "--sample-s", "0.5",
+            "--max-rss-growth-pct", "10"]
     t0 = time.monotonic()
     rc = soak.main(argv)
     assert rc == 0
     _assert_idle(http, wait_idle, metric_value)
-    print(f"RELIABILITY soak minutes=0.5 rc={rc} ({time.monotonic() - t0:.1f} s)")
+    print(f"RELIABILITY soak minutes={SOAK_MINUTES} rc={rc} ({time.monotonic() - t0:.1f} s)")
 
 
 # ----------------------------------------------------------------------------- engine core

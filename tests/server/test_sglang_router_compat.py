@@ -11,17 +11,17 @@ import sys
 import time
 
 import pytest
-from router_helpers import complete, free_port, start_workers, stream
+
+from tests.server.router_helpers import complete, free_port, start_workers, stream
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("sglang_router", reason="pip install sglang-router")
-pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"  # sglang-router requires "model" in the body
 
 
 @pytest.fixture(scope="module")
-def sgl(tmp_path_factory):
+def sgl(tmp_path_factory, remote_server):
     tmp = tmp_path_factory.mktemp("sglang_router")
     (w,) = start_workers(tmp, 1)
     port = free_port()

@@ -4,30 +4,17 @@ evicted from the device comes back from the CPU tier (``usage.prompt_tokens_deta
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import random
-
-import pytest
 
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
             architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
 
 
-def _conftest():
-    path = pathlib.Path(__file__).with_name("conftest.py")
-    spec = importlib.util.spec_from_file_location("_openai_conftest_tiers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_tiers_over_http_and_across_restart(tmp_path):
+def test_tiers_over_http_and_across_restart(tmp_path, metric_value, remote_server):
     import httpx
     from transformers import LlamaConfig
 
-    conf = _conftest()
     model = tmp_path / "tiny"
     LlamaConfig(**TINY).save_pretrained(str(model))
     disk = tmp_path / "kv"
@@ -50,7 +37,7 @@ def test_tiers_over_http_and_across_restart(tmp_path):
 
     outs = []
     for run in range(2):
-        h = conf.ServerHandle(args, str(tmp_path / f"server{run}.log"), api_key=None)
+        h = remote_server.serve(args, str(tmp_path / f"server{run}.log"), api_key=None)
         try:
             h.wait_ready()
             with httpx.Client(base_url=h.url, timeout=120) as c:
@@ -62,7 +49,7 @@ def test_tiers_over_http_and_across_restart(tmp_path):
                     toks2, cached = complete(c, prompt)
                     assert toks2 == toks and cached == 96
                     metrics = c.get("/metrics").text
-                    assert conf.metric_value(metrics, "kvserve:kv_tier_hit_tokens_total", 'tier="cpu"') >= 96
+                    assert metric_value(metrics, "kvserve:kv_tier_hit_tokens_total", 'tier="cpu"') >= 96
                 else:
                     toks, cached = complete(c, prompt)  # a new server: only the disk tier remains
                     assert cached == 96
