@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 _RANK = 0
 _SIZE = 1
+_EXPERT_PARALLEL = False
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
@@ -28,10 +29,23 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str)
 
 def destroy_distributed() -> None:
     """Leave the group (idempotent)."""
-    global _RANK, _SIZE
+    global _RANK, _SIZE, _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = False
     if dist.is_initialized():
         dist.destroy_process_group()
     _RANK, _SIZE = 0, 1
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Split MoE experts across the ranks of the group (``--enable-expert-parallel``) instead of
+    splitting each expert's intermediate dimension. Set before the model is built."""
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = bool(enabled)
+
+
+def get_ep_size() -> int:
+    """Ranks the experts are split across: the group size under expert parallelism, else 1."""
+    return _SIZE if _EXPERT_PARALLEL else 1
 
 
 def get_tp_rank() -> int:

@@ -1,0 +1,195 @@
+"""The mixture-of-experts layer: routed experts with their weights stacked, one call per step.
+
+``FusedMoE`` holds every local expert's gate/up projection stacked as ``w13 [E_local, 2 * I_local,
+H]`` (gate rows first, then up) and its down projection as ``w2 [E_local, H, I_local]``, plus
+optional biases (gpt-oss). ``forward(hidden, router_logits)`` selects experts
+(``routing.select_experts``), runs them and returns the weighted sum over each token's experts.
+
+Parallelism (one all-reduce at the end, like a row-parallel linear):
+- tensor parallel (default): every rank holds every expert, the intermediate dimension split
+  (Megatron-LM's split inside each expert);
+- expert parallel (``--enable-expert-parallel``, vLLM's flag): the experts split across the
+  ranks in contiguous ranges, each whole; every rank routes all tokens, runs only its own
+  experts, and the partial sums are all-reduced. Attention stays tensor parallel.
+
+Activations: ``silu`` (SwiGLU, ``silu(gate) * up``) and ``swigluoai`` (gpt-oss's clamped
+SwiGLU: ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``(up + 1) * gate *
+sigmoid(alpha * gate)``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvserve.distributed import get_ep_size, get_tp_rank, get_tp_size, tp_all_reduce
+from kvserve.layers.moe.routing import select_experts
+
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str, alpha: float = 1.702,
+                   limit: Optional[float] = 7.0) -> torch.Tensor:
+    """``gate_up [..., 2 * I]`` (gate half first) -> ``[..., I]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, *, activation: str = "silu",
+                        w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+                        expert_start: int = 0, swiglu_alpha: float = 1.702,
+                        swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
+    """Reference (and CPU) expert computation: a loop over the experts that received tokens.
+
+    hidden ``[T, H]``; w13 ``[E_local, 2I, H]``; w2 ``[E_local, H, I]``; topk ``[T, k]`` (ids are
+    global; experts outside ``[expert_start, expert_start + E_local)`` contribute nothing).
+    Returns ``[T, H]`` in ``hidden``'s dtype (accumulated in float32).
+    """
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    local = topk_ids.long() - expert_start
+    for e in torch.unique(local).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        tok, slot = (local == e).nonzero(as_tuple=True)
+        x = hidden[tok]
+        h = x @ w13[e].t()
+        if w13_bias is not None:
+            h = h + w13_bias[e]
+        h = moe_activation(h, activation, swiglu_alpha, swiglu_limit)
+        y = h @ w2[e].t()
+        if w2_bias is not None:
+            y = y + w2_bias[e]
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].unsqueeze(-1))
+    return out.to(hidden.dtype)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts of one MoE layer.
+
+    Args:
+        num_experts: routed experts in the model (E).
+        top_k: experts per token.
+        hidden_size: H; intermediate_size: each expert's intermediate size I (whole).
+        dtype: parameter dtype.
+        renormalize, scoring_func, num_expert_group, topk_group, routed_scaling_factor:
+            routing (``routing.select_experts``); ``e_score_correction_bias`` is a parameter
+            when ``use_correction_bias``.
+        activation: ``silu`` or ``swigluoai``; swiglu_alpha / swiglu_limit for the latter.
+        has_bias: experts carry biases (``w13_bias [E_local, 2I_local]``, ``w2_bias [E_local, H]``).
+        reduce_results: all-reduce the output over the ranks (False when the caller sums
+            this output with another partial sum first, e.g. shared experts).
+
+    Raises ValueError: ``top_k`` above the experts, an unknown activation, experts not divisible
+    by the expert-parallel size, an intermediate size not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 dtype: torch.dtype, renormalize: bool = True, scoring_func: str = "softmax",
+                 use_correction_bias: bool = False, num_expert_group: Optional[int] = None,
+                 topk_group: Optional[int] = None, routed_scaling_factor: float = 1.0,
+                 activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: Optional[float] = 7.0,
+                 has_bias: bool = False, reduce_results: bool = True) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the number of experts "
+                             f"({num_experts})")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MoE activation {activation!r}; supported: {ACTIVATIONS}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.renormalize, self.scoring_func = renormalize, scoring_func
+        self.num_expert_group, self.topk_group = num_expert_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        self.reduce_results = reduce_results
+        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.ep_size = get_ep_size()
+        if self.ep_size > 1:  # experts split whole across the ranks; no intermediate split
+            if num_experts % self.ep_size:
+                raise ValueError(f"the {num_experts} experts are not divisible by the expert-parallel size "
+                                 f"{self.ep_size}")
+            self.num_local_experts = num_experts // self.ep_size
+            self.expert_start = self.tp_rank * self.num_local_experts
+            self.intermediate_local = intermediate_size
+        else:
+            if intermediate_size % self.tp_size:
+                raise ValueError(f"tensor_parallel_size {self.tp_size} must divide the expert intermediate size "
+                                 f"({intermediate_size})")
+            self.num_local_experts, self.expert_start = num_experts, 0
+            self.intermediate_local = intermediate_size // self.tp_size
+        e, i, h = self.num_local_experts, self.intermediate_local, hidden_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
+        else:
+            self.w13_bias = self.w2_bias = None
+        self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if use_correction_bias else None)
+
+    @property
+    def local_experts(self) -> range:
+        """Global ids of the experts this rank holds."""
+        return range(self.expert_start, self.expert_start + self.num_local_experts)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> bool:
+        """Copy one expert's checkpoint tensor into this rank's slice of ``param``.
+
+        ``shard_id``: ``w1`` (gate, ``[I, H]``), ``w3`` (up, ``[I, H]``), ``w2`` (down, ``[H, I]``);
+        biases ``[I]`` / ``[H]`` with the same ids. Returns False (nothing copied) for an expert
+        another rank holds. Raises ValueError naming the expected shape on a mismatch.
+        """
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            if not 0 <= expert_id < self.num_experts:
+                raise ValueError(f"expert {expert_id} out of range (the model has {self.num_experts})")
+            return False
+        i, full_i = self.intermediate_local, self.intermediate_size
+        start = 0 if self.ep_size > 1 else self.tp_rank * i
+        is_bias = param.dim() == 2
+        dst = param[local]
+        if shard_id in ("w1", "w3"):
+            want = (full_i,) if is_bias else (full_i, self.hidden_size)
+            src = loaded.narrow(0, start, i) if tuple(loaded.shape) == want else None
+            dst = dst.narrow(0, 0 if shard_id == "w1" else i, i)
+        elif shard_id == "w2":
+            want = (self.hidden_size,) if is_bias else (self.hidden_size, full_i)
+            if tuple(loaded.shape) != want:
+                src = None
+            elif is_bias:  # added once after the sum: only rank 0 of a tensor-parallel split keeps it
+                src = loaded if (self.ep_size > 1 or self.tp_rank == 0) else torch.zeros_like(loaded)
+            else:
+                src = loaded.narrow(1, start, i)
+        else:
+            raise ValueError(f"unknown expert shard {shard_id!r} (w1, w2 or w3)")
+        if src is None:
+            raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, expected {want}")
+        dst.copy_(src)
+        return True
+
+    def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits ``[T, E]`` -> (weights ``[T, k]`` float32, ids ``[T, k]`` int32)."""
+        return select_experts(router_logits, self.top_k, renormalize=self.renormalize,
+                              scoring_func=self.scoring_func, e_score_correction_bias=self.e_score_correction_bias,
+                              num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                              routed_scaling_factor=self.routed_scaling_factor)
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, H]``, router_logits ``[T, E]`` -> ``[T, H]`` (summed over the ranks when
+        ``reduce_results``)."""
+        weights, ids = self.select(router_logits)
+        out = fused_experts_torch(hidden, self.w13, self.w2, weights, ids, activation=self.activation,
+                                  w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_start=self.expert_start,
+                                  swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        if self.reduce_results and (self.tp_size > 1):
+            out = tp_all_reduce(out)
+        return out
