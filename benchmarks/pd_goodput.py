@@ -23,6 +23,7 @@ copy, NCCL all-reduce bus bandwidth.
 Usage (repo root, a machine with 2 GPUs; server wheels on PYTHONPATH):
     python3 benchmarks/pd_goodput.py --out $OUT [--rates 6,12,18,24] [--duration 20] [--modes pd,colocated]
     python3 benchmarks/pd_goodput.py --cpu-smoke --out /tmp/pdg   # tiny model on the CPU, tcp/nixl DRAM
+    four GPUs: --modes pd-1x3,pd-2x2,colocated-4 (a mode per split; see ``launch_args``)
 Writes ``$OUT/pd_goodput.json`` (env, commands, ceilings, one record per mode x rate) and the
 bench JSON per run; prints a table last.
 """
@@ -60,29 +61,42 @@ def make_workload(path: str, n: int, long_frac: float, long_in: tuple[int, int],
     return kinds
 
 
+def _peer_copy(src: int, dst: int) -> float:
+    """GPU ``src`` -> GPU ``dst`` copy of 1 GiB, bytes per second."""
+    import torch
+
+    x = torch.empty(2**30, dtype=torch.uint8, device=f"cuda:{src}")
+    y = torch.empty(2**30, dtype=torch.uint8, device=f"cuda:{dst}")
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize(src)
+    torch.cuda.synchronize(dst)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize(src)
+    torch.cuda.synchronize(dst)
+    bw = x.numel() * 10 / (time.perf_counter() - t0)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
 def ceilings() -> dict:
-    """Copy and link ceilings of this machine's first two GPUs (bytes per second)."""
+    """Copy and link ceilings of this machine's GPUs (bytes per second): device copy on GPU 0, the
+    peer copy of every ordered pair of GPUs, NCCL all-reduce over the first two."""
     import torch
 
     from gpu_tensor_parallel import allreduce_bus_bandwidth, copy_bandwidth
 
     out = {"d2d_copy_bytes_per_s": copy_bandwidth()}
-    if torch.cuda.device_count() >= 2:
-        x = torch.empty(2**30, dtype=torch.uint8, device="cuda:0")
-        y = torch.empty(2**30, dtype=torch.uint8, device="cuda:1")
-        for _ in range(3):
-            y.copy_(x)
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            y.copy_(x)
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        out["peer_copy_bytes_per_s"] = x.numel() * 10 / (time.perf_counter() - t0)
+    n = torch.cuda.device_count()
+    if n >= 2:
+        out["peer_copy_bytes_per_s"] = _peer_copy(0, 1)
         out["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
-        del x, y
-        torch.cuda.empty_cache()
+        if n > 2:
+            out["peer_copy_pairs_bytes_per_s"] = {f"{i}->{j}": round(_peer_copy(i, j)) for i in range(n)
+                                                  for j in range(n) if i != j}
         out["nccl_allreduce_bus_bytes_per_s"] = allreduce_bus_bandwidth()
     return out
 
@@ -143,6 +157,32 @@ def slo_stats(per_request: list[dict], slo: dict[str, float], duration: float) -
             "goodput_req_per_s": round(met / duration, 3) if duration else None}
 
 
+def launch_args(mode: str, transport: str) -> list[str]:
+    """``kvserve launch`` flags of a mode: ``pd`` (1 prefill + 1 decode), ``pd-PxD`` (P prefill + D
+    decode workers, e.g. ``pd-1x3``), ``colocated`` (2 replicas) or ``colocated-N`` (N replicas).
+    Raises ValueError for another name."""
+    kind, _, size = mode.partition("-")
+    if kind == "pd":
+        p, _, d = (size or "1x1").partition("x")
+        return ["--prefill", str(int(p)), "--decode", str(int(d)), "--kv-transport", transport]
+    if kind == "colocated":
+        return ["--prefill", "0", "--decode", "0", "--replicas", str(int(size or 2))]
+    raise ValueError(f"unknown mode {mode!r}: pd, pd-PxD, colocated or colocated-N")
+
+
+def sum_transfers(stats: list[dict]) -> dict:
+    """One record for the KV pulls of several decode workers (GB/s: all bytes over all pull seconds)."""
+    if len(stats) == 1:
+        return stats[0]
+    keys = ("pulls", "bytes", "failures")
+    out: dict = {k: sum(s[k] for s in stats) for k in keys}
+    secs = sum(s["seconds"] for s in stats)
+    out["seconds"] = round(secs, 4)
+    out["gb_per_s"] = round(out["bytes"] / secs / 1e9, 2) if secs else None
+    out["per_worker_gb_per_s"] = [s["gb_per_s"] for s in stats]
+    return out
+
+
 class Deployment:
     """``kvserve launch`` in its own process group; ``stop()`` is SIGTERM, then SIGKILL."""
 
@@ -200,7 +240,7 @@ def bench(url: str, data: str, n: int, rate: float, burstiness: float, save: str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--modes", default="pd,colocated")
+    ap.add_argument("--modes", default="pd,colocated", help="pd, pd-PxD, colocated, colocated-N (comma-separated).")
     ap.add_argument("--rates", default="6,12,18,24", help="Request rates, req/s.")
     ap.add_argument("--duration", type=float, default=20.0, help="Seconds of arrivals per rate.")
     ap.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of inter-arrival times (1: Poisson).")
@@ -266,8 +306,7 @@ def main() -> None:
     json_path = os.path.join(a.out, "pd_goodput.json")
     port = 18000
     for mi, mode in enumerate(modes):
-        launch = (["--prefill", "1", "--decode", "1", "--kv-transport", a.transport] if mode == "pd"
-                  else ["--prefill", "0", "--decode", "0", "--replicas", "2"])
+        launch = launch_args(mode, a.transport)
         launch += ["--policy", "least_loaded", "--log-dir", os.path.join(a.out, f"workers_{mode}"), *engine]
         dep = Deployment(launch, os.path.join(a.out, f"launch_{mode}.txt"), port + mi)
         rec_mode = {"mode": mode, "launch": dep.cmd[3:]}
@@ -301,8 +340,8 @@ def main() -> None:
                           and isinstance(run[k], (int, float))
                           and any(k.startswith(p) for p in ("mean_", "median_", "p90_", "p99_"))},
                        "phases": phase_means(r_after, r_before),
-                       "transfers": {w["pool"]: transfer_stats(after[w["url"]], before[w["url"]]) for w in workers
-                                     if w["pool"] == "decode"}}
+                       "transfers": {"decode": sum_transfers([transfer_stats(after[w["url"]], before[w["url"]])
+                                                              for w in workers if w["pool"] == "decode"])}}
                 result["runs"].append(rec)
                 print(json.dumps(rec), flush=True)
                 with open(json_path, "w") as f:
