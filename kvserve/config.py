@@ -209,13 +209,13 @@ SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 class SpeculativeConfig:
     """Speculative decoding (``--speculative-config`` JSON, vLLM's fields).
 
-    Keys: ``method`` (ngram | draft_model | eagle | eagle3 | a registered proposer),
+    Keys: ``method`` (ngram | suffix | draft_model | eagle | eagle3 | a registered proposer),
     ``num_speculative_tokens`` (k, 1..16), ``model`` (draft model / EAGLE head path; needed by
     draft_model and eagle*), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram sizes;
     defaults 2 and 5), ``dynamic`` (adapt k to batch size and acceptance; default true),
     ``dynamic_max_batch`` (batch size from which speculation turns off; default 32),
     ``dynamic_min_acceptance`` (acceptance rate below which k shrinks; default 0.3);
-    other keys go to ``extra``.
+    other keys go to ``extra`` (e.g. the suffix method's ``suffix_decoding_*``, read by its proposer).
     """
 
     method: str = "ngram"  # a registered proposer (kvserve.spec_decode.PROPOSERS)

@@ -15,6 +15,7 @@ from kvserve.spec_decode.proposer import Proposer
 #: method name -> "module:Class"; ``register_proposer`` adds more.
 PROPOSERS: dict[str, str] = {
     "ngram": "kvserve.spec_decode.ngram:NgramProposer",
+    "suffix": "kvserve.spec_decode.suffix:SuffixProposer",
     "draft_model": "kvserve.spec_decode.draft_model:DraftModelProposer",
     "eagle": "kvserve.spec_decode.eagle:EagleProposer",
     "eagle3": "kvserve.spec_decode.eagle:EagleProposer",

@@ -131,3 +131,46 @@ def test_dynamic_policy_k_follows_acceptance_with_hysteresis():
     for _ in range(40):  # all accepted: back up to k_max
         pol.observe(4, 4)
     assert pol.num_speculative_tokens(1) == 4
+
+
+def test_suffix_local_draft_follows_the_most_frequent_continuation():
+    from kvserve.spec_decode.suffix import local_suffix_propose
+
+    seq = np.asarray([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], dtype=np.int64)
+    # The longest recurring pattern is "1 2 3" (3 tokens; "5 1 2 3" never occurred), followed by
+    # 9 twice and by 7 once: 9 with p = 2/3, then "1 2" on both 9-branches; at most 1.0 x 3 tokens.
+    draft, score = local_suffix_propose(seq, max_depth=8, k=4, factor=1.0, min_prob=0.1)
+    assert draft == [9, 1, 2] and score == pytest.approx(3 * 2 / 3)
+    assert local_suffix_propose(seq, 8, 4, factor=0.34)[0] == [9]  # int(0.34 x 3) = 1 token
+    # min_prob: a 2/3 branch is cut at 0.7.
+    assert local_suffix_propose(seq, 8, 4, min_prob=0.7)[0] == []
+    assert local_suffix_propose(np.asarray([4, 5, 6], dtype=np.int64), 8, 4) == ([], 0.0)
+
+
+def test_suffix_tree_counts_add_and_remove_exactly():
+    from kvserve.spec_decode.suffix import SuffixTree
+
+    tree = SuffixTree(max_depth=4)
+    tree.add([1, 2, 3, 4, 5])
+    tree.add([1, 2, 3, 6])
+    tree.add([1, 2, 3, 4, 7])
+    draft, score = tree.propose([9, 1, 2, 3], k=3)
+    assert draft[0] == 4 and score > 0  # 4 follows "1 2 3" twice of three
+    tree.remove([1, 2, 3, 4, 5])
+    tree.remove([1, 2, 3, 4, 7])
+    assert tree.propose([1, 2, 3], k=3)[0] == [6]
+    tree.remove([1, 2, 3, 6])
+    assert tree.root == {} and tree.propose([1, 2, 3], k=3) == ([], 0.0)
+
+
+def test_suffix_config_keys_are_checked():
+    from types import SimpleNamespace
+
+    from kvserve.spec_decode import get_proposer_class
+
+    cls = get_proposer_class("suffix")
+    for bad in ({"suffix_decoding_max_tree_depth": 0}, {"suffix_decoding_min_token_prob": 2},
+                {"suffix_decoding_max_spec_factor": 0}, {"suffix_decoding_max_cached_requests": -1}):
+        sc = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 3, **bad})
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            cls(SimpleNamespace(speculative_config=sc))

@@ -230,3 +230,25 @@ def test_dynamic_speculation_with_async_scheduling(tiny_model):
     out = eng.generate(prompts, sps, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
     assert eng.llm_engine.stats.num_draft_tokens > 0  # on once 3 requests were left
+
+
+def test_suffix_decoding_is_lossless_and_learns_from_finished_outputs(tiny_model):
+    """Suffix decoding (arXiv:2411.04975): greedy outputs equal no speculation's, batched; run
+    again, the same requests draft from the global tree of the first round's outputs and get
+    more drafts accepted."""
+    common = dict(model=tiny_model, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 8, (10,), generator=g).tolist() for _ in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sp, use_tqdm=False)]
+    eng = LLM(**common, speculative_config={"method": "suffix", "num_speculative_tokens": 4, "dynamic": False,
+                                            "suffix_decoding_max_spec_factor": 2.0})
+    st = eng.llm_engine.stats
+    accepted = []
+    for _ in range(2):
+        before = st.num_accepted_tokens
+        assert [o.outputs[0].token_ids for o in eng.generate(prompts, sp, use_tqdm=False)] == ref
+        accepted.append(st.num_accepted_tokens - before)
+    assert accepted[1] > accepted[0] > 0, accepted
+    assert eng.llm_engine.engine_core.kv_cache_manager.usage == 0.0
