@@ -7,10 +7,13 @@ Workloads (real text shipped in the repo):
   functions with a small change (input-grounded: the answer copies most of the prompt);
 * ``chat``: open questions (nothing to copy: the n-gram proposer rarely fires);
 * ``seen``: the first corpus prompts of the shipped EAGLE head's training prompts (what a head trained
-  on the traffic it serves reaches; not held out).
+  on the traffic it serves reaches; not held out);
+* ``repeat``: the code-editing requests, each asked twice (an agent retrying or re-reading: the
+  second answer repeats an earlier output, which suffix decoding's global tree holds).
 
 Methods: no speculation, n-gram (k = 2, 4), draft_model with the target itself as its
-own draft (full acceptance: shows the cost of a same-size draft; a real draft is smaller), and
+own draft (full acceptance: shows the cost of a same-size draft; a real draft is smaller),
+suffix decoding at ``--suffix-ks``, and
 with ``--eagle default`` the shipped EAGLE head at k = 2, 3, 4 (``--eagle-ks``; the chat
 questions are not among the head's training prompts; a comma list of head directories runs
 each).
@@ -58,7 +61,7 @@ def edit_prompts(n: int = 6) -> list[str]:
     root = os.path.dirname(kvserve.__file__)
     funcs = []
     for rel in ["spec_decode/ngram.py", "spec_decode/rejection_sampler.py", "core/block_pool.py",
-                "sample/sampler.py", "config.py", "core/scheduler.py"]:
+                "sample/sampler.py", "config.py", "core/scheduler/scheduler.py"]:
         src = open(os.path.join(root, rel)).read()
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, ast.FunctionDef) and 12 <= node.end_lineno - node.lineno <= 30:
@@ -186,6 +189,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--workloads", default="edit,chat")
     ap.add_argument("--ks", default="2,4")
+    ap.add_argument("--suffix-ks", default="", help="also suffix decoding at these k (comma list)")
     ap.add_argument("--draft", action="store_true", help="also the draft_model method (target as its own draft)")
     ap.add_argument("--eagle", default=None, help="also EAGLE with these head directories (comma list; "
                                                   "'default': the shipped head for the default model; "
@@ -214,6 +218,7 @@ def main() -> None:
     load0 = os.getloadavg()
     methods = [None] + [{"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": 2,
                          "prompt_lookup_max": 4} for k in ns.ks.split(",") if k]
+    methods += [{"method": "suffix", "num_speculative_tokens": int(k)} for k in ns.suffix_ks.split(",") if k]
     if ns.draft:
         methods.append({"method": "draft_model", "model": path, "num_speculative_tokens": 3,
                         "draft_num_blocks": 2 * 2048 // 16 + 1})  # room for one whole request
@@ -237,7 +242,9 @@ def main() -> None:
 
             prompts = chat_prompts(128, 0)[:ns.chat_prompts]
         else:
-            prompts = edit_prompts(ns.edit_prompts) if wl == "edit" else CHAT[:ns.chat_prompts]
+            prompts = edit_prompts(ns.edit_prompts) if wl in ("edit", "repeat") else CHAT[:ns.chat_prompts]
+            if wl == "repeat":
+                prompts = [p for p in prompts for _ in range(2)]
         # On a GPU the warm-up runs whole answers (kernels compiled for every step shape).
         recs = run_all(llms, prompts, ns.max_tokens, ns.max_tokens if ns.device == "cuda" else 4)
         base = recs[0]

@@ -56,7 +56,6 @@ serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
 pd4:590:four GPUs (nvidia-h200-x4): P/D 1+3 and 2+2 vs 4 colocated replicas (pd_goodput.py)
-moe-parallel:560:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -139,7 +138,6 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-590} - 30 )) --modes pd-1x3,pd-2x2,colocated-4 \
         --rates 16,32,48 --duration 15 ${PDG_ARGS:-} ;;
-    moe-parallel) py $B/gpu_moe_parallel.py --out "$d" ;;
     pd)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;
