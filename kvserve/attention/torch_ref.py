@@ -4,7 +4,9 @@ Runs on any device torch runs on. It is the oracle for the Triton kernels and fo
 CPU backend (``kvserve.attention.cpu_backend``, which reuses its store and prefill).
 Decodes (query length 1) are batched into one SDPA call with the query heads of a KV
 group laid along the query axis, so GQA needs no repeat of K/V; prefill chunks run one
-request at a time with a causal mask offset by the cached prefix.
+request at a time with a causal mask offset by the cached prefix. A layer's learned attention
+sinks (``kv.sinks``, gpt-oss) switch both to an explicit float32 softmax with the sink logit
+appended (``sdpa``), as transformers' eager gpt-oss attention computes it.
 """
 
 from __future__ import annotations
