@@ -10,7 +10,7 @@ import torch
 from kvserve.attention.kv_format import view_of
 from kvserve.attention.registry import get_attn_backend
 from kvserve.attention.torch_ref import TorchRefBackend
-from kvserve.attention.triton import TritonBackend, decode_attention, store_kv
+from kvserve.attention.triton import TritonBackend
 from test_triton_kernels import DEV, F32, make_batch, nan_free
 
 
@@ -66,16 +66,6 @@ def test_triton_backend_with_sinks_matches_torch_ref(window, splits):
     assert (plain - ref).abs().max() > 1e-2
 
 
-def test_decode_kernel_splits_agree_with_sinks():
-    q, k, v, kv, meta, sinks = _case([3, 30], [1, 1], 8, 2, 16, 8, None, seed=9)
-    store_kv(k, v, kv, meta.slot_mapping)
-    outs = [decode_attention(q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, meta.max_seq_len,
-                             0.25, None, num_splits=s, sinks=sinks) for s in (1, 4)]
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs[0].cpu().double(), _dense_with_sinks(q, kv, meta, 0.25, None, sinks),
-                               rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("block_diagonal", [True, False])
 def test_cpu_backend_with_sinks_matches_torch_ref(block_diagonal):
     ctx, ql = [5, 19, 2, 0], [1, 1, 1, 9]
@@ -109,3 +99,27 @@ def test_sinks_refused_with_bounded_kv_and_backends_without_them():
         bind_kv_cache(model, {0: cache}, specs={0: spec})
     bind_kv_cache(model, {0: cache})  # a plain cache: the view carries the layer's sinks
     assert layer.kv.sinks is layer.sinks
+
+
+def test_sinks_with_int4_rotated_cache_and_exact_own_block():
+    """int4 (rotated in the kernels, each query's own block read exactly from the residual):
+    sinks leave the rotation and the exact-block pass untouched; Triton (3 splits) equals torch_ref."""
+    from kvserve.attention.kv_rotation import rotation_matrix
+    from test_triton_kv_residual import _batch, _fresh, _view
+
+    reqs = [(19, 1), (5, 1), (6, 11)]  # decodes mid-block and in the first block, a chunk over a prefix
+    gen = torch.Generator().manual_seed(8)
+    h, hkv, d = 4, 2, 16
+    meta, cache, res = _batch(reqs, 8, hkv, d, "int4", gen)
+    t = sum(n for _, n in reqs)
+    q, k, v = (torch.randn(t, n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
+    c_ref, res_ref = cache.clone(), res.clone()
+    r = rotation_matrix(d, DEV)
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 6.0], device=DEV)
+    view = _view(cache, "int4", d, res, r)
+    view.sinks = sinks
+    out = TritonBackend(3).forward(q, k, v, view, _fresh(meta), d ** -0.5)
+    ref_view = _view(c_ref, "int4", d, res_ref)
+    ref_view.sinks = sinks
+    ref = TorchRefBackend().forward(q @ r, k @ r, v @ r, ref_view, _fresh(meta), d ** -0.5) @ r.T
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
