@@ -40,6 +40,9 @@ class AttentionBackend(ABC):
     #: ``--kv-cache-dtype`` values this backend reads natively.
     supported_kv_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8",
                                             "int4", "int2")
+    #: True if ``attend`` honours a view's learned attention sinks (``kv.sinks``, gpt-oss);
+    #: ``bind_attention`` refuses a model with sinks on a backend without them.
+    supports_attention_sinks: bool = False
     #: builds the step's metadata per KV cache group, with CUDA-graph capture / replay hooks
     metadata_builder_cls: type[AttentionMetadataBuilder] = AttentionMetadataBuilder
 
@@ -113,6 +116,8 @@ class AttentionBackend(ABC):
         window or H2O's kept blocks; ``kvserve.attention.bounded``). The default is the reference
         implementation for every backend; shapes as ``forward``. With a rotation, q/k/v are
         rotated first (the sink queries' rotary shift is then applied in the unrotated basis)."""
+        if kv.sinks is not None:  # bind_kv_cache refuses this at start-up; never attend without them
+            raise ValueError("bounded KV does not implement learned attention sinks")
         r = kv.rotation
         folded = kv.values_rotated
         if r is not None:

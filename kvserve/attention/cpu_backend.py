@@ -185,6 +185,7 @@ class CpuBackend(AttentionBackend):
     """
 
     name = "cpu"
+    supports_attention_sinks = True
     metadata_builder_cls = CpuMetadataBuilder
 
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, block_diagonal: bool | None = None,
@@ -240,7 +241,8 @@ class CpuBackend(AttentionBackend):
                 slots = meta.residual.slots_cpu
                 exact = (kv_residual, [slots[i] for i in plan.rows],
                          [meta.seq_lens_cpu[i] for i in plan.rows], key, value)
-            self._decode(query, kv_cache, kv.format, plan, meta.num_decodes, scale, sliding_window, out, exact)
+            self._decode(query, kv_cache, kv.format, plan, meta.num_decodes, scale, sliding_window, out, exact,
+                         kv.sinks)
         prefill_attention(query, kv, meta, scale, sliding_window, out, key, value)
         if kv_residual is not None:
             store_residual(key, value, kv_residual, meta.residual.slot_mapping)
@@ -300,7 +302,8 @@ class CpuBackend(AttentionBackend):
         return qin, o_sorted, per_chunk
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, fmt: KVCacheFormat, plan: _DecodePlan, nd: int,
-                scale: float, window: int | None, out: torch.Tensor, exact: tuple | None = None) -> None:
+                scale: float, window: int | None, out: torch.Tensor, exact: tuple | None = None,
+                sinks: torch.Tensor | None = None) -> None:
         _, nblocks, bs, hkv, rw = kv_cache.shape
         h, d = query.shape[1], query.shape[2]
         g = h // hkv
@@ -346,7 +349,13 @@ class CpuBackend(AttentionBackend):
                 s32.add_(cv.s_lo)
             elif mask is not None:
                 s32.add_(mask)
+            if sinks is not None:  # a sink adds exp(sink) to the denominator: p *= sigmoid(lse - sink)
+                r = c.end - c.start
+                sk = sinks.view(1, h, 1) if bdiag else sinks.view(1, hkv, g, 1).expand(r, hkv, g, 1).reshape(-1, g, 1)
+                keep = torch.sigmoid(torch.logsumexp(s32.float(), -1, keepdim=True) - sk)
             torch.softmax(s32, -1, out=s32)  # in place: the kernel works row by row
+            if sinks is not None:
+                s32.mul_(keep.to(s32.dtype))
             if s32 is not s:
                 s.copy_(s32)  # probabilities in the query dtype for the V matmul
             torch.bmm(s, cv.v, out=cv.pv)

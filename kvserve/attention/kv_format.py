@@ -208,6 +208,9 @@ class KVCacheView:
         residual: ``[2, slots + 1, 2, block_size, num_kv_heads, head_size]`` in the compute
             dtype when the layer keeps each request's filling block exact (``kv_residual.py``;
             bound by the metadata builder), else None.
+        sinks: ``[num_heads]`` float32, the layer's learned attention sinks (gpt-oss: one extra
+            logit per query head in the softmax denominator, with no value), else None. Set from
+            the layer (``Attention.sinks``) when the view is bound.
     """
 
     cache: torch.Tensor
@@ -215,6 +218,7 @@ class KVCacheView:
     rotation: Optional[torch.Tensor] = None
     values_rotated: bool = False
     residual: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
 
     @classmethod
     def bind(cls, cache: torch.Tensor, fmt: KVCacheFormat) -> "KVCacheView":

@@ -4,7 +4,9 @@ Runs on any device torch runs on. It is the oracle for the Triton kernels and fo
 CPU backend (``kvserve.attention.cpu_backend``, which reuses its store and prefill).
 Decodes (query length 1) are batched into one SDPA call with the query heads of a KV
 group laid along the query axis, so GQA needs no repeat of K/V; prefill chunks run one
-request at a time with a causal mask offset by the cached prefix.
+request at a time with a causal mask offset by the cached prefix. A layer's learned attention
+sinks (``kv.sinks``, gpt-oss) switch both to an explicit float32 softmax with the sink logit
+appended (``sdpa``), as transformers' eager gpt-oss attention computes it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ def window_block_tables(block_tables: torch.Tensor, seq_lens: list[int], first_p
     return block_tables.gather(1, cols), lo, nb
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+         sinks: torch.Tensor | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with a boolean ``mask``, plus learned attention sinks.
+
+    ``sinks`` (broadcastable to the scores ``[..., n, 1]``, one logit per query head) joins each
+    row's softmax as an extra logit with no value, as transformers' gpt-oss eager attention
+    (scores, softmax and the weighted sum in float32, the result in ``q``'s dtype). With GQA
+    (``enable_gqa``) K/V ``[..., Hkv, L, d]`` serve ``H / Hkv`` consecutive query heads each.
+    """
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
 def uses_residual(kv: KVCacheView, meta: AttentionMetadata) -> bool:
     """Whether this layer reads its own block exactly this step (``kv_residual.py``)."""
     return kv.residual is not None and meta.residual is not None
@@ -68,6 +91,7 @@ def prefill_attention(
     head_size]``, the query's dtype); decode rows are left untouched. When the layer keeps
     its filling block exact (``uses_residual``; the step's new ``key`` / ``value`` rows
     given), each query reads its own block exactly (``kvserve/attention/kv_residual.py``).
+    The view's learned attention sinks (``kv.sinks``), if any, join every row's softmax.
     """
     nd = meta.num_decodes
     if meta.num_reqs == nd:
@@ -76,6 +100,7 @@ def prefill_attention(
     kv_residual = kv.residual if uses_residual(kv, meta) else None
     block_size = kv_cache.shape[2]
     group = query.shape[1] // kv_cache.shape[3]
+    sinks = None if kv.sinks is None else kv.sinks.view(-1, 1, 1)  # [h, 1, 1]
     qsl = meta.query_start_loc.tolist()
     for i in range(nd, meta.num_reqs):
         start, end = qsl[i], qsl[i + 1]
@@ -99,20 +124,18 @@ def prefill_attention(
         if kv_residual is not None:
             out[start:end] = _attend_with_exact_block(
                 q, k, v, qpos, kpos, mask, kv_residual, meta, i, ctx, key[start:end], value[start:end],
-                block_size, scale, sliding_window).transpose(0, 1)
+                block_size, scale, sliding_window, sinks).transpose(0, 1)
             continue
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
-            enable_gqa=group > 1,
-        )
+        o = sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale, sinks, enable_gqa=group > 1)
         out[start:end] = o[0].transpose(0, 1)
 
 
 def _attend_with_exact_block(q, k, v, qpos, kpos, mask, kv_residual, meta, i, ctx, new_key, new_value,
-                             block_size, scale, sliding_window):
+                             block_size, scale, sliding_window, sinks=None):
     """One request's prefill rows with their own block exact: scores against the dequantized
     keys outside the query's block and against the exact rows inside it, one softmax over
-    both (float32). q ``[h, n, d]``, k / v ``[hkv, L, d]``; returns ``[h, n, d]``."""
+    both (float32; ``sinks [h, 1, 1]`` joins it). q ``[h, n, d]``, k / v ``[hkv, L, d]``;
+    returns ``[h, n, d]``."""
     h, hkv = q.shape[0], k.shape[0]
     seq_len = ctx + q.shape[1]
     start = ctx // block_size * block_size
@@ -129,6 +152,9 @@ def _attend_with_exact_block(q, k, v, qpos, kpos, mask, kv_residual, meta, i, ct
     vv = torch.cat([v, ve.transpose(0, 1).to(v.dtype)], 1).float().repeat_interleave(g, 0)
     s = torch.matmul(qf, kk.transpose(1, 2)) * scale
     s = s.masked_fill(~torch.cat([mask, emask], 1), float("-inf"))
+    if sinks is not None:
+        return torch.matmul(torch.softmax(torch.cat([s, sinks.float().expand(*s.shape[:-1], 1)], -1), -1)[..., :-1],
+                            vv).to(q.dtype)
     return torch.matmul(torch.softmax(s, -1), vv).to(q.dtype)
 
 
@@ -158,6 +184,7 @@ class TorchRefBackend(AttentionBackend):
     """Gather the blocks, dequantize, SDPA: the reference every backend is tested against."""
 
     name = "torch_ref"
+    supports_attention_sinks = True
 
     def attend(
         self,
@@ -203,7 +230,8 @@ class TorchRefBackend(AttentionBackend):
             mask = pos < seq_lens  # [nd, L]
             if sliding_window is not None:
                 mask &= pos > seq_lens - 1 - sliding_window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+            sinks = None if kv.sinks is None else kv.sinks.view(1, hkv, group, 1)
+            o = sdpa(q, k, v, mask[:, None, None, :], scale, sinks)
             out[:nd] = o.reshape(nd, num_heads, d)
 
         prefill_attention(query, kv, meta, scale, sliding_window, out, key, value)

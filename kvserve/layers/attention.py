@@ -30,7 +30,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.forward_context import get_forward_context
 from kvserve.attention.kv_format import KVCacheView, format_of_spec, plain_format
 from kvserve.attention.kv_rotation import bind_value_rotation
-from kvserve.core.kv_cache_spec import KVCacheSpec
+from kvserve.core.kv_cache_spec import BoundedKVSpec, KVCacheSpec
 
 
 class Attention(nn.Module):
@@ -41,6 +41,11 @@ class Attention(nn.Module):
         head_size: per-head dim; scale: softmax scale.
         layer_idx: this layer's index among the model's attention layers.
         sliding_window: optional window in tokens (Gemma 3 local layers, Mistral).
+        has_sinks: the layer has learned attention sinks (gpt-oss): ``sinks [num_heads]``
+            float32, one logit per query head added to the softmax denominator with no value
+            (not StreamingLLM's sink tokens, ``--attention-sinks``). The backend reads them
+            from the ``KVCacheView`` (``kv.sinks``); a backend without
+            ``supports_attention_sinks`` or a bounded KV cache is refused when binding.
 
     Attributes (bound by the model runner):
         impl: the attention backend implementation.
@@ -61,6 +66,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_idx: int,
         sliding_window: int | None = None,
+        has_sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -71,6 +77,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        # float32 whatever the model dtype: the kernels add it to float32 running maxima
+        self.sinks = (nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+                      if has_sinks else None)
         self.impl: Optional[AttentionBackend] = None
         self.kv_cache_group_id = 0
         self.split_hook: Optional[Callable] = None
@@ -86,6 +95,7 @@ class Attention(nn.Module):
         self._kv = view
         if view is not None:
             view.values_rotated = self._values_rotated_by is not None
+            view.sinks = self.sinks
 
     @property
     def kv_cache(self) -> Optional[torch.Tensor]:
@@ -132,6 +142,9 @@ def attention_layers(model: nn.Module) -> list[Attention]:
 def bind_attention(model: nn.Module, backend: AttentionBackend) -> None:
     """Give every attention layer of ``model`` the backend ``backend``."""
     for layer in attention_layers(model):
+        if layer.sinks is not None and not backend.supports_attention_sinks:
+            raise ValueError(f"attention backend {backend.name!r} does not implement learned attention sinks "
+                             f"(layer {layer.layer_idx}); use cpu, torch_ref or triton")
         layer.impl = backend
 
 
@@ -141,11 +154,16 @@ def bind_kv_cache(model: nn.Module, kv_caches: dict[int, torch.Tensor],
     """Give each attention layer its ``KVCacheView``: its tensor (``kv_caches[layer_idx]``) in
     the format of its spec (``specs[layer_idx]``; without specs, a plain cache of the tensor's
     own float dtype), its rotation for a rotated format (int4 / int2), folded into the layer's
-    value / output weights where they are dense (``bind_value_rotation``), and its KV cache group.
+    value / output weights where they are dense (``bind_value_rotation``), its learned attention
+    sinks (if any), and its KV cache group.
 
-    Raises KeyError when a layer has no tensor, ValueError when a tensor does not hold its format.
+    Raises KeyError when a layer has no tensor, ValueError when a tensor does not hold its format
+    or a layer with learned attention sinks gets a bounded KV cache (StreamingLLM / H2O).
     """
     for layer in attention_layers(model):
+        if layer.sinks is not None and specs is not None and isinstance(specs[layer.layer_idx], BoundedKVSpec):
+            raise ValueError(f"layer {layer.layer_idx} has learned attention sinks, which bounded KV "
+                             f"(--kv-eviction-policy {specs[layer.layer_idx].policy}) does not implement")
         cache = kv_caches[layer.layer_idx]
         fmt = format_of_spec(specs[layer.layer_idx]) if specs is not None else plain_format(cache.dtype,
                                                                                              layer.head_size)

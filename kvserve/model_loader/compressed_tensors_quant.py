@@ -311,6 +311,8 @@ def resolve_checkpoint_quantization(requested: Optional[str], hf_config: Any, lo
         raise ValueError(f"--quantization {CT_METHOD} needs a checkpoint whose config.json has "
                          f"quantization_config.quant_method {CT_METHOD!r}; {path or 'this model'} has "
                          f"{qm or 'none'}")
+    if qm == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
+        return requested, [requested] if requested else []  # experts dequantized at load (model_loader.mxfp4)
     if qm:
         raise ValueError(f"{path or 'the model'} is pre-quantized with quant_method {qm!r}, which kvserve cannot "
                          f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), GGUF")

@@ -45,11 +45,13 @@ class TritonBackend(AttentionBackend):
     dtype). Returns ``[T, H, D]`` in the query dtype; rows not owned by any request
     (padding) are left unwritten. The kernels' feature switches come from the layer's view:
     ``KV_FMT`` from its format, ``ROTATE`` from its rotation, ``HAS_RESIDUAL`` (each query
-    reads its own block exactly, ``kv_exact``) from its exact filling block.
+    reads its own block exactly, ``kv_exact``) from its exact filling block, ``HAS_SINKS`` from
+    its learned attention sinks (``kv.sinks``, gpt-oss).
     """
 
     name = "triton"
     cuda_graph_safe = True
+    supports_attention_sinks = True  # HAS_SINKS in the decode, reduce and prefill kernels
     fuses_kv_rotation = True  # every head size it runs is a power of two: R = H_D / sqrt(D)
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
@@ -108,8 +110,9 @@ class TritonBackend(AttentionBackend):
         for window in sliding_windows:
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
                 decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
-                                 kv_format=fmt, **res)
-            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, kv_format=fmt, **res)
+                                 kv_format=fmt, sinks=kv.sinks, **res)
+            prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, kv_format=fmt, sinks=kv.sinks,
+                              **res)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv: KVCacheView,
                  slot_mapping: torch.Tensor) -> None:
@@ -150,15 +153,16 @@ class TritonBackend(AttentionBackend):
         if r is not None and not _rotates_inside(query.shape[1], key.shape[1]):
             q, k = rotate_rows(query, r), rotate_rows(key, r)
             v = value if folded else rotate_rows(value, r)
-            out = self._attend(q, k, v, kv.cache, kv.format, meta, scale, sliding_window, None, False, kv_residual)
+            out = self._attend(q, k, v, kv.cache, kv.format, meta, scale, sliding_window, None, False, kv_residual,
+                               kv.sinks)
             return out if folded else rotate_rows(out, r.T)
         return self._attend(query, key, value, kv.cache, kv.format, meta, scale, sliding_window, r, folded,
-                            kv_residual)
+                            kv_residual, kv.sinks)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 fmt: KVCacheFormat, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                 kv_rotation: torch.Tensor | None, values_rotated: bool,
-                kv_residual: torch.Tensor | None) -> torch.Tensor:
+                kv_residual: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         rotate = kv_rotation is not None
         res, k_out, v_out, early = {}, None, None, {}
         if kv_residual is not None:  # the new rows as the cache holds them: the store kernel's if it rotates
@@ -183,13 +187,14 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 nd, meta.max_seq_len, scale, sliding_window, out=out,
-                num_splits=self.decode_num_splits, rotate=rotate, kv_format=fmt, **res,
+                num_splits=self.decode_num_splits, rotate=rotate, kv_format=fmt, sinks=sinks, **res,
             )
         if num_reqs > nd:
             q_p, out_p = (rotate_rows(query, kv_rotation), torch.empty_like(out)) if rotate else (query, out)
             prefill_attention(
                 q_p, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p, kv_format=fmt, **res,
+                nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p, kv_format=fmt, sinks=sinks,
+                **res,
             )
             if rotate:  # the prefill rows follow the decodes' (one row each)
                 out[nd:] = rotate_rows(out_p[nd:], kv_rotation.T)

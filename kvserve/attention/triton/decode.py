@@ -34,6 +34,10 @@ Exact own block (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexp
 ``own = (seq_len - 1) // B * B``; the one split whose slice holds ``seq_len - 1`` first reads keys
 ``[own, seq_len)`` exactly, one tile of ``max(16, B)`` keys (``kv_exact.attend_exact``), so the
 partition of the splits, and hence any ``num_splits``, is unchanged.
+
+Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): one extra logit per head in the
+softmax denominator, with no value. With one split the running max / sum start from it; with
+several the reduce kernel adds ``2^(sink - max)`` to the combined denominator once.
 """
 
 from __future__ import annotations
@@ -67,12 +71,13 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_od,
     res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
     stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+    sinks_ptr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
-    UNPACK: tl.constexpr = 0,
+    UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -126,6 +131,10 @@ def _decode_split_kernel(
     kv_head_off = kvh * stride_ch
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
+    if HAS_SINKS and DIRECT:  # the sink logit starts the running max and adds 1 to the sum (several
+        # splits: the reduce kernel adds it once)
+        m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(g_mask, 1.0, 0.0)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
     acc0 = tl.zeros([G_PAD, CL], tl.float32)
     acc1 = tl.zeros([G_PAD, CL], tl.float32)
@@ -227,8 +236,8 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_splits,
-    stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr,
+    stride_ot, stride_oh, stride_od, sinks_ptr,
+    HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -240,11 +249,16 @@ def _decode_reduce_kernel(
     base = (req.to(tl.int64) * num_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:  # the head's sink logit (log2 units) joins the denominator once
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty splits (lse = -inf) get weight 0
     o = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=s_mask[:, None], other=0.0)
     denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom = denom + tl.exp2(sink - m)
     res = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d * stride_od,
              res.to(out_ptr.dtype.element_ty))
@@ -334,6 +348,7 @@ def decode_attention(
     residual_slots: torch.Tensor | None = None,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -366,6 +381,9 @@ def decode_attention(
             ``residual_slots[i]``, int32 ``[num_reqs]``) and from ``new_key`` / ``new_value``
             (``[num_tokens, num_kv_heads, D]``, the cache's basis: rotated when ``rotate``; row
             ``query_start_loc[i]`` for ``p``), the earlier keys from the cache.
+        sinks: ``[num_heads]`` learned attention sinks (gpt-oss): one extra logit per head in the
+            softmax denominator, no value (one split: the running max / sum start from it; several:
+            the reduce kernel adds it).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -411,6 +429,7 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
+        query if sinks is None else sinks,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1,
         USE_WINDOW=sliding_window is not None,
@@ -418,14 +437,14 @@ def decode_attention(
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
-        EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, num_warps=num_warps,
-        num_stages=num_stages,
+        EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_out, part_lse, out, query_start_loc, num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=d, S_PAD=max(2, triton.next_power_of_2(num_splits)),
+            out.stride(0), out.stride(1), out.stride(2), query if sinks is None else sinks,
+            HEAD_DIM=d, S_PAD=max(2, triton.next_power_of_2(num_splits)), HAS_SINKS=sinks is not None,
             num_warps=4 if d >= 128 else 2,
         )
     return out

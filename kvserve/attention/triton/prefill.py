@@ -22,6 +22,10 @@ Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constex
 ``HAS_RESIDUAL``): a row at ``p`` reads cache keys below ``p // B * B`` only, then one extra masked
 pass over keys ``[first row's block start, last row's position]`` reads its own block's keys
 from the residual or the new rows (``kv_exact.attend_exact``).
+
+Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): each head's sink logit is one more
+term of its softmax denominator with no value, so the running max starts at the sink (in
+log2 units) and the running sum at 1 instead of ``-inf`` and 0.
 """
 
 from __future__ import annotations
@@ -98,10 +102,12 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
     stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
+    sinks_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     tile = tl.program_id(1)
@@ -156,6 +162,9 @@ def _prefill_kernel(
     kv_head_off = kvh * stride_ch
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the head's sink logit (log2 units) starts the running max, adding 2^0 = 1 to the sum
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n0 in range(kv_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
@@ -220,6 +229,7 @@ def prefill_attention(
     residual_slots: torch.Tensor | None = None,
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -240,6 +250,8 @@ def prefill_attention(
             ``p`` reads cache keys below ``p // block_size * block_size`` and the rest of its
             block from the residual (keys below the request's cached length) or from the new
             rows (``new_key[query_start_loc[i] + j - ctx]``, in the cache's basis).
+        sinks: ``[num_heads]`` learned attention sinks (gpt-oss), one extra logit per head in
+            each row's softmax denominator (no value): the running max and sum start from it.
 
     Returns ``out``. No host synchronisation.
     """
@@ -273,13 +285,14 @@ def prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
+        query if sinks is None else sinks,
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=bn,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
-        HAS_RESIDUAL=kv_residual is not None,
+        HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
