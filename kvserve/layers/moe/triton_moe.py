@@ -13,6 +13,8 @@ with Mixture-of-Experts", arXiv:2211.15841), written as Triton grouped GEMMs:
    (``silu(gate) * up`` or gpt-oss's clamped SwiGLU), writing ``[T * top_k, I]`` rows.
 3. ``w2`` GEMM: the same blocks times ``w2[e]``, plus the bias, times the routing weight, into a
    ``[T * top_k, H]`` buffer (each pair's row written once: no atomics).
+   Alignment: one program for decode-sized inputs (one launch); above ``ALIGN_ONE_PROGRAM_MAX_PAIRS``
+   pairs, a parallel count (atomics) / offsets / scatter.
 4. combine: ``out[t] = sum_j buf[t * top_k + j]`` over the slots routed to local experts, in slot
    order (deterministic).
 
@@ -37,8 +39,9 @@ import triton.language as tl
 
 ACT_SILU, ACT_SWIGLUOAI = 0, 1
 WFMT_DENSE, WFMT_FP8, WFMT_INT8 = 0, 1, 2
-#: pairs (T * top_k) up to which the alignment runs as one Triton program; above it, sort-based torch ops
-ALIGN_TRITON_MAX_PAIRS = int(os.environ.get("KVSERVE_MOE_ALIGN_TRITON_MAX", "4096"))
+#: pairs (T * top_k) up to which the alignment runs as one Triton program (one launch, stable order);
+#: above it three parallel launches (counts with atomics, offsets, scatter) and a memset
+ALIGN_ONE_PROGRAM_MAX_PAIRS = int(os.environ.get("KVSERVE_MOE_ALIGN_ONE_PROGRAM_MAX", "256"))
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -98,41 +101,61 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, expe
         running += tl.sum(hit, axis=0)
 
 
-def _align_torch(flat: torch.Tensor, block_m: int, num_experts: int, expert_start: int, max_padded: int,
-                 max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same result with fixed-shape torch ops (a stable sort; no host sync): the large-``T`` path."""
-    numel, dev = flat.numel(), flat.device
-    local = flat.long() - expert_start
-    key = torch.where((local >= 0) & (local < num_experts), local, torch.full_like(local, num_experts))
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = torch.cat([ends - padded, ends.new_full((1,), max_padded)])  # the non-local key -> a dump row
-    ustarts = counts.cumsum(0) - counts
-    key_s, order = torch.sort(key, stable=True)
-    dest = starts[key_s] + torch.arange(numel, device=dev) - ustarts[key_s]
-    dest = torch.where(key_s < num_experts, dest, torch.full_like(dest, max_padded))
-    sorted_ids = torch.full((max_padded + 1,), numel, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    row0 = torch.arange(max_blocks, device=dev) * block_m
-    total = ends[-1:]
-    e_of_b = torch.searchsorted(ends, row0, right=True)
-    expert_ids = torch.where(row0 < total, e_of_b, torch.full_like(e_of_b, -1)).to(torch.int32)
-    return sorted_ids[:max_padded], expert_ids, total.to(torch.int32)
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, rank_ptr, sorted_ptr, numel, expert_start, num_experts, max_padded,
+                        BLOCK: tl.constexpr):
+    """Many programs: padding value into every sorted row, and each pair's rank within its expert
+    (``atomic_add`` on the expert's count; the order within an expert is then arbitrary, which no
+    result depends on: every sorted row is computed independently of its position)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(sorted_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32) + numel, mask=offs < max_padded)
+    local = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32) - expert_start
+    ok = (offs < numel) & (local >= 0) & (local < num_experts)
+    rank = tl.atomic_add(counts_ptr + local, tl.full([BLOCK], 1, tl.int32), mask=ok)
+    tl.store(rank_ptr + offs, rank, mask=ok)
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, starts_ptr, expert_ids_ptr, post_pad_ptr, num_experts, max_blocks,
+                          BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: padded offsets of the experts, the padded total and each block's expert."""
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(starts_ptr + offs_e, ends - padded, mask=offs_e < num_experts)
+    tl.store(post_pad_ptr, total)
+    for b0 in range(0, max_blocks, CHUNK):
+        offs_b = b0 + tl.arange(0, CHUNK)
+        row0 = offs_b * BLOCK_M
+        e_of_b = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + offs_b, tl.where(row0 < total, e_of_b, -1), mask=offs_b < max_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, starts_ptr, rank_ptr, sorted_ptr, numel, expert_start, num_experts,
+                          BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32) - expert_start
+    ok = (offs < numel) & (local >= 0) & (local < num_experts)
+    dest = tl.load(starts_ptr + local, mask=ok, other=0) + tl.load(rank_ptr + offs, mask=ok, other=0)
+    tl.store(sorted_ptr + dest, offs, mask=ok)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int, expert_start: int = 0,
-                         use_triton: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         one_program: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by local expert and pad each expert's run to ``block_m`` rows.
 
     Args:
         topk_ids: ``[T, k]`` integer global expert ids.
         block_m: rows per block (the grouped GEMM's BLOCK_M).
         num_experts: experts held locally (``E_local``); local id = global id - ``expert_start``.
-        use_triton: force the one-program Triton kernel (True) or the torch ops (False); default by size.
+        one_program: force the one-program kernel (True: pairs in pair order within an expert) or the
+            parallel one (False: any order within an expert); default by size (``ALIGN_ONE_PROGRAM_MAX_PAIRS``).
     Returns:
-        ``sorted_ids`` int32 ``[max_padded_rows]``: flat pair indices ``t * k + j`` grouped by expert
-        in pair order, each expert's run padded to a multiple of ``block_m`` with ``T * k``;
+        ``sorted_ids`` int32 ``[max_padded_rows]``: flat pair indices ``t * k + j`` grouped by expert,
+        each expert's run padded to a multiple of ``block_m`` with ``T * k``;
         ``expert_ids`` int32 ``[max_padded_rows / block_m]``: each block's local expert, -1 past the end;
         ``num_tokens_post_pad`` int32 ``[1]``: the padded total (device tensor, never read on the host).
     """
@@ -140,18 +163,29 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
     numel = flat.numel()
     max_padded = max_padded_rows(numel, num_experts, block_m)
     max_blocks = max_padded // block_m
-    if use_triton is None:
-        use_triton = numel <= ALIGN_TRITON_MAX_PAIRS
-    if not use_triton:
-        return _align_torch(flat, block_m, num_experts, expert_start, max_padded, max_blocks)
+    if one_program is None:
+        one_program = numel <= ALIGN_ONE_PROGRAM_MAX_PAIRS
     dev = flat.device
+    flat = flat.contiguous()
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     post_pad = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(max(num_experts, 2))
     chunk = max(16, min(128, 8192 // e_pad))
-    _align_kernel[(1,)](flat.contiguous(), sorted_ids, expert_ids, post_pad, numel, expert_start, num_experts,
-                        max_padded, max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    if one_program:
+        _align_kernel[(1,)](flat, sorted_ids, expert_ids, post_pad, numel, expert_start, num_experts,
+                            max_padded, max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+        return sorted_ids, expert_ids, post_pad
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    rank = torch.empty(numel, dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    block = 1024
+    _align_count_kernel[(triton.cdiv(max(numel, max_padded), block),)](
+        flat, counts, rank, sorted_ids, numel, expert_start, num_experts, max_padded, BLOCK=block, num_warps=4)
+    _align_offsets_kernel[(1,)](counts, starts, expert_ids, post_pad, num_experts, max_blocks, BLOCK_M=block_m,
+                                E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+    _align_scatter_kernel[(triton.cdiv(numel, block),)](flat, starts, rank, sorted_ids, numel, expert_start,
+                                                        num_experts, BLOCK=block, num_warps=4)
     return sorted_ids, expert_ids, post_pad
 
 
