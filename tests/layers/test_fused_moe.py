@@ -222,6 +222,18 @@ def test_routing_matches_transformers_routers():
             torch.testing.assert_close(w.sum(-1), torch.ones(40), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("renorm", [True, False])
+def test_topk_softmax_kernel_matches_select_experts(renorm):
+    logits = torch.randn(19, 12, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)
+    logits[3] = 0.0  # all tied: the lower ids first
+    w, ids = triton_moe.topk_softmax(logits, 3, renorm)
+    ref_w, ref_ids = select_experts(logits, 3, renormalize=renorm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    untied = torch.arange(19) != 3
+    assert torch.equal(ids.cpu()[untied], ref_ids.cpu()[untied]) and ids[3].tolist() == [0, 1, 2]
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_moe_equals_transformers_qwen3_moe_block(force_triton):
     """The whole routed block (router + experts) of transformers' Qwen3-MoE, float32."""
     from transformers import Qwen3MoeConfig

@@ -231,6 +231,10 @@ class FusedMoE(nn.Module):
                               num_expert_group=self.num_expert_group, topk_group=self.topk_group,
                               routed_scaling_factor=self.routed_scaling_factor)
 
+    def _plain_softmax_routing(self) -> bool:
+        return (self.scoring_func == "softmax" and self.e_score_correction_bias is None
+                and not (self.num_expert_group and self.num_expert_group > 1))
+
     @torch.no_grad()
     def quantize_experts(self, method: str) -> bool:
         """Quantize ``w13`` / ``w2`` in place (after loading) to ``method`` (``fp8`` | ``int8``, weight-only,
@@ -248,11 +252,19 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, H]``, router_logits ``[T, E]`` -> ``[T, H]`` (summed over the ranks when
         ``reduce_results``)."""
-        weights, ids = self.select(router_logits)
+        triton_path = (hidden.is_cuda or FORCE_TRITON) and not DISABLE_TRITON and hidden.shape[0] > 0
+        if triton_path and self._plain_softmax_routing():
+            from kvserve.layers.moe.triton_moe import topk_softmax  # one launch instead of ~6 torch ops
+
+            weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
+            if self.routed_scaling_factor != 1.0:
+                weights = weights * self.routed_scaling_factor
+        else:
+            weights, ids = self.select(router_logits)
         kw = dict(activation=self.activation, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
                   expert_start=self.expert_start, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
                   w13_scale=self.w13_scale, w2_scale=self.w2_scale)
-        if (hidden.is_cuda or FORCE_TRITON) and not DISABLE_TRITON and hidden.shape[0] > 0:
+        if triton_path:
             from kvserve.layers.moe.triton_moe import fused_experts_triton  # triton imported on first use
 
             out = fused_experts_triton(hidden, self.w13, self.w2, weights, ids, **kw)

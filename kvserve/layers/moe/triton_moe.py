@@ -22,6 +22,9 @@ CUDA-graph safe: every buffer is sized from ``T`` alone (the sorted rows for the
 ``T * k + min(E, T * k) * (BLOCK_M - 1)``), the grids are fixed, and programs past the padded
 total (read on the device) return at once; nothing syncs with the host.
 
+Routing: ``topk_softmax`` is ``routing.select_experts`` for plain softmax scoring in one launch (decode
+runs ~6 torch ops per layer otherwise).
+
 Weights: the activation dtype, or weight-only FP8 e4m3 / INT8 with float32 per-expert
 per-output-channel scales (``w13_scale [E, 2I]``, ``w2_scale [E, H]``): each ``[BLOCK_K,
 BLOCK_N]`` tile is converted to the activation dtype in the K loop and the (linear) channel scale
@@ -290,6 +293,59 @@ def _combine_kernel(buf_ptr, ids_ptr, out_ptr, T, H, expert_start, num_experts, 
                        mask=ok[:, None] & h_ok[None, :], other=0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & h_ok[None, :])
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_t, RENORM: tl.constexpr, TOPK: tl.constexpr,
+                         K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr):
+    """Softmax over the experts, the top ``TOPK`` (the lower id first among equal scores), renormalized."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = tl.arange(0, E_PAD)
+    offs_k = tl.arange(0, K_PAD)
+    t_ok = offs_t < T
+    x = tl.load(logits_ptr + offs_t[:, None] * stride_t + offs_e[None, :],
+                mask=t_ok[:, None] & (offs_e < E)[None, :], other=float("-inf")).to(tl.float32)
+    x = tl.where(t_ok[:, None], x, 0.0)  # rows past T: finite (no NaN), never stored
+    x = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = x / tl.sum(x, axis=1)[:, None]
+    p = tl.where((offs_e < E)[None, :], p, -1.0)
+    w = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        m = tl.max(p, axis=1)
+        idx = tl.min(tl.where(p == m[:, None], offs_e[None, :], E_PAD), axis=1)
+        w = tl.where(offs_k[None, :] == j, m[:, None], w)
+        ids = tl.where(offs_k[None, :] == j, idx[:, None], ids)
+        p = tl.where(offs_e[None, :] == idx[:, None], -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, axis=1)[:, None]
+    mask = t_ok[:, None] & (offs_k < TOPK)[None, :]
+    tl.store(w_ptr + offs_t[:, None] * TOPK + offs_k[None, :], w, mask=mask)
+    tl.store(ids_ptr + offs_t[:, None] * TOPK + offs_k[None, :], ids, mask=mask)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routing.select_experts`` for softmax scoring without groups or correction bias, in one launch.
+
+    router_logits ``[T, E]`` (any float dtype; float32 math) -> (weights ``[T, top_k]`` float32, ids ``[T, top_k]``
+    int32), weights in descending order. Equal scores: the lower expert id first (``torch.topk`` leaves the
+    order of ties unspecified; they do not occur with real router logits).
+    """
+    t, e = router_logits.shape
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    w = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    e_pad = triton.next_power_of_2(max(e, 2))
+    block_t = max(1, min(16, 4096 // e_pad))
+    _topk_softmax_kernel[(triton.cdiv(t, block_t),)](router_logits, w, ids, t, e, router_logits.stride(0),
+                                                      RENORM=renormalize, TOPK=top_k,
+                                                      K_PAD=triton.next_power_of_2(max(top_k, 2)), BLOCK_T=block_t,
+                                                      E_PAD=e_pad, num_warps=4)
+    return w, ids
 
 
 # ----------------------------------------------------------------------------- configuration
