@@ -249,7 +249,8 @@ def test_fused_moe_equals_transformers_qwen3_moe_block(force_triton):
     with torch.no_grad():
         ref = block(x)
         ref = ref[0] if isinstance(ref, tuple) else ref
-        moe = FusedMoE(6, 2, 32, 16, dtype=torch.float32, renormalize=True)
+        with torch.device(DEV):
+            moe = FusedMoE(6, 2, 32, 16, dtype=torch.float32, renormalize=True)
         _load(moe, block.experts.gate_up_proj.data, block.experts.down_proj.data)
         logits = torch.nn.functional.linear(x[0], block.gate.weight)
         out = moe(x[0].to(DEV), logits.to(DEV)).cpu()
