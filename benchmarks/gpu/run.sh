@@ -56,6 +56,8 @@ serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
 pd4:590:four GPUs (nvidia-h200-x4): P/D 1+3 and 2+2 vs 4 colocated replicas (pd_goodput.py)
+moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..4096 vs weight-read roofline (gpu_moe.py)
+moe:420:MoE models, dummy weights: Qwen3-30B-A3B batch-1 decode + ISL/OSL 1000/1000, gpt-oss-20b (gpu_moe.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -141,6 +143,10 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     pd)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;
+    moe-kernel)
+      py $B/gpu_moe.py --out "$d" --parts kernel
+      py $B/gpu_moe.py --out "$d/sweep" --parts sweep --deadline $(( ${LIMIT:-120} / 4 )) ;;
+    moe) py $B/gpu_moe.py --out "$d" --parts models --deadline $(( ${LIMIT:-420} - 20 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

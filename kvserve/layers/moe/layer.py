@@ -12,6 +12,15 @@ Parallelism (one all-reduce at the end, like a row-parallel linear):
   ranks in contiguous ranges, each whole; every rank routes all tokens, runs only its own
   experts, and the partial sums are all-reduced. Attention stays tensor parallel.
 
+Compute: on CUDA the Triton fused kernels of ``triton_moe`` (tokens sorted and padded by expert,
+one grouped GEMM per projection); on the CPU ``fused_experts_torch`` (a loop over the experts hit).
+``KVSERVE_MOE_TRITON`` (read at import; tests set ``FORCE_TRITON``): ``1`` the Triton path
+everywhere (the CPU runs it under ``TRITON_INTERPRET=1``), ``0`` the torch loop everywhere.
+
+Quantized experts (``--quantization fp8 | int8``, ``quantize_experts``): weight-only FP8 e4m3 /
+INT8 with float32 per-expert per-output-channel scales (``w13_scale [E_local, 2I]``,
+``w2_scale [E_local, H]``), dequantized in the kernel's K loop.
+
 Activations: ``silu`` (SwiGLU, ``silu(gate) * up``) and ``swigluoai`` (gpt-oss's clamped
 SwiGLU: ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``(up + 1) * gate *
 sigmoid(alpha * gate)``).
@@ -19,6 +28,7 @@ sigmoid(alpha * gate)``).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -28,6 +38,13 @@ from kvserve.distributed import get_ep_size, get_tp_rank, get_tp_size, tp_all_re
 from kvserve.layers.moe.routing import select_experts
 
 ACTIVATIONS = ("silu", "swigluoai")
+#: expert weight formats ``quantize_experts`` produces (``--quantization``); others leave the experts dense
+EXPERT_QUANT_METHODS = ("fp8", "int8")
+_ENV = os.environ.get("KVSERVE_MOE_TRITON", "")
+#: run the Triton kernels on any device (tests: the CPU under the Triton interpreter)
+FORCE_TRITON = _ENV == "1"
+#: never run them (the torch loop on CUDA too)
+DISABLE_TRITON = _ENV == "0"
 
 
 def moe_activation(gate_up: torch.Tensor, activation: str, alpha: float = 1.702,
@@ -46,12 +63,15 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
                         topk_ids: torch.Tensor, *, activation: str = "silu",
                         w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
                         expert_start: int = 0, swiglu_alpha: float = 1.702,
-                        swiglu_limit: Optional[float] = 7.0) -> torch.Tensor:
+                        swiglu_limit: Optional[float] = 7.0, w13_scale: Optional[torch.Tensor] = None,
+                        w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Reference (and CPU) expert computation: a loop over the experts that received tokens.
 
     hidden ``[T, H]``; w13 ``[E_local, 2I, H]``; w2 ``[E_local, H, I]``; topk ``[T, k]`` (ids are
     global; experts outside ``[expert_start, expert_start + E_local)`` contribute nothing).
-    Returns ``[T, H]`` in ``hidden``'s dtype (accumulated in float32).
+    Quantized experts (FP8 / INT8 ``w13`` / ``w2``) come with float32 per-output-channel scales
+    ``w13_scale [E_local, 2I]`` / ``w2_scale [E_local, H]``; each expert used is dequantized to
+    ``hidden``'s dtype. Returns ``[T, H]`` in ``hidden``'s dtype (accumulated in float32).
     """
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     local = topk_ids.long() - expert_start
@@ -60,15 +80,40 @@ def fused_experts_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
             continue
         tok, slot = (local == e).nonzero(as_tuple=True)
         x = hidden[tok]
-        h = x @ w13[e].t()
+        h = x @ _expert_weight(w13, w13_scale, e, hidden.dtype).t()
         if w13_bias is not None:
             h = h + w13_bias[e]
         h = moe_activation(h, activation, swiglu_alpha, swiglu_limit)
-        y = h @ w2[e].t()
+        y = h @ _expert_weight(w2, w2_scale, e, hidden.dtype).t()
         if w2_bias is not None:
             y = y + w2_bias[e]
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot].unsqueeze(-1))
     return out.to(hidden.dtype)
+
+
+def _expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[e]
+    return (w[e].float() * scale[e].float()[:, None]).to(dtype)
+
+
+def quantize_expert_weights(w: torch.Tensor, method: str, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, N, K]`` -> (``q [E, N, K]`` float8_e4m3fn or int8, ``scale [E, N]`` float32), per-expert
+    per-output-channel symmetric (``kernels.quantize_fp8`` / ``quantize_int8``), ``chunk`` experts at a
+    time (bounds the float32 transient). Raises ValueError for another method."""
+    from kvserve.layers.quantization.kernels import quantize_fp8, quantize_int8
+
+    if method not in EXPERT_QUANT_METHODS:
+        raise ValueError(f"expert quantization must be one of {EXPERT_QUANT_METHODS}, got {method!r}")
+    e, n, k = w.shape
+    fn = quantize_fp8 if method == "fp8" else quantize_int8
+    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn if method == "fp8" else torch.int8, device=w.device)
+    scale = torch.empty(e, n, dtype=torch.float32, device=w.device)
+    for s in range(0, e, chunk):
+        qs, ss = fn(w[s:s + chunk].reshape(-1, k))
+        q[s:s + chunk] = qs.view(-1, n, k)
+        scale[s:s + chunk] = ss.view(-1, n)
+    return q, scale
 
 
 class FusedMoE(nn.Module):
@@ -135,6 +180,9 @@ class FusedMoE(nn.Module):
             self.w13_bias = self.w2_bias = None
         self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                      requires_grad=False) if use_correction_bias else None)
+        self.quant_method: Optional[str] = None  # set by quantize_experts
+        self.register_buffer("w13_scale", None, persistent=False)
+        self.register_buffer("w2_scale", None, persistent=False)
 
     @property
     def local_experts(self) -> range:
@@ -183,13 +231,45 @@ class FusedMoE(nn.Module):
                               num_expert_group=self.num_expert_group, topk_group=self.topk_group,
                               routed_scaling_factor=self.routed_scaling_factor)
 
+    def _plain_softmax_routing(self) -> bool:
+        return (self.scoring_func == "softmax" and self.e_score_correction_bias is None
+                and not (self.num_expert_group and self.num_expert_group > 1))
+
+    @torch.no_grad()
+    def quantize_experts(self, method: str) -> bool:
+        """Quantize ``w13`` / ``w2`` in place (after loading) to ``method`` (``fp8`` | ``int8``, weight-only,
+        per-expert per-output-channel scales in ``w13_scale`` / ``w2_scale``). Returns False (the experts
+        stay dense) for any other method."""
+        if method not in EXPERT_QUANT_METHODS or self.quant_method is not None:
+            return False
+        for name in ("w13", "w2"):
+            q, scale = quantize_expert_weights(getattr(self, name).data, method)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", scale)
+        self.quant_method = method
+        return True
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, H]``, router_logits ``[T, E]`` -> ``[T, H]`` (summed over the ranks when
         ``reduce_results``)."""
-        weights, ids = self.select(router_logits)
-        out = fused_experts_torch(hidden, self.w13, self.w2, weights, ids, activation=self.activation,
-                                  w13_bias=self.w13_bias, w2_bias=self.w2_bias, expert_start=self.expert_start,
-                                  swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        triton_path = (hidden.is_cuda or FORCE_TRITON) and not DISABLE_TRITON and hidden.shape[0] > 0
+        if triton_path and self._plain_softmax_routing():
+            from kvserve.layers.moe.triton_moe import topk_softmax  # one launch instead of ~6 torch ops
+
+            weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
+            if self.routed_scaling_factor != 1.0:
+                weights = weights * self.routed_scaling_factor
+        else:
+            weights, ids = self.select(router_logits)
+        kw = dict(activation=self.activation, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                  expert_start=self.expert_start, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
+                  w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        if triton_path:
+            from kvserve.layers.moe.triton_moe import fused_experts_triton  # triton imported on first use
+
+            out = fused_experts_triton(hidden, self.w13, self.w2, weights, ids, **kw)
+        else:
+            out = fused_experts_torch(hidden, self.w13, self.w2, weights, ids, **kw)
         if self.reduce_results and (self.tp_size > 1):
             out = tp_all_reduce(out)
         return out

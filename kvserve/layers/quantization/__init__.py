@@ -72,14 +72,20 @@ def quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str, dtype: torch.dtype, group_size: int = 128) -> int:
-    """Replace the decoder's ``nn.Linear`` projections by ``QuantizedLinear`` (dynamic quantization).
+    """Replace the decoder's ``nn.Linear`` projections by ``QuantizedLinear`` (dynamic quantization), and
+    quantize MoE experts in place where the layer supports ``method`` (``FusedMoE.quantize_experts``:
+    fp8, int8; other methods leave the experts dense).
 
-    Returns the number of layers replaced. Raises ValueError for an unknown method.
+    Returns the number of layers replaced or quantized. Raises ValueError for an unknown method.
     """
     n = 0
     for parent, attr, linear in quantized_linears(model):
         setattr(parent, attr, QuantizedLinear.from_dense(linear, method, dtype, group_size))
         n += 1
+    for module in list(model.modules()):
+        quantize_experts = getattr(module, "quantize_experts", None)  # MoE layers (kvserve.layers.moe)
+        if callable(quantize_experts) and quantize_experts(method):
+            n += 1
     return n
 
 
