@@ -12,8 +12,9 @@ Conventions follow the published models (and transformers' reference code):
   softmax, the sum of its top-2 biased scores for sigmoid).
 - ``routed_scaling_factor`` multiplies the final weights.
 
-Ties are broken as ``torch.topk`` breaks them (the lower expert id first on the CPU), which
-is what transformers uses.
+Ties are broken as ``torch.topk`` breaks them, which is what transformers uses (its order among
+equal scores is unspecified); the Triton routing kernel on CUDA (``triton_moe.topk_softmax``)
+takes the lower expert id.
 """
 
 from __future__ import annotations
