@@ -33,7 +33,7 @@ def _dense_with_sinks(q, kv_cache, meta, scale, window, sinks):
         if window is not None:
             mask &= pos[None, :] > qpos - window
         sc = ((qi @ k.transpose(1, 2)) * scale).masked_fill(~mask, float("-inf"))
-        sc = torch.cat([sc, sinks.double().view(h, 1, 1).expand(h, n, 1)], -1)
+        sc = torch.cat([sc, sinks.cpu().double().view(h, 1, 1).expand(h, n, 1)], -1)
         out[qsl[i]:qsl[i + 1]] = (sc.softmax(-1)[..., :-1] @ v).transpose(0, 1)
     return out
 
