@@ -53,15 +53,8 @@ from kvserve.attention.kv_format import KVCacheFormat, KVCacheView
 logger = logging.getLogger("kvserve")
 
 
-def residual_shape(num_slots: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-    """Shape of one layer's residual for ``num_slots`` requests (plus the scratch slot)."""
-    return (2, num_slots + 1, 2, block_size, num_kv_heads, head_size)
-
-
-def residual_bytes_per_layer(num_slots: int, block_size: int, num_kv_heads: int, head_size: int,
-                             element_size: int) -> int:
-    """Bytes of one layer's residual (``residual_shape``) at ``element_size`` bytes per value."""
-    return int(np.prod(residual_shape(num_slots, block_size, num_kv_heads, head_size))) * element_size
+# One definition for the allocator here and ``kvserve plan-kv`` (kvserve.core.kv_capacity).
+from kvserve.core.kv_capacity import residual_bytes_per_layer, residual_shape  # noqa: E402,F401
 
 
 def residual_slot_mapping(positions: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
