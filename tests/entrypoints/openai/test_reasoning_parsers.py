@@ -127,3 +127,76 @@ def test_registry_names_are_vllms():
 def test_parallel_tool_calls_false_keeps_one():
     msg, _ = _parser(None, "deepseek_v3", parallel=False).message(V3_TOOL, "stop")
     assert _calls(msg) == [("get_weather", {"city": "Tokyo"})]
+
+
+class _FakeTok:
+    chat_template = "x"
+
+    def apply_chat_template(self, conv, add_generation_prompt=True, tokenize=True, **kw):
+        return [1, 2, 3]
+
+    def decode(self, ids, **kw):
+        return "<|im_start|>assistant\n<think>\n" if self.opened else "<|im_start|>assistant\n"
+
+
+class _FakeEngine:
+    """Answers every request with ``text`` (one piece per character when streaming)."""
+
+    vocab_size, max_model_len, config = 100, 4096, None
+
+    def __init__(self, text: str, opened: bool = False):
+        self.text, self.tokenizer, self.seen = text, _FakeTok(), []
+        self.tokenizer.opened = opened
+
+    def check_alive(self):
+        pass
+
+    def validate(self, ids, sp, priority):
+        self.seen.append(sp)
+
+    def generate(self, ids, sp, rid, priority=0, delta=False, cache_salt=None):
+        pieces = list(self.text) if delta else [self.text]
+
+        async def gen():
+            for k, piece in enumerate(pieces):
+                last = k == len(pieces) - 1
+                co = SimpleNamespace(index=0, text=piece, token_ids=[5], finish_reason="stop" if last else None,
+                                     stop_reason=None, logprobs=None)
+                yield SimpleNamespace(finished=last, num_cached_tokens=0, outputs=[co], kv_transfer_params=None)
+        return gen()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_serving_chat_with_parsers(stream):
+    """``OpenAIServingChat`` wiring: the parsers' message (or deltas), special tokens kept for harmony,
+    the prompt's open ``<think>`` seen, ``separate_reasoning=false`` leaves the text alone."""
+    from kvserve.entrypoints.openai import protocol as P
+    from kvserve.entrypoints.openai.serving import OpenAIServingChat
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    async def run(engine, rp, tp=None, **kw):
+        chat = OpenAIServingChat(engine, ["m"])
+        chat.reasoning_parser = get_reasoning_parser(rp)
+        chat.enable_auto_tool_choice, chat.tool_call_parser = tp is not None, tp
+        req = P.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=stream, **kw)
+        out = await chat.create(req)
+        if not stream:
+            return out["choices"][0]["message"]
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] async for x in out
+                  if x.startswith("data: {") and json.loads(x[6:])["choices"]]
+        return {"reasoning_content": "".join(d.get("reasoning_content", "") for d in deltas) or None,
+                "content": "".join(d.get("content") or "" for d in deltas) or None,
+                "tool_calls": [t for d in deltas for t in d.get("tool_calls", [])]}
+
+    eng = _FakeEngine(GPTOSS_TOOL)
+    msg = asyncio.run(run(eng, "openai_gptoss", "openai", tools=tools))
+    assert msg["reasoning_content"] == "Need weather; call the tool." and not msg["content"]
+    assert _calls(msg) == [("get_weather", {"city": "Tokyo"})]
+    assert eng.seen[-1].skip_special_tokens is False
+    msg = asyncio.run(run(_FakeEngine(QWEN3_OPENED, opened=True), "qwen3"))
+    assert (msg["reasoning_content"], msg["content"]) == ("Okay, 2+2=4.\n", "4")
+    eng = _FakeEngine(QWEN3_THINK)
+    msg = asyncio.run(run(eng, "qwen3", separate_reasoning=False))
+    assert msg["content"] == QWEN3_THINK and not msg.get("reasoning_content")
+    assert eng.seen[-1].skip_special_tokens is True
