@@ -79,3 +79,26 @@ def test_bad_generation_config_folder(tmp_path):
         check_parsers_and_generation_config(argparse.Namespace(generation_config=str(tmp_path)))
     with pytest.raises(ValueError, match="choose one of"):
         check_parsers_and_generation_config(argparse.Namespace(reasoning_parser="nope"))
+
+
+def test_docs_commands_with_model_flag_parse():
+    """Every ``kvserve ... --model ...`` command in README.md and docs/ parses as typed."""
+    import glob
+    import os
+    import re
+    import shlex
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    commands = []
+    for path in [os.path.join(root, "README.md"), *glob.glob(os.path.join(root, "docs", "*.md"))]:
+        with open(path) as f:
+            text = f.read().replace("\\\n", " ")
+        for line in text.splitlines():
+            m = re.search(r"\bkvserve (\w.*)$", line)
+            if m and " --model " in line and "`" not in m.group(1):
+                commands.append((path, m.group(1).split(" #")[0]))
+    assert len(commands) >= 3
+    for path, cmd in commands:
+        argv = ["model-dir" if a == "..." else a for a in shlex.split(cmd)]
+        ns = _parse(argv)
+        assert ns.model, (path, cmd)
