@@ -49,12 +49,10 @@ import torch
 
 from kvserve.attention.forward_context import ResidualMetadata, to_device
 from kvserve.attention.kv_format import KVCacheFormat, KVCacheView
+# One definition for the allocator here and for `kvserve plan-kv`.
+from kvserve.core.kv_capacity import residual_bytes_per_layer, residual_shape  # noqa: F401
 
 logger = logging.getLogger("kvserve")
-
-
-# One definition for the allocator here and ``kvserve plan-kv`` (kvserve.core.kv_capacity).
-from kvserve.core.kv_capacity import residual_bytes_per_layer, residual_shape  # noqa: E402,F401
 
 
 def residual_slot_mapping(positions: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,
