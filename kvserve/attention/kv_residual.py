@@ -49,19 +49,10 @@ import torch
 
 from kvserve.attention.forward_context import ResidualMetadata, to_device
 from kvserve.attention.kv_format import KVCacheFormat, KVCacheView
+# One definition for the allocator here and for `kvserve plan-kv`.
+from kvserve.core.kv_capacity import residual_bytes_per_layer, residual_shape  # noqa: F401
 
 logger = logging.getLogger("kvserve")
-
-
-def residual_shape(num_slots: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-    """Shape of one layer's residual for ``num_slots`` requests (plus the scratch slot)."""
-    return (2, num_slots + 1, 2, block_size, num_kv_heads, head_size)
-
-
-def residual_bytes_per_layer(num_slots: int, block_size: int, num_kv_heads: int, head_size: int,
-                             element_size: int) -> int:
-    """Bytes of one layer's residual (``residual_shape``) at ``element_size`` bytes per value."""
-    return int(np.prod(residual_shape(num_slots, block_size, num_kv_heads, head_size))) * element_size
 
 
 def residual_slot_mapping(positions: np.ndarray, seq_lens: np.ndarray, slots: np.ndarray,

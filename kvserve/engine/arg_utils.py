@@ -125,7 +125,13 @@ class EngineArgs:
             help_text = meta.get("help", "").replace("%", "%%")
             tp = _unwrap_optional(hints[f.name])
             if meta.get("positional"):
-                parser.add_argument(f.name, nargs="?", default=default, metavar=f.name.upper(), help=help_text)
+                parser.add_argument(f.name, nargs="?", default=default, metavar=f.name.upper(), help=help_text,
+                                    action=_SameValueAction)
+                # vLLM takes the model both ways: `serve MODEL` and `serve --model MODEL`.
+                group.add_argument("--" + f.name, dest=f.name, default=default, metavar=f.name.upper(),
+                                   action=_SameValueAction,
+                                   help=f"{help_text} Same as the positional {f.name.upper()} (vLLM's flag); "
+                                        f"give one of the two.")
                 continue
             kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
             flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
@@ -456,6 +462,21 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+class _SameValueAction(argparse.Action):
+    """Stores like ``store``, for a value that two arguments may give (positional ``MODEL`` and
+    ``--model``): an absent positional (``None``) keeps what the flag set, and two different
+    values are a usage error naming both."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None:
+            return
+        prev = getattr(namespace, self.dest, None)
+        if prev is not None and prev != values:
+            parser.error(f"the {self.dest} is given twice with different values: {prev!r} and {values!r} "
+                         f"(positional {self.metavar} or --{self.dest}: give one)")
+        setattr(namespace, self.dest, values)
 
 
 def _unwrap_optional(tp: Any) -> Any:

@@ -69,14 +69,20 @@ class StatLogger:
     def on_inter_token(self, itl_s: float) -> None:
         """A completion got a token ``itl_s`` after its previous one."""
 
+    def on_prefill_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """A completion's prompt was prefilled (its first token came): all its prompt tokens, of
+        which ``num_cached_tokens`` came from the prefix cache."""
+
     def on_finished(self, finish_reason: str, e2e_s: float, queue_s: Optional[float],
-                    num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        """A completion finished ("stop" | "length" | "abort")."""
+                    num_prompt_tokens: int, num_generation_tokens: int, ttft_s: Optional[float] = None) -> None:
+        """A completion finished ("stop" | "length" | "abort"); ``ttft_s``: its first token's delay
+        (None: it got none)."""
 
 
 @dataclass
 class _ChildTimes:
     last_token: Optional[float] = None
+    first_token: Optional[float] = None
     recorded: bool = False
 
 
@@ -90,6 +96,15 @@ class _ReqState:
     sent_logprobs: list[int] = field(default_factory=list)
     finish_sent: list[bool] = field(default_factory=list)
     times: list[_ChildTimes] = field(default_factory=list)
+
+
+def startup_line(tokenizer_s: Optional[float], core_s: float, config: Any) -> str:
+    """The frontend's start-up timing line: the tokenizer (loaded in a thread while the engine
+    core starts; None: ``--skip-tokenizer-init``), the engine core, and the weight / KV formats."""
+    mc, cc = config.model_config, config.cache_config
+    tok = "skipped" if tokenizer_s is None else f"{tokenizer_s:.2f} s"
+    return (f"start-up: tokenizer {tok} (alongside the engine core), engine core {core_s:.2f} s; "
+            f"dtype {mc.dtype}, quantization {mc.quantization or 'none'}, kv_cache_dtype {cc.kv_cache_dtype}")
 
 
 class AsyncLLM:
@@ -183,16 +198,27 @@ class AsyncLLM:
                                name="kvserve-engine-core", daemon=True)
         self.proc.start()
         tok_task = None
+        tok_s = [0.0]
+        t_start = time.perf_counter()
+
+        def load_tokenizer():
+            t0 = time.perf_counter()
+            try:
+                return get_tokenizer(self.model_path, load_format, args.tokenizer)
+            finally:
+                tok_s[0] = time.perf_counter() - t0
+
         if not args.skip_tokenizer_init:
-            tok_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, self.model_path, load_format,
-                                                               args.tokenizer))
+            tok_task = asyncio.ensure_future(asyncio.to_thread(load_tokenizer))
         try:
             ready = await self._wait_ready(startup_timeout)
+            t_core = time.perf_counter() - t_start
             if tok_task is not None:
                 self.tokenizer = await tok_task
         except BaseException:
             await self.shutdown()
             raise
+        logger.info("%s", startup_line(tok_s[0] if tok_task is not None else None, t_core, config))
         self.max_model_len, self.vocab_size = ready.max_model_len, ready.vocab_size
         self.num_blocks, self.block_size = ready.num_blocks, ready.block_size
         self.kv_transfer_info = ready.kv_transfer  # None without a KV transfer connector
@@ -359,6 +385,8 @@ class AsyncLLM:
                 times = self._states[parent.request_id].times[seq.index]
                 if times.last_token is None:
                     self.stat_logger.on_first_token(now - req.arrival_time)
+                    self.stat_logger.on_prefill_done(req.num_prompt_tokens, max(req.num_cached_tokens, 0))
+                    times.first_token = now
                 else:
                     self.stat_logger.on_inter_token((now - times.last_token) / num_new)
                 times.last_token = now
@@ -382,8 +410,9 @@ class AsyncLLM:
             times.recorded = True
             req = seq.request
             queue = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time else None
+            kw = {"ttft_s": times.first_token - req.arrival_time} if times.first_token is not None else {}
             self.stat_logger.on_finished(seq.finish_reason, now - req.arrival_time, queue,
-                                         req.num_prompt_tokens, req.num_output_tokens)
+                                         req.num_prompt_tokens, req.num_output_tokens, **kw)
 
     def _maybe_log(self, msg) -> None:
         self._log_tokens[0] += msg.num_prompt_tokens

@@ -86,8 +86,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.engine_core = EngineCore(config)
         t2 = time.perf_counter()
-        logger.info("start-up: tokenizer %.2f s, engine core %.2f s (%s)", t1 - t0, t2 - t1,
-                    self.engine_core.startup_breakdown())
+        logger.info("start-up: tokenizer %.2f s, engine core %.2f s (%s); quantization %s", t1 - t0, t2 - t1,
+                    self.engine_core.startup_breakdown(), mc.quantization or "none")
         self.engine_core.structured_output_manager.tokenizer = self.tokenizer  # share, don't reload
         self.vocab_size = mc.hf_config.vocab_size
         self.eos_token_id: Optional[int] = resolve_eos_token_id(self.tokenizer, mc.hf_config)

@@ -18,6 +18,10 @@ Adding a subcommand (e.g. ``serve``) is one function: write ``_register_serve(su
 that adds a parser and ``set_defaults(func=...)``, and append it to ``SUBCOMMANDS``. The
 ``func`` gets the parsed namespace and returns an exit status (int) or None (= 0).
 
+Every parser is a ``KVServeArgumentParser``: no prefix matching of long flags (``--max-num-seq``
+is an error, not ``--max-num-seqs``), and an unknown flag is reported by the subcommand it was
+given to, with its usage and the closest flag names (``difflib``).
+
 Errors the engine raises for bad input (``ValueError``, ``FileNotFoundError``) are printed
 as one line ``error: ...`` on stderr and the process exits with status 2, no traceback.
 """
@@ -25,6 +29,7 @@ as one line ``error: ...`` on stderr and the process exits with status 2, no tra
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import sys
@@ -35,6 +40,51 @@ from kvserve.engine.arg_utils import EngineArgs, add_engine_args
 
 #: Exit status for usage errors and engine errors caused by the user's input.
 EXIT_USAGE = 2
+
+
+# --------------------------------------------------------------------------- parser
+
+class KVServeArgumentParser(argparse.ArgumentParser):
+    """``ArgumentParser`` with ``allow_abbrev=False`` (a flag is matched in full only, as a
+    typo must not silently become another flag), whose ``parse_args`` reports unknown flags
+    from the deepest subcommand given, with its usage and a close-match suggestion. Subparsers
+    inherit the class (``add_subparsers`` uses ``type(self)``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self.selected_subparser(ns)
+            target.error(unrecognized_message(target, extras))
+        return ns
+
+    def selected_subparser(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the deepest subcommand named in ``ns`` (``self`` without one)."""
+        parser: argparse.ArgumentParser = self
+        while True:
+            act = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(ns, act.dest, None) if act is not None else None
+            if name not in (act.choices if act is not None else {}):
+                return parser
+            parser = act.choices[name]
+
+
+def unrecognized_message(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """``"unrecognized arguments: --max-num-seq 4 (did you mean --max-num-seqs?)"``: each unknown
+    flag of ``extras`` gets its closest flags of ``parser`` (``difflib.get_close_matches``)."""
+    options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for tok in extras:
+        if not tok.startswith("--"):
+            continue
+        close = difflib.get_close_matches(tok.split("=", 1)[0], options, n=2, cutoff=0.6)
+        if close:
+            hints.append(f"{tok.split('=', 1)[0]}: did you mean {' or '.join(close)}?")
+    msg = f"unrecognized arguments: {' '.join(extras)}"
+    return msg + (f" ({'; '.join(hints)})" if hints else "")
 
 
 # --------------------------------------------------------------------------- engine flags
@@ -222,8 +272,10 @@ def run_chat(ns: argparse.Namespace) -> int:
 def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     from kvserve.bench import BENCH_SUBCOMMANDS
 
-    p = subparsers.add_parser("bench", help="Benchmarks (throughput).",
-                              description="Benchmarks of the engine.")
+    p = subparsers.add_parser(
+        "bench", help="Benchmarks: offline throughput / latency / accuracy, and serve (an HTTP load "
+                      "generator with vLLM's `bench serve` flags).",
+        description="Benchmarks of the engine (throughput, latency, accuracy) and of a running server (serve).")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for register in BENCH_SUBCOMMANDS:
         register(sub)
@@ -270,6 +322,9 @@ def _register_plan_kv(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="Requests whose filling blocks int4/int2 keep exact (their bytes come off the budget).")
     p.add_argument("--reference", default="bfloat16", help="The dtype the ratios are relative to.")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="The model dtype, in which int4/int2 keep the filling blocks exact (auto: what `kvserve "
+                        "serve --dtype auto` picks on this machine) (default: %(default)s).")
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     p.set_defaults(func=run_plan_kv)
 
@@ -288,11 +343,18 @@ def run_plan_kv(ns: argparse.Namespace) -> int:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtypes = [get_kv_format(d).name for d in ns.kv_cache_dtype] if ns.kv_cache_dtype else None
+    model_dtype = getattr(ns, "dtype", "auto")
+    if model_dtype == "auto":
+        import torch
+
+        from kvserve.engine.arg_utils import resolve_auto_dtype
+
+        model_dtype = resolve_auto_dtype("cuda" if torch.cuda.is_available() else "cpu", cfg)
     rows = plan_kv(cfg.num_hidden_layers, kv_heads, head_dim, int(ns.gpu_memory * 2**30), ns.max_model_len,
-                   ns.block_size, dtypes, get_kv_format(ns.reference).name, ns.max_num_seqs)
+                   ns.block_size, dtypes, get_kv_format(ns.reference).name, ns.max_num_seqs, model_dtype)
     if ns.json:
         print(json.dumps({"model": path, "num_layers": cfg.num_hidden_layers, "num_kv_heads": kv_heads,
-                          "head_dim": head_dim, "gpu_memory_gib": ns.gpu_memory, "max_model_len": ns.max_model_len,
+                          "head_dim": head_dim, "model_dtype": model_dtype, "gpu_memory_gib": ns.gpu_memory, "max_model_len": ns.max_model_len,
                           "rows": rows_as_dicts(rows)}, indent=2))
     else:
         print(f"{os.path.basename(path)}: {cfg.num_hidden_layers} layers x {kv_heads} KV heads x {head_dim}, "
@@ -344,7 +406,7 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``kvserve`` parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = KVServeArgumentParser(
         prog="kvserve", description="kvserve: a small LLM inference engine built around the KV cache.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

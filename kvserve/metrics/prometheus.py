@@ -6,15 +6,21 @@ Every metric carries the label ``model_name``. Each ``PrometheusStatLogger`` own
 Exposed families (counters get the ``_total`` suffix in the text format):
 
 * histograms (seconds): ``kvserve:time_to_first_token_seconds``,
-  ``kvserve:inter_token_latency_seconds``, ``kvserve:e2e_request_latency_seconds``,
-  ``kvserve:request_queue_time_seconds`` (arrival to first scheduling)
+  ``kvserve:inter_token_latency_seconds``, ``kvserve:time_per_output_token_seconds`` (vLLM's
+  name for the same per-token intervals), ``kvserve:request_time_per_output_token_seconds``
+  (per finished request: (e2e - TTFT) / (output tokens - 1), the TPOT of benchmarks),
+  ``kvserve:e2e_request_latency_seconds``, ``kvserve:request_queue_time_seconds`` (arrival to
+  first scheduling)
 * gauges: ``kvserve:num_requests_running``, ``kvserve:num_requests_waiting`` (engine
   sequences, so a request with n=2 counts twice), ``kvserve:kv_cache_usage_perc``
   (fraction of KV blocks held by live requests, 0..1, as in vLLM)
 * counters: ``kvserve:prefix_cache_queries`` / ``kvserve:prefix_cache_hits`` (tokens),
-  ``kvserve:num_preemptions``, ``kvserve:prompt_tokens`` / ``kvserve:generation_tokens``
-  (tokens computed), ``kvserve:request_success`` (completions finished, label
-  ``finished_reason``: stop | length | abort)
+  ``kvserve:num_preemptions``, ``kvserve:prompt_tokens`` (every prompt token of each prefilled
+  request, cached ones included, as vLLM), ``kvserve:prompt_tokens_by_source`` (label ``source``:
+  ``local_compute`` | ``local_cache_hit``, vLLM's), ``kvserve:prompt_tokens_cached``,
+  ``kvserve:prompt_tokens_computed`` (prompt tokens the steps computed, recompute after
+  preemption included), ``kvserve:generation_tokens``, ``kvserve:request_success``
+  (completions finished, label ``finished_reason``: stop | length | abort)
 * API-server gauges (set by ``attach_frontend``): ``kvserve:num_requests_admitted``
   (engine sequences the server admitted and still serves), ``kvserve:frontend_unfinished_requests``
   (requests the engine client still tracks); counter ``kvserve:num_requests_rejected_total``
@@ -52,6 +58,9 @@ _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  10.0, 20.0, 40.0, 80.0, 160.0]
 _ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                 20.0, 40.0, 80.0]
+# vLLM's buckets of time_per_output_token_seconds / request_time_per_output_token_seconds.
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0]
 _E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0]
 _XFER_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -92,7 +101,16 @@ class PrometheusStatLogger(StatLogger):
         self.pc_recompute_hits = counter("prefix_cache_recompute_hits",
                                          "Tokens a preempted request found cached on its own recompute.")
         self.preemptions = counter("num_preemptions", "Preemptions of running sequences.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recompute included).")
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token (each interval between "
+                         "tokens of one completion), seconds.", _TPOT_BUCKETS)
+        self.request_tpot = hist("request_time_per_output_token_seconds", "Per finished completion: (e2e - "
+                                 "TTFT) / (output tokens - 1), seconds.", _TPOT_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of prefilled requests, cached ones included.")
+        self.prompt_by_source = Counter("kvserve:prompt_tokens_by_source", "Prompt tokens by source: "
+                                        "local_compute | local_cache_hit.", ["model_name", "source"], registry=r)
+        self.prompt_cached = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
+        self.prompt_computed = counter("prompt_tokens_computed", "Prompt tokens computed by the steps "
+                                                                 "(recompute after preemption included).")
         self.gen_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = Counter("kvserve:request_success", "Completions finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
@@ -196,7 +214,7 @@ class PrometheusStatLogger(StatLogger):
                 self._tier_last[key] = max(tier.get(key, 0), self._tier_last.get(key, 0))
             self.tier_usage.set(tier.get("blocks_used", 0) / max(tier.get("blocks_total", 1), 1))
         if num_prompt_tokens > 0:
-            self.prompt_tokens.inc(num_prompt_tokens)
+            self.prompt_computed.inc(num_prompt_tokens)
         if num_generation_tokens > 0:
             self.gen_tokens.inc(num_generation_tokens)
 
@@ -221,10 +239,20 @@ class PrometheusStatLogger(StatLogger):
 
     def on_inter_token(self, itl_s: float) -> None:
         self.itl.observe(max(itl_s, 0.0))
+        self.tpot.observe(max(itl_s, 0.0))
+
+    def on_prefill_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        cached = min(max(num_cached_tokens, 0), num_prompt_tokens)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_cached.inc(cached)
+        self.prompt_by_source.labels(self.model_name, "local_cache_hit").inc(cached)
+        self.prompt_by_source.labels(self.model_name, "local_compute").inc(num_prompt_tokens - cached)
 
     def on_finished(self, finish_reason: str, e2e_s: float, queue_s: Optional[float],
-                    num_prompt_tokens: int, num_generation_tokens: int) -> None:
+                    num_prompt_tokens: int, num_generation_tokens: int, ttft_s: Optional[float] = None) -> None:
         self.e2e.observe(max(e2e_s, 0.0))
+        if ttft_s is not None and num_generation_tokens > 1:
+            self.request_tpot.observe(max(e2e_s - ttft_s, 0.0) / (num_generation_tokens - 1))
         if queue_s is not None:
             self.queue.observe(max(queue_s, 0.0))
         self.success.labels(self.model_name, finish_reason).inc()

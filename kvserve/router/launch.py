@@ -4,8 +4,8 @@
 producer and M consumer ``kvserve serve`` processes on free loopback ports (``--kv-transfer-config``
 with ``P2PKVConnector``, ``kv_role`` ``kv_producer`` / ``kv_consumer``, ``kv_port`` 0), waits for
 their ``/health``, checks ``GET /v1/kv_transfer`` on each (roles, equal ``kv_layout`` on both sides:
-a clear error otherwise) and then serves the router on ``--port``. ``--prefill 0 --decode 0
---replicas K`` starts K plain replicas behind the router (colocated mode). Unknown flags go to
+a clear error otherwise) and then serves the router on ``--port``. ``--replicas K`` (alone, or
+with ``--prefill 0 --decode 0``) starts K plain replicas behind the router (colocated mode). Unknown flags go to
 every worker (engine flags). ``--kv-transport tcp|nixl`` picks the P/D workers' KV transport.
 
 GPUs: on a host with several GPUs each worker gets its own (``--worker-gpus``, default ``auto``:
@@ -175,9 +175,12 @@ def validate_pd(children: list[Child]) -> None:
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     from kvserve.router.app import add_router_args
 
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="Prefill (producer) workers.")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="Decode (consumer) workers.")
-    p.add_argument("--replicas", type=int, default=0, metavar="K", help="Colocated replicas (with --prefill 0 --decode 0).")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="Prefill (producer) workers (default: 1, or 0 with --replicas).")
+    p.add_argument("--decode", type=int, default=None, metavar="M",
+                   help="Decode (consumer) workers (default: 1, or 0 with --replicas).")
+    p.add_argument("--replicas", type=int, default=0, metavar="K",
+                   help="Colocated replicas: K plain workers behind the router (--prefill / --decode then default to 0).")
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--grace", type=float, default=10.0, metavar="S", help="SIGTERM -> SIGKILL delay for workers.")
     p.add_argument("--log-dir", default=None, help="One log file per worker here (default: inherit stdout).")
@@ -220,6 +223,25 @@ def register_launch_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def resolve_worker_counts(ns) -> bool:
+    """Fill in ``ns.prefill`` / ``ns.decode`` (default 1 each, 0 each with ``--replicas K`` alone) and
+    check the counts; returns True for P/D, False for colocated replicas. Raises ValueError."""
+    if min(ns.prefill or 0, ns.decode or 0, ns.replicas) < 0:
+        raise ValueError("--prefill, --decode and --replicas must be >= 0")
+    if ns.replicas and ns.prefill is None and ns.decode is None:
+        ns.prefill = ns.decode = 0  # `--replicas K` alone: colocated mode
+    ns.prefill = 1 if ns.prefill is None else ns.prefill
+    ns.decode = 1 if ns.decode is None else ns.decode
+    pd = ns.prefill > 0 or ns.decode > 0
+    if pd and (ns.prefill == 0 or ns.decode == 0):
+        raise ValueError("P/D needs --prefill >= 1 and --decode >= 1 (or --replicas K for colocated mode)")
+    if pd and ns.replicas:
+        raise ValueError("--replicas is for colocated mode (no --prefill / --decode, or both 0)")
+    if not pd and ns.replicas == 0:
+        raise ValueError("give --replicas K with --prefill 0 --decode 0")
+    return pd
+
+
 def run_launch(ns, extra: Optional[list[str]] = None) -> int:
     """``kvserve launch``. ``extra``: the workers' MODEL and engine flags (default: from ``ns.argv``).
     ValueError (exit 2) for bad counts or a failed validation."""
@@ -229,15 +251,7 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
     if extra is None:
         argv = list(getattr(ns, "argv", None) or [])
         extra = worker_argv(argv[argv.index("launch") + 1:] if "launch" in argv else argv)
-    if ns.prefill < 0 or ns.decode < 0 or ns.replicas < 0:
-        raise ValueError("--prefill, --decode and --replicas must be >= 0")
-    pd = ns.prefill > 0 or ns.decode > 0
-    if pd and (ns.prefill == 0 or ns.decode == 0):
-        raise ValueError("P/D needs --prefill >= 1 and --decode >= 1 (or --prefill 0 --decode 0 --replicas K)")
-    if pd and ns.replicas:
-        raise ValueError("--replicas is for colocated mode (--prefill 0 --decode 0)")
-    if not pd and ns.replicas == 0:
-        raise ValueError("give --replicas K with --prefill 0 --decode 0")
+    pd = resolve_worker_counts(ns)
     if ns.log_dir:
         os.makedirs(ns.log_dir, exist_ok=True)
     base = ["--disable-access-log", "--uvicorn-log-level", "warning"] + extra

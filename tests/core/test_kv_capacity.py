@@ -46,7 +46,22 @@ def test_plan_kv_takes_the_exact_filling_blocks_off_the_budget():
     rows = {r.kv_cache_dtype: r for r in plan_kv(32, 8, 128, budget, 8192, max_num_seqs=256)}
     per_request = 2 * 2 * 16 * 8 * 128 * 2 * 32
     assert per_request * 256 == 2**30
-    assert rows["int4"].residual_bytes == rows["int2"].residual_bytes == 2**30
+    # 256 requests' slots plus the allocator's scratch slot (kvserve/attention/kv_residual.py)
+    assert rows["int4"].residual_bytes == rows["int2"].residual_bytes == 2**30 + per_request
     assert rows["fp8_e4m3"].residual_bytes == rows["bfloat16"].residual_bytes == 0
-    assert rows["int4"].tokens == ((budget - 2**30) // ((32768 + 2048) * 16)) * 16
+    assert rows["int4"].tokens == ((budget - 2**30 - per_request) // ((32768 + 2048) * 16)) * 16
     assert rows["int4"].vs_reference >= 3.5 and rows["int2"].vs_reference >= 6.0
+
+
+def test_plan_kv_residual_is_what_the_worker_allocates():
+    """plan-kv and the allocator size the exact filling blocks with one function, in the model
+    dtype: a float32 model keeps twice the bytes of a bfloat16 one (the 180 vs 361 MiB gap)."""
+    from kvserve.attention import kv_residual
+    from kvserve.core import kv_capacity
+
+    assert kv_residual.residual_bytes_per_layer is kv_capacity.residual_bytes_per_layer
+    bf16 = {r.kv_cache_dtype: r for r in plan_kv(30, 3, 64, 2**30, 2048, dtypes=["int4"], max_num_seqs=256)}
+    f32 = {r.kv_cache_dtype: r for r in plan_kv(30, 3, 64, 2**30, 2048, dtypes=["int4"], max_num_seqs=256,
+                                                model_dtype="float32")}
+    assert f32["int4"].residual_bytes == 2 * bf16["int4"].residual_bytes
+    assert f32["int4"].residual_bytes == 30 * kv_residual.residual_bytes_per_layer(256, 16, 3, 64, 4)

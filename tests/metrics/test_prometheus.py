@@ -46,7 +46,7 @@ def test_values_from_hooks():
     assert _value(t, "kvserve:prefix_cache_queries_total") == 160
     assert _value(t, "kvserve:prefix_cache_hits_total") == 70
     assert _value(t, "kvserve:num_preemptions_total") == 1
-    assert _value(t, "kvserve:prompt_tokens_total") == 50
+    assert _value(t, "kvserve:prompt_tokens_computed_total") == 50  # step counts: tokens computed
     assert _value(t, "kvserve:generation_tokens_total") == 4
     assert _value(t, "kvserve:time_to_first_token_seconds_count") == 1
     assert _value(t, "kvserve:e2e_request_latency_seconds_sum") == 3.5
@@ -62,3 +62,24 @@ def test_bounded_kv_eviction_counters():
     text = m.render().decode()
     assert _value(text, "kvserve:kv_evicted_blocks_total") == 5
     assert _value(text, "kvserve:kv_evicted_tokens_total") == 80
+
+
+def test_prompt_tokens_count_cached_ones_and_tpot():
+    """vLLM's meanings: prompt_tokens_total counts every prompt token of a prefilled request (cached
+    ones included), split by source; TPOT per interval and per request."""
+    m = PrometheusStatLogger("m")
+    m.on_prefill_done(100, 60)
+    m.on_prefill_done(10, 0)
+    m.on_step(SchedulerStatsMsg(), 50, 2)  # tokens the steps computed
+    m.on_inter_token(0.02)
+    m.on_finished("stop", 1.2, 0.0, 100, 11, ttft_s=0.2)  # (1.2 - 0.2) / 10 = 0.1 s per token
+    t = m.render().decode()
+    assert _value(t, "kvserve:prompt_tokens_total") == 110
+    assert _value(t, "kvserve:prompt_tokens_cached_total") == 60
+    assert 'kvserve:prompt_tokens_by_source_total{model_name="m",source="local_cache_hit"} 60.0' in t
+    assert 'kvserve:prompt_tokens_by_source_total{model_name="m",source="local_compute"} 50.0' in t
+    assert _value(t, "kvserve:prompt_tokens_computed_total") == 50
+    assert "# TYPE kvserve:time_per_output_token_seconds histogram" in t
+    assert _value(t, "kvserve:time_per_output_token_seconds_sum") == 0.02
+    assert abs(_value(t, "kvserve:request_time_per_output_token_seconds_sum") - 0.1) < 1e-9
+    assert 'kvserve:request_time_per_output_token_seconds_bucket{le="0.1",model_name="m"} 1.0' in t

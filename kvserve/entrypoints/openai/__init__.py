@@ -12,6 +12,8 @@ import argparse
 def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``serve`` subcommand: server flags plus every engine flag."""
     from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.entrypoints.openai.reasoning_parsers import reasoning_parser_names
+    from kvserve.entrypoints.openai.tool_parsers import tool_parser_names
 
     p = subparsers.add_parser(
         "serve", help="Serve the model over an OpenAI-compatible HTTP API.",
@@ -70,8 +72,22 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help='Allow tool_choice "auto" (the default when a request has tools): the model '
                         "writes freely and --tool-call-parser finds the calls (vLLM's flag). Without it, "
                         '"auto" is a 400; "required", "none" and named functions always work.')
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="How tool calls are read from the text under tool_choice auto (vLLM's names).")
+    g.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="How tool calls are read from the text under tool_choice auto (vLLM's names): "
+                        "hermes (Hermes, Qwen2.5, Qwen3), llama3_json, deepseek_v3, openai (gpt-oss harmony).")
+    g.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                   help="Split the model's reasoning from its answer into message.reasoning_content (and "
+                        "delta.reasoning_content when streaming), vLLM's names: qwen3, deepseek_r1, openai_gptoss.")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="Default sampling fields (temperature, top_p, top_k, min_p, repetition_penalty; "
+                        "max_new_tokens as the max_tokens cap) from generation_config.json: 'auto' next to the "
+                        "model, a FOLDER's, or 'vllm' for none. A request's own fields win (default: %(default)s).")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Accepted for vLLM command lines; no effect: kvserve implements each architecture "
+                        "itself and never imports Python code from a checkpoint.")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="Accepted for vLLM command lines; no effect: kvserve never logs request contents "
+                        "(per-request access lines: --disable-access-log).")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_serve)
     return p

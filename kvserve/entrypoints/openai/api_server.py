@@ -164,7 +164,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
               protect_metrics: bool = False, allowed_hosts: Optional[list[str]] = None,
               default_max_tokens: Optional[int] = None,
               max_tokenize_concurrency: int = DEFAULT_MAX_CONCURRENCY, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
+              tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+              generation_defaults: Optional[dict] = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (already started) under ``served_model_names``.
 
     ``stat_logger``: a ``PrometheusStatLogger`` for ``/metrics`` (404 there if None).
@@ -176,6 +177,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     ``default_max_tokens``: cap on a chat completion's tokens when the client gives no
     ``max_tokens`` (None: the rest of the context, as vLLM).
     ``max_tokenize_concurrency``: tokenizations running at once, off the event loop.
+    ``tool_call_parser`` / ``reasoning_parser``: parser names (ValueError listing the known ones).
+    ``generation_defaults``: request-field defaults (``generation_config.load_generation_defaults``).
     ``app.state`` holds ``engine``, ``draining`` (bool), ``inflight`` (requests being served),
     ``admission`` (the ``Admission`` gate) and ``tokenizer_pool``.
     """
@@ -203,6 +206,19 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     for serving in (completion, chat):
         serving.tokenizer_pool, serving.default_max_tokens = pool, default_max_tokens
     chat.enable_auto_tool_choice, chat.tool_call_parser = enable_auto_tool_choice, tool_call_parser
+    if tool_call_parser is not None:
+        from kvserve.entrypoints.openai.tool_parsers import get_tool_parser
+
+        get_tool_parser(tool_call_parser)  # ValueError naming the choices, at start-up
+    if reasoning_parser is not None:
+        from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+        chat.reasoning_parser = get_reasoning_parser(reasoning_parser)
+    gen = dict(generation_defaults or {})
+    for serving in (completion, chat):
+        serving.generation_defaults = {k: v for k, v in gen.items() if k != "max_tokens"}
+        if default_max_tokens is None and "max_tokens" in gen:
+            serving.default_max_tokens = gen["max_tokens"]
     if stat_logger is not None and hasattr(stat_logger, "attach_frontend"):
         stat_logger.attach_frontend(lambda: admission.admitted, lambda: admission.rejected,
                                     engine.num_unfinished)
@@ -213,6 +229,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
+        body_err = body_format_error(errs, request.headers.get("content-type"))
+        if body_err is not None:
+            return _json_error(body_err)
         parts, param = [], None
         for e in errs[:3]:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -323,6 +342,25 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     return app
 
 
+def body_format_error(errors: list[dict], content_type: Optional[str]) -> Optional[APIError]:
+    """A 400 that says how to fix a body that is not JSON (``param`` null): a malformed body
+    (FastAPI's ``json_invalid`` error, with the decoder's message and character position) or a
+    body sent without ``Content-Type: application/json`` (FastAPI then validates the raw
+    bytes). None for other validation errors."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        why = (first.get("ctx") or {}).get("error") or "JSON decode error"
+        where = f" at character {loc[0]}" if loc else ""
+        return APIError(400, f"the request body is not valid JSON: {why}{where}")
+    ct = (content_type or "").split(";", 1)[0].strip().lower()
+    if ct != "application/json" and not ct.endswith("+json"):
+        got = f"got Content-Type {content_type!r}" if content_type else "no Content-Type header was sent"
+        return APIError(400, f"the request body must be JSON sent with the header `Content-Type: application/json` "
+                             f"({got})")
+    return None
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket before the model loads, so a busy port fails in
     milliseconds. Raises OSError("cannot listen on HOST:PORT: ...")."""
@@ -342,6 +380,27 @@ def default_model_name(model: Optional[str]) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     return model
+
+
+def ready_line(model_name: str, host: str, port: int) -> str:
+    """``"kvserve ready: serving NAME at http://HOST:PORT/v1"`` (IPv6 hosts in brackets; a
+    wildcard bind address shown as itself: the server answers on every interface)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"kvserve ready: serving {model_name} at http://{shown}:{port}/v1"
+
+
+def check_parsers_and_generation_config(ns: argparse.Namespace) -> None:
+    """Start-up checks of ``--tool-call-parser``, ``--reasoning-parser`` and ``--generation-config``:
+    ValueError naming the flag and the choices."""
+    from kvserve.entrypoints.openai.generation_config import check_generation_config
+    from kvserve.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from kvserve.entrypoints.openai.tool_parsers import get_tool_parser
+
+    if getattr(ns, "tool_call_parser", None):
+        get_tool_parser(ns.tool_call_parser)
+    if getattr(ns, "reasoning_parser", None):
+        get_reasoning_parser(ns.reasoning_parser)
+    check_generation_config(getattr(ns, "generation_config", None))
 
 
 async def serve_async(ns: argparse.Namespace) -> int:
@@ -364,6 +423,7 @@ async def serve_async(ns: argparse.Namespace) -> int:
     if allowed_hosts is None:
         allowed_hosts = default_allowed_hosts(api_key, ns.host)
     stat_logger = PrometheusStatLogger(names[0])
+    check_parsers_and_generation_config(ns)  # before the (slow) engine start
     engine_args = EngineArgs(**EngineArgs.from_cli_args(ns))
     stall = getattr(ns, "engine_stall_timeout", None)
     duration = getattr(ns, "max_request_duration", None)
@@ -371,6 +431,12 @@ async def serve_async(ns: argparse.Namespace) -> int:
                                              engine_stall_timeout=stall if stall and stall > 0 else None,
                                              max_request_duration=duration if duration and duration > 0 else None)
     stat_logger.set_engine_info(engine.config, engine.num_blocks)
+    from kvserve.entrypoints.openai.generation_config import load_generation_defaults
+
+    gen_defaults = load_generation_defaults(getattr(ns, "generation_config", "auto"), engine.model_path)
+    if gen_defaults:
+        logger.info("default sampling from the model's generation_config.json (--generation-config %s): %s; "
+                    "a request's own fields win", getattr(ns, "generation_config", "auto"), gen_defaults)
     engine_died = False
     server = None
     try:
@@ -384,7 +450,9 @@ async def serve_async(ns: argparse.Namespace) -> int:
                         default_max_tokens=getattr(ns, "default_max_tokens", None),
                         max_tokenize_concurrency=getattr(ns, "max_tokenize_concurrency", DEFAULT_MAX_CONCURRENCY),
                         enable_auto_tool_choice=getattr(ns, "enable_auto_tool_choice", False),
-                        tool_call_parser=getattr(ns, "tool_call_parser", None))
+                        tool_call_parser=getattr(ns, "tool_call_parser", None),
+                        reasoning_parser=getattr(ns, "reasoning_parser", None),
+                        generation_defaults=gen_defaults)
         # lifespan="off": the app has no startup/shutdown hooks (the engine is started above), and
         # an idle lifespan task would be cancelled at exit with a spurious traceback.
         # timeout_graceful_shutdown: uvicorn's own wait for connections, once we decided to stop.
@@ -404,11 +472,19 @@ async def serve_async(ns: argparse.Namespace) -> int:
             await asyncio.sleep(ENGINE_DEAD_EXIT_DELAY_S)
             server.should_exit = True
 
+        async def announce_ready() -> None:
+            """One line once uvicorn accepts connections: where to send requests."""
+            while not server.started:
+                await asyncio.sleep(0.05)
+            logger.info("%s", ready_line(names[0], ns.host, ns.port))
+
         wd = asyncio.create_task(watchdog(), name="kvserve-engine-watchdog")
+        ready = asyncio.create_task(announce_ready(), name="kvserve-ready-line")
         try:
             await server.serve(sockets=[sock])
         finally:
             wd.cancel()
+            ready.cancel()
     finally:
         sock.close()
         await engine.shutdown(timeout=server.time_left() if server is not None else 10.0)

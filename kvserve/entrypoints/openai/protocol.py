@@ -124,8 +124,8 @@ class _SamplingFields(OpenAIBaseModel):
     # ``{"do_remote_decode": true}``; decode leg: the prefill response's ``kv_transfer_params``.
     kv_transfer_params: Optional[dict[str, Any]] = None
     # SGLang's fields that sglang-router adds to every request it forwards (docs/disaggregation.md):
-    # accepted at the values kvserve's behaviour matches, a 400 otherwise. No reasoning parser
-    # here, so the reasoning switches change nothing.
+    # accepted at the values kvserve's behaviour matches, a 400 otherwise. With --reasoning-parser,
+    # separate_reasoning=false leaves the reasoning in the content; stream_reasoning changes nothing.
     no_stop_trim: Literal[False] = False
     return_hidden_states: Literal[False] = False
     continue_final_message: Literal[False] = False

@@ -14,7 +14,9 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from kvserve.engine.async_client import AsyncLLM
 from kvserve.entrypoints.openai import protocol as P
+from kvserve.entrypoints.openai.chat_output import ChatOutputParser, stream_parsed_chat
 from kvserve.entrypoints.openai.errors import APIError
+from kvserve.entrypoints.openai.generation_config import apply_generation_defaults
 from kvserve.entrypoints.openai.sse import merge, sse
 from kvserve.entrypoints.openai.tool_stream import stream_tool_chat, tool_message
 from kvserve.entrypoints.openai.tools import resolve_tool_mode, template_tools, tool_structured_outputs
@@ -95,6 +97,8 @@ class OpenAIServing:
 
     tokenizer_pool = None
     default_max_tokens: Optional[int] = None
+    #: Request-field defaults from ``--generation-config`` (``generation_config``).
+    generation_defaults: dict = {}
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], admission: Optional[Admission] = None,
                  max_n: int = 16) -> None:
@@ -223,6 +227,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(req.model)
         self.engine.check_alive()
         self.check_n(req.n)
+        apply_generation_defaults(req, self.generation_defaults)
         prompts = req.prompts()
         self.check_kv_transfer(req, len(prompts))
         pool = self.tokenizer_pool
@@ -350,11 +355,20 @@ class OpenAIServingChat(OpenAIServing):
     #: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (set by the app).
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
+    #: ``--reasoning-parser``: a ``ReasoningParser`` or None (set by the app).
+    reasoning_parser = None
+
+    def _prompt_opened(self, ids: list[int]) -> bool:
+        """Whether the prompt ends inside a reasoning block (the template opened ``<think>``)."""
+        marker = getattr(self.reasoning_parser, "open_marker", "")
+        tok = self.engine.tokenizer
+        return bool(marker and tok is not None and tok.decode(ids[-4:]).rstrip().endswith(marker))
 
     async def create(self, req: P.ChatCompletionRequest, is_disconnected=None) -> Union[dict, AsyncIterator[str]]:
         self.check_model(req.model)
         self.engine.check_alive()
         self.check_n(req.n)
+        apply_generation_defaults(req, self.generation_defaults)
         mode = resolve_tool_mode(req, self.enable_auto_tool_choice, self.tool_call_parser)
         tools = template_tools(req, mode)
         pool = self.tokenizer_pool
@@ -370,12 +384,18 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tool_choice {mode.kind!r} cannot be combined with response_format / "
                                     "structured_outputs", "tool_choice")
             sp.structured_outputs = forced
+        rp = self.reasoning_parser if req.separate_reasoning else None
+        parsed = ChatOutputParser(rp, mode, self._prompt_opened(ids)) if ChatOutputParser.applies(rp, mode) else None
+        if parsed is not None and parsed.needs_special_tokens:
+            sp.skip_special_tokens = False  # the parser's markers are special tokens
         self.engine.validate(ids, sp, req.priority)
         ticket = self.admission.admit(req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = self.engine.generate(ids, sp, rid, priority=req.priority, delta=bool(req.stream),
                                    cache_salt=req.cache_salt)
         if req.stream:
+            if parsed is not None:
+                return _released(stream_parsed_chat(self, req, rid, gen, len(ids), sp, parsed), ticket)
             if mode.active:
                 return _released(stream_tool_chat(self, req, rid, gen, len(ids), sp, mode), ticket)
             return _released(self._stream(req, rid, gen, ids, sp), ticket)
@@ -395,7 +415,8 @@ class OpenAIServingChat(OpenAIServing):
         for co in out.outputs:
             lp = P.chat_logprobs(tok, co.token_ids, co.logprobs or [], sp.logprobs or 0) \
                 if sp.logprobs is not None else None
-            message, finish = tool_message(mode, co.text, co.finish_reason)
+            message, finish = (parsed.message(co.text, co.finish_reason) if parsed is not None
+                               else tool_message(mode, co.text, co.finish_reason))
             choice = {"index": co.index, "message": message,
                       "logprobs": lp, "finish_reason": finish, "stop_reason": co.stop_reason}
             if req.return_token_ids:

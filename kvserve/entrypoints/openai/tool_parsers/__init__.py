@@ -7,7 +7,7 @@ there the rest is held back and parsed when the output ends, then sent as tool-c
 
 from __future__ import annotations
 
-from kvserve.entrypoints.openai.tool_parsers import hermes, llama3_json  # noqa: F401  (register)
+from kvserve.entrypoints.openai.tool_parsers import deepseek_v3, gpt_oss, hermes, llama3_json  # noqa: F401  (register)
 from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ToolCall,
     ToolParser,

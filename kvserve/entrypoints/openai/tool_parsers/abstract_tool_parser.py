@@ -1,6 +1,6 @@
 """The tool-call parser interface, its result record and the parsers' registry.
 
-Parsers (``hermes``, ``llama3_json``) import this module and register themselves;
+Parsers (``hermes``, ``llama3_json``, ``deepseek_v3``, ``openai``) import this module and register themselves;
 ``kvserve.entrypoints.openai.tool_parsers`` imports them all and looks them up by name.
 """
 
@@ -32,6 +32,10 @@ class ToolParser:
     one is plain text."""
 
     start_markers: tuple[str, ...] = ()
+    #: The markers are special tokens: detokenize with ``skip_special_tokens=False``.
+    needs_special_tokens = False
+    #: Reads a whole harmony output (gpt-oss channels) rather than content after a marker.
+    harmony = False
 
     def extract(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
         """``(content or None, calls)``; no calls when the text holds none (or only broken ones)."""
