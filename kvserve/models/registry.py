@@ -58,4 +58,11 @@ def validate_model_config(hf_config: Any, max_model_len: int) -> None:
 
     cls = get_model_class(hf_config)
     with torch.device("meta"):
-        cls(hf_config, torch.float32, max_model_len=max_model_len)
+        model = cls(hf_config, torch.float32, max_model_len=max_model_len)
+    from kvserve.models.moe_stats import describe_parameters
+
+    line = describe_parameters(model)  # MoE models: total and active parameters per token
+    if line:
+        import logging
+
+        logging.getLogger("kvserve").info(line)
