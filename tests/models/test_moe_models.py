@@ -251,3 +251,14 @@ def test_expert_load_metrics():
     assert 'kvserve:moe_expert_tokens_total{expert="0",model_name="m"} 10.0' in t
     assert 'kvserve:moe_expert_tokens_total{expert="3",model_name="m"} 5.0' in t
     assert 'kvserve:moe_expert_load_imbalance{model_name="m"} 3.0' in t  # deltas [6, 0, 1, 1]: 6 / 2
+
+
+def test_expert_parallel_flag_is_ignored_for_a_dense_model(caplog):
+    from transformers import LlamaConfig
+
+    from kvserve.engine.arg_utils import check_tensor_parallel
+
+    cfg = LlamaConfig(**COMMON, intermediate_size=96, architectures=["LlamaForCausalLM"])
+    with caplog.at_level("INFO", logger="kvserve"):
+        check_tensor_parallel(cfg, 2, "cpu", enable_expert_parallel=True)
+    assert "LlamaForCausalLM has no experts; ignored" in caplog.text
