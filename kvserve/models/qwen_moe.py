@@ -190,7 +190,7 @@ class MoeModel(LlamaModel):
 
 # Per-expert checkpoint tensors: (prefix, expert, projection); the projection -> FusedMoE shard.
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_STACKED_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED_RE = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _SHARD = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 _HF_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -325,16 +325,17 @@ class MoeForCausalLM(LlamaForCausalLM):
         if m.re is _EXPERT_RE:
             expert, shard = int(m.group(2)), _SHARD[m.group(3)]
             parts = [(expert, shard, tensor)]
-        else:  # stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+        else:  # stacked: gate_up_proj [E, 2I, H] (gate rows first), gate/up_proj [E, I, H], down_proj [E, H, I]
             e, i, h = moe.num_experts, moe.intermediate_size, moe.hidden_size
-            want = (e, 2 * i, h) if m.group(2) == "gate_up_proj" else (e, h, i)
+            proj = m.group(2)
+            want = {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}.get(proj, (e, i, h))
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{hf_name!r}: checkpoint shape {tuple(tensor.shape)}, expected {want}")
-            if m.group(2) == "gate_up_proj":
+            if proj == "gate_up_proj":
                 parts = [(x, s, tensor[x, j * i:(j + 1) * i]) for x in moe.local_experts
                          for j, s in enumerate(("w1", "w3"))]
             else:
-                parts = [(x, "w2", tensor[x]) for x in moe.local_experts]
+                parts = [(x, _SHARD[proj], tensor[x]) for x in moe.local_experts]
         for expert, shard, t in parts:
             param = moe.w2 if shard == "w2" else moe.w13
             try:

@@ -262,3 +262,95 @@ def test_expert_parallel_flag_is_ignored_for_a_dense_model(caplog):
     with caplog.at_level("INFO", logger="kvserve"):
         check_tensor_parallel(cfg, 2, "cpu", enable_expert_parallel=True)
     assert "LlamaForCausalLM has no experts; ignored" in caplog.text
+
+
+def _write_gguf(arch: str, cfg, state: dict, path: str) -> None:
+    """A float32 GGUF with llama.cpp's names: experts stacked ``[E, ...]`` (``ffn_*_exps``), the
+    router ``ffn_gate_inp``; Mixtral as ``llama`` with ``expert_count`` (q/k rows permuted)."""
+    import re
+
+    import gguf
+    import numpy as np
+
+    llama = arch == "mixtral"
+    w = gguf.GGUFWriter(path, "llama" if llama else "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(cfg.num_local_experts if llama else cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if not llama:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    experts: dict[tuple, dict] = {}
+    for name, t in state.items():
+        t = t.float()
+        m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(m.group(3), "down")
+            experts.setdefault((int(m.group(1)), kind), {})[int(m.group(2))] = t
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.(.*)\.weight$", name)
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            out = "output.weight"
+        elif m.group(2) in ("mlp.gate", "block_sparse_moe.gate"):
+            out = f"blk.{m.group(1)}.ffn_gate_inp.weight"
+        else:
+            out = f"blk.{m.group(1)}.{names[m.group(2)]}.weight"
+            if llama and m.group(2) in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's rope row order
+                n = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                t = t.reshape(n, 2, t.shape[0] // n // 2, -1).transpose(1, 2).reshape(t.shape)
+        w.add_tensor(out, t.numpy())
+    for (layer, kind), per in experts.items():
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([per[e].numpy() for e in sorted(per)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_with_llama_cpp_moe_names_equals_transformers(moe_checkpoint, tmp_path, monkeypatch):
+    arch, path, hf, state = moe_checkpoint
+    if arch == "qwen2_moe":
+        pytest.skip("Qwen3-MoE (qwen3moe) and Mixtral (llama + expert_count) cover the GGUF names")
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    if arch == "qwen3_moe":  # llama.cpp's qwen3moe has no mlp_only_layers: every layer sparse
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(_config(arch, mlp_only_layers=[]), dtype=torch.float32).eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.08)
+        hf.save_pretrained(tmp_path / "hf")
+        from kvserve.model_loader.hf_loader import iterate_safetensors
+
+        state = dict(iterate_safetensors(str(tmp_path / "hf")))
+    file = str(tmp_path / f"{arch}.gguf")
+    _write_gguf(arch, hf.config, state, file)
+    llm = LLM(model=file, skip_tokenizer_init=True, dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
+              disable_log_stats=True)
+    try:
+        assert type(llm.llm_engine.engine_core.model_runner.model).__name__ == hf.config.architectures[0]
+        outs = llm.generate(ROUND1[:2], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for p, o in zip(ROUND1, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, o.outputs[0].token_ids)
