@@ -55,6 +55,7 @@ pd-transfer:200:P/D KV transfer on one GPU, tcp and NIXL: GB/s and TTFT vs recom
 serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
+moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -133,6 +134,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       for t in tcp nixl; do UCX_PROTO_INFO=y py $B/pd_transfer.py --transport $t --out "$d"; done ;;
     serve-sweep) OUT=$d SWEEP_SKIP_WHEELS=1 PYTHONPATH=$SITE:$SRC bash $B/gpu_serve_sweep.sh ;;
     tp) py $B/gpu_tensor_parallel.py --out "$d" ;;
+    moe-ep) py $B/gpu_moe_parallel.py --out "$d" ;;
     pd)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;
