@@ -76,14 +76,14 @@ _NEUTRAL = {
 _KNOWN_MOE_FIELDS = {"moe_intermediate_size"}
 
 
-def check_moe_config(cfg: Any, spec: MoeSpec, arch: str, shared_fields: tuple[str, ...] = ()) -> None:
+def check_moe_config(cfg: Any, spec: MoeSpec, arch: str, implemented: tuple[str, ...] = ()) -> None:
     """Refuse a config this decoder would run wrongly (ValueError naming the field).
 
     ``num_experts_per_tok`` above the experts (or below 1), a non-SwiGLU ``hidden_act``,
     ``decoder_sparse_step`` below 1, and MoE fields other families use that change inference
     (``_NEUTRAL`` at a non-neutral value, an unknown ``moe_*`` field). Training-only fields
     (``output_router_logits``, ``router_aux_loss_coef``, ``router_jitter_noise``) are ignored:
-    they do not change inference. ``shared_fields``: fields of ``_NEUTRAL`` this family implements.
+    they do not change inference. ``implemented``: fields of ``_NEUTRAL`` this family implements.
     """
     if spec.num_experts < 0:
         raise ValueError(f"{arch}: the number of experts must be >= 0, got {spec.num_experts}")
@@ -97,14 +97,14 @@ def check_moe_config(cfg: Any, spec: MoeSpec, arch: str, shared_fields: tuple[st
     if step is not None and step < 1:
         raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")
     for name, neutral in _NEUTRAL.items():
-        if name in shared_fields or not hasattr(cfg, name):
+        if name in implemented or not hasattr(cfg, name):
             continue
         value = getattr(cfg, name)
         if value not in neutral:
             raise ValueError(f"{arch}: config field {name}={value!r} is not implemented by kvserve's {arch} "
                              f"(it would change the routing or the expert layout)")
     for name in vars(cfg):
-        if name.startswith("moe_") and name not in _KNOWN_MOE_FIELDS:
+        if name.startswith("moe_") and name not in _KNOWN_MOE_FIELDS and name not in _NEUTRAL:
             raise ValueError(f"{arch}: config field {name}={getattr(cfg, name)!r} is not implemented by kvserve")
 
 
