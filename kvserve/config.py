@@ -193,6 +193,10 @@ class ParallelConfig:
               "process per rank on this machine, fed each step as serialized data; default for several ranks) "
               "or ray (one Ray actor per rank, on the nodes of a Ray cluster: RAY_ADDRESS or a local one).",
         choices=["uni", "mp", "ray"])
+    enable_expert_parallel: bool = doc(
+        False, "Mixture-of-experts models: split the experts whole over the tensor-parallel ranks (each rank "
+               "holds experts / tensor_parallel_size of them) instead of splitting every expert's intermediate "
+               "dimension; attention stays tensor parallel. Ignored (logged) for a dense model.")
 
     @property
     def world_size(self) -> int:

@@ -58,6 +58,7 @@ pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput
 pd4:590:four GPUs (nvidia-h200-x4): P/D 1+3 and 2+2 vs 4 colocated replicas (pd_goodput.py)
 moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..4096 vs weight-read roofline (gpu_moe.py)
 moe:420:MoE models, dummy weights: Qwen3-30B-A3B batch-1 decode + ISL/OSL 1000/1000, gpt-oss-20b (gpu_moe.py)
+moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -140,6 +141,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-590} - 30 )) --modes pd-1x3,pd-2x2,colocated-4 \
         --rates 16,32,48 --duration 15 ${PDG_ARGS:-} ;;
+    moe-ep) py $B/gpu_moe_parallel.py --out "$d" ;;
     pd)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;

@@ -173,6 +173,8 @@ class ModelRunnerOutput:
             summed over the step's queries, layers and heads (probabilities, so a step adds at most
             ``queries * layers * heads``).
         kv_connector_output: a KV connector's finished transfers (``KVConnectorOutput``), or None.
+        moe_expert_tokens: mixture-of-experts models: tokens routed to each expert since start,
+            summed over the layers (``kvserve.models.moe_stats``); None when not read this step.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -181,6 +183,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[dict[int, tuple[float, int]]]]] = field(default_factory=dict)
     kv_block_mass: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
     kv_connector_output: Optional[KVConnectorOutput] = None
+    moe_expert_tokens: Optional[list[int]] = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

@@ -96,6 +96,7 @@ class EngineArgs:
     # ParallelConfig
     tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
     distributed_executor_backend: Optional[str] = _from(ParallelConfig, "distributed_executor_backend")
+    enable_expert_parallel: bool = _from(ParallelConfig, "enable_expert_parallel")
     # JSON-valued configs (vLLM's flags)
     speculative_config: Optional[str] = _arg(
         None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
@@ -211,7 +212,7 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         tp = self.tensor_parallel_size
-        check_tensor_parallel(hf_config, tp, device)
+        check_tensor_parallel(hf_config, tp, device, self.enable_expert_parallel)
         executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
         if executor not in ("uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be uni, mp or ray, got {executor!r}")
@@ -282,7 +283,7 @@ class EngineArgs:
         )
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
-            parallel_config=ParallelConfig(self.tensor_parallel_size, executor),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel),
             attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu")),
             device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),
             observability_config=ObservabilityConfig(self.disable_log_stats, self.log_stats_interval),
@@ -321,18 +322,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return EngineArgs.add_cli_args(parser)
 
 
-def check_tensor_parallel(hf_config: Any, tp: int, device: str) -> None:
-    """Raise ValueError when ``tp`` ranks cannot split this model (heads, KV heads, MLP width)
+def check_tensor_parallel(hf_config: Any, tp: int, device: str, enable_expert_parallel: bool = False) -> None:
+    """Raise ValueError when ``tp`` ranks cannot split this model (heads, KV heads, MLP width;
+    a model's own ``check_parallel``: MoE experts, split whole under ``enable_expert_parallel``)
     or exceed the visible GPUs."""
     from kvserve.distributed import kv_head_range
+    from kvserve.models.registry import get_model_class
 
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if enable_expert_parallel and not hasattr(get_model_class(hf_config), "check_parallel"):
+        import logging
+
+        logging.getLogger("kvserve").info("--enable-expert-parallel: %s has no experts; ignored",
+                                          get_model_class(hf_config).__name__)
     if tp == 1:
         return
-    from kvserve.models.registry import get_model_class
-
     cls = get_model_class(hf_config)
+    if hasattr(cls, "check_parallel"):
+        cls.check_parallel(hf_config, tp, enable_expert_parallel)
     if not getattr(cls, "supports_tensor_parallel", False):
         raise ValueError(f"{cls.__name__} does not support tensor parallelism yet (tensor_parallel_size {tp})")
     heads = hf_config.num_attention_heads

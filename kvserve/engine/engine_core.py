@@ -123,6 +123,8 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
+        # MoE models: tokens routed per expert since start (summed over layers), as last read.
+        self.moe_expert_tokens: Optional[list[int]] = None
 
     def startup_breakdown(self) -> str:
         """``"model X s, KV cache Y s"``: where start-up went (model load, cache + graphs)."""
@@ -226,6 +228,8 @@ class EngineCore:
 
     def _update(self, sched: SchedulerOutput, runner_out) -> EngineCoreOutputs:
         updated = self.scheduler.update_from_output(sched, runner_out)
+        if getattr(runner_out, "moe_expert_tokens", None) is not None:
+            self.moe_expert_tokens = runner_out.moe_expert_tokens
         outs = EngineCoreOutputs(num_prompt_tokens=sched.num_prompt_tokens)
         n_gen = 0
         for req, toks, lps in updated:

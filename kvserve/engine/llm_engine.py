@@ -69,6 +69,7 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    moe_expert_tokens: Optional[list] = None  # MoE: tokens routed per expert (summed over layers), as last read
 
 
 class LLMEngine:
@@ -197,6 +198,7 @@ class LLMEngine:
         s.num_accepted_tokens = ss.num_accepted_tokens
         s.num_accepted_tokens_per_pos = ss.num_accepted_tokens_per_pos
         s.num_running, s.num_waiting = ss.num_running, ss.num_waiting
+        s.moe_expert_tokens = getattr(self.engine_core, "moe_expert_tokens", None)
         now = time.monotonic()
         dt = now - self._last_log
         if self.config.disable_log_stats or dt < self.config.log_stats_interval:

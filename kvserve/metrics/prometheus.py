@@ -34,6 +34,10 @@ Exposed families (counters get the ``_total`` suffix in the text format):
 * KV transfer between engines (``P2PKVConnector``): ``kvserve:kv_transfer_bytes_total``,
   ``kvserve:kv_transfer_requests_total``, ``kvserve:kv_transfer_failures_total`` and the
   ``kvserve:kv_transfer_seconds`` histogram (per transfer, seconds)
+* mixture-of-experts models: counter ``kvserve:moe_expert_tokens_total`` (label ``expert``: tokens
+  routed to each expert, summed over the MoE layers; a token counts once per selected expert
+  per layer) and gauge ``kvserve:moe_expert_load_imbalance`` (max / mean of the per-expert tokens
+  routed since the previous update: 1.0 is perfectly balanced)
 * the API process's own ``process_*`` metrics (``process_resident_memory_bytes``, ...),
   when the ``registry`` is private (the default)
 """
@@ -151,6 +155,11 @@ class PrometheusStatLogger(StatLogger):
                                          "Requests the engine client still waits on.")
         self.rejected = counter("num_requests_rejected", "Requests rejected with 429 (queue full).")
         self._rejected_seen = 0
+        self.moe_expert_tokens = Counter("kvserve:moe_expert_tokens", "MoE: tokens routed to each expert, summed "
+                                         "over the MoE layers.", ["model_name", "expert"], registry=r)
+        self.moe_imbalance = gauge("moe_expert_load_imbalance", "MoE: max / mean tokens per expert since the "
+                                                                "previous update (1.0: balanced).")
+        self._moe_last: list[int] = []
 
     def set_engine_info(self, config: Any, num_blocks: int) -> None:
         """``kvserve:engine_config_info`` (value 1, as vLLM's ``cache_config_info``): the KV
@@ -213,10 +222,23 @@ class PrometheusStatLogger(StatLogger):
                     c.inc(delta)
                 self._tier_last[key] = max(tier.get(key, 0), self._tier_last.get(key, 0))
             self.tier_usage.set(tier.get("blocks_used", 0) / max(tier.get("blocks_total", 1), 1))
+        moe = getattr(stats, "moe_expert_tokens", None)
+        if moe:
+            self._on_expert_tokens(list(moe))
         if num_prompt_tokens > 0:
             self.prompt_computed.inc(num_prompt_tokens)
         if num_generation_tokens > 0:
             self.gen_tokens.inc(num_generation_tokens)
+
+    def _on_expert_tokens(self, counts: list[int]) -> None:
+        last = self._moe_last if len(self._moe_last) == len(counts) else [0] * len(counts)
+        delta = [max(c - p, 0) for c, p in zip(counts, last)]
+        for e, d in enumerate(delta):
+            if d:
+                self.moe_expert_tokens.labels(self.model_name, str(e)).inc(d)
+        if sum(delta):
+            self.moe_imbalance.set(max(delta) * len(delta) / sum(delta))
+        self._moe_last = [max(c, p) for c, p in zip(counts, last)]
 
     def _on_transfer_stats(self, s: dict) -> None:
         last = self._xfer_last

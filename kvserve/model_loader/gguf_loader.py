@@ -25,6 +25,16 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts (qwen3moe, qwen2moe, llama with expert_count = Mixtral): the router,
+    # experts stacked [E, ...], Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma 3 (sandwich norms): llama.cpp's names for its four per-layer norms.
 _GEMMA3_LAYER_NAMES = {
@@ -157,14 +167,45 @@ def load_gguf_config(path: str) -> Any:
             return config
         except Exception:  # an unreadable cache entry: rebuild it below
             pass
-    open_gguf(path)  # validate first so corrupt files give a clear ValueError
-    config = AutoConfig.from_pretrained(d, gguf_file=name)
+    reader = open_gguf(path)  # validate first so corrupt files give a clear ValueError
+    config = _moe_config(AutoConfig.from_pretrained(d, gguf_file=name), reader)
     tmp = f"{cached}.{os.getpid()}.tmp"
     try:  # write then rename: concurrent start-ups never read half a file
         config.save_pretrained(tmp)
         os.replace(tmp, cached)
     except OSError:  # a read-only cache, or another process won the rename: only costs time
         shutil.rmtree(tmp, ignore_errors=True)
+    return config
+
+
+def _scalar(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.parts[field.data[0]][0].item()
+
+
+def _moe_config(config: Any, reader: Any) -> Any:
+    """Fill in the MoE fields transformers' GGUF config leaves out: the expert (and shared
+    expert) intermediate sizes of ``qwen3moe`` / ``qwen2moe``; a ``llama`` file with
+    ``llama.expert_count`` is Mixtral (llama.cpp writes Mixtral as llama) and becomes a
+    ``MixtralConfig``."""
+    arch = gguf_architecture(reader)
+    experts = _scalar(reader, f"{arch}.expert_count")
+    if not experts:
+        return config
+    if arch in ("qwen3moe", "qwen2moe"):
+        config.num_experts = int(experts)
+        ffn = _scalar(reader, f"{arch}.expert_feed_forward_length")
+        if ffn:
+            config.moe_intermediate_size = int(ffn)
+        shared = _scalar(reader, f"{arch}.expert_shared_feed_forward_length")
+        if shared and arch == "qwen2moe":
+            config.shared_expert_intermediate_size = int(shared)
+    elif arch == "llama":
+        from transformers import MixtralConfig
+
+        d = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+        d.update(num_local_experts=int(experts), num_experts_per_tok=int(_scalar(reader, "llama.expert_used_count")))
+        config = MixtralConfig(**d)
     return config
 
 
@@ -220,6 +261,8 @@ def iterate_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]
         w = dequantize_tensor(t.data, t.tensor_type)
         if gemma and name.endswith("norm.weight"):
             w = w - 1
+        if name.endswith(".shared_expert_gate.weight") and w.dim() == 1:
+            w = w.unsqueeze(0)  # llama.cpp stores Qwen2-MoE's [1, H] gate as [H]
         if permute and ".self_attn.q_proj." in name:
             w = reverse_permute(w, n_heads)
         elif permute and ".self_attn.k_proj." in name:

@@ -48,13 +48,15 @@ def _sliding_window_in_use(cfg: Any, layer_idx: int) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 qkv_bias: bool | None = None, qk_norm: bool | None = None) -> None:
         super().__init__()
         tp = get_tp_size()
         total_heads = cfg.num_attention_heads
         total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = _head_dim(cfg)
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        bias = bias if qkv_bias is None else qkv_bias  # other families (MoE) say it themselves
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv, bias, dtype)
         # This rank's heads (all of them with one rank).
         self.num_heads = total_heads // tp
@@ -62,7 +64,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, bias=False, dtype=dtype)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type == "qwen3" if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps).to(dtype)

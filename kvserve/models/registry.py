@@ -9,6 +9,8 @@ from torch import nn
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.gpt_oss import GptOssForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.mixtral import MixtralForCausalLM
+from kvserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,12 +19,16 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -55,4 +61,11 @@ def validate_model_config(hf_config: Any, max_model_len: int) -> None:
 
     cls = get_model_class(hf_config)
     with torch.device("meta"):
-        cls(hf_config, torch.float32, max_model_len=max_model_len)
+        model = cls(hf_config, torch.float32, max_model_len=max_model_len)
+    from kvserve.models.moe_stats import describe_parameters
+
+    line = describe_parameters(model)  # MoE models: total and active parameters per token
+    if line:
+        import logging
+
+        logging.getLogger("kvserve").info(line)

@@ -63,6 +63,9 @@ class ModelRunner:
         apply_cpu_threads(config.device_config.cpu_threads)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.device)
+        from kvserve.models.moe_stats import ExpertLoadReader
+
+        self.expert_load = ExpertLoadReader.for_model(self.model)  # None for a dense model
         bind_attention(self.model, self.backend)
         for spec in set(self.get_kv_cache_spec().values()):
             self.backend.validate_spec(spec)

@@ -84,6 +84,9 @@ class AsyncModelRunnerOutput:
                     pos += len(d) + 1
         for rid, toks in out.sampled_token_ids.items():
             batch.append_tokens(rid, toks)
+        load = getattr(runner, "expert_load", None)
+        if load is not None and not self.poll:
+            out.moe_expert_tokens = load.maybe_read()
         if runner.proposer is not None and out.sampled_token_ids:
             out.draft_token_ids = runner.propose(list(out.sampled_token_ids))
         return out
