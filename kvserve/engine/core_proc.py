@@ -116,7 +116,7 @@ class EngineCoreProc:
                                  s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                                  list(s.num_accepted_tokens_per_pos),
                                  s.num_recomputed_tokens, s.kv_connector_stats,
-                                 s.num_evicted_blocks, s.num_evicted_tokens)
+                                 s.num_evicted_blocks, s.num_evicted_tokens, self.core.kv_events_stats())
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""

@@ -98,6 +98,7 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     kv_tier: Optional[dict[str, float]] = None  # the KV connector's counters (tiers), cumulative
     num_evicted_blocks: int = 0  # cumulative: blocks freed by bounded-KV eviction (streaming / h2o)
     num_evicted_tokens: int = 0  # cumulative: their token slots
+    kv_events: Optional[dict[str, int]] = None  # KV events published / dropped, cumulative (--kv-events-config)
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
