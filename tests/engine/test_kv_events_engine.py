@@ -246,3 +246,15 @@ def test_busy_port_fails_at_start_up(model_dir, engine):
     with pytest.raises(ValueError, match="cannot open endpoint"):
         LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", kv_events_config=cfg,
             num_gpu_blocks_override=8, max_model_len=16, disable_log_stats=True)
+
+
+def test_published_and_dropped_counters_reach_prometheus():
+    from kvserve.engine.ipc import SchedulerStatsMsg
+    from kvserve.metrics.prometheus import PrometheusStatLogger
+
+    m = PrometheusStatLogger("m")
+    m.on_step(SchedulerStatsMsg(kv_events={"published": 5, "dropped": 0}), 0, 0)
+    m.on_step(SchedulerStatsMsg(kv_events={"published": 12, "dropped": 3}), 0, 0)
+    text = m.render().decode()
+    assert 'kvserve:kv_events_published_total{model_name="m"} 12.0' in text
+    assert 'kvserve:kv_events_dropped_total{model_name="m"} 3.0' in text

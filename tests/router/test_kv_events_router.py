@@ -171,3 +171,58 @@ def test_silent_worker_falls_back_to_the_approximate_tree(engines):
         assert policy.choose("plain text", _cands()).reason.startswith("fallback_no_token_ids")
     finally:
         hub.close()
+
+
+def test_launch_gives_each_worker_its_event_ports():
+    from kvserve.router.launch import Child, kv_events_args
+
+    kids = [Child(f"replica{i}", "worker", ["--dtype", "float32"], 8100 + i, None) for i in range(2)]
+    specs = kv_events_args(kids)
+    seen = set()
+    for c, spec in zip(kids, specs):
+        assert c.args[:2] == ["--dtype", "float32"] and c.args[2] == "--kv-events-config"
+        cfg = json.loads(c.args[3])
+        url, ep, replay = parse_endpoint_spec(spec)
+        assert url == c.url and cfg["enable_kv_cache_events"] and cfg["endpoint"].startswith("tcp://*:")
+        assert ep.rsplit(":", 1)[1] == cfg["endpoint"].rsplit(":", 1)[1]
+        assert replay.rsplit(":", 1)[1] == cfg["replay_endpoint"].rsplit(":", 1)[1]
+        seen |= {ep, replay}
+    assert len(seen) == 4  # own ports per worker
+
+
+def test_router_takes_token_ids_from_a_worker_tokenize():
+    import asyncio
+
+    import httpx
+
+    from kvserve.router.common import RouterConfig
+    from kvserve.router.metrics import RouterMetrics
+    from kvserve.router.proxy import Router
+    from kvserve.router.workers import WorkerRegistry
+
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append((str(request.url), json.loads(request.content)))
+        return httpx.Response(200, json={"tokens": [5, 6, 7], "count": 3, "max_model_len": 64})
+
+    async def go():
+        reg = WorkerRegistry(3, 5.0)
+        reg.add("http://w0:1", "worker")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            r = Router(RouterConfig(policy="kv_events"), reg, RouterMetrics(), client)
+            try:
+                chat = await r._routing_ids("chat", {"messages": [{"role": "user", "content": "hi"}], "model": "m"},
+                                            {}, "worker")
+                text = await r._routing_ids("completions", {"prompt": "hi"}, {}, "worker")
+                ids = await r._routing_ids("completions", {"prompt": [1, 2, 3]}, {}, "worker")
+                batch = await r._routing_ids("completions", {"prompt": ["a", "b"]}, {}, "worker")
+            finally:
+                r.kv_event_hub.close()
+        return chat, text, ids, batch
+
+    chat, text, ids, batch = asyncio.run(go())
+    assert chat == text == [5, 6, 7] and ids == [1, 2, 3] and batch is None
+    assert asked[0] == ("http://w0:1/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "add_generation_prompt": True, "model": "m"})
+    assert asked[1][1] == {"prompt": "hi"} and len(asked) == 2
