@@ -107,6 +107,11 @@ class EngineCoreProc:
             self._handle(self.decoder.decode(frame.buffer))
             n += 1
 
+    def _kv_events_stats(self):
+        """The KV event publisher's counters (None when off, or for a core without one)."""
+        f = getattr(self.core, "kv_events_stats", None)
+        return f() if f is not None else None
+
     def _stats(self):
         from kvserve.engine.ipc import SchedulerStatsMsg
 
@@ -116,7 +121,7 @@ class EngineCoreProc:
                                  s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                                  list(s.num_accepted_tokens_per_pos),
                                  s.num_recomputed_tokens, s.kv_connector_stats,
-                                 s.num_evicted_blocks, s.num_evicted_tokens, self.core.kv_events_stats())
+                                 s.num_evicted_blocks, s.num_evicted_tokens, self._kv_events_stats())
 
     def run_once(self, block: bool = True) -> bool:
         """One loop iteration; returns False when the loop should stop."""
