@@ -316,7 +316,8 @@ def add_router_args(p: argparse.ArgumentParser, workers: bool = True) -> None:
     p.add_argument("--kv-events-stale-after", type=float, default=10.0, metavar="S",
                    help="kv_events: seconds a worker sent uncached blocks may publish no event before the "
                         "approximate cache_aware tree decides (its events count as stopped).")
-    p.add_argument("--kv-events-topic", default="", help="kv_events: the workers' event topic (--kv-events-config topic).")
+    p.add_argument("--kv-events-topic", default="",
+                   help="kv_events: the workers' event topic (--kv-events-config topic).")
     p.add_argument("--long-prompt-threshold", type=int, default=0, metavar="TOKENS",
                    help="Prompts of at least this many tokens (estimated as characters / 4) go to --prefill-long "
                         "(0: off).")

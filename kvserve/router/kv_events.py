@@ -21,14 +21,16 @@ Decision (``KVEventsPolicy.choose``): with a load imbalance (the ``cache_aware``
 least-loaded worker; else the worker with the most leading blocks cached when they cover at
 least ``cache_threshold`` of the prompt (ties: the less loaded); else the least-loaded one.
 Fallback: the approximate ``cache_aware`` policy (its tree is fed with every decision, so it is
-warm) decides when the request has no token ids, when a candidate has no event endpoint or has
-sent no event yet, or when a worker that was sent uncached blocks published nothing for
-``stale_after`` seconds (its publisher or the subscription is down).
+warm) decides when the request has no token ids, when a candidate has no event endpoint, when
+no worker has sent an event yet, or when a worker that was sent uncached blocks published
+nothing for ``stale_after`` seconds (its publisher or the subscription is down). A worker that
+has published nothing holds nothing (the subscriber replays from 0 when it starts).
 
 Wire tolerance: events decode from the map form (current vLLM, kvserve) and the positional
 array form (vLLM before its PR #42892). A gap in the sequence numbers is filled from the
 worker's replay endpoint when it has one (also asked from 0 when the subscriber starts, so a
-router that joins late learns what the worker already holds).
+router that joins late learns what the worker already holds); a live batch numbered 0 after
+others means the worker restarted, and its index starts afresh.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ class WorkerBlockIndex:
         self.last_event: Optional[float] = None  # monotonic time of the last batch
         self.expect_since: Optional[float] = None  # first decision since then that expects new blocks
         self.num_unlinked = 0  # stored events whose parent was unknown (missed events)
+
+    def reset(self) -> None:
+        """Forget everything (the worker's publisher restarted: its cache is new)."""
+        with self.lock:
+            self.by_hash.clear()
+            self.keys.clear()
+            self.last_seq = None
 
     def apply_batch(self, payload: bytes) -> None:
         """Apply one msgpack ``KVEventBatch`` (``[ts, events, dp_rank]``). Raises ValueError if malformed."""
@@ -225,6 +234,10 @@ class KVEventSubscriber(threading.Thread):
                 if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 seq = int.from_bytes(frames[1], "big")
+                if seq == 0 and self.index.last_seq is not None:
+                    # A publisher numbers from 0 when it starts: the worker restarted, its cache is empty.
+                    logger.info("KV events from %s: the publisher restarted; index reset", self.endpoint)
+                    self.index.reset()
                 last = self.index.last_seq
                 want = 0 if last is None else last + 1
                 if seq > want and self.replay_endpoint is not None:
@@ -297,15 +310,19 @@ class KVEventsPolicy(Policy):
     def _fallback_reason(self, ids, candidates: Sequence[Candidate], now: float) -> Optional[str]:
         if not ids:
             return "no_token_ids"
-        for c in candidates:
-            idx = self.hub.indexes.get(c.url)
-            if idx is None:
-                return "no_endpoint"
-            if idx.block_size is None:
-                return "no_events_yet"
-            if idx.expect_since is not None and now - idx.expect_since > self.stale_after:
-                return "events_stale"
+        idxs = [self.hub.indexes.get(c.url) for c in candidates]
+        if any(idx is None for idx in idxs):
+            return "no_endpoint"
+        if self._block_size(idxs) is None:
+            return "no_events_yet"
+        if any(idx.expect_since is not None and now - idx.expect_since > self.stale_after for idx in idxs):
+            return "events_stale"
         return None
+
+    @staticmethod
+    def _block_size(idxs) -> Optional[int]:
+        """The block size the events carry (one model behind the router); None before any event."""
+        return next((idx.block_size for idx in idxs if idx.block_size is not None), None)
 
     def choose(self, text: str, candidates: Sequence[Candidate]) -> Decision:
         ids = getattr(text, "token_ids", None)
@@ -315,7 +332,7 @@ class KVEventsPolicy(Policy):
             d = self.approx.choose(text, candidates)
             self._expect(d.url, ids, 0, now)
             return Decision(d.url, d.matched_chars, f"fallback_{why}")
-        bs = self.hub.indexes[candidates[0].url].block_size
+        bs = self._block_size([self.hub.indexes[c.url] for c in candidates])
         keys = block_keys(ids, bs, getattr(text, "salt", None))
         matched = {c.url: self.hub.indexes[c.url].match(keys) for c in candidates}
         loads = [c.load for c in candidates]

@@ -314,7 +314,7 @@ class Router(StreamRelay):
         if authorization:  # the client's API key goes to the workers as is
             headers["authorization"] = authorization
         pd = self.registry.mode() == "pd"
-        if self.kv_event_hub is not None:
+        if self.kv_event_hub is not None and self.kv_event_hub.indexes:
             text = RoutingText(text, await self._routing_ids(route, body, headers, "prefill" if pd else "worker"),
                                body.get("cache_salt"))
         stream = bool(body.get("stream"))

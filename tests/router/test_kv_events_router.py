@@ -117,9 +117,9 @@ def test_returning_conversations_go_to_their_engine(engines):
     try:
         policy = KVEventsPolicy(hub, stale_after=30.0, cache_threshold=0.5)
         _wait(lambda: hub.indexes[URLS[0]].block_size is not None)
-        # Engine 1 has sent nothing yet: the approximate tree decides.
-        d = policy.choose(RoutingText("c1", conv[1]), _cands())
-        assert d.reason == "fallback_no_events_yet"
+        # Engine 1 has published nothing: it holds nothing; a new conversation goes to the least loaded.
+        d = policy.choose(RoutingText("c1", conv[1]), _cands((1, 0)))
+        assert (d.url, d.reason) == (URLS[1], "kv_miss")
         hist1 = _turn(engines[1][0], conv[1])
         _wait(lambda: hub.indexes[URLS[1]].block_size is not None)
 
@@ -162,6 +162,7 @@ def test_silent_worker_falls_back_to_the_approximate_tree(engines):
     try:
         policy = KVEventsPolicy(hub, stale_after=0.2)
         idx0, idx1 = hub.indexes[URLS[0]], hub.indexes[URLS[1]]
+        assert policy.choose(RoutingText("abc", list(range(3, 20))), _cands()).reason == "fallback_no_events_yet"
         idx1.block_size = idx0.block_size = BS  # as if both had published before
         d = policy.choose(RoutingText("abc", list(range(3, 20))), _cands((5, 0)))
         assert (d.url, d.reason) == (URLS[1], "kv_miss") and idx1.expect_since is not None
@@ -226,3 +227,31 @@ def test_router_takes_token_ids_from_a_worker_tokenize():
     assert asked[0] == ("http://w0:1/tokenize", {"messages": [{"role": "user", "content": "hi"}],
                                                   "add_generation_prompt": True, "model": "m"})
     assert asked[1][1] == {"prompt": "hi"} and len(asked) == 2
+
+
+def test_subscriber_follows_a_publisher_restart():
+    from kvserve.config import KVEventsConfig
+    from kvserve.core.kv_events import BlockStored, KVEventBatch
+    from kvserve.engine.kv_events import ZmqEventPublisher
+
+    port = free_port()
+    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+
+    def stored(h, toks):
+        return KVEventBatch(ts=time.time(), events=[BlockStored([h], None, toks, BS, None, "GPU", None)])
+
+    hub = KVEventHub({URLS[0]: (f"tcp://127.0.0.1:{port}", None)})
+    idx = hub.indexes[URLS[0]]
+    try:
+        for restart, toks in enumerate(([1, 2, 3, 4], [5, 6, 7, 8])):
+            pub = ZmqEventPublisher(cfg)
+            try:
+                time.sleep(0.5)  # the subscription reaches the new publisher
+                pub.publish(stored(11 + restart, toks))
+                assert pub.flush()
+                _wait(lambda: idx.match(block_keys(toks, BS)) == 1)
+            finally:
+                pub.shutdown()
+        assert idx.match(block_keys([1, 2, 3, 4], BS)) == 0 and len(idx.keys) == 1  # the old blocks are gone
+    finally:
+        hub.close()
