@@ -65,6 +65,22 @@ def metric(text: str, name: str, labels: str = "") -> float:
                if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line)
 
 
+def check_reset(workers: list[str]) -> list[dict]:
+    """``POST /reset_prefix_cache`` on each worker: one more event published (AllBlocksCleared)."""
+    out = []
+    for w in workers:
+        name = "kvserve:kv_events_published_total"
+        before = metric(httpx.get(w + "/metrics", timeout=10).text, name)
+        r = httpx.post(w + "/reset_prefix_cache", timeout=10)
+        end, after = time.monotonic() + 10, before
+        while after == before and time.monotonic() < end:
+            time.sleep(0.2)
+            after = metric(httpx.get(w + "/metrics", timeout=10).text, name)
+        out.append({"worker": w, "status": r.status_code, "events_published_before": before,
+                    "events_published_after": after})
+    return out
+
+
 def run_policy(policy: str, worker_args: list[str], ns, log_dir: str) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "launch", "--prefill", "0", "--decode", "0",
@@ -114,8 +130,11 @@ def run_policy(policy: str, worker_args: list[str], ns, log_dir: str) -> dict:
             if line.startswith("kvserve_router:routing_decisions_total{"):
                 reason = line.split('reason="', 1)[1].split('"', 1)[0]
                 reasons[reason] = reasons.get(reason, 0) + float(line.rsplit(" ", 1)[1])
-        return {"policy": policy, "hit_tokens": h1 - h0, "query_tokens": q1 - q0,
-                "hit_rate": (h1 - h0) / max(q1 - q0, 1), "decisions": reasons, "wall_s": round(wall, 2)}
+        out = {"policy": policy, "hit_tokens": h1 - h0, "query_tokens": q1 - q0,
+               "hit_rate": (h1 - h0) / max(q1 - q0, 1), "decisions": reasons, "wall_s": round(wall, 2)}
+        if policy == "kv_events":
+            out["reset"] = check_reset(workers)
+        return out
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -91,6 +91,9 @@ class EngineCoreProc:
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
+        elif isinstance(msg, ipc.ResetPrefixCache):
+            if not self.core.reset_prefix_cache():
+                logger.warning("reset_prefix_cache: requests hold KV blocks; nothing was reset")
 
     def _drain(self, block: bool) -> int:
         """Handle every queued input message; returns how many. Blocks up to IDLE_POLL_S if asked."""

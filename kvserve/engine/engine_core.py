@@ -232,6 +232,7 @@ class EngineCore:
             p.reset_prefix_cache()
         if self._kv_event_recorders:
             self.publish_kv_events()
+            self.kv_event_publisher.flush(1.0)  # rare: the stats sent next count the clear
         return True
 
     def _step(self) -> EngineCoreOutputs:

@@ -176,7 +176,7 @@ def test_events_rebuild_the_prefix_cache_and_replay(engine):
         assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored" and raw[2] == 0
 
         # reset_prefix_cache: AllBlocksCleared, and the consumer's set empties with the engine's.
-        assert core.reset_prefix_cache()
+        assert llm.reset_prefix_cache()
         assert core.kv_event_publisher.flush()
         last = _drain(sub)
         assert len(last) == 1 and last[0][0] == len(seen)
@@ -258,3 +258,43 @@ def test_published_and_dropped_counters_reach_prometheus():
     text = m.render().decode()
     assert 'kvserve:kv_events_published_total{model_name="m"} 12.0' in text
     assert 'kvserve:kv_events_dropped_total{model_name="m"} 3.0' in text
+
+
+def test_reset_message_of_the_server_path(engine):
+    """The API server's ``POST /reset_prefix_cache`` sends ``ResetPrefixCache`` to the engine-core
+    process: the core clears its cache, publishes ``AllBlocksCleared``, and the stats it sends back
+    count the published events."""
+    from kvserve.engine import ipc
+    from kvserve.engine.core_proc import EngineCoreProc
+
+    llm, pub, _ = engine
+    core = _core(llm)
+    llm.generate([_prompts()[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert core.kv_cache_manager.pool.cached
+    core.kv_event_publisher.flush()
+    before = core.kv_events_stats()["published"]
+    ctx = zmq.Context()
+    try:
+        sub = _subscriber(ctx, pub)
+        time.sleep(0.3)
+        in_addr, out_addr = ipc.make_ipc_paths()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        push.bind(in_addr)
+        pull.bind(out_addr)
+        proc = EngineCoreProc(core, in_addr, out_addr, ctx)
+        try:
+            push.send(ipc.input_encoder().encode(ipc.ResetPrefixCache()))
+            assert proc.run_once()
+            assert not core.kv_cache_manager.pool.cached
+            assert core.kv_event_publisher.flush()
+            (seq, payload), = _drain(sub)
+            assert [type(e).__name__ for e in DECODER.decode(payload).events] == ["VAllBlocksCleared"]
+            assert pull.poll(5000)
+            msg = ipc.output_decoder().decode(pull.recv())
+            assert msg.stats.kv_events["published"] == core.kv_events_stats()["published"] == before + 1
+        finally:
+            proc.in_sock.close(linger=0)
+            proc.out_sock.close(linger=0)
+            ipc.cleanup_ipc_paths(in_addr, out_addr)
+    finally:
+        ctx.destroy(linger=0)
