@@ -26,7 +26,6 @@ from collections import deque
 from typing import Optional
 
 import msgspec
-import zmq
 
 from kvserve.config import KVEventsConfig
 from kvserve.core.kv_events import KVEventBatch
@@ -81,6 +80,8 @@ class ZmqEventPublisher(EventPublisher):
     SHUTDOWN_TIMEOUT_S = 1.0
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        import zmq  # here: importing kvserve stays free of zmq
+
         super().__init__()
         self.config = config
         self.data_parallel_rank = data_parallel_rank
@@ -125,6 +126,8 @@ class ZmqEventPublisher(EventPublisher):
             self.num_dropped += len(batch.events)
 
     def _run(self) -> None:
+        import zmq
+
         enc = msgspec.msgpack.Encoder()
         q = self._queue
         while True:
