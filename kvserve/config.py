@@ -293,6 +293,69 @@ class KVTransferConfig:
         return cls(**d)
 
 
+#: ``--kv-events-config`` publishers (vLLM's names).
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events for KV-aware routers (``--kv-events-config`` JSON, vLLM's ``KVEventsConfig`` fields).
+
+    With ``enable_kv_cache_events`` and the ``zmq`` publisher, the engine core publishes, once per
+    step, the blocks its prefix cache stored and evicted (``kvserve.core.kv_events``) on a ZMQ PUB
+    socket; ``replay_endpoint`` (a ROUTER socket) resends the last ``buffer_steps`` batches to a
+    consumer that asks from a sequence number (docs/kv-events.md).
+    """
+
+    enable_kv_cache_events: bool = False  # publish block stored / removed / all-cleared events
+    publisher: Optional[str] = None  # "null" | "zmq"; unset: "zmq" if enabled, else "null"
+    endpoint: str = "tcp://*:5557"  # PUB address: binds with "*" / "::" / ipc:// / inproc://, else connects
+    replay_endpoint: Optional[str] = None  # ROUTER address (bound) answering replay requests
+    buffer_steps: int = 10_000  # batches (steps) kept for replay
+    hwm: int = 100_000  # ZMQ send high-water mark of the PUB socket (messages)
+    max_queue_size: int = 100_000  # batches queued for the publisher thread; past it batches are dropped
+    topic: str = ""  # first frame of every message; subscribers filter on it
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are collected and published (enabled and the ``zmq`` publisher)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVEventsConfig":
+        """Build from vLLM's JSON keys. Raises ValueError naming the field and what it accepts."""
+        known = [f for f in cls.__dataclass_fields__]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"unknown --kv-events-config keys: {unknown}; known: {', '.join(known)}")
+        en = d.get("enable_kv_cache_events", False)
+        if not isinstance(en, bool):
+            raise ValueError(f"--kv-events-config enable_kv_cache_events must be true or false, got {en!r}")
+        pub = d.get("publisher")
+        if pub is None:
+            pub = "zmq" if en else "null"
+        if pub not in KV_EVENTS_PUBLISHERS:
+            raise ValueError(f"--kv-events-config publisher must be one of {', '.join(KV_EVENTS_PUBLISHERS)}, "
+                             f"got {pub!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = d.get(name, cls.__dataclass_fields__[name].default)
+            if v is None and name == "replay_endpoint":
+                continue
+            if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"--kv-events-config {name} must be a ZMQ address tcp://HOST:PORT, ipc://PATH or "
+                                 f"inproc://NAME (e.g. tcp://*:5557), got {v!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = d.get(name, cls.__dataclass_fields__[name].default)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"--kv-events-config {name} must be an integer >= 1, got {v!r}")
+        if not isinstance(d.get("topic", ""), str):
+            raise ValueError(f"--kv-events-config topic must be a string, got {d.get('topic')!r}")
+        cfg = cls(**dict(d, publisher=pub))
+        if cfg.enabled and cfg.replay_endpoint == cfg.endpoint:
+            raise ValueError(f"--kv-events-config replay_endpoint must differ from endpoint ({cfg.endpoint})")
+        return cfg
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Which attention implementation serves the model's layers."""
@@ -330,6 +393,7 @@ class EngineConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: Optional[SpeculativeConfig] = None
     kv_transfer_config: Optional[KVTransferConfig] = None
+    kv_events_config: Optional[KVEventsConfig] = None
 
     # Shorthands for the resolved values read everywhere.
     @property

@@ -52,6 +52,7 @@ class BlockPool:
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
         self.num_evictions = 0
         self.prefix_cache = None  # the PrefixCache (radix tree) that registers through this pool
+        self.kv_events = None  # a KVEventRecorder (kvserve.core.kv_events) when KV events are published
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -89,6 +90,8 @@ class BlockPool:
                 if node is None:
                     self.num_evictions += 1
                     del self.cached[block.block_hash]
+                    if self.kv_events is not None:
+                        self.kv_events.removed(block.block_hash)
                     block.block_hash = None
                 elif not node.children:
                     # The usual case: the least recently freed block is a leaf of the tree.
@@ -96,6 +99,8 @@ class BlockPool:
                     remove_leaf(node)
                     block.node = None
                     del self.cached[block.block_hash]
+                    if self.kv_events is not None:
+                        self.kv_events.removed(block.block_hash)
                     block.block_hash = None
                 else:
                     fc[bid] = None
@@ -161,11 +166,15 @@ class BlockPool:
                 self.prefix_cache.remove_leaf(node)
                 block.node = None
             del self.cached[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block.block_hash)
             block.block_hash = None
             return
         # A node leaves the tree with its subtree (only non-leaves with held children get here).
         for b in self.prefix_cache.remove_subtree(block.node):
             del self.cached[b.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(b.block_hash)
             b.block_hash = None
             b.node = None
             if b is not block and b.block_id in self._free_cached:
@@ -186,6 +195,8 @@ class BlockPool:
         self._free_cached.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True
 
     def check_invariants(self) -> None:

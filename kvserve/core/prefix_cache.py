@@ -229,6 +229,7 @@ class PrefixCache:
         cached = pool.cached
         caching = pool.enable_caching
         seq = self._seq
+        events = pool.kv_events  # a KVEventRecorder, or None
         parent = None  # the node holding h_{i-1}, where known
         for i in range(start, end):
             block = blocks[i]
@@ -270,6 +271,8 @@ class PrefixCache:
                 else:
                     kids[t[0]] = [same, node]
             block.node = node
+            if events is not None:
+                events.stored(h, parent.block_hash, t, salt)
             parent = node
         self._seq = seq
 

@@ -24,6 +24,7 @@ from kvserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     ObservabilityConfig,
@@ -102,6 +103,10 @@ class EngineArgs:
         None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
     kv_transfer_config: Optional[str] = _arg(
         None, 'KV transfer as JSON: {"kv_connector": ..., "kv_role": "kv_producer|kv_consumer|kv_both"}.')
+    kv_events_config: Optional[str] = _arg(
+        None, 'KV cache events for KV-aware routers as JSON (vLLM\'s fields), e.g. \'{"enable_kv_cache_events": '
+              'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; '
+              'see docs/kv-events.md.')
     # ObservabilityConfig
     disable_log_stats: bool = _from(ObservabilityConfig, "disable_log_stats")
     log_stats_interval: float = _from(ObservabilityConfig, "log_stats_interval")
@@ -243,6 +248,11 @@ class EngineArgs:
             if spec_config.model is not None and spec_config.method in ("draft_model", "eagle", "eagle3"):
                 spec_config = _resolve_draft(spec_config, hf_config)
         kvt = parse_json_arg(self.kv_transfer_config, "--kv-transfer-config")
+        kve = parse_json_arg(self.kv_events_config, "--kv-events-config")
+        kv_events = KVEventsConfig.from_dict(kve) if kve is not None else None
+        if kv_events is not None and kv_events.enabled and not self.enable_prefix_caching:
+            raise ValueError("--kv-events-config enable_kv_cache_events: KV events describe the prefix cache; "
+                             "turn prefix caching on (drop --no-enable-prefix-caching)")
         check_bounded_kv_support(bounded["kv_eviction_policy"], hf_config, speculative=spec_config is not None)
         if bounded["kv_eviction_policy"] != "none" and (self.kv_offloading_size or kvt is not None):
             raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
@@ -289,6 +299,7 @@ class EngineArgs:
             observability_config=ObservabilityConfig(self.disable_log_stats, self.log_stats_interval),
             speculative_config=spec_config,
             kv_transfer_config=KVTransferConfig.from_dict(kvt) if kvt is not None else None,
+            kv_events_config=kv_events,
         )
 
 

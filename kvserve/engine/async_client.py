@@ -584,6 +584,13 @@ class AsyncLLM:
         if st is not None:
             self._record_finished(st, time.time())
 
+    def reset_prefix_cache(self) -> None:
+        """Ask the engine core to forget the cached blocks no request holds (done between two steps;
+        refused, with a warning in its log, while requests hold blocks). Raises EngineDeadError."""
+        from kvserve.engine.ipc import ResetPrefixCache
+
+        self._send(ResetPrefixCache())
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its completions); its ``generate`` ends with finish_reason "abort".
 

@@ -91,6 +91,9 @@ class EngineCoreProc:
             self.core.abort_requests(msg.request_ids)
         elif isinstance(msg, ipc.Shutdown):
             self.running = False
+        elif isinstance(msg, ipc.ResetPrefixCache):
+            if not self.core.reset_prefix_cache():
+                logger.warning("reset_prefix_cache: requests hold KV blocks; nothing was reset")
 
     def _drain(self, block: bool) -> int:
         """Handle every queued input message; returns how many. Blocks up to IDLE_POLL_S if asked."""
@@ -107,6 +110,11 @@ class EngineCoreProc:
             self._handle(self.decoder.decode(frame.buffer))
             n += 1
 
+    def _kv_events_stats(self):
+        """The KV event publisher's counters (None when off, or for a core without one)."""
+        f = getattr(self.core, "kv_events_stats", None)
+        return f() if f is not None else None
+
     def _stats(self):
         from kvserve.engine.ipc import SchedulerStatsMsg
 
@@ -116,7 +124,7 @@ class EngineCoreProc:
                                  s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
                                  list(s.num_accepted_tokens_per_pos),
                                  s.num_recomputed_tokens, s.kv_connector_stats,
-                                 s.num_evicted_blocks, s.num_evicted_tokens,
+                                 s.num_evicted_blocks, s.num_evicted_tokens, kv_events=self._kv_events_stats(),
                                  moe_expert_tokens=getattr(self.core, "moe_expert_tokens", None))
 
     def run_once(self, block: bool = True) -> bool:

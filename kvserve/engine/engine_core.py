@@ -19,9 +19,12 @@ from kvserve.core.kv_capacity import LOSSY_KV_FORMATS
 from kvserve.core.kv_cache_spec import (
     KVCacheConfig, bytes_per_request, make_kv_cache_config, max_concurrency, max_request_tokens,
 )
+from kvserve.core.kv_events import KVEventBatch, KVEventRecorder
 from kvserve.core.sched_output import SchedulerOutput
 from kvserve.core.scheduler import Scheduler
+from kvserve.core.single_type_manager import SingleTypeKVCacheManager
 from kvserve.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from kvserve.engine.kv_events import make_event_publisher
 from kvserve.executor import Executor, get_executor_class
 from kvserve.request import Request, RequestStatus
 
@@ -79,6 +82,17 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     return kv_cfg
 
 
+def attach_event_recorders(manager: KVCacheManager) -> list[KVEventRecorder]:
+    """A ``KVEventRecorder`` on the block pool of each full-attention KV cache group (the groups a
+    prefix is matched in left to right; sliding-window and bounded-KV groups publish nothing)."""
+    out = []
+    for g in manager.groups:
+        if type(g) is SingleTypeKVCacheManager:
+            g.pool.kv_events = KVEventRecorder(g.block_size, g.group_id)
+            out.append(g.pool.kv_events)
+    return out
+
+
 class EngineCore:
     """Owns the executor (and through it the model), the KV cache manager and the scheduler.
 
@@ -92,8 +106,15 @@ class EngineCore:
         from kvserve.kv_connector import prepare_kv_connector_config
 
         prepare_kv_connector_config(config)  # ports / ids resolved once, before the workers start
+        # KV events: the sockets are opened first, so that a busy port fails before the model loads.
+        self.kv_event_publisher = make_event_publisher(config.kv_events_config)
         t0 = time.perf_counter()
-        self.executor = get_executor_class(config.parallel_config)(config)
+        try:
+            self.executor = get_executor_class(config.parallel_config)(config)
+        except BaseException:
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.shutdown()
+            raise
         t1 = time.perf_counter()
         try:
             kv_cfg = plan_kv_cache(config, self.executor)
@@ -101,10 +122,14 @@ class EngineCore:
             self._startup_s = (t1 - t0, time.perf_counter() - t1)
         except BaseException:
             self.executor.shutdown()
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.shutdown()
             raise
         self.kv_cache_config = kv_cfg
         cc = config.cache_config
         self.kv_cache_manager = KVCacheManager(kv_cfg, cc.enable_prefix_caching)
+        self._kv_event_recorders = attach_event_recorders(self.kv_cache_manager) \
+            if self.kv_event_publisher is not None else []
         hf = config.model_config.hf_config
         if cc.disable_hybrid_kv_cache_manager and getattr(hf, "sliding_window", None):
             logger.warning(
@@ -181,6 +206,38 @@ class EngineCore:
         return conn.transfer_info() if conn is not None else None
 
     def step(self) -> EngineCoreOutputs:
+        """Schedule, run and update one step (``_step``); then publish the step's KV events."""
+        out = self._step()
+        if self._kv_event_recorders:
+            self.publish_kv_events()
+        return out
+
+    def publish_kv_events(self) -> int:
+        """Publish the KV events recorded since the last call as one ``KVEventBatch`` (nothing when
+        there are none). Returns the number of events."""
+        events = [e for r in self._kv_event_recorders for e in r.take()]
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+        return len(events)
+
+    def kv_events_stats(self) -> Optional[dict]:
+        """``{"published", "dropped"}`` KV events so far, or None when KV events are off."""
+        return self.kv_event_publisher.stats() if self.kv_event_publisher is not None else None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no request holds, in every KV cache group (an
+        ``AllBlocksCleared`` event each). Returns False (and changes nothing) while requests hold blocks."""
+        pools = [g.pool for g in self.kv_cache_manager.groups]
+        if any(p.get_num_free_blocks() != p.num_usable_blocks for p in pools):
+            return False
+        for p in pools:
+            p.reset_prefix_cache()
+        if self._kv_event_recorders:
+            self.publish_kv_events()
+            self.kv_event_publisher.flush(1.0)  # rare: the stats sent next count the clear
+        return True
+
+    def _step(self) -> EngineCoreOutputs:
         """Schedule, run and update one step.
 
         With async scheduling the step scheduled and launched now is N+1, and the result
@@ -256,3 +313,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()

@@ -2,7 +2,7 @@
 
 Two one-way ZMQ PUSH/PULL channels over ``ipc://`` sockets that the frontend binds:
 
-* input  (frontend PUSH -> core PULL): ``AddRequest`` | ``AbortRequests`` | ``Shutdown``
+* input  (frontend PUSH -> core PULL): ``AddRequest`` | ``AbortRequests`` | ``Shutdown`` | ``ResetPrefixCache``
 * output (core PUSH -> frontend PULL): ``Ready`` | ``StartupFailed`` | ``StepOutputs`` | ``Heartbeat``
 
 Every reader of the output socket must accept ``Heartbeat`` (it carries no outputs: it only
@@ -53,7 +53,11 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Ask the engine core to exit its loop."""
 
 
-InputMessage = Union[AddRequest, AbortRequests, Shutdown]
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    """Forget the prefix cache's blocks no request holds (``EngineCore.reset_prefix_cache``)."""
+
+
+InputMessage = Union[AddRequest, AbortRequests, Shutdown, ResetPrefixCache]
 
 # ----------------------------------------------------------------------------- core -> frontend
 
@@ -99,6 +103,7 @@ class SchedulerStatsMsg(msgspec.Struct, array_like=True):
     num_evicted_blocks: int = 0  # cumulative: blocks freed by bounded-KV eviction (streaming / h2o)
     num_evicted_tokens: int = 0  # cumulative: their token slots
     moe_expert_tokens: Optional[list[int]] = None  # MoE: tokens routed per expert, summed over layers, cumulative
+    kv_events: Optional[dict[str, int]] = None  # KV events published / dropped, cumulative (--kv-events-config)
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -175,7 +180,7 @@ def output_decoder() -> msgspec.msgpack.Decoder:
 
 
 __all__ = [
-    "AddRequest", "AbortRequests", "Shutdown", "Ready", "StartupFailed", "EngineCoreOutput",
+    "AddRequest", "AbortRequests", "Shutdown", "ResetPrefixCache", "Ready", "StartupFailed", "EngineCoreOutput",
     "SchedulerStatsMsg", "StepOutputs", "Heartbeat", "InputMessage", "OutputMessage", "params_to_dict",
     "params_from_dict", "make_ipc_paths", "cleanup_ipc_paths", "input_encoder", "input_decoder",
     "output_decoder",

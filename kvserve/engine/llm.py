@@ -40,6 +40,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block no request holds (vLLM's ``LLM.reset_prefix_cache``; a KV
+        events ``AllBlocksCleared``). Returns False, changing nothing, while requests hold blocks."""
+        return self.llm_engine.engine_core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop worker processes (``distributed_executor_backend="mp"``); idempotent."""
         self.llm_engine.shutdown()

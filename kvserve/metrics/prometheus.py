@@ -38,6 +38,8 @@ Exposed families (counters get the ``_total`` suffix in the text format):
   routed to each expert, summed over the MoE layers; a token counts once per selected expert
   per layer) and gauge ``kvserve:moe_expert_load_imbalance`` (max / mean of the per-expert tokens
   routed since the previous update: 1.0 is perfectly balanced)
+* KV events (``--kv-events-config``): ``kvserve:kv_events_published`` and
+  ``kvserve:kv_events_dropped`` (events handed to the ZMQ socket / dropped on a full queue)
 * the API process's own ``process_*`` metrics (``process_resident_memory_bytes``, ...),
   when the ``registry`` is private (the default)
 """
@@ -149,6 +151,10 @@ class PrometheusStatLogger(StatLogger):
                                  "(a step's transfers observed at their mean).", _XFER_BUCKETS)
         self._xfer_last = dict(b=0.0, r=0.0, f=0.0, n=0.0, s=0.0)
         self._frontend: Optional[tuple] = None
+        self.kv_events_published = counter("kv_events_published", "KV cache events (BlockStored / BlockRemoved / "
+                                                                   "AllBlocksCleared) published on the ZMQ socket.")
+        self.kv_events_dropped = counter("kv_events_dropped", "KV cache events dropped (publisher queue full).")
+        self._last.update(kep=0, ked=0)
         self.admitted = gauge("num_requests_admitted", "Engine sequences admitted by the API server, "
                                                        "not finished yet.")
         self.frontend_unfinished = gauge("frontend_unfinished_requests",
@@ -204,6 +210,10 @@ class PrometheusStatLogger(StatLogger):
         self._inc_cumulative("rc", self.recomputed, getattr(stats, "num_recomputed_tokens", 0))
         self._inc_cumulative("eb", self.evicted_blocks, getattr(stats, "num_evicted_blocks", 0))
         self._inc_cumulative("et", self.evicted_tokens, getattr(stats, "num_evicted_tokens", 0))
+        kve = getattr(stats, "kv_events", None)
+        if kve:
+            self._inc_cumulative("kep", self.kv_events_published, kve.get("published", 0))
+            self._inc_cumulative("ked", self.kv_events_dropped, kve.get("dropped", 0))
         tier = getattr(stats, "kv_tier", None)
         if tier and "kv_transfer_bytes" in tier:
             self._on_transfer_stats(tier)

@@ -151,6 +151,8 @@ class RouterApp:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.router.kv_event_hub is not None:
+            self.router.kv_event_hub.close()
         await self.client.aclose()
 
     def ready(self) -> bool:
@@ -299,6 +301,9 @@ def add_router_args(p: argparse.ArgumentParser, workers: bool = True) -> None:
         p.add_argument("--prefill-long", action="append", default=[], metavar="URL",
                        help="Prefill worker for long prompts (repeatable; see --long-prompt-threshold).")
         p.add_argument("--decode", action="append", default=[], metavar="URL", help="Decode worker (repeatable).")
+        p.add_argument("--kv-events-endpoint", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+                       help="kv_events: a worker's KV event endpoint and replay endpoint, e.g. "
+                            "http://10.0.0.2:8000=tcp://10.0.0.2:5557,tcp://10.0.0.2:5558 (repeatable).")
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="Routing policy (default: %(default)s).")
     p.add_argument("--cache-threshold", type=float, default=0.5,
                    help="cache_aware: the prefix match must cover this fraction of the request (0..1) to win.")
@@ -308,6 +313,11 @@ def add_router_args(p: argparse.ArgumentParser, workers: bool = True) -> None:
                    help="... and max > this x min; then the least-loaded worker wins.")
     p.add_argument("--max-tree-chars", type=int, default=1 << 22,
                    help="cache_aware: bound of the prefix tree in characters (LRU eviction past it).")
+    p.add_argument("--kv-events-stale-after", type=float, default=10.0, metavar="S",
+                   help="kv_events: seconds a worker sent uncached blocks may publish no event before the "
+                        "approximate cache_aware tree decides (its events count as stopped).")
+    p.add_argument("--kv-events-topic", default="",
+                   help="kv_events: the workers' event topic (--kv-events-config topic).")
     p.add_argument("--long-prompt-threshold", type=int, default=0, metavar="TOKENS",
                    help="Prompts of at least this many tokens (estimated as characters / 4) go to --prefill-long "
                         "(0: off).")
@@ -336,7 +346,21 @@ def config_from_ns(ns) -> RouterConfig:
                         request_timeout=ns.request_timeout, queue_timeout=ns.queue_timeout,
                         max_attempts=ns.max_attempts, long_prompt_threshold=ns.long_prompt_threshold,
                         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-                        balance_rel_threshold=ns.balance_rel_threshold, max_tree_chars=ns.max_tree_chars)
+                        balance_rel_threshold=ns.balance_rel_threshold, max_tree_chars=ns.max_tree_chars,
+                        kv_events_endpoints=kv_events_endpoints(getattr(ns, "kv_events_endpoint", None) or []),
+                        kv_events_stale_after=getattr(ns, "kv_events_stale_after", 10.0),
+                        kv_events_topic=getattr(ns, "kv_events_topic", ""))
+
+
+def kv_events_endpoints(specs: list[str]) -> dict:
+    """``--kv-events-endpoint`` values -> {worker URL: (endpoint, replay endpoint)}. ValueError."""
+    from kvserve.router.kv_events import parse_endpoint_spec
+
+    out = {}
+    for spec in specs:
+        url, ep, replay = parse_endpoint_spec(spec)
+        out[url] = (ep, replay)
+    return out
 
 
 async def serve_router(ns, pools: list[tuple[str, str]], sock=None) -> int:

@@ -61,6 +61,11 @@ class RouterConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     max_tree_chars: int = 1 << 22
+    #: kv_events: worker URL -> (event endpoint, replay endpoint or None); seconds without events
+    #: (after uncached blocks were sent) before the approximate fallback; the event topic.
+    kv_events_endpoints: dict = field(default_factory=dict)
+    kv_events_stale_after: float = 10.0
+    kv_events_topic: str = ""
 
 
 @dataclass

@@ -49,6 +49,21 @@ def kv_transfer_config(role: str, transport: str = "tcp") -> str:
                        "kv_connector_extra_config": {"kv_port": 0, "transport": transport}})
 
 
+def kv_events_args(children: list["Child"]) -> list[str]:
+    """kv_events policy: give each worker its own event + replay ports (``--kv-events-config``,
+    appended to its flags, so it overrides one passed to launch) and return the router's
+    ``--kv-events-endpoint`` values."""
+    out = []
+    for c in children:
+        pub, replay = free_port(), free_port()
+        # "*" binds (vLLM's rule: a wildcard host binds, a named host connects).
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+               "replay_endpoint": f"tcp://*:{replay}"}
+        c.args = [*c.args, "--kv-events-config", json.dumps(cfg)]
+        out.append(f"{c.url}=tcp://127.0.0.1:{pub},tcp://127.0.0.1:{replay}")
+    return out
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set (empty: none), else the
     indices ``nvidia-smi -L`` lists (none without the tool or a driver)."""
@@ -265,6 +280,8 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
     gpus = assign_gpus(len(specs), parse_worker_gpus(ns.worker_gpus), getattr(ns, "tensor_parallel_size", 1) or 1)
     children = [Child(name, pool, base + flags, free_port(), ns.log_dir, g)
                 for (name, pool, flags), g in zip(specs, gpus)]
+    if getattr(ns, "policy", None) == "kv_events":
+        ns.kv_events_endpoint = kv_events_args(children)
     stopping = threading.Event()
 
     def stop_all() -> None:

@@ -14,6 +14,8 @@ or circuit-open workers: the registry filters them first.
   characters; otherwise, or when the load is imbalanced (``max - min > balance_abs`` and
   ``max > balance_rel * min``), the least-loaded worker wins. The chosen worker's tree gets
   the request's text. It is approximate: the router does not see the worker's evictions.
+* ``kv_events``: exact placement from the workers' KV events (``kvserve.router.kv_events``,
+  built by the router with its event subscriptions), this tree as its fallback.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-POLICIES = ("cache_aware", "least_loaded", "round_robin")
+POLICIES = ("cache_aware", "least_loaded", "round_robin", "kv_events")
 
 
 @dataclass(frozen=True)
@@ -268,4 +270,7 @@ def make_policy(name: str, **kwargs) -> Policy:
         return LeastLoaded()
     if name == "round_robin":
         return RoundRobin()
+    if name == "kv_events":
+        raise ValueError("the kv_events policy needs the workers' event subscriptions: "
+                         "kvserve.router.kv_events.KVEventsPolicy(hub)")
     raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")

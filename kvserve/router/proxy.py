@@ -45,6 +45,7 @@ from kvserve.router.common import (  # noqa: F401 - RouterConfig, RouterError: t
     json_or_error,
     routing_text,
 )
+from kvserve.router.kv_events import KVEventHub, KVEventsPolicy, RoutingText
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Candidate, make_policy
 from kvserve.router.stream import StreamRelay
@@ -59,10 +60,18 @@ class Router(StreamRelay):
                  client: httpx.AsyncClient) -> None:
         self.config, self.registry, self.metrics, self.client = config, registry, metrics, client
         kw = {}
-        if config.policy == "cache_aware":
+        if config.policy in ("cache_aware", "kv_events"):
             kw = dict(cache_threshold=config.cache_threshold, balance_abs=config.balance_abs_threshold,
                       balance_rel=config.balance_rel_threshold, max_tree_chars=config.max_tree_chars)
-        self.policies = {pool: make_policy(config.policy, **kw) for pool in ("worker", "prefill", "prefill_long", "decode")}
+        self.kv_event_hub = None
+        if config.policy == "kv_events":
+            eps = {WorkerRegistry.normalize(u): ep for u, ep in config.kv_events_endpoints.items()}
+            self.kv_event_hub = KVEventHub(eps, config.kv_events_topic)
+            self.policies = {pool: KVEventsPolicy(self.kv_event_hub, config.kv_events_stale_after, **kw)
+                             for pool in ("worker", "prefill", "prefill_long", "decode")}
+        else:
+            self.policies = {pool: make_policy(config.policy, **kw)
+                             for pool in ("worker", "prefill", "prefill_long", "decode")}
         registry.on_remove.append(lambda url: [p.remove_worker(url) for p in self.policies.values()])
         self.queued = {pool: 0 for pool in self.policies}
 
@@ -98,8 +107,13 @@ class Router(StreamRelay):
                     if policy.name == "cache_aware":
                         self.metrics.cache(d.matched_chars, len(text))
                     self.metrics.phase.labels("route").observe(time.monotonic() - t0)
-                    logger.info("route %s -> %s (%s, matched %d/%d chars)", p, w.url, d.reason, d.matched_chars,
-                                len(text))
+                    ids = getattr(text, "token_ids", None)
+                    if policy.name == "kv_events" and ids and not d.reason.startswith("fallback"):
+                        logger.info("route %s -> %s (%s, matched %d/%d tokens)", p, w.url, d.reason, d.matched_chars,
+                                    len(ids))
+                    else:
+                        logger.info("route %s -> %s (%s, matched %d/%d chars)", p, w.url, d.reason, d.matched_chars,
+                                    len(text))
                     return w
                 if time.monotonic() >= limit:
                     known = [w.url for w in reg.pool(pool)]
@@ -260,6 +274,33 @@ class Router(StreamRelay):
             return kv, ch.get("prompt_token_ids") or data.get("prompt_token_ids"), (time.monotonic(), time.time_ns())
         raise RouterError(503, "no prefill worker returned kv_transfer_params")
 
+    async def _routing_ids(self, route: str, body: dict, headers: dict, pool: str) -> Optional[list[int]]:
+        """The prompt's token ids for the kv_events policy: a completions prompt of ids as is, else a
+        routable worker's ``POST /tokenize`` (its tokenizer and chat template); None on any failure."""
+        p = body.get("prompt")
+        if route == "completions" and isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            return list(p)
+        if route == "chat":
+            req = {"messages": body.get("messages"), "add_generation_prompt": body.get("add_generation_prompt", True)}
+        elif isinstance(p, str):
+            req = {"prompt": p}
+        else:
+            return None  # a batch of prompts: the approximate policy decides
+        if body.get("model") is not None:
+            req["model"] = body["model"]
+        ws = self.registry.routable(pool)
+        if not ws:
+            return None
+        w = min(ws, key=lambda w: w.load)
+        try:
+            resp = await self.client.post(f"{w.url}/tokenize", json=req, headers=headers,
+                                          timeout=self.config.connect_timeout)
+            ids = resp.json().get("tokens") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            logger.debug("kv_events: /tokenize on %s failed: %s", w.url, exc)
+            return None
+        return ids if isinstance(ids, list) else None
+
     # ------------------------------------------------------------------ entry
 
     async def handle(self, route: str, body: dict, traceparent: str, authorization: Optional[str] = None):
@@ -273,6 +314,9 @@ class Router(StreamRelay):
         if authorization:  # the client's API key goes to the workers as is
             headers["authorization"] = authorization
         pd = self.registry.mode() == "pd"
+        if self.kv_event_hub is not None and self.kv_event_hub.indexes:
+            text = RoutingText(text, await self._routing_ids(route, body, headers, "prefill" if pd else "worker"),
+                               body.get("cache_salt"))
         stream = bool(body.get("stream"))
         if not stream:
             return await self._unary(route, body, text, headers, deadline, pd)

@@ -329,6 +329,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
             raise APIError(400, "give prompt or messages", "prompt")
         return {"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's route: the engine forgets the cached blocks no request holds, between two steps."""
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.post("/detokenize")
     async def detokenize(request: P.DetokenizeRequest):
         completion.check_model(request.model)
