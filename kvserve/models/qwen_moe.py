@@ -126,11 +126,25 @@ class SharedExpertMLP(nn.Module):
         return F.linear(h, self.down_proj.weight)
 
 
+def _real_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64: 1 for the step's real tokens, 0 for CUDA-graph padding and warm-up or
+    capture runs (rows whose KV slot is -1: they store nothing). Stays on the device."""
+    from kvserve.attention.forward_context import _CURRENT
+
+    metas = getattr(_CURRENT, "attn_metadata", None)
+    if metas:
+        slots = getattr(metas[0], "slot_mapping", None)
+        if slots is not None and slots.shape[0] == x.shape[0]:
+            return (slots >= 0).to(torch.int64)
+    return torch.ones(x.shape[0], dtype=torch.int64, device=x.device)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ Qwen2-MoE's gated shared expert). ``[T, H]`` -> ``[T, H]``.
 
     ``expert_counts`` (``[E]`` int64, on the model's device) accumulates the tokens routed to
-    each expert (top-k choices, padding rows of CUDA graphs included) while ``count_experts``
+    each expert (top-k choices of the step's real tokens; CUDA-graph padding and warm-up rows,
+    whose KV slot is -1, count 0) while ``count_experts``
     is set; ``kvserve.models.moe_stats`` reads it.
     """
 
@@ -154,8 +168,8 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)
         if self.count_experts:
             # Softmax is monotonic: the top-k logits are the experts FusedMoE selects.
-            ids = logits.topk(self.top_k, dim=-1).indices.flatten()
-            self.expert_counts.index_add_(0, ids, torch.ones_like(ids))
+            ids = logits.topk(self.top_k, dim=-1).indices
+            self.expert_counts.index_add_(0, ids.flatten(), _real_rows(x).repeat_interleave(self.top_k))
         out = self.experts(x, logits)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
