@@ -163,10 +163,58 @@ class KVCacheFormat:
         kv_quant.copy_slots(cache, self.head_size, src_slots, dst_slots, self.desc)
 
 
+@dataclass(frozen=True)
+class MLALatentFormat(KVCacheFormat):
+    """Multi-head latent attention's cache rows (``KVFormat.latent``; DeepSeek-V2,
+    arXiv:2405.04434): per token one row ``[kv_lora_rank + qk_rope_head_dim]`` -- the
+    normalized KV latent, then the RoPE'd shared key -- and nothing else.
+
+    The cache is ``[1, num_blocks, block_size, 1, head_size]`` in the storage dtype: the
+    leading and head axes of the K/V layout stay (size 1) so that block copies, tiers and
+    views that index ``cache[:, block_ids]`` work unchanged; there is no V half. ``store``
+    takes the rows as ``key`` ``[T, 1, head_size]`` and ignores ``value``; ``gather`` and
+    ``load_blocks`` return the rows (``value`` None).
+    """
+
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        if num_kv_heads != 1:
+            raise ValueError(f"an MLA latent cache has one row per token, got num_kv_heads={num_kv_heads}")
+        return (1, num_blocks, block_size, 1, self.row_elems)
+
+    def store(self, key: torch.Tensor, value: Optional[torch.Tensor], cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Write latent rows ``key [T, 1, head_size]`` (or ``[T, head_size]``) at their slots
+        (``slot_mapping [T]`` int64, negative ids skipped), cast to the storage dtype."""
+        rows = key.reshape(key.shape[0], 1, self.head_size).to(cache.dtype)
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, rows = slot_mapping[keep], rows[keep]
+        flat = cache[0].view(-1, 1, self.row_elems)
+        flat.index_copy_(0, slot_mapping, rows)
+
+    def gather(self, cache: torch.Tensor, block_tables: torch.Tensor,
+               num_blocks: int) -> tuple[torch.Tensor, None]:
+        """Rows ``[R, num_blocks * block_size, 1, head_size]`` of the first ``num_blocks`` blocks
+        of each row of ``block_tables``, and None (no V)."""
+        r = block_tables.shape[0]
+        idx = block_tables[:, :num_blocks].reshape(-1).long()
+        pages = cache[0].index_select(0, idx)
+        return pages.view(r, num_blocks * cache.shape[2], 1, self.row_elems), None
+
+    def load_blocks(self, cache: torch.Tensor, half: int, block_ids: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[len(block_ids), block_size, 1, head_size]`` in ``dtype`` (``half`` must be 0)."""
+        if half != 0:
+            raise ValueError("an MLA latent cache has no V half")
+        return cache[0].index_select(0, block_ids).to(dtype)
+
+
 #: ``KVFormat.name`` -> the ``KVCacheFormat`` subclass serving it (default: ``KVCacheFormat``).
-#: A format with its own page layout or routines (say a latent, head-less MLA cache)
-#: registers its class here; the model runner and the scheduler stay as they are.
-FORMAT_CLASSES: dict[str, type[KVCacheFormat]] = {}
+#: A format with its own page layout or routines (MLA's latent, head-less cache) registers
+#: its class here; the model runner and the scheduler stay as they are.
+FORMAT_CLASSES: dict[str, type[KVCacheFormat]] = {
+    "mla_float32": MLALatentFormat, "mla_bfloat16": MLALatentFormat, "mla_float16": MLALatentFormat,
+}
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from kvserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -15,11 +16,14 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
