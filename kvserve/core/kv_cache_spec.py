@@ -144,6 +144,11 @@ class KVCacheSpec:
     dtype: str
     compute_dtype: str
 
+    def __post_init__(self) -> None:
+        if self.format.latent and not isinstance(self, MLAAttentionSpec):
+            raise ValueError(f"kv_cache_dtype {self.dtype!r} is the latent format of multi-head latent attention "
+                             f"layers; other layers store K and V (choose a --kv-cache-dtype value)")
+
     @property
     def format(self) -> KVFormat:
         return get_kv_format(self.dtype)

@@ -106,3 +106,15 @@ def test_triton_mla_decode_matches_torch(num_splits):
     got = mla_decode(q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), L, 0.25, max(seq_lens),
                      num_splits=num_splits, block_n=16)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_plan_kv_mla_rows():
+    """DeepSeek-V2-Lite's shape: 576 latent values per token and layer vs 16 x (128 + 64 + 128) expanded."""
+    from kvserve.core.kv_capacity import plan_kv_mla
+
+    rows = plan_kv_mla(27, 512, 64, 16, 128, 128, 2**30, 32768, 16, ["bfloat16"], "bfloat16")
+    assert [r.kv_cache_dtype for r in rows] == ["mla_bfloat16", "mha_expanded_bfloat16"]
+    assert rows[0].bytes_per_token == 576 * 2 * 27 and rows[1].bytes_per_token == 16 * 320 * 2 * 27
+    assert rows[0].vs_reference == pytest.approx(16 * 320 / 576, rel=1e-3)
+    with pytest.raises(ValueError, match="latent"):
+        plan_kv_mla(27, 512, 64, 16, 128, 128, 2**30, 32768, 16, ["int4"])
