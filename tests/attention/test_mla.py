@@ -115,6 +115,6 @@ def test_plan_kv_mla_rows():
     rows = plan_kv_mla(27, 512, 64, 16, 128, 128, 2**30, 32768, 16, ["bfloat16"], "bfloat16")
     assert [r.kv_cache_dtype for r in rows] == ["mla_bfloat16", "mha_expanded_bfloat16"]
     assert rows[0].bytes_per_token == 576 * 2 * 27 and rows[1].bytes_per_token == 16 * 320 * 2 * 27
-    assert rows[0].vs_reference == pytest.approx(16 * 320 / 576, rel=1e-3)
+    assert rows[0].vs_reference == pytest.approx(16 * 320 / 576, rel=1e-2)  # whole blocks
     with pytest.raises(ValueError, match="latent"):
         plan_kv_mla(27, 512, 64, 16, 128, 128, 2**30, 32768, 16, ["int4"])
