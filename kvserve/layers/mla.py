@@ -95,6 +95,6 @@ class MLAAttention(Attention):
         t = q.shape[0]
         nope = self.qk_nope_head_dim
         qh = q.view(t, self.num_heads, nope + self.qk_rope_head_dim)
-        out = q.new_zeros(t, self.out_width) if not q.is_cuda else q.new_empty(t, self.out_width)
+        out = q.new_zeros(t, self.out_width)  # padding rows stay finite (o_proj, MoE routing read them)
         return self._mla_impl().forward(qh[..., :nope], qh[..., nope:], rows, self._kv_b[0].weight, self.kv, meta,
                                         self.scale, self.v_head_dim, out)
