@@ -88,10 +88,16 @@ def kernel(device: str, smoke: bool) -> list[dict]:
     copy_bps = copy_bandwidth() if device == "cuda" else None
     if copy_bps:
         out.append(dict(part="copy", gb_s=round(copy_bps / 1e9, 1)))
-    for heads in ((128, 16) if not smoke else (4,)):
+    from kvserve.attention.kv_format import kv_format_for
+
+    cases = [(128, False), (16, False), (128, True)] if not smoke else [(4, False), (4, True)]
+    for heads, fp8 in cases:
         g = torch.Generator(device="cpu").manual_seed(0)
         nblk = batch * (ctx // bs) + 1
         cache = torch.randn(1, nblk, bs, 1, lora + rope, generator=g).to(dtype).to(device)
+        fmt = kv_format_for("mla_fp8_e4m3", lora + rope) if fp8 else None
+        if fp8:
+            cache = fmt.encode(cache)
         tables = (torch.randperm(nblk - 1, generator=g)[: batch * (ctx // bs)] + 1).view(batch, ctx // bs)
         tables = tables.int().to(device)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -99,12 +105,13 @@ def kernel(device: str, smoke: bool) -> list[dict]:
         scale = (128 + 64) ** -0.5
         # correctness on a few requests first
         k = min(4, batch)
-        ref = mla_decode_torch(q[:k], cache, tables, [ctx] * k, lora, scale)
-        got = mla_decode(q[:k], cache, tables[:k], lens[:k], lora, scale, ctx).float()
+        ref = mla_decode_torch(q[:k], cache, tables, [ctx] * k, lora, scale, fmt)
+        got = mla_decode(q[:k], cache, tables[:k], lens[:k], lora, scale, ctx, fp8=fp8).float()
         err = float((got - ref).abs().max())
-        rec = dict(part="kernel", heads=heads, batch=batch, context=ctx, kv_lora_rank=lora, qk_rope=rope,
+        rec = dict(part="kernel", heads=heads, latent="fp8_e4m3" if fp8 else str(dtype).removeprefix("torch."),
+                   batch=batch, context=ctx, kv_lora_rank=lora, qk_rope=rope,
                    max_abs_err_vs_torch=round(err, 5))
-        latent_bytes = batch * ctx * (lora + rope) * cache.element_size()
+        latent_bytes = batch * ctx * cache.shape[-1] * cache.element_size()
         if device != "cuda":
             out.append(rec)
             continue
@@ -114,7 +121,7 @@ def kernel(device: str, smoke: bool) -> list[dict]:
             for bn in (16, 32, 64):
                 try:
                     ms = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, block_h=bh,
-                                                       block_n=bn))
+                                                       block_n=bn, fp8=fp8))
                 except Exception as e:  # a tile that does not fit (shared memory / registers)
                     sweep.append(dict(block_h=bh, block_n=bn, error=repr(e)[:120]))
                     continue
@@ -122,7 +129,7 @@ def kernel(device: str, smoke: bool) -> list[dict]:
                 sweep.append(dict(block_h=bh, block_n=bn, us=round(ms * 1e3, 1), gb_s=round(gbs, 1)))
                 if best is None or ms < best[0]:
                     best = (ms, bh, bn)
-        ms_default = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx))
+        ms_default = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, fp8=fp8))
         ms, bh, bn = best if best else (ms_default, None, None)
         rec.update(us_default=round(ms_default * 1e3, 1),
                    gb_s_default=round(latent_bytes / (ms_default * 1e-3) / 1e9, 1),
@@ -305,7 +312,7 @@ def main() -> None:
         elif r["part"] == "copy":
             fig = f"device copy {r['gb_s']} GB/s read"
         elif r["part"] == "kernel":
-            fig = (f"H={r['heads']} b{r['batch']} x {r['context']}: err {r['max_abs_err_vs_torch']}"
+            fig = (f"H={r['heads']} {r['latent']} b{r['batch']} x {r['context']}: err {r['max_abs_err_vs_torch']}"
                    + (f", {r['us_best']} us, {r['gb_s_best']} GB/s ({r.get('fraction_of_copy_best')} of copy)"
                       if "us_best" in r else ""))
         else:

@@ -23,11 +23,13 @@ and its group's metadata.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from kvserve.attention.forward_context import AttentionMetadata
-from kvserve.attention.kv_format import KVCacheView
+from kvserve.attention.kv_format import KVCacheView, MLALatentFormat
 
 
 def absorbed_weights(kv_b_weight: torch.Tensor, num_heads: int, qk_nope: int,
@@ -44,12 +46,14 @@ def absorbed_weights(kv_b_weight: torch.Tensor, num_heads: int, qk_nope: int,
 
 
 def mla_decode_torch(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: list[int], kv_lora_rank: int, scale: float) -> torch.Tensor:
+                     seq_lens: list[int], kv_lora_rank: int, scale: float,
+                     fmt: Optional[MLALatentFormat] = None) -> torch.Tensor:
     """Reference absorbed decode over paged latent rows.
 
     Args:
         q_full: ``[B, H, L + R]`` (absorbed query latent, then the RoPE'd query part).
-        cache: ``[1, num_blocks, block_size, 1, L + R]`` latent rows.
+        cache: ``[1, num_blocks, block_size, 1, row]`` latent rows (``fmt``'s storage rows;
+            None: plain values, ``row = L + R``).
         block_tables: ``[>= B, width]`` int32 block ids per request.
         seq_lens: tokens per request (its new row already stored).
         kv_lora_rank: L; scale: softmax scale.
@@ -59,7 +63,8 @@ def mla_decode_torch(q_full: torch.Tensor, cache: torch.Tensor, block_tables: to
     bs = cache.shape[2]
     nblk = -(-max(seq_lens) // bs)
     rows = cache[0].index_select(0, block_tables[:b, :nblk].reshape(-1).long())
-    rows = rows.view(b, nblk * bs, -1).float()  # [B, S, L + R]
+    rows = rows.view(b, nblk * bs, -1)
+    rows = fmt.decode(rows, torch.float32) if fmt is not None else rows.float()  # [B, S, L + R]
     scores = torch.einsum("bhd,bsd->bhs", q_full.float(), rows) * scale
     pos = torch.arange(nblk * bs, device=q_full.device)
     lens = torch.tensor(seq_lens, device=q_full.device)
@@ -87,7 +92,7 @@ class MLAAttentionImpl:
         if rows.is_cuda:
             slots = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
             flat = kv.cache[0].view(-1, kv.cache.shape[-1])
-            flat.index_copy_(0, slots[: rows.shape[0]], rows.to(flat.dtype))
+            flat.index_copy_(0, slots[: rows.shape[0]], kv.format.encode(rows))
             return
         kv.format.store(rows, None, kv.cache, slot_mapping[: rows.shape[0]])
 
@@ -118,9 +123,10 @@ class MLAAttentionImpl:
                 from kvserve.attention.triton.mla_decode import mla_decode
 
                 o_lat = mla_decode(q_full, kv.cache, meta.block_tables[:nd], meta.seq_lens[:nd], lora, scale,
-                                   max_seq_len=meta.max_seq_len)
+                                   max_seq_len=meta.max_seq_len, fp8=kv.format.quantized)
             else:
-                o_lat = mla_decode_torch(q_full, kv.cache, meta.block_tables, meta.seq_lens_cpu[:nd], lora, scale)
+                o_lat = mla_decode_torch(q_full, kv.cache, meta.block_tables, meta.seq_lens_cpu[:nd], lora, scale,
+                                         kv.format)
             o = torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2).to(q_nope.dtype))
             out[:nd, : h * v_head_dim] = o.transpose(0, 1).reshape(nd, h * v_head_dim)
         start = nd
@@ -131,7 +137,7 @@ class MLAAttentionImpl:
                 continue
             nblk = -(-s_len // bs)
             ctx = kv.cache[0].index_select(0, meta.block_tables[i, :nblk].long()).view(nblk * bs, -1)[:s_len]
-            ctx = ctx.to(q_nope.dtype)
+            ctx = kv.format.decode(ctx, q_nope.dtype)
             kvx = F.linear(ctx[:, :lora], kv_b_weight.to(q_nope.dtype)).view(s_len, h, nope + v_head_dim)
             k_pe = ctx[:, lora:]
             k = torch.cat([kvx[..., :nope], k_pe[:, None, :].expand(s_len, h, k_pe.shape[-1])], dim=-1)

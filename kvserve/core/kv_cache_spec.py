@@ -69,7 +69,10 @@ class KVFormat:
 
     def row_elems(self, head_size: int) -> int:
         """Elements of one (token, KV head) row of K or of V in the cache tensor's dtype
-        (its codes and scale bytes; it sizes the page, the page layout places them)."""
+        (its codes and scale bytes; it sizes the page, the page layout places them). A
+        quantized latent row is its codes, then its fp16 scale, padded to 16 bytes."""
+        if self.latent and self.quantized:
+            return -(-(head_size * self.bits // 8 + self.scale_bytes_per_token_head) // 16) * 16
         if not self.quantized:
             return head_size
         return head_size * self.bits // 8 + self.scale_bytes_per_token_head // 2
@@ -94,23 +97,27 @@ KV_FORMATS: dict[str, KVFormat] = {
         KVFormat("mla_float32", 32, "float32", latent=True),
         KVFormat("mla_bfloat16", 16, "bfloat16", latent=True),
         KVFormat("mla_float16", 16, "float16", latent=True),
+        # fp8 e4m3 codes of the whole row, then one fp16 scale per token (x = code * scale),
+        # in uint8 rows padded to 16 bytes (kvserve/attention/kv_format.py: MLALatentFormat).
+        KVFormat("mla_fp8_e4m3", 8, "uint8", 2, latent=True),
     )
 }
 
 #: --kv-cache-dtype values an MLA latent cache can store (the rest are refused at start-up).
-MLA_KV_DTYPES = ("float32", "bfloat16", "float16")
+MLA_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
 
 
 def latent_format_name(kv_cache_dtype: str) -> str:
     """The latent format storing MLA rows in ``kv_cache_dtype`` (a resolved ``--kv-cache-dtype``).
 
-    Raises ValueError naming the choices for a dtype the latent cannot hold (quantized KV
-    formats quantize per head and rotate the head dimension; the latent has neither)."""
+    Raises ValueError naming the choices for a dtype the latent cannot hold (int8 / int4 / int2
+    quantize per head and rotate the head dimension; the latent has neither; fp8_e5m2 is not
+    built for it)."""
     name = get_kv_format(kv_cache_dtype).name
     if name not in MLA_KV_DTYPES:
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: a multi-head latent attention (MLA) cache stores "
-                         f"its latent in one of {list(MLA_KV_DTYPES)} (or auto); per-head quantized KV formats do "
-                         f"not apply to the latent")
+                         f"its latent in one of {list(MLA_KV_DTYPES)} (or auto, fp8); the other quantized KV formats "
+                         f"do not apply to the latent")
     return "mla_" + name
 
 #: ``--kv-cache-dtype`` aliases (vLLM: ``fp8`` means e4m3).
@@ -157,6 +164,8 @@ class KVCacheSpec:
     def page_size_bytes(self) -> int:
         """Bytes of one block of this layer: K and V of ``block_size`` tokens, plus scales."""
         f = self.format
+        if f.latent:  # one row per token: values, or codes + scale padded (row_elems)
+            return self.block_size * self.num_kv_heads * f.row_elems(self.head_size) * max(f.bits // 8, 1)
         per_token = f.kv_halves * self.num_kv_heads * self.head_size * f.bits // 8
         per_token += self.num_kv_heads * f.scale_bytes_per_token_head
         return self.block_size * per_token

@@ -31,7 +31,7 @@ def test_spec_bytes_and_reference():
     assert _spec(tp_size=2).reference_bytes_per_token("bfloat16") == H // 2 * (NOPE + R + V) * 2
     assert "latent replicated on 2 ranks" in _spec(tp_size=2).type_name
     assert latent_format_name("bfloat16") == "mla_bfloat16"
-    for bad in ("fp8", "int8", "int4"):
+    for bad in ("fp8_e5m2", "int8", "int4"):
         with pytest.raises(ValueError, match="latent"):
             latent_format_name(bad)
     assert isinstance(format_of_spec(spec), MLALatentFormat)
@@ -118,3 +118,25 @@ def test_plan_kv_mla_rows():
     assert rows[0].vs_reference == pytest.approx(16 * 320 / 576, rel=1e-2)  # whole blocks
     with pytest.raises(ValueError, match="latent"):
         plan_kv_mla(27, 512, 64, 16, 128, 128, 2**30, 32768, 16, ["int4"])
+
+
+def test_fp8_latent_rows_and_kernel():
+    """mla_fp8_e4m3: encode/decode within e4m3's relative step; the Triton kernel reads the
+    codes and scales as the torch path does."""
+    from kvserve.attention.triton.mla_decode import mla_decode
+
+    fmt = format_of_spec(_spec("mla_fp8_e4m3"))
+    assert fmt.row_elems == 48 and fmt.storage_dtype == torch.uint8
+    x = torch.randn(10, L + R) * 3
+    back = fmt.decode(fmt.encode(x), torch.float32)
+    assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) / 448 * 16 + 1e-6).all()  # 1/16 relative steps
+    seq_lens = [3, 9, 22]
+    plain, tables = _paged(seq_lens, num_blocks=20)
+    cache = fmt.encode(plain)
+    q = torch.randn(3, H, L + R, generator=torch.Generator().manual_seed(4))
+    ref = mla_decode_torch(q, cache, tables, seq_lens, L, 0.25, fmt)
+    got = mla_decode(q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), L, 0.25, 22, num_splits=2,
+                     block_n=16, fp8=True)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    exact = mla_decode_torch(q, plain, tables, seq_lens, L, 0.25)
+    assert (ref - exact).abs().max() < 0.1

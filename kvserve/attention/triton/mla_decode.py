@@ -42,12 +42,12 @@ def _mla_decode_split_kernel(
     q_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
     num_heads, num_splits, stride_bt, block_size, qk_scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROW: tl.constexpr, FP8: tl.constexpr,
 ):
     hb = tl.program_id(0)
     b = tl.program_id(1)
     s = tl.program_id(2)
-    row_w = L + R
+    row_w = L + R  # the query's row
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     offs_l = tl.arange(0, BLOCK_L)
@@ -71,11 +71,18 @@ def _mla_decode_split_kernel(
         pos = start + offs_n
         nmask = pos < hi
         page = tl.load(bt_ptr + b * stride_bt + pos // block_size, mask=nmask, other=0).to(tl.int64)
-        row = cache_ptr + (page * block_size + pos % block_size) * row_w
-        c = tl.load(row[:, None] + offs_l[None, :], mask=nmask[:, None] & lmask[None, :], other=0.0)
-        kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-        c = c.to(q_lat.dtype)
-        kpe = kpe.to(q_pe.dtype)
+        row = cache_ptr + (page * block_size + pos % block_size) * ROW
+        c = tl.load(row[:, None] + offs_l[None, :], mask=nmask[:, None] & lmask[None, :], other=0)
+        kpe = tl.load(row[:, None] + L + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0)
+        if FP8:  # e4m3 codes, then the row's fp16 scale (two bytes, little-endian)
+            b0 = tl.load(row + L + R, mask=nmask, other=0).to(tl.int32)
+            b1 = tl.load(row + L + R + 1, mask=nmask, other=0).to(tl.int32)
+            sc = (b0 | (b1 << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            c = (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]).to(q_lat.dtype)
+            kpe = (kpe.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]).to(q_pe.dtype)
+        else:
+            c = c.to(q_lat.dtype)
+            kpe = kpe.to(q_pe.dtype)
         qk = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(kpe))  # [BLOCK_H, BLOCK_N] fp32
         qk = qk * qk_scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
@@ -136,14 +143,15 @@ def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int, device: to
 
 def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                kv_lora_rank: int, scale: float, max_seq_len: int, num_splits: int | None = None,
-               block_h: int | None = None, block_n: int | None = None) -> torch.Tensor:
+               block_h: int | None = None, block_n: int | None = None, fp8: bool = False) -> torch.Tensor:
     """Absorbed MLA decode over paged latent rows.
 
     Args:
         q_full: ``[B, H, L + R]`` (absorbed query latent, then the RoPE'd part), float16 /
             bfloat16 / float32.
-        cache: ``[1, num_blocks, block_size, 1, L + R]`` latent rows (any float dtype; cast
-            to the query's in registers).
+        cache: ``[1, num_blocks, block_size, 1, row]`` latent rows: ``row = L + R`` values of any
+            float dtype (cast to the query's in registers), or with ``fp8`` uint8 rows of e4m3
+            codes then an fp16 scale (``MLALatentFormat``).
         block_tables: ``[B, width]`` int32; seq_lens: ``[B]`` int32 (device).
         kv_lora_rank: L; scale: softmax scale; max_seq_len: bound on ``seq_lens`` (picks the
             split count).
@@ -171,6 +179,6 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _mla_decode_split_kernel[(hb, b, num_splits)](
         q_full, cache, block_tables, seq_lens, part, lse, h, num_splits, block_tables.stride(0), bs,
         scale * _LOG2E, L=lora, R=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=block_n,
-        num_warps=8 if block_l >= 256 else 4)
+        ROW=cache.shape[-1], FP8=fp8, num_warps=8 if block_l >= 256 else 4)
     _mla_decode_reduce_kernel[(b, h)](part, lse, out, h, num_splits, L=lora, BLOCK_L=block_l, num_warps=4)
     return out
