@@ -28,7 +28,8 @@ from kvserve.attention import kv_quant
 from kvserve.core.kv_cache_spec import KVCacheSpec, KVFormat, get_kv_format
 
 #: the Triton kernels' ``KV_FMT`` constexpr per format name (0: plain values, read and cast)
-KERNEL_CODES = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4, "int2": 5}
+KERNEL_CODES = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4, "int2": 5,
+                "mla_fp8_e4m3": 1}  # e4m3 codes too (read by triton/mla_decode.py's FP8 variant)
 
 
 @dataclass(frozen=True)
