@@ -15,6 +15,7 @@ from kvserve.attention.mla import MLAAttentionImpl, absorbed_weights, mla_decode
 from kvserve.core.kv_cache_spec import MLAAttentionSpec, latent_format_name
 
 L, R, H, NOPE, V, BS = 32, 8, 4, 16, 16, 4
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernel's device (interpreter on the CPU)
 
 
 def _spec(dtype="mla_float32", **kw) -> MLAAttentionSpec:
@@ -79,10 +80,13 @@ def test_absorbed_decode_equals_expanded_attention(triton_decode):
     new_rows = torch.randn(3, L + R, generator=g)
     slots = np.array([int(tables[i, (s - 1) // BS]) * BS + (s - 1) % BS for i, s in enumerate(seq_lens)])
     ql = np.ones(3, dtype=np.int64)
-    meta = metadata_from_arrays(ql, np.array(seq_lens), np.arange(4), [tables.numpy()], [slots], 3,
-                                torch.device("cpu"))[0]
-    view = KVCacheView.bind(cache, format_of_spec(_spec()))
-    out = MLAAttentionImpl(triton_decode).forward(q_nope, q_pe, new_rows, w, view, meta, 0.3, V, torch.zeros(3, H * V))
+    dev = torch.device(DEV if triton_decode else "cpu")
+    meta = metadata_from_arrays(ql, np.array(seq_lens), np.arange(4), [tables.numpy()], [slots], 3, dev)[0]
+    dcache = cache.to(dev)
+    view = KVCacheView.bind(dcache, format_of_spec(_spec()))
+    out = MLAAttentionImpl(triton_decode).forward(q_nope.to(dev), q_pe.to(dev), new_rows.to(dev), w.to(dev), view, meta,
+                                                  0.3, V, torch.zeros(3, H * V, device=dev)).cpu()
+    cache = dcache.cpu()
     w_uk, w_uv = absorbed_weights(w, H, NOPE, V)
     for i, s in enumerate(seq_lens):
         rows = cache[0, tables[i, : -(-s // BS)].long()].reshape(-1, L + R)[:s]
@@ -103,9 +107,9 @@ def test_triton_mla_decode_matches_torch(num_splits):
     cache, tables = _paged(seq_lens, num_blocks=40)
     q = torch.randn(len(seq_lens), H, L + R, generator=torch.Generator().manual_seed(2))
     ref = mla_decode_torch(q, cache, tables, seq_lens, L, 0.25)
-    got = mla_decode(q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), L, 0.25, max(seq_lens),
-                     num_splits=num_splits, block_n=16)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    got = mla_decode(q.to(DEV), cache.to(DEV), tables.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), L,
+                     0.25, max(seq_lens), num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_plan_kv_mla_rows():
@@ -135,8 +139,8 @@ def test_fp8_latent_rows_and_kernel():
     cache = fmt.encode(plain)
     q = torch.randn(3, H, L + R, generator=torch.Generator().manual_seed(4))
     ref = mla_decode_torch(q, cache, tables, seq_lens, L, 0.25, fmt)
-    got = mla_decode(q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), L, 0.25, 22, num_splits=2,
-                     block_n=16, fp8=True)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    got = mla_decode(q.to(DEV), cache.to(DEV), tables.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV), L,
+                     0.25, 22, num_splits=2, block_n=16, fp8=True)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
     exact = mla_decode_torch(q, plain, tables, seq_lens, L, 0.25)
     assert (ref - exact).abs().max() < 0.1

@@ -42,7 +42,7 @@ def _mla_decode_split_kernel(
     q_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
     num_heads, num_splits, stride_bt, block_size, qk_scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROW: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ROW: tl.constexpr, FP8: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     hb = tl.program_id(0)
     b = tl.program_id(1)
@@ -83,14 +83,15 @@ def _mla_decode_split_kernel(
         else:
             c = c.to(q_lat.dtype)
             kpe = kpe.to(q_pe.dtype)
-        qk = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(kpe))  # [BLOCK_H, BLOCK_N] fp32
+        qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC)
+        qk = tl.dot(q_pe, tl.trans(kpe), qk, input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N] fp32
         qk = qk * qk_scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -179,6 +180,6 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _mla_decode_split_kernel[(hb, b, num_splits)](
         q_full, cache, block_tables, seq_lens, part, lse, h, num_splits, block_tables.stride(0), bs,
         scale * _LOG2E, L=lora, R=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=block_n,
-        ROW=cache.shape[-1], FP8=fp8, num_warps=8 if block_l >= 256 else 4)
+        ROW=cache.shape[-1], FP8=fp8, DOT_PREC="ieee" if q_full.dtype == torch.float32 else "tf32", num_warps=8 if block_l >= 256 else 4)
     _mla_decode_reduce_kernel[(b, h)](part, lse, out, h, num_splits, L=lora, BLOCK_L=block_l, num_warps=4)
     return out
