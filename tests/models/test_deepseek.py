@@ -186,3 +186,22 @@ def test_fp8_latent_bytes_and_perplexity(deepseek):
     (n_fp8, _), = engine_nll(fp8, seqs, kinds).values()
     ratio = torch.exp(torch.tensor((n_fp8 - n_ref) / count)).item()
     assert abs(ratio - 1) < 0.04, ratio
+
+
+def test_cpu_tier_holds_latent_blocks(deepseek):
+    """The CPU KV tier copies latent pages like any others: with 29 device blocks the second
+    pass over four ~30-token prompts is served from the tier, tokens unchanged."""
+    llm, _, cfg, _, _ = deepseek
+    if cfg.model_type != "deepseek_v3":
+        pytest.skip("one model is enough: the tier only moves pages")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (30, 29, 31, 28)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    tier = LLM(model=llm.llm_engine.config.model_config.model, skip_tokenizer_init=True, dtype="float32",
+               block_size=BLOCK, max_model_len=64, num_gpu_blocks_override=30, kv_offloading_size=0.01, cpu_threads=1,
+               disable_log_stats=True)
+    assert [o.outputs[0].token_ids for o in tier.generate(prompts, sp, use_tqdm=False)] == ref
+    again = tier.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == ref
+    assert all(o.num_cached_tokens >= 24 for o in again)
