@@ -66,10 +66,6 @@ class MLAAttention(Attention):
             raise ValueError(f"--kv-eviction-policy {cc.kv_eviction_policy}: bounded KV keeps per-head attention "
                              f"mass and windows of K/V heads; a multi-head latent attention (MLA) cache has no heads "
                              f"to bound (use the default full cache)")
-        tc = getattr(config, "kv_transfer_config", None)
-        if tc is not None and getattr(tc, "kv_connector", None) not in (None, "OffloadingConnector"):
-            raise ValueError(f"--kv-transfer-config {tc.kv_connector}: P/D transfer of multi-head latent "
-                             f"attention (MLA) pages is not supported yet")
         return MLAAttentionSpec(block_size, 1, self.head_size, latent_format_name(cc.kv_cache_dtype),
                                 config.model_config.dtype, kv_lora_rank=self.kv_lora_rank,
                                 qk_rope_head_dim=self.qk_rope_head_dim, num_heads=self.total_heads,

@@ -205,3 +205,58 @@ def test_cpu_tier_holds_latent_blocks(deepseek):
     again = tier.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == ref
     assert all(o.num_cached_tokens >= 24 for o in again)
+
+
+def test_pd_round_trip_of_latent_pages(deepseek):
+    """P/D over TCP (P2PKVConnector): the handshake names the format (MLAAttentionSpec, one
+    row per token), the consumer's latent pages equal the producer's bit for bit, it computes
+    one prompt token, and its greedy tokens equal a colocated run's."""
+    import json
+
+    llm, _, cfg, _, _ = deepseek
+    if cfg.model_type != "deepseek_v3":
+        pytest.skip("one model is enough: the connector only moves pages")
+    path = llm.llm_engine.config.model_config.model
+    prompt = [1] + [(7 * i) % 250 + 3 for i in range(37)]  # 38 tokens: 2 full blocks of 16 + 6
+
+    def engine(role):
+        ktc = {"kv_connector": "P2PKVConnector", "kv_role": role,
+               "kv_connector_extra_config": {"kv_host": "127.0.0.1", "kv_port": 0}}
+        return LLM(model=path, skip_tokenizer_init=True, block_size=16, num_gpu_blocks_override=12, max_model_len=64,
+                   dtype="float32", cpu_threads=1, disable_log_stats=True, kv_transfer_config=json.dumps(ktc))
+
+    def pages(eng, ids):
+        caches = eng.llm_engine.engine_core.model_runner.kv_caches
+        idx = torch.tensor(ids, dtype=torch.long)
+        return {layer: c.index_select(1, idx).clone() for layer, c in caches.items()}
+
+    producer, consumer = engine("kv_producer"), engine("kv_consumer")
+    try:
+        sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        params = producer.generate([prompt], sp, use_tqdm=False)[0].kv_transfer_params
+        group = params["kv_layout"]["groups"][0]
+        assert group["kind"] == "MLAAttentionSpec" and group["page_shape"] == [1, 16, 1, 40]
+        src = params["remote_block_ids"][0][:2]  # the two full blocks
+        before = pages(producer, src)
+        seen = {}
+        conn = consumer.llm_engine.engine_core.kv_connector
+        orig = conn.on_kv_connector_output
+
+        def spy(kvo):
+            for rid in kvo.finished_recving:
+                ids = consumer.llm_engine.engine_core.kv_cache_manager.get_block_ids(rid)[0][:2]
+                seen[rid] = pages(consumer, ids)
+            orig(kvo)
+
+        conn.on_kv_connector_output = spy
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={"kv_transfer_params": params})
+        out = consumer.generate([prompt], sp, use_tqdm=False)[0]
+        after = next(iter(seen.values()))
+        assert all(torch.equal(before[layer], after[layer]) for layer in before)
+        assert out.num_cached_tokens == len(prompt) - 1
+        ref = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
