@@ -7,8 +7,8 @@ runner allocates, binds, copies and plans it like any other spec. Its forward ta
 query heads and the new latent rows and runs ``kvserve.attention.mla.MLAAttentionImpl``
 (expanded prefill, absorbed decode; the Triton decode kernel when the layer's backend is
 ``triton``). KV features that cannot apply to the latent are refused here, at start-up:
-bounded KV (StreamingLLM / H2O keep per-head attention mass), quantized KV dtypes (the latent
-has no heads to scale), and P/D transfer (its pages are not verified over the wire yet).
+bounded KV (StreamingLLM / H2O keep per-head attention mass) and the per-head quantized KV
+dtypes (int8 / int4 / int2 / fp8_e5m2; fp8 stores ``mla_fp8_e4m3`` rows).
 
 Tensor parallelism: the query heads (and ``kv_b_proj``, ``o_proj``) split over the ranks;
 the latent row is computed and cached whole on every rank (replicated: the cache costs each
@@ -60,7 +60,7 @@ class MLAAttention(Attention):
 
     def kv_cache_spec(self, block_size: int, config: Any) -> MLAAttentionSpec:
         """This layer's cache spec for an ``EngineConfig``. Raises ValueError for a KV feature
-        the latent cannot serve (bounded KV, quantized KV dtypes, P/D transfer)."""
+        the latent cannot serve (bounded KV, per-head quantized KV dtypes)."""
         cc = config.cache_config
         if cc.kv_eviction_policy != "none":
             raise ValueError(f"--kv-eviction-policy {cc.kv_eviction_policy}: bounded KV keeps per-head attention "
