@@ -36,14 +36,16 @@ V2_LITE = dict(
     kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
     first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
     max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=100000, eos_token_id=100001,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "beta_fast": 32, "beta_slow": 1},
     architectures=["DeepseekV2ForCausalLM"],
 )
 TINY = dict(V2_LITE, vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
             num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-            max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def _time_cuda(fn, iters: int = 20) -> float:
@@ -70,7 +72,6 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = _time_cuda(lambda: dst.copy_(src), 10)
-    del src, dst
     return nbytes / (ms * 1e-3)
 
 
@@ -140,7 +141,7 @@ def kernel(device: str, smoke: bool) -> list[dict]:
             rec["fraction_of_copy_best"] = round(latent_bytes / (ms * 1e-3) / copy_bps, 3)
             rec["fraction_of_copy_default"] = round(latent_bytes / (ms_default * 1e-3) / copy_bps, 3)
         out.append(rec)
-        del cache
+        cache = None  # free before the next case allocates
     return out
 
 

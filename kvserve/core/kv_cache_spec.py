@@ -223,7 +223,8 @@ class MLAAttentionSpec(FullAttentionSpec):
         and V (v_head_dim) in ``dtype``, all heads (as one rank of ``tp_size`` would hold
         ``num_heads / tp_size`` of them, the comparison uses this rank's heads)."""
         heads = self.num_heads // max(self.tp_size, 1)
-        return heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim) * get_kv_format(dtype).bits // 8
+        per_head = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        return heads * per_head * get_kv_format(dtype).bits // 8
 
 
 @dataclass(frozen=True)

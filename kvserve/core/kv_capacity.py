@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvserve.core.kv_cache_spec import KV_FORMATS, MLA_KV_DTYPES, FullAttentionSpec, MLAAttentionSpec, latent_format_name
+from kvserve.core.kv_cache_spec import (KV_FORMATS, MLA_KV_DTYPES, FullAttentionSpec, MLAAttentionSpec,
+                                        latent_format_name)
 
 #: Formats known to lose accuracy, with the reason shown at start-up (docs/kv-cache-dtypes.md: which to pick).
 LOSSY_KV_FORMATS: dict[str, str] = {

@@ -377,19 +377,12 @@ class DeepseekV2ForCausalLM(nn.Module):
             logger.info("skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, n_layers)
         missing = []
         for pname in params:
-            got = seen.get(pname, set())
-            if pname.endswith("experts.w13"):
-                need = 2 * owners[pname].num_experts
-            elif pname.endswith("experts.w2"):
-                need = owners[pname].num_experts
-            elif pname.endswith("gate_up_proj.weight"):
-                need = 2
+            owner = owners[pname]
+            if isinstance(owner, FusedMoE) and pname.endswith(("experts.w13", "experts.w2")):
+                need = owner.num_experts * (2 if pname.endswith("w13") else 1)  # (expert, shard) pairs
             else:
-                need = 1
-            if len(got) < need and not pname.endswith("experts.w13") and not pname.endswith("experts.w2"):
-                missing.append(pname)
-            elif pname.endswith(("experts.w13", "experts.w2")) and len(got) < need:
-                # each rank must receive its own experts (others' return False but are counted)
+                need = 2 if pname.endswith("gate_up_proj.weight") else 1
+            if len(seen.get(pname, ())) < need:
                 missing.append(pname)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -180,6 +180,7 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     _mla_decode_split_kernel[(hb, b, num_splits)](
         q_full, cache, block_tables, seq_lens, part, lse, h, num_splits, block_tables.stride(0), bs,
         scale * _LOG2E, L=lora, R=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=block_n,
-        ROW=cache.shape[-1], FP8=fp8, DOT_PREC="ieee" if q_full.dtype == torch.float32 else "tf32", num_warps=8 if block_l >= 256 else 4)
+        ROW=cache.shape[-1], FP8=fp8, DOT_PREC="ieee" if q_full.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_l >= 256 else 4)
     _mla_decode_reduce_kernel[(b, h)](part, lse, out, h, num_splits, L=lora, BLOCK_L=block_l, num_warps=4)
     return out
