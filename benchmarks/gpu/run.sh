@@ -59,6 +59,7 @@ pd4:590:four GPUs (nvidia-h200-x4): P/D 1+3 and 2+2 vs 4 colocated replicas (pd_
 moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..4096 vs weight-read roofline (gpu_moe.py)
 moe:420:MoE models, dummy weights: Qwen3-30B-A3B batch-1 decode + ISL/OSL 1000/1000, gpt-oss-20b (gpu_moe.py)
 moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
+mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -149,6 +150,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/gpu_moe.py --out "$d" --parts kernel
       py $B/gpu_moe.py --out "$d/sweep" --parts sweep --deadline $(( ${LIMIT:-120} / 4 )) ;;
     moe) py $B/gpu_moe.py --out "$d" --parts models --deadline $(( ${LIMIT:-420} - 20 )) ;;
+    mla) py $B/gpu_mla.py --out "$d" --num-requests 64 --engine-timeout $(( ${LIMIT:-480} - 120 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

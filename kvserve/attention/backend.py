@@ -47,7 +47,10 @@ class AttentionBackend(ABC):
     metadata_builder_cls: type[AttentionMetadataBuilder] = AttentionMetadataBuilder
 
     def validate_spec(self, spec: KVCacheSpec) -> None:
-        """Raise ValueError (listing the choices) if this backend cannot serve ``spec``."""
+        """Raise ValueError (listing the choices) if this backend cannot serve ``spec``. A latent
+        (MLA) spec is served by ``kvserve/attention/mla.py`` beside any backend."""
+        if spec.format.latent:
+            return
         if spec.dtype not in self.supported_kv_dtypes:
             raise ValueError(f"attention backend {self.name!r} cannot read a {spec.dtype!r} KV cache; "
                              f"it supports {list(self.supported_kv_dtypes)}")

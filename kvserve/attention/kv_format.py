@@ -28,7 +28,8 @@ from kvserve.attention import kv_quant
 from kvserve.core.kv_cache_spec import KVCacheSpec, KVFormat, get_kv_format
 
 #: the Triton kernels' ``KV_FMT`` constexpr per format name (0: plain values, read and cast)
-KERNEL_CODES = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4, "int2": 5}
+KERNEL_CODES = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4, "int2": 5,
+                "mla_fp8_e4m3": 1}  # e4m3 codes too (read by triton/mla_decode.py's FP8 variant)
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,89 @@ class KVCacheFormat:
         kv_quant.copy_slots(cache, self.head_size, src_slots, dst_slots, self.desc)
 
 
+@dataclass(frozen=True)
+class MLALatentFormat(KVCacheFormat):
+    """Multi-head latent attention's cache rows (``KVFormat.latent``; DeepSeek-V2,
+    arXiv:2405.04434): per token one row ``[kv_lora_rank + qk_rope_head_dim]`` -- the
+    normalized KV latent, then the RoPE'd shared key -- and nothing else. ``mla_fp8_e4m3``
+    stores the row as e4m3 codes with one fp16 scale per token (``encode`` / ``decode``).
+
+    The cache is ``[1, num_blocks, block_size, 1, head_size]`` in the storage dtype: the
+    leading and head axes of the K/V layout stay (size 1) so that block copies, tiers and
+    views that index ``cache[:, block_ids]`` work unchanged; there is no V half. ``store``
+    takes the rows as ``key`` ``[T, 1, head_size]`` and ignores ``value``; ``gather`` and
+    ``load_blocks`` return the rows (``value`` None).
+    """
+
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int) -> tuple[int, ...]:
+        if num_kv_heads != 1:
+            raise ValueError(f"an MLA latent cache has one row per token, got num_kv_heads={num_kv_heads}")
+        return (1, num_blocks, block_size, 1, self.row_elems)
+
+    #: fp8 e4m3's largest finite value (codes = x / scale with scale = amax / FP8_MAX)
+    FP8_MAX = 448.0
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Values ``[..., head_size]`` -> storage rows ``[..., row_elems]``: cast, or (fp8) e4m3
+        codes of ``x / scale`` then the row's fp16 ``scale = amax / 448`` (zero padding after)."""
+        if not self.quantized:
+            return rows.to(self.storage_dtype)
+        x = rows.float()
+        scale = (x.abs().amax(dim=-1, keepdim=True) / self.FP8_MAX).clamp(min=1e-6).half()
+        codes = (x / scale.float()).clamp(-self.FP8_MAX, self.FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        out = torch.zeros(*rows.shape[:-1], self.row_elems, dtype=torch.uint8, device=rows.device)
+        out[..., : self.head_size] = codes
+        out[..., self.head_size:self.head_size + 2] = scale.view(torch.uint8)
+        return out
+
+    def decode(self, raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Storage rows ``[..., row_elems]`` -> values ``[..., head_size]`` in ``dtype``."""
+        if not self.quantized:
+            return raw.to(dtype)
+        codes = raw[..., : self.head_size].contiguous().view(torch.float8_e4m3fn).float()
+        scale = raw[..., self.head_size:self.head_size + 2].contiguous().view(torch.float16).float()
+        return (codes * scale).to(dtype)
+
+    def copy_slots(self, cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy-on-write: whole rows (codes and scale together) of ``src_slots`` into ``dst_slots``."""
+        flat = cache[0].view(-1, self.row_elems)
+        flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+
+    def store(self, key: torch.Tensor, value: Optional[torch.Tensor], cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Write latent rows ``key [T, 1, head_size]`` (or ``[T, head_size]``) at their slots
+        (``slot_mapping [T]`` int64, negative ids skipped), encoded in the storage format."""
+        rows = self.encode(key.reshape(key.shape[0], 1, self.head_size))
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, rows = slot_mapping[keep], rows[keep]
+        flat = cache[0].view(-1, 1, self.row_elems)
+        flat.index_copy_(0, slot_mapping, rows)
+
+    def gather(self, cache: torch.Tensor, block_tables: torch.Tensor,
+               num_blocks: int) -> tuple[torch.Tensor, None]:
+        """Rows ``[R, num_blocks * block_size, 1, head_size]`` of the first ``num_blocks`` blocks
+        of each row of ``block_tables``, and None (no V)."""
+        r = block_tables.shape[0]
+        idx = block_tables[:, :num_blocks].reshape(-1).long()
+        pages = cache[0].index_select(0, idx)
+        return pages.view(r, num_blocks * cache.shape[2], 1, self.row_elems), None
+
+    def load_blocks(self, cache: torch.Tensor, half: int, block_ids: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[len(block_ids), block_size, 1, head_size]`` in ``dtype`` (``half`` must be 0)."""
+        if half != 0:
+            raise ValueError("an MLA latent cache has no V half")
+        return self.decode(cache[0].index_select(0, block_ids), dtype)
+
+
 #: ``KVFormat.name`` -> the ``KVCacheFormat`` subclass serving it (default: ``KVCacheFormat``).
-#: A format with its own page layout or routines (say a latent, head-less MLA cache)
-#: registers its class here; the model runner and the scheduler stay as they are.
-FORMAT_CLASSES: dict[str, type[KVCacheFormat]] = {}
+#: A format with its own page layout or routines (MLA's latent, head-less cache) registers
+#: its class here; the model runner and the scheduler stay as they are.
+FORMAT_CLASSES: dict[str, type[KVCacheFormat]] = {
+    "mla_float32": MLALatentFormat, "mla_bfloat16": MLALatentFormat, "mla_float16": MLALatentFormat,
+    "mla_fp8_e4m3": MLALatentFormat,
+}
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ Pure Python (no torch): the scheduler process reads these too. The layout is vLL
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,6 +44,9 @@ class KVFormat:
         residual: each request's filling block is also kept exact, in the compute dtype, and
             a query reads its own block from there (KIVI's residual, arXiv:2402.02750;
             ``kvserve/attention/kv_residual.py``). The pages are written as for any format.
+        latent: multi-head latent attention's cache (DeepSeek-V2, arXiv:2405.04434): one row
+            per token -- the compressed KV latent and the shared RoPE key -- with no V half
+            and no head dimension (``MLAAttentionSpec``; ``kvserve/attention/mla.py``).
     """
 
     name: str
@@ -52,6 +56,12 @@ class KVFormat:
     asymmetric: bool = False
     rotated: bool = False
     residual: bool = False
+    latent: bool = False
+
+    @property
+    def kv_halves(self) -> int:
+        """Rows stored per token and KV head: 2 (K and V), 1 for a latent format."""
+        return 1 if self.latent else 2
 
     @property
     def quantized(self) -> bool:
@@ -59,7 +69,10 @@ class KVFormat:
 
     def row_elems(self, head_size: int) -> int:
         """Elements of one (token, KV head) row of K or of V in the cache tensor's dtype
-        (its codes and scale bytes; it sizes the page, the page layout places them)."""
+        (its codes and scale bytes; it sizes the page, the page layout places them). A
+        quantized latent row is its codes, then its fp16 scale, padded to 16 bytes."""
+        if self.latent and self.quantized:
+            return -(-(head_size * self.bits // 8 + self.scale_bytes_per_token_head) // 16) * 16
         if not self.quantized:
             return head_size
         return head_size * self.bits // 8 + self.scale_bytes_per_token_head // 2
@@ -79,8 +92,33 @@ KV_FORMATS: dict[str, KVFormat] = {
         # exact (kvserve/attention/kv_residual.py).
         KVFormat("int4", 4, "uint8", 8, asymmetric=True, rotated=True, residual=True),
         KVFormat("int2", 2, "uint8", 8, asymmetric=True, rotated=True, residual=True),
+        # MLA's latent rows (one per token: kv_lora_rank + qk_rope_head_dim values), named
+        # by MLAAttentionSpec from --kv-cache-dtype (latent_format_name); not a flag value.
+        KVFormat("mla_float32", 32, "float32", latent=True),
+        KVFormat("mla_bfloat16", 16, "bfloat16", latent=True),
+        KVFormat("mla_float16", 16, "float16", latent=True),
+        # fp8 e4m3 codes of the whole row, then one fp16 scale per token (x = code * scale),
+        # in uint8 rows padded to 16 bytes (kvserve/attention/kv_format.py: MLALatentFormat).
+        KVFormat("mla_fp8_e4m3", 8, "uint8", 2, latent=True),
     )
 }
+
+#: --kv-cache-dtype values an MLA latent cache can store (the rest are refused at start-up).
+MLA_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
+
+
+def latent_format_name(kv_cache_dtype: str) -> str:
+    """The latent format storing MLA rows in ``kv_cache_dtype`` (a resolved ``--kv-cache-dtype``).
+
+    Raises ValueError naming the choices for a dtype the latent cannot hold (int8 / int4 / int2
+    quantize per head and rotate the head dimension; the latent has neither; fp8_e5m2 is not
+    built for it)."""
+    name = get_kv_format(kv_cache_dtype).name
+    if name not in MLA_KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: a multi-head latent attention (MLA) cache stores "
+                         f"its latent in one of {list(MLA_KV_DTYPES)} (or auto, fp8); the other quantized KV formats "
+                         f"do not apply to the latent")
+    return "mla_" + name
 
 #: ``--kv-cache-dtype`` aliases (vLLM: ``fp8`` means e4m3).
 KV_FORMAT_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
@@ -113,6 +151,11 @@ class KVCacheSpec:
     dtype: str
     compute_dtype: str
 
+    def __post_init__(self) -> None:
+        if self.format.latent and not isinstance(self, MLAAttentionSpec):
+            raise ValueError(f"kv_cache_dtype {self.dtype!r} is the latent format of multi-head latent attention "
+                             f"layers; other layers store K and V (choose a --kv-cache-dtype value)")
+
     @property
     def format(self) -> KVFormat:
         return get_kv_format(self.dtype)
@@ -121,7 +164,9 @@ class KVCacheSpec:
     def page_size_bytes(self) -> int:
         """Bytes of one block of this layer: K and V of ``block_size`` tokens, plus scales."""
         f = self.format
-        per_token = 2 * self.num_kv_heads * self.head_size * f.bits // 8
+        if f.latent:  # one row per token: values, or codes + scale padded (row_elems)
+            return self.block_size * self.num_kv_heads * f.row_elems(self.head_size) * max(f.bits // 8, 1)
+        per_token = f.kv_halves * self.num_kv_heads * self.head_size * f.bits // 8
         per_token += self.num_kv_heads * f.scale_bytes_per_token_head
         return self.block_size * per_token
 
@@ -138,11 +183,48 @@ class KVCacheSpec:
     def type_name(self) -> str:
         return "full_attention"
 
+    def reference_bytes_per_token(self, dtype: str) -> int:
+        """Bytes per token of the equal unquantized cache in ``dtype`` (what a format's saving
+        is measured against)."""
+        return dataclasses.replace(self, dtype=dtype).bytes_per_token
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
     """A layer that attends to every earlier token (it may still mask by a window: such a
     layer keeps its whole history in this spec)."""
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """A multi-head latent attention layer (DeepSeek-V2, arXiv:2405.04434): each token keeps one
+    row of ``kv_lora_rank + qk_rope_head_dim`` values (``num_kv_heads`` 1, ``head_size`` that
+    width, ``dtype`` a latent format), whatever the number of query heads; under tensor
+    parallelism every rank keeps the whole row (the heads split, the latent is replicated).
+
+    Attributes (beyond ``KVCacheSpec``'s): the latent's parts, and the heads and head dims of
+    the equal multi-head cache (``reference_bytes_per_token``).
+    """
+
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    num_heads: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    tp_size: int = 1
+
+    @property
+    def type_name(self) -> str:
+        rep = f", latent replicated on {self.tp_size} ranks" if self.tp_size > 1 else ""
+        return f"mla_latent({self.kv_lora_rank}+{self.qk_rope_head_dim}{rep})"
+
+    def reference_bytes_per_token(self, dtype: str) -> int:
+        """Bytes per token of the expanded multi-head cache: every head's K (qk_nope + qk_rope)
+        and V (v_head_dim) in ``dtype``, all heads (as one rank of ``tp_size`` would hold
+        ``num_heads / tp_size`` of them, the comparison uses this rank's heads)."""
+        heads = self.num_heads // max(self.tp_size, 1)
+        per_head = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        return heads * per_head * get_kv_format(dtype).bits // 8
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvserve.core.kv_cache_spec import KV_FORMATS, FullAttentionSpec
+from kvserve.core.kv_cache_spec import (KV_FORMATS, MLA_KV_DTYPES, FullAttentionSpec, MLAAttentionSpec,
+                                        latent_format_name)
 
 #: Formats known to lose accuracy, with the reason shown at start-up (docs/kv-cache-dtypes.md: which to pick).
 LOSSY_KV_FORMATS: dict[str, str] = {
@@ -75,7 +76,7 @@ def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int
     """
     if min(num_layers, num_kv_heads, head_dim, block_size, max_model_len) <= 0 or budget_bytes < 0:
         raise ValueError("layers, kv heads, head dim, block size and max_model_len must be positive")
-    dtypes = list(dtypes or KV_FORMATS)
+    dtypes = list(dtypes or [n for n, f in KV_FORMATS.items() if not f.latent])
 
     res_dtype = model_dtype or reference
     if res_dtype not in MODEL_DTYPE_BYTES:
@@ -101,13 +102,44 @@ def plan_kv(num_layers: int, num_kv_heads: int, head_dim: int, budget_bytes: int
     return rows
 
 
+def plan_kv_mla(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, num_heads: int, qk_nope_head_dim: int,
+                v_head_dim: int, budget_bytes: int, max_model_len: int, block_size: int = 16,
+                dtypes: list[str] | None = None, reference: str = "bfloat16") -> list[KVPlanRow]:
+    """Capacity rows of a multi-head latent attention (MLA) model: one row per latent dtype
+    (``mla_<dtype>``: ``kv_lora_rank + qk_rope_head_dim`` values per token and layer), then the
+    expanded multi-head cache in ``reference`` (``mha_expanded_<reference>``: every head's K of
+    ``qk_nope + qk_rope`` and V of ``v_head_dim``) that ``vs_reference`` compares against.
+
+    Raises ValueError for a dtype the latent cannot hold (``latent_format_name``) or bad sizes."""
+    if min(num_layers, kv_lora_rank, num_heads, block_size, max_model_len) <= 0 or budget_bytes < 0:
+        raise ValueError("layers, kv_lora_rank, heads, block size and max_model_len must be positive")
+    names = [latent_format_name(d) for d in (dtypes or MLA_KV_DTYPES)]
+
+    def spec(name: str) -> MLAAttentionSpec:
+        return MLAAttentionSpec(block_size, 1, kv_lora_rank + qk_rope_head_dim, name, reference,
+                                kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, num_heads=num_heads,
+                                qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
+
+    ref_bpt = spec(latent_format_name(reference) if reference in MLA_KV_DTYPES else "mla_bfloat16") \
+        .reference_bytes_per_token(reference) * num_layers
+    ref_tokens = (budget_bytes // (ref_bpt * block_size)) * block_size
+    rows = []
+    for name in names:
+        s = spec(name)
+        tok = (budget_bytes // (s.page_size_bytes * num_layers)) * block_size
+        rows.append(KVPlanRow(name, s.bytes_per_token * num_layers, 0, tok, tok / max_model_len,
+                              tok / ref_tokens if ref_tokens else float("inf")))
+    rows.append(KVPlanRow(f"mha_expanded_{reference}", ref_bpt, 0, ref_tokens, ref_tokens / max_model_len, 1.0))
+    return rows
+
+
 def format_plan(rows: list[KVPlanRow], reference: str = "bfloat16") -> str:
     """A fixed-width table of ``rows``."""
-    head = f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'of which scales':>16}{'tokens':>12}" \
+    head = f"{'kv_cache_dtype':<22}{'bytes/token':>12}{'of which scales':>16}{'tokens':>12}" \
            f"{'max concurrency':>17}{'vs ' + reference:>13}{'exact blocks MiB':>18}"
     lines = [head]
     for r in rows:
-        lines.append(f"{r.kv_cache_dtype:<15}{r.bytes_per_token:>12}{r.scale_bytes_per_token:>16}{r.tokens:>12}"
+        lines.append(f"{r.kv_cache_dtype:<22}{r.bytes_per_token:>12}{r.scale_bytes_per_token:>16}{r.tokens:>12}"
                      f"{r.max_concurrency:>16.2f}x{r.vs_reference:>12.2f}x{r.residual_bytes / 2**20:>18.1f}")
     return "\n".join(lines)
 

@@ -8,7 +8,6 @@ that receive each step as data.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Optional
@@ -17,7 +16,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_capacity import LOSSY_KV_FORMATS
 from kvserve.core.kv_cache_spec import (
-    KVCacheConfig, bytes_per_request, make_kv_cache_config, max_concurrency, max_request_tokens,
+    KVCacheConfig, MLAAttentionSpec, bytes_per_request, make_kv_cache_config, max_concurrency, max_request_tokens,
 )
 from kvserve.core.kv_events import KVEventBatch, KVEventRecorder
 from kvserve.core.sched_output import SchedulerOutput
@@ -67,15 +66,17 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
         f" per rank; tensor_parallel_size={pc.tensor_parallel_size} ({pc.distributed_executor_backend} executor), "
         f"each rank holds its share of the KV heads")
     # What the format buys: tokens per byte relative to an unquantized cache in the model dtype.
-    ref_bpt = sum(len(g.layer_indices) * dataclasses.replace(g.spec, dtype=mc.dtype).bytes_per_token
-                  for g in kv_cfg.groups)
+    ref_bpt = sum(len(g.layer_indices) * g.spec.reference_bytes_per_token(mc.dtype) for g in kv_cfg.groups)
+    ref_name = mc.dtype
+    if any(isinstance(g.spec, MLAAttentionSpec) for g in kv_cfg.groups):  # against the expanded heads
+        ref_name = f"multi-head (latent expanded to K and V per head) {mc.dtype}"
     logger.info(
         "KV cache: %d bytes/token over %d layers (%s); %s tokens per request at most (%.2f GiB)%s; "
         "max concurrency at max_model_len=%d: %.2fx (%.2fx without the sliding-window savings); "
         "%s KV: %.2fx the tokens of a %s KV cache",
         kv_cfg.bytes_per_token, kv_cfg.num_layers, kv_cfg.describe(),
         "unbounded" if capacity is None else capacity, kv_cfg.total_bytes / 2**30, layout, max_len,
-        max_concurrency(kv_cfg, max_len, mnbt), flat, cc.kv_cache_dtype, ref_bpt / kv_cfg.bytes_per_token, mc.dtype,
+        max_concurrency(kv_cfg, max_len, mnbt), flat, cc.kv_cache_dtype, ref_bpt / kv_cfg.bytes_per_token, ref_name,
     )
     if cc.kv_cache_dtype in LOSSY_KV_FORMATS:
         logger.warning("--kv-cache-dtype %s: %s", cc.kv_cache_dtype, LOSSY_KV_FORMATS[cc.kv_cache_dtype])

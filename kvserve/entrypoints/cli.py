@@ -339,6 +339,8 @@ def run_plan_kv(ns: argparse.Namespace) -> int:
 
     path, fmt = resolve_model(ns.model, "auto")
     cfg = load_hf_config(path, fmt)
+    if getattr(cfg, "kv_lora_rank", None):  # multi-head latent attention: the latent rows
+        return _plan_kv_mla(ns, path, cfg)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -360,6 +362,32 @@ def run_plan_kv(ns: argparse.Namespace) -> int:
         print(f"{os.path.basename(path)}: {cfg.num_hidden_layers} layers x {kv_heads} KV heads x {head_dim}, "
               f"{ns.gpu_memory:g} GiB of KV, max_model_len {ns.max_model_len}")
         print(format_plan(rows, get_kv_format(ns.reference).name))
+
+
+def _plan_kv_mla(ns: argparse.Namespace, path: str, cfg) -> int:
+    """``plan-kv`` for an MLA model (DeepSeek-V2/V3): latent rows vs the expanded multi-head cache."""
+    import json
+
+    from kvserve.core.kv_capacity import format_plan, plan_kv_mla, rows_as_dicts
+    from kvserve.core.kv_cache_spec import get_kv_format
+
+    dims = dict(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                num_heads=cfg.num_attention_heads, qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim)
+    dtypes = [get_kv_format(d).name for d in ns.kv_cache_dtype] if ns.kv_cache_dtype else None
+    ref = get_kv_format(ns.reference).name
+    rows = plan_kv_mla(cfg.num_hidden_layers, budget_bytes=int(ns.gpu_memory * 2**30), max_model_len=ns.max_model_len,
+                       block_size=ns.block_size, dtypes=dtypes, reference=ref, **dims)
+    if ns.json:
+        print(json.dumps({"model": path, "num_layers": cfg.num_hidden_layers, "attention": "mla", **dims,
+                          "gpu_memory_gib": ns.gpu_memory, "max_model_len": ns.max_model_len,
+                          "rows": rows_as_dicts(rows)}, indent=2))
+    else:
+        print(f"{os.path.basename(path)}: {cfg.num_hidden_layers} layers, multi-head latent attention: "
+              f"{cfg.kv_lora_rank} + {cfg.qk_rope_head_dim} values per token and layer (vs {cfg.num_attention_heads} "
+              f"heads x ({cfg.qk_nope_head_dim} + {cfg.qk_rope_head_dim} + {cfg.v_head_dim}) expanded), "
+              f"{ns.gpu_memory:g} GiB of KV, max_model_len {ns.max_model_len}")
+        print(format_plan(rows, f"mha_expanded_{ref}"))
+    return 0
 
 
 # --------------------------------------------------------------------------- export

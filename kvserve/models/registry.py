@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from kvserve.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.gpt_oss import GptOssForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
@@ -22,6 +23,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -29,6 +32,7 @@ _BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

@@ -97,6 +97,10 @@ class ModelRunner:
         max_len = self.config.scheduler_config.max_model_len
         specs: dict[int, KVCacheSpec] = {}
         for layer in attention_layers(self.model):
+            make_spec = getattr(layer, "kv_cache_spec", None)
+            if make_spec is not None:  # a layer that names its own cache format (MLA's latent rows)
+                specs[layer.layer_idx] = make_spec(self.block_size, self.config)
+                continue
             w = layer.sliding_window
             if w is not None and w < 1:
                 raise ValueError(f"layer {layer.layer_idx}: sliding_window must be >= 1, got {w}")

@@ -85,6 +85,8 @@ class TritonBackend(AttentionBackend):
         Reads only the null block; stores nothing.
         """
         kv_cache, fmt = kv.cache, kv.format
+        if fmt.desc.latent:  # MLA layers: kvserve/attention/triton/mla_decode.py compiles on first use
+            return
         hkv, d = kv_cache.shape[3], fmt.head_size  # the last dim is a packed row for quantized formats
         dev = kv_cache.device
         q = torch.zeros(1, num_heads, d, dtype=dtype, device=dev)

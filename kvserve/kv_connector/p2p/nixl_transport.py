@@ -104,6 +104,7 @@ class NixlAgent:
             raise RuntimeError("NIXL: the UCX backend plugin is missing")
         # layer -> [base address, K->V stride, block stride (bytes), device index]
         self.regions: dict[int, list[int]] = {}
+        self.halves: dict[int, int] = {}  # 2 (K, V), or 1 (MLA's latent rows)
         self.mem, self.device = "DRAM", None
         self._reg = []
         for layer, cache in caches.items():
@@ -114,6 +115,7 @@ class NixlAgent:
             self.device = raw.device if raw.is_cuda else None
             dev = max(raw.get_device(), 0)
             self.regions[layer] = [raw.data_ptr(), raw.stride(0), raw.stride(1), dev]
+            self.halves[layer] = raw.shape[0]
             try:
                 self._reg.append(self.agent.register_memory(raw))
             except Exception as exc:  # noqa: BLE001
@@ -191,7 +193,7 @@ class NixlAgent:
                 if r is None or int(r[2]) != lblk:
                     raise ValueError(f"NIXL: producer regions do not match layer {layer}")
                 rb, rkv, rblk, rdev = (int(x) for x in r)
-                for h in (0, 1):
+                for h in range(self.halves[layer]):
                     loc_rows.append(np.stack([lb + h * lkv + ls * lblk, n * lblk, np.full_like(n, ldev)], 1))
                     rem_rows.append(np.stack([rb + h * rkv + rs * rblk, n * rblk, np.full_like(n, rdev)], 1))
         if not loc_rows:

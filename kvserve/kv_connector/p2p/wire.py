@@ -42,7 +42,7 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
     ``num_layers``, ``block_size``, ``kv_cache_dtype``, ``dtype`` (model torch dtype name),
     ``tp_size``, and ``groups``: per KV cache group ``{"kind", "layers", "num_kv_heads",
     "head_size", "sliding_window", "page_shape" (one block of one layer: [2, block_size,
-    kv_heads, row elements]), "page_bytes" (per layer)}``; for rotated formats (int4 / int2)
+    kv_heads, row elements]; [1, ...] for MLA's latent rows, ``kind`` MLAAttentionSpec), "page_bytes" (per layer)}``; for rotated formats (int4 / int2)
     also ``kv_rotation``: the basis the pages hold K/V in (``kv_rotation.ROTATION_NAME``). It
     is absent otherwise, so unrotated layouts are unchanged and a peer from before the
     rotation, which sends no such field, is refused on int4 / int2 only. Likewise
@@ -58,7 +58,7 @@ def kv_layout(config, kv_cache_config) -> dict[str, Any]:
         groups.append({
             "kind": type(s).__name__, "layers": list(g.layer_indices), "num_kv_heads": s.num_kv_heads,
             "head_size": s.head_size, "sliding_window": getattr(s, "sliding_window", None),
-            "page_shape": [2, s.block_size, s.num_kv_heads, s.format.row_elems(s.head_size)],
+            "page_shape": [s.format.kv_halves, s.block_size, s.num_kv_heads, s.format.row_elems(s.head_size)],
             "page_bytes": s.page_size_bytes,
         })
     layout = {

@@ -376,7 +376,7 @@ class P2PWorker:
             layer, gid = int(h["layer"]), int(h["group"])
             cache = _bytes_view(self.caches[layer])
             n = len(spec.pairs[gid][0])
-            src = torch.frombuffer(payload, dtype=torch.uint8).view(2, n, *cache.shape[2:])
+            src = torch.frombuffer(payload, dtype=torch.uint8).view(cache.shape[0], n, *cache.shape[2:])  # K/V or a latent
             idx = local[gid]
             if cache.device.type != "cpu":
                 src, idx = src.to(cache.device), idx.to(cache.device)

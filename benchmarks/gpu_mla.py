@@ -1,0 +1,327 @@
+"""GPU: multi-head latent attention (MLA). The Triton MLA decode kernel alone, and a
+DeepSeek-V2-Lite-shaped engine with dummy weights.
+
+Parts:
+- ``kernel``: the absorbed decode kernel (``kvserve/attention/triton/mla_decode.py``) at batch
+  64 x 8K context, bf16 latent rows of 512 + 64 values, for 128 heads (DeepSeek-V3) and 16
+  heads (V2-Lite): GB/s of latent read (``B * S * 576 * 2`` bytes per call) against a measured
+  device-to-device copy bandwidth (goal >= 75%), over a small sweep of tile shapes; checked
+  against the torch path first.
+- ``engine`` (its own subprocess): DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads,
+  kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128, 64 routed + 2 shared experts, top-6,
+  moe_intermediate 1408, first_k_dense_replace 1, vocab 102400) through ``kvserve.LLM``:
+  batch-1 ms/token; KV capacity in tokens (and 32K-token requests) beside the same bytes
+  holding the latent expanded to per-head K and V (computed); offline throughput of
+  ``--num-requests`` requests of 1000 prompt / 1000 output tokens.
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT [--parts kernel,engine]
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --cpu-smoke --out /tmp/mla   (tiny shapes, CPU)
+Writes ``--out/mla.json`` and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+V2_LITE = dict(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+    kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+    max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=100000, eos_token_id=100001,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "beta_fast": 32, "beta_slow": 1},
+    architectures=["DeepseekV2ForCausalLM"],
+)
+TINY = dict(V2_LITE, vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+            num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+            max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def _time_cuda(fn, iters: int = 20) -> float:
+    """Median milliseconds of ``fn`` (CUDA events, after two warm-up calls)."""
+    import torch
+
+    fn()
+    fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read per second (a copy of N bytes reads N and writes N)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_cuda(lambda: dst.copy_(src), 10)
+    return nbytes / (ms * 1e-3)
+
+
+def kernel(device: str, smoke: bool) -> list[dict]:
+    """The MLA decode kernel vs the torch path, then timed over tile shapes (GPU)."""
+    import torch
+
+    from kvserve.attention.mla import mla_decode_torch
+    from kvserve.attention.triton.mla_decode import mla_decode
+
+    lora, rope, bs = (512, 64, 16) if not smoke else (32, 8, 4)
+    batch, ctx = (64, 8192) if not smoke else (2, 40)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out = []
+    copy_bps = copy_bandwidth() if device == "cuda" else None
+    if copy_bps:
+        out.append(dict(part="copy", gb_s=round(copy_bps / 1e9, 1)))
+    from kvserve.attention.kv_format import kv_format_for
+
+    cases = [(128, False), (16, False), (128, True)] if not smoke else [(4, False), (4, True)]
+    for heads, fp8 in cases:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        nblk = batch * (ctx // bs) + 1
+        cache = torch.randn(1, nblk, bs, 1, lora + rope, generator=g).to(dtype).to(device)
+        fmt = kv_format_for("mla_fp8_e4m3", lora + rope) if fp8 else None
+        if fp8:
+            cache = fmt.encode(cache)
+        tables = (torch.randperm(nblk - 1, generator=g)[: batch * (ctx // bs)] + 1).view(batch, ctx // bs)
+        tables = tables.int().to(device)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        q = (torch.randn(batch, heads, lora + rope, generator=g) * 0.1).to(dtype).to(device)
+        scale = (128 + 64) ** -0.5
+        # correctness on a few requests first
+        k = min(4, batch)
+        ref = mla_decode_torch(q[:k], cache, tables, [ctx] * k, lora, scale, fmt)
+        got = mla_decode(q[:k], cache, tables[:k], lens[:k], lora, scale, ctx, fp8=fp8).float()
+        err = float((got - ref).abs().max())
+        rec = dict(part="kernel", heads=heads, latent="fp8_e4m3" if fp8 else str(dtype).removeprefix("torch."),
+                   batch=batch, context=ctx, kv_lora_rank=lora, qk_rope=rope,
+                   max_abs_err_vs_torch=round(err, 5))
+        latent_bytes = batch * ctx * cache.shape[-1] * cache.element_size()
+        if device != "cuda":
+            out.append(rec)
+            continue
+        best = None
+        sweep = []
+        for bh in (16, 32, 64):
+            for bn in (16, 32, 64):
+                try:
+                    ms = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, block_h=bh,
+                                                       block_n=bn, fp8=fp8))
+                except Exception as e:  # a tile that does not fit (shared memory / registers)
+                    sweep.append(dict(block_h=bh, block_n=bn, error=repr(e)[:120]))
+                    continue
+                gbs = latent_bytes / (ms * 1e-3) / 1e9
+                sweep.append(dict(block_h=bh, block_n=bn, us=round(ms * 1e3, 1), gb_s=round(gbs, 1)))
+                if best is None or ms < best[0]:
+                    best = (ms, bh, bn)
+        ms_default = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, fp8=fp8))
+        ms, bh, bn = best if best else (ms_default, None, None)
+        rec.update(us_default=round(ms_default * 1e3, 1),
+                   gb_s_default=round(latent_bytes / (ms_default * 1e-3) / 1e9, 1),
+                   us_best=round(ms * 1e3, 1), best_block_h=bh, best_block_n=bn,
+                   gb_s_best=round(latent_bytes / (ms * 1e-3) / 1e9, 1),
+                   latent_bytes=latent_bytes, sweep=sweep)
+        if copy_bps:
+            rec["fraction_of_copy_best"] = round(latent_bytes / (ms * 1e-3) / copy_bps, 3)
+            rec["fraction_of_copy_default"] = round(latent_bytes / (ms_default * 1e-3) / copy_bps, 3)
+        out.append(rec)
+        cache = None  # free before the next case allocates
+    return out
+
+
+def _config_dir(tmp: str, cfg: dict) -> str:
+    import transformers
+
+    os.makedirs(tmp, exist_ok=True)
+    kw = dict(cfg)
+    kw.pop("architectures")
+    c = transformers.DeepseekV2Config(**kw)
+    c.architectures = ["DeepseekV2ForCausalLM"]
+    c.save_pretrained(tmp)
+    return tmp
+
+
+def engine_inner(path: str, device: str, smoke: bool, num_requests: int, eager: bool, out_path: str) -> dict:
+    """Runs in its own process: capacity, batch-1 decode, offline throughput (the record is
+    rewritten to ``out_path`` after each, so a timeout keeps what was measured)."""
+    import numpy as np
+    import torch
+
+    from kvserve import LLM, SamplingParams
+
+    cfg = TINY if smoke else V2_LITE
+    kw = dict(model=path, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32",
+              skip_tokenizer_init=True, device=device, max_model_len=4096 if not smoke else 256,
+              max_num_seqs=num_requests, disable_log_stats=True, enforce_eager=eager)
+    if smoke:
+        kw.update(kv_cache_memory="8MiB", cpu_threads=1)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    load_s = time.perf_counter() - t0
+    eng = llm.llm_engine
+    kv_cfg = eng.engine_core.kv_cache_config
+    spec = kv_cfg.groups[0].spec
+    layers = kv_cfg.num_layers
+    tokens = (kv_cfg.groups[0].num_blocks - 1) * spec.block_size
+    latent_bpt = kv_cfg.bytes_per_token
+    mha_bpt = layers * spec.reference_bytes_per_token("bfloat16" if device == "cuda" else "float32")
+    mha_tokens = int(kv_cfg.total_bytes // mha_bpt)
+    rec = dict(part="engine", shape="DeepSeek-V2-Lite" if not smoke else "tiny", load_s=round(load_s, 1),
+               enforce_eager=eager, kv_cache_gib=round(kv_cfg.total_bytes / 2**30, 2),
+               latent_bytes_per_token=latent_bpt, expanded_mha_bytes_per_token=mha_bpt,
+               kv_capacity_tokens=tokens, expanded_mha_capacity_tokens=mha_tokens,
+               capacity_factor=round(tokens / max(mha_tokens, 1), 2),
+               concurrent_32k_requests=tokens // 32768, expanded_mha_concurrent_32k_requests=mha_tokens // 32768,
+               describe=kv_cfg.describe())
+
+    def save() -> None:
+        with open(out_path, "w") as f:
+            json.dump(rec, f)
+
+    save()
+    # batch 1 decode
+    n = 128 if not smoke else 8
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4] * 32], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = llm.generate([list(range(10, 138))], sp, use_tqdm=False)[0]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    m = out.metrics
+    ttft = (m.first_token_time - m.arrival_time) if getattr(m, "first_token_time", None) else None
+    decode_ms = (wall - (ttft or 0)) * 1e3 / max(n - 1, 1)
+    rec.update(batch1_ms_per_token=round(decode_ms, 3), batch1_wall_s=round(wall, 2))
+    # the weights a decode step reads at batch 1: dense parts + 6 routed + 2 shared experts per MoE layer
+    if not smoke:
+        h, i_moe, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+        model = eng.engine_core.model_runner.model
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        routed = (cfg["num_hidden_layers"] - 1) * e * 3 * h * i_moe * 2
+        active = total - routed + (cfg["num_hidden_layers"] - 1) * cfg["num_experts_per_tok"] * 3 * h * i_moe * 2
+        rec.update(weight_bytes=total, active_weight_bytes_batch1=active,
+                   batch1_floor_ms_at_4_8TB_s=round(active / 4.8e12 * 1e3, 3))
+    save()
+    # offline throughput
+    rng = np.random.default_rng(0)
+    plen, olen = (1000, 1000) if not smoke else (16, 8)
+    prompts = [rng.integers(0, cfg["vocab_size"], plen).tolist() for _ in range(num_requests)]
+    sp = SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    rec.update(offline_requests=num_requests, offline_prompt_len=plen, offline_output_len=olen,
+               offline_wall_s=round(wall, 1), offline_output_tok_s=round(num_requests * olen / wall, 1),
+               preemptions=eng.stats.num_preemptions)
+    save()
+    return rec
+
+
+def engine(tmp: str, device: str, smoke: bool, num_requests: int, timeout: float) -> list[dict]:
+    """The engine part in a subprocess (a fresh CUDA context); CUDA graphs first, eager if that fails."""
+    path = _config_dir(os.path.join(tmp, "v2-lite" if not smoke else "tiny"), TINY if smoke else V2_LITE)
+    recs = []
+    for eager in (False, True):
+        out = os.path.join(tmp, f"engine_{int(eager)}.json")
+        cmd = [sys.executable, __file__, "--engine-inner", path, "--engine-out", out,
+               "--num-requests", str(num_requests)] + (["--cpu-smoke"] if smoke else []) + (["--eager"] if eager else [])
+        if os.path.exists(out):
+            os.remove(out)
+        try:
+            p = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+            sys.stdout.write(p.stdout[-4000:])
+            sys.stderr.write(p.stderr[-4000:])
+            ok = p.returncode == 0 and os.path.exists(out)
+        except subprocess.TimeoutExpired:
+            ok, p = False, None
+            if os.path.exists(out):  # what was measured before the limit
+                with open(out) as f:
+                    recs.append(dict(json.load(f), timed_out=True))
+                break
+        if ok:
+            with open(out) as f:
+                recs.append(json.load(f))
+            break
+        recs.append(dict(part="engine", enforce_eager=eager,
+                         error=("timeout" if p is None else (p.stderr or "")[-600:])))
+    return recs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tmp", default="/tmp/kvserve-mla")
+    ap.add_argument("--parts", default="kernel,engine")
+    ap.add_argument("--num-requests", type=int, default=128, help="offline requests of 1000/1000 tokens")
+    ap.add_argument("--engine-timeout", type=float, default=420.0)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ap.add_argument("--engine-inner", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--engine-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    device = "cpu" if ns.cpu_smoke else "cuda"
+    if ns.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if ns.engine_inner:
+        engine_inner(ns.engine_inner, device, ns.cpu_smoke, ns.num_requests if not ns.cpu_smoke else 4, ns.eager,
+                     ns.engine_out)
+        return
+    import torch
+
+    os.makedirs(ns.out, exist_ok=True)
+    records: list[dict] = []
+
+    def emit(r: dict) -> None:
+        records.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "sweep"}), flush=True)
+        with open(os.path.join(ns.out, "mla.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", records=records), f,
+                      indent=1)
+
+    parts = ns.parts.split(",")
+    if "kernel" in parts:
+        try:
+            for r in kernel(device, ns.cpu_smoke):
+                emit(r)
+        except Exception as e:
+            emit(dict(part="kernel", error=repr(e)[:400]))
+    if "engine" in parts:
+        for r in engine(ns.tmp, device, ns.cpu_smoke, ns.num_requests, ns.engine_timeout):
+            emit(r)
+    print("\n| part | figure |\n|--|--|")
+    for r in records:
+        if r.get("error"):
+            fig = "error: " + r["error"].strip().splitlines()[-1][:120] if r["error"].strip() else "error"
+        elif r["part"] == "copy":
+            fig = f"device copy {r['gb_s']} GB/s read"
+        elif r["part"] == "kernel":
+            fig = (f"H={r['heads']} {r['latent']} b{r['batch']} x {r['context']}: err {r['max_abs_err_vs_torch']}"
+                   + (f", {r['us_best']} us, {r['gb_s_best']} GB/s ({r.get('fraction_of_copy_best')} of copy)"
+                      if "us_best" in r else ""))
+        else:
+            fig = (f"{r['shape']}: batch-1 {r.get('batch1_ms_per_token')} ms/token; KV {r['kv_capacity_tokens']} tokens "
+                   f"vs {r['expanded_mha_capacity_tokens']} expanded ({r['capacity_factor']}x); offline "
+                   f"{r.get('offline_output_tok_s')} out tok/s")
+        print(f"| {r['part']} | {fig} |")
+
+
+if __name__ == "__main__":
+    main()
