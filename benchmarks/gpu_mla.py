@@ -118,18 +118,19 @@ def kernel(device: str, smoke: bool) -> list[dict]:
             continue
         best = None
         sweep = []
-        for bh in (16, 32, 64):
-            for bn in (16, 32, 64):
-                try:
-                    ms = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, block_h=bh,
-                                                       block_n=bn, fp8=fp8))
-                except Exception as e:  # a tile that does not fit (shared memory / registers)
-                    sweep.append(dict(block_h=bh, block_n=bn, error=repr(e)[:120]))
-                    continue
-                gbs = latent_bytes / (ms * 1e-3) / 1e9
-                sweep.append(dict(block_h=bh, block_n=bn, us=round(ms * 1e3, 1), gb_s=round(gbs, 1)))
-                if best is None or ms < best[0]:
-                    best = (ms, bh, bn)
+        tiles = [(bh, bn, nw, None) for bh in (16, 32, 64) for bn in (32, 64, 128) for nw in (4, 8)]
+        for bh, bn, nw, ns in tiles + [(None, None, None, ns) for ns in (2, 4, 8, 16)]:
+            try:
+                ms = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, block_h=bh,
+                                                   block_n=bn, fp8=fp8, num_warps=nw, num_splits=ns))
+            except Exception as e:  # a tile that does not fit (shared memory / registers)
+                sweep.append(dict(block_h=bh, block_n=bn, num_warps=nw, num_splits=ns, error=repr(e)[:120]))
+                continue
+            gbs = latent_bytes / (ms * 1e-3) / 1e9
+            sweep.append(dict(block_h=bh, block_n=bn, num_warps=nw, num_splits=ns, us=round(ms * 1e3, 1),
+                              gb_s=round(gbs, 1)))
+            if bh is not None and (best is None or ms < best[0]):
+                best = (ms, bh, bn)
         ms_default = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, fp8=fp8))
         ms, bh, bn = best if best else (ms_default, None, None)
         rec.update(us_default=round(ms_default * 1e3, 1),

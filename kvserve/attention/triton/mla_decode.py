@@ -144,7 +144,8 @@ def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int, device: to
 
 def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                kv_lora_rank: int, scale: float, max_seq_len: int, num_splits: int | None = None,
-               block_h: int | None = None, block_n: int | None = None, fp8: bool = False) -> torch.Tensor:
+               block_h: int | None = None, block_n: int | None = None, fp8: bool = False,
+               num_warps: int | None = None) -> torch.Tensor:
     """Absorbed MLA decode over paged latent rows.
 
     Args:
@@ -156,7 +157,7 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
         block_tables: ``[B, width]`` int32; seq_lens: ``[B]`` int32 (device).
         kv_lora_rank: L; scale: softmax scale; max_seq_len: bound on ``seq_lens`` (picks the
             split count).
-        num_splits, block_h, block_n: overrides (tests, benchmarks).
+        num_splits, block_h, block_n, num_warps: overrides (tests, benchmarks).
     Returns ``o_lat [B, H, L]`` in the query's dtype.
     """
     b, h, w = q_full.shape
@@ -165,10 +166,12 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
     q_full = q_full.contiguous()
     bs = cache.shape[2]
     block_l, block_r = triton.next_power_of_2(lora), max(triton.next_power_of_2(rope), 16)
+    # Defaults from the H200 tile sweep (benchmarks/gpu_mla.py, b64 x 8K): the largest tiles were
+    # fastest for 128 heads (64 x 64: 4.5x the 32 x 16 tile) and 16 heads (16 x 64).
     if block_h is None:
-        block_h = min(max(16, triton.next_power_of_2(h)), 32 if block_l >= 256 else 64)
+        block_h = min(max(16, triton.next_power_of_2(h)), 64)
     if block_n is None:
-        block_n = 16 if block_l >= 256 else 32
+        block_n = 64 if q_full.is_cuda else 16
     hb = triton.cdiv(h, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(b, hb, max_seq_len, q_full.device, block_n)
@@ -181,6 +184,6 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
         q_full, cache, block_tables, seq_lens, part, lse, h, num_splits, block_tables.stride(0), bs,
         scale * _LOG2E, L=lora, R=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=block_n,
         ROW=cache.shape[-1], FP8=fp8, DOT_PREC="ieee" if q_full.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_l >= 256 else 4)
+        num_warps=num_warps or (8 if block_l >= 256 else 4))
     _mla_decode_reduce_kernel[(b, h)](part, lse, out, h, num_splits, L=lora, BLOCK_L=block_l, num_warps=4)
     return out
