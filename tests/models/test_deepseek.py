@@ -228,7 +228,7 @@ def test_pd_round_trip_of_latent_pages(deepseek):
     def pages(eng, ids):
         caches = eng.llm_engine.engine_core.model_runner.kv_caches
         idx = torch.tensor(ids, dtype=torch.long)
-        return {layer: c.index_select(1, idx).clone() for layer, c in caches.items()}
+        return {layer: c.index_select(1, idx.to(c.device)).cpu() for layer, c in caches.items()}
 
     producer, consumer = engine("kv_producer"), engine("kv_consumer")
     try:
