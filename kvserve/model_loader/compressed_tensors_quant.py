@@ -311,7 +311,12 @@ def resolve_checkpoint_quantization(requested: Optional[str], hf_config: Any, lo
         raise ValueError(f"--quantization {CT_METHOD} needs a checkpoint whose config.json has "
                          f"quantization_config.quant_method {CT_METHOD!r}; {path or 'this model'} has "
                          f"{qm or 'none'}")
+    from kvserve.model_loader.gptq_awq import resolve_gptq_awq
+
+    ga = resolve_gptq_awq(requested, hf_config, load_format, path)
+    if ga is not None:
+        return ga, [ga]
     if qm:
         raise ValueError(f"{path or 'the model'} is pre-quantized with quant_method {qm!r}, which kvserve cannot "
-                         f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), GGUF")
+                         f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), gptq, awq, GGUF")
     return requested, [requested] if requested else []
