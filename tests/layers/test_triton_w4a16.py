@@ -98,3 +98,9 @@ def test_packed_group_quant_cpu_uses_int4pack_and_matches():
         assert p.int4 is not None
         x = torch.randn(3, 128)
         torch.testing.assert_close(p.matmul(x), x @ wp.dequantize_unpermuted().T, rtol=1e-5, atol=1e-5)
+    for g, sym, kind in ((-1, True, "int8"), (32, False, "dense")):  # 8 bits: int8pack when symmetric per channel
+        w = quantize_groupwise(wd, 8, g, sym)
+        p = PackedGroupQuant(w, torch.device("cpu"), torch.float32)
+        assert getattr(p, kind) is not None
+        x = torch.randn(2, 128)
+        torch.testing.assert_close(p.matmul(x), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)

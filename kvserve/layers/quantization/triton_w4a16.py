@@ -76,8 +76,11 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # tl.dot path (and the M = 1 result)
     acc1 = tl.zeros([16, BLOCK_N], dtype=tl.float32)  # M = 1: scaled partial products, reduced at the end
     accz = tl.zeros([BLOCK_N], dtype=tl.float32)  # M = 1: zero-point term
+    w_tile = w_ptr + offs_r[:, None] * N + offs_n[None, :]
+    nxt = tl.load(w_tile + b0 * 16 * N, mask=n_mask[None, :] & (b0 < b1), other=0)
     for b in range(b0, b1):
-        raw = tl.load(w_ptr + (b * 16 + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        raw = nxt  # prefetch the next block's tile while this one is unpacked (two loads in flight)
+        nxt = tl.load(w_tile + (b + 1) * 16 * N, mask=n_mask[None, :] & (b + 1 < b1), other=0)
         for gi in tl.static_range(GPB):
             grp = (b * KB + gi * PPG * 16) // GROUP
             sc = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0).to(tl.float32)
@@ -186,8 +189,9 @@ def unpack(w: torch.Tensor, bits: int, k: int) -> torch.Tensor:
 def gemm_config(m: int, n: int, k: int, bits: int = 4) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, split, num_warps)`` for one shape (a static table; H100/H200-minded).
 
-    M = 1: FMA tiles ``[16, BLOCK_N]``; M > 1: ``tl.dot`` with BLOCK_M 16/32/64 (128 from M = 129).
-    K is split until there are ~4 programs per SM, keeping >= 2 blocks of K per split.
+    M = 1: FMA tiles ``[16, BLOCK_N]``; M > 1: ``tl.dot`` with BLOCK_M 16/32/64.
+    K is split until there are ~4 programs per SM, keeping >= 2 blocks of K per split and the split-K
+    partials' traffic below the weight bytes.
     """
     if m == 1:
         block_m, block_n, warps = 1, 128, 4
@@ -197,14 +201,16 @@ def gemm_config(m: int, n: int, k: int, bits: int = 4) -> tuple[int, int, int, i
         block_m, block_n, warps = 32, 64, 4
     elif m <= 64:
         block_m, block_n, warps = 64, 64, 4
-    else:
-        block_m, block_n, warps = (64, 128, 8) if m <= 128 else (128, 128, 8)
+    else:  # weights re-read per 64-row M block come from L2; more programs than BLOCK_M = 128 gives
+        block_m, block_n, warps = 64, 128, 8
     n_blocks = triton.cdiv(k, block_rows(bits))
     programs = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     target = 4 * _SMS
     split = 1
     if programs < target:
-        split = max(1, min(triton.cdiv(target, programs), n_blocks // 2))
+        # float32 partials (written + read: 8 * M * N bytes per split) stay below the weight bytes (K * N * bits / 8)
+        cap = max(1, k * bits // (64 * m))
+        split = max(1, min(triton.cdiv(target, programs), n_blocks // 2, cap))
     return block_m, block_n, split, warps
 
 
