@@ -124,7 +124,7 @@ def _sweep(layouts, x, n: int, k: int, m: int) -> list[dict]:
     from kvserve.layers.quantization import triton_w4a16 as tw
 
     out = []
-    bms = (1,) if m == 1 else ((16,) if m == 16 else (16, 32, 64))
+    bms = (1, 16) if m == 1 else ((16,) if m == 16 else (16, 32, 64))  # M = 1: FMA path vs tl.dot padded to 16
     args = []
     for L in layouts:
         f = L["awq"][0]

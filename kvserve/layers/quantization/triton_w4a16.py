@@ -20,9 +20,10 @@ AWQ and ``int4``; loaders repack into it (``pack``).
 
 Arithmetic: the scale and zero are applied once per group, not per weight (Marlin's observation that the
 dequantization must cost ~nothing next to the load; Frantar et al., arXiv:2408.11743):
-``sum_k x_k (q_k - z) s = s * (sum_k x_k q_k) - z s * (sum_k x_k)``. Per weight the kernel does a shift,
-a mask, an exact int-to-float (``_nibble_f32``, two full-rate ops) and one FMA (M = 1) or a cast into a
-``tl.dot`` operand (M > 1: tensor cores, M padded to 16/32/64/128).
+``sum_k x_k (q_k - z) s = s * (sum_k x_k q_k) - z s * (sum_k x_k)``. Per weight the kernel does a shift
+and one LOP3 that turn the field into the float ``2^BITS + q`` (``_field``; the ``2^BITS`` goes into the
+zero term) and one FMA (M = 1) or a cast into a ``tl.dot`` operand (M > 1: tensor cores, M padded to
+16/32/64).
 
 Parallelism: one program per ``BLOCK_N`` outputs x ``BLOCK_M`` rows x K split. Every weight is read by
 exactly one program when M <= BLOCK_M. Small M leaves too few programs to reach HBM bandwidth, so K is
@@ -51,16 +52,32 @@ def _to_f32(q):
 
 
 @triton.jit
+def _field(raw, j: tl.constexpr, BITS: tl.constexpr):
+    """Field ``j`` of each int32 word -> float32 ``2^BITS + q``, exactly: the field is shifted into the top
+    mantissa bits of ``2^BITS`` and that exponent ORed in (a shift and one LOP3, no int-to-float conversion
+    and no subtraction; callers take ``2^BITS * sum(x)`` off once per group)."""
+    POS: tl.constexpr = 23 - BITS
+    SH: tl.constexpr = POS - BITS * j
+    if SH >= 0:
+        v = raw << SH
+    else:
+        v = raw >> (-SH)
+    return ((v & (((1 << BITS) - 1) << POS)) | ((127 + BITS) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, n_blocks,
                   blocks_per_split,
                   BITS: tl.constexpr, GROUP: tl.constexpr, PPG: tl.constexpr, GPB: tl.constexpr,
                   ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, EVEN_K: tl.constexpr):
     # PPG: planes (16-row K-slices) per group within a block; GPB: groups per block (PPG * GPB = PACK).
     PACK: tl.constexpr = 32 // BITS
     KB: tl.constexpr = 16 * PACK
-    MASK: tl.constexpr = (1 << BITS) - 1
     SYM_Z: tl.constexpr = 1 << (BITS - 1)
+    C: tl.constexpr = 1 << BITS  # the offset _field leaves in every value
+    # The tl.dot operand must hold q + C exactly in 16 bits: 4-bit [16, 31] does, 8-bit [256, 511] does not.
+    CB: tl.constexpr = 0 if (BLOCK_M > 1 and BITS == 8) else C
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -90,26 +107,35 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
                 zs = -tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0).to(tl.float32) * sc
             else:
                 zs = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+            zs = zs - CB * sc  # sum_k x_k (q_k + CB) s = s * t, so take CB * s * sum(x) off with the zero term
             if BLOCK_M == 1:
                 t = tl.zeros([16, BLOCK_N], dtype=tl.float32)
                 xs = 0.0
-                for jj in tl.static_range(PPG):
-                    j = gi * PPG + jj
+                for j in tl.static_range(gi * PPG, gi * PPG + PPG):  # this group's planes (j: a constexpr)
                     offs_k = b * KB + j * 16 + offs_r
-                    x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0).to(tl.float32)
-                    t += _to_f32((raw >> (BITS * j)) & MASK) * x[:, None]
+                    if EVEN_K:  # K % KB == 0: no mask, so the row offsets fold into the loads' immediates
+                        x = tl.load(x_ptr + offs_k).to(tl.float32)
+                    else:
+                        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0).to(tl.float32)
+                    t += _field(raw, j, BITS) * x[:, None]
                     xs += tl.sum(x, axis=0)
                 acc1 += t * sc[None, :]
                 accz += zs * xs
             else:
                 t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 xs = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for jj in tl.static_range(PPG):
-                    j = gi * PPG + jj
+                for j in tl.static_range(gi * PPG, gi * PPG + PPG):  # this group's planes (j: a constexpr)
                     offs_k = b * KB + j * 16 + offs_r
-                    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                                mask=m_mask[:, None] & (offs_k < K)[None, :], other=0)
-                    q = _to_f32((raw >> (BITS * j)) & MASK).to(in_dtype)  # exact: q < 256
+                    if EVEN_K:
+                        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None],
+                                    other=0)
+                    else:
+                        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0)
+                    q = _field(raw, j, BITS)
+                    if CB == 0:
+                        q = q - C
+                    q = q.to(in_dtype)  # exact (see CB)
                     t += tl.dot(x.to(dot_dtype), q.to(dot_dtype))
                     xs += tl.sum(x.to(tl.float32), axis=1)
                 acc += t * sc[None, :] + xs[:, None] * zs[None, :]
@@ -250,7 +276,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         x, w, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
         m, n, k, x.stride(0), y.stride(0), n_blocks, bps,
         BITS=bits, GROUP=group_size, PPG=ppg, GPB=per // ppg, ZP=zp, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, HAS_BIAS=bias is not None,
-        WIDEN=widen, num_warps=warps)
+        WIDEN=widen, EVEN_K=k % block_rows(bits) == 0, num_warps=warps)
     if split > 1:
         block = 1024
         _reduce()[(triton.cdiv(m * n, block),)](out, bias if bias is not None else out, y, m * n, n, split,
