@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.layers.quantization import QuantizedLinear
-from kvserve.model_loader.gptq_awq import GptqAwqConfig, decode_layer, _to_weight, Decoded
+from kvserve.model_loader.gptq_awq import Decoded, GptqAwqConfig, _to_weight, decode_layer
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -252,9 +252,12 @@ L0 = "model.layers.0.self_attn.q_proj"
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda t, q: t.pop(f"{L0}.qzeros"), r"model.layers.0.self_attn.q_proj.qzeros is missing \(expected shape \(2, 8\)\)"),
-    (lambda t, q: t.__setitem__(f"{L0}.scales", t[f"{L0}.scales"][:1]), r"q_proj.scales has shape \(1, 64\), expected \(2, 64\)"),
-    (lambda t, q: t.__setitem__(f"{L0}.g_idx", t[f"{L0}.g_idx"][:10]), r"q_proj.g_idx has shape \(10,\), expected \(64,\)"),
+    (lambda t, q: t.pop(f"{L0}.qzeros"),
+     r"model.layers.0.self_attn.q_proj.qzeros is missing \(expected shape \(2, 8\)\)"),
+    (lambda t, q: t.__setitem__(f"{L0}.scales", t[f"{L0}.scales"][:1]),
+     r"q_proj.scales has shape \(1, 64\), expected \(2, 64\)"),
+    (lambda t, q: t.__setitem__(f"{L0}.g_idx", t[f"{L0}.g_idx"][:10]),
+     r"q_proj.g_idx has shape \(10,\), expected \(64,\)"),
     (lambda t, q: q.__setitem__("bits", 3), "bits=3 is not supported"),
     (lambda t, q: q.__setitem__("group_size", 48), "group_size=48 is not supported"),
     (lambda t, q: q.__setitem__("checkpoint_format", "marlin"), "checkpoint_format='marlin'"),
@@ -280,10 +283,10 @@ def test_group_size_must_divide_k():
 
 
 def test_row_parallel_shard_not_on_group_boundaries_is_an_error():
-    """desc_act: a rank's half of K holds parts of groups of unequal size -> a clear error."""
-    g_idx = torch.tensor([0, 1, 1, 0, 1, 1, 0, 0] * 16)  # 128 features, groups of 64, scattered
-    d = Decoded(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), None, g_idx[:64])
-    d.g_idx = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(24, dtype=torch.long)])
+    """desc_act: a rank's half of K (64 of 128 features, groups of 64 scattered) holds 40 features of one
+    group and 24 of the other -> a clear error instead of a wrong model."""
+    g_idx = torch.cat([torch.zeros(40, dtype=torch.long), torch.ones(24, dtype=torch.long)])
+    d = Decoded(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), None, g_idx)
     with pytest.raises(ValueError, match="do not hold whole quantization groups"):
         _to_weight(d, 4, "model.layers.0.self_attn.o_proj", " on tensor-parallel rank 0 of 2")
 

@@ -24,7 +24,8 @@ from torch import nn
 from kvserve.layers.quantization.kernels import Fp8Weight, Int4Weight
 from kvserve.layers.quantization.linear import QuantizedLinear
 
-QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf", "compressed-tensors", "gptq", "awq", "gptq_marlin", "awq_marlin")
+QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf", "compressed-tensors",
+                        "gptq", "awq", "gptq_marlin", "awq_marlin")
 # Decoder projections that are quantized (packed names of kvserve.models.llama).
 QUANTIZED_LAYER_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

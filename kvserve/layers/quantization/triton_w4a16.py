@@ -275,8 +275,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     _w4a16_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm), split)](
         x, w, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
         m, n, k, x.stride(0), y.stride(0), n_blocks, bps,
-        BITS=bits, GROUP=group_size, PPG=ppg, GPB=per // ppg, ZP=zp, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1, HAS_BIAS=bias is not None,
-        WIDEN=widen, EVEN_K=k % block_rows(bits) == 0, num_warps=warps)
+        BITS=bits, GROUP=group_size, PPG=ppg, GPB=per // ppg, ZP=zp, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        HAS_BIAS=bias is not None, WIDEN=widen, EVEN_K=k % block_rows(bits) == 0, num_warps=warps)
     if split > 1:
         block = 1024
         _reduce()[(triton.cdiv(m * n, block),)](out, bias if bias is not None else out, y, m * n, n, split,
