@@ -51,15 +51,19 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n / (ms / 1e3)
 
 
-def _layouts(w: torch.Tensor, device: str):
-    """``name -> (callable(x), weight bytes)`` for one dense weight ``w`` ``[N, K]`` (bf16)."""
+def _layouts(w: torch.Tensor, device: str, with_ref: bool = False):
+    """``name -> (callable(x), weight bytes)`` for one dense weight ``w`` ``[N, K]`` (bf16), and ``"ref"``:
+    ``name -> float32 dequantized weight`` (the reference; only ``with_ref``)."""
     from kvserve.layers.quantization import triton_w4a16 as tw
     from kvserve.layers.quantization.group_quant import GroupQuantWeight, quantize_groupwise
     from kvserve.layers.quantization.kernels import quantize_int4
 
-    out = {}
+    out = {"ref": {}}
     n, k = w.shape
     i4 = quantize_int4(w.float(), 128)
+    if with_ref:  # the kernel rounds scales / minima to bf16 as stored here
+        out["ref"]["int4"] = (i4.q.float() * i4.scale.bfloat16().float().repeat_interleave(128, 1)
+                              + i4.min.bfloat16().float().repeat_interleave(128, 1))
     packed = tw.pack(i4.q, 4).to(device)
     s = i4.scale.t().contiguous().to(device, torch.bfloat16)
     m = i4.min.t().contiguous().to(device, torch.bfloat16)
@@ -71,6 +75,9 @@ def _layouts(w: torch.Tensor, device: str):
         sc = g.scale.t().contiguous().to(device, torch.float16)
         z = None if sym else g.zero.t().contiguous().to(device, torch.uint8)
         zp = tw.ZP_SYM if sym else tw.ZP_INT
+        if with_ref:
+            g.scale = g.scale.half().float()
+            out["ref"][name] = g.dequantize()
         out[name] = (lambda x, a=(pq, sc, z, zp): tw.gemm(x, a[0], a[1], a[2], n, 128, 4, a[3]),
                      pq.numel() * 4 + sc.numel() * 2 + (z.numel() if z is not None else 0))
     if device == "cuda":  # tinygemm, the int4 kernel before the W4A16 GEMM
@@ -83,39 +90,51 @@ def _layouts(w: torch.Tensor, device: str):
     return out
 
 
-def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float) -> list[dict]:
+def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float, emit) -> None:
+    """Main records for every shape and M first (each with the layouts' relative error against the float
+    dequantized reference: a GPU correctness check), then the sweep, so a time limit cuts only the sweep."""
     shapes = {"tiny": (256, 512)} if smoke else SHAPES
     ms_list = (1, 16) if smoke else MS
-    out = []
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        ncopy = 1 if device != "cuda" else max(1, min(16, -(-(256 << 20) // (n * k * 2))))
-        dense = [w] + [w.clone() for _ in range(ncopy - 1)]
-        nl = 1 if device != "cuda" else max(1, min(16, -(-(256 << 20) // (n * k // 2))))
-        layouts = [_layouts(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, device) for _ in range(nl)]
-        for m in ms_list:
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            bf16_ms = _time([lambda d=d: F.linear(x, d) for d in dense], device, 3 if smoke else 20)
-            rec = dict(part="gemm", shape=name, n=n, k=k, m=m, bf16_us=round(bf16_ms * 1e3, 2))
-            for lay in layouts[0]:
-                fns = [lambda L=L: L[lay][0](x) for L in layouts]
-                try:
-                    t = _time(fns, device, 3 if smoke else 20)
-                except Exception as e:  # one layout failing must not hide the others
-                    rec[f"{lay}_error"] = repr(e)[:200]
+    for phase in ("main", "sweep") if sweep and device == "cuda" else ("main",):
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            ncopy = 1 if device != "cuda" else max(1, min(16, -(-(256 << 20) // (n * k * 2))))
+            dense = [w] + [w.clone() for _ in range(ncopy - 1)]
+            nl = 1 if device != "cuda" else max(1, min(16, -(-(256 << 20) // (n * k // 2))))
+            layouts = [_layouts(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, device, i == 0)
+                       for i in range(nl)]
+            for m in ms_list:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                if phase == "sweep":
+                    if m in (1, 16, 64):
+                        for r in _sweep(layouts, x, n, k, m):
+                            emit(r)
                     continue
-                nb = layouts[0][lay][1]
-                rec[f"{lay}_us"] = round(t * 1e3, 2)
-                rec[f"{lay}_gb_s"] = round(nb / t / 1e6, 1)
-                rec[f"{lay}_of_copy_bw"] = round(nb / (t / 1e3) / copy_bw, 3)
-                rec[f"{lay}_speedup_vs_bf16"] = round(bf16_ms / t, 2)
-            out.append(rec)
-            if sweep and device == "cuda" and m in (1, 16, 64):
-                out.extend(_sweep(layouts, x, n, k, m))
-        del dense, layouts
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return out
+                bf16_ms = _time([lambda d=d: F.linear(x, d) for d in dense], device, 3 if smoke else 20)
+                rec = dict(part="gemm", shape=name, n=n, k=k, m=m, bf16_us=round(bf16_ms * 1e3, 2))
+                for lay in layouts[0]:
+                    if lay == "ref":
+                        continue
+                    fns = [lambda L=L: L[lay][0](x) for L in layouts]
+                    try:
+                        t = _time(fns, device, 3 if smoke else 20)
+                        ref = layouts[0]["ref"].get(lay)
+                        if ref is not None:
+                            y = layouts[0][lay][0](x).float()
+                            want = x.float() @ ref.T
+                            rec[f"{lay}_rel_err"] = float(f"{((y - want).norm() / want.norm()).item():.2e}")
+                    except Exception as e:  # one layout failing must not hide the others
+                        rec[f"{lay}_error"] = repr(e)[:200]
+                        continue
+                    nb = layouts[0][lay][1]
+                    rec[f"{lay}_us"] = round(t * 1e3, 2)
+                    rec[f"{lay}_gb_s"] = round(nb / t / 1e6, 1)
+                    rec[f"{lay}_of_copy_bw"] = round(nb / (t / 1e3) / copy_bw, 3)
+                    rec[f"{lay}_speedup_vs_bf16"] = round(bf16_ms / t, 2)
+                emit(rec)
+            del dense, layouts
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def _sweep(layouts, x, n: int, k: int, m: int) -> list[dict]:
@@ -203,8 +222,7 @@ def main() -> None:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         bw = copy_bandwidth(device)
         emit(dict(part="copy", copy_gb_s=round(bw / 1e9, 1)))
-        for r in gemm_part(device, smoke, ns.sweep, bw):
-            emit(r)
+        gemm_part(device, smoke, ns.sweep, bw, emit)
     if "offline" in parts:
         t0 = time.monotonic()
         for fmt in ns.formats.split(","):
@@ -219,7 +237,8 @@ def main() -> None:
     print("\npart     figure")
     for r in records:
         if r["part"] == "gemm":
-            cols = [f"{lay} {r[lay + '_us']} us ({r[lay + '_of_copy_bw']:.0%} bw, x{r[lay + '_speedup_vs_bf16']})"
+            cols = [f"{lay} {r[lay + '_us']} us ({r[lay + '_of_copy_bw']:.0%} bw, x{r[lay + '_speedup_vs_bf16']}"
+                    f"{', err ' + str(r[lay + '_rel_err']) if lay + '_rel_err' in r else ''})"
                     for lay in ("int4", "awq", "gptq", "tinygemm") if lay + "_us" in r]
             print(f"gemm     {r['shape']:<8} m={r['m']:<4} bf16 {r['bf16_us']} us | " + " | ".join(cols))
         elif r["part"] == "offline":
