@@ -92,9 +92,11 @@ class ModelConfig:
               "(keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized instead of dequantizing; opt-in: measured faster at "
               "batch 1 on the CPU, slower for serving many streams and at prefill), compressed-tensors "
               "(a pre-quantized llm-compressor/vLLM checkpoint: INT4 group-wise, INT8 or FP8 per-channel weights "
-              "loaded as stored; set automatically when config.json says so). --dtype auto picks the same "
+              "loaded as stored; set automatically when config.json says so), gptq / awq (pre-quantized GPTQ / "
+              "AutoAWQ checkpoints, 4-bit, GPTQ also 8-bit; set automatically from config.json; gptq_marlin / "
+              "awq_marlin are accepted as the same). --dtype auto picks the same "
               "dtype with or without a quantization (the CPU int kernels are fast with bf16 activations only).",
-        choices=["int4", "int8", "fp8", "gguf", "compressed-tensors"])
+        choices=["int4", "int8", "fp8", "gguf", "compressed-tensors", "gptq", "awq", "gptq_marlin", "awq_marlin"])
     max_model_len: Optional[int] = doc(None, "Longest prompt + output in tokens (default: the model's context "
                                              "length, capped by the KV cache).")
     rope_scaling: Optional[dict] = doc(

@@ -193,7 +193,7 @@ class EngineArgs:
                 check_quantization(kernel, device, dtype, "safetensors")
             except ValueError as e:
                 raise ValueError(f"compressed-tensors checkpoint {model_path} ({kernel} weights): {e}") from None
-        if quantization and self.tensor_parallel_size > 1:
+        if quantization and quantization not in ("gptq", "awq") and self.tensor_parallel_size > 1:
             raise ValueError("--quantization is not supported with tensor_parallel_size > 1 yet")
         rope_scaling = parse_json_arg(self.rope_scaling, "--rope-scaling")
         bounded = resolve_bounded_kv(self.kv_eviction_policy, self.attention_sinks, self.max_attention_window,

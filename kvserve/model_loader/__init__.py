@@ -128,7 +128,8 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     init pass), then filled from safetensors, GGUF (dequantized) or random (dummy,
     seeded by ``model_config.seed``), then quantized per ``model_config.quantization`` (decoder
     projections replaced by ``QuantizedLinear``; ``compressed-tensors`` loads a pre-quantized
-    checkpoint's projections as stored, ``compressed_tensors_quant``). Returns the model in eval mode.
+    checkpoint's projections as stored, ``compressed_tensors_quant``; ``gptq`` / ``awq`` likewise,
+    ``gptq_awq``). Returns the model in eval mode.
     Raises ValueError for an unsupported architecture or a checkpoint that does not match.
     """
     from kvserve.models.registry import get_model_class
@@ -153,6 +154,16 @@ def get_model(model_config: Any, device: str) -> nn.Module:
         ct = CompressedTensorsLoader(model, CompressedTensorsPlan(hf_config))
         model.load_weights(ct.filter(iterate_safetensors(model_config.model)))
         apply_prequantized(model, ct.weights, dtype)
+    elif fmt == "safetensors" and method in ("gptq", "awq"):
+        from kvserve.model_loader.gptq_awq import GptqAwqConfig, GptqAwqLoader, quantization_config_of
+
+        qcfg = quantization_config_of(hf_config) or {}
+        if qcfg.get("quant_method") != method:
+            raise ValueError(f"--quantization {method} needs a {method.upper()} checkpoint (config.json "
+                             f"quantization_config.quant_method), got {qcfg.get('quant_method')!r}")
+        ga = GptqAwqLoader(model, GptqAwqConfig.from_dict(qcfg))
+        model.load_weights(ga.filter(iterate_safetensors(model_config.model)))
+        ga.apply(model, dtype)
     elif fmt == "safetensors":
         model.load_weights(iterate_safetensors(model_config.model))
     else:
@@ -160,6 +171,13 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     if method == "compressed-tensors":
         if fmt != "safetensors":
             raise ValueError(f"--quantization compressed-tensors needs an HF safetensors checkpoint, got {fmt!r}")
+    elif method in ("gptq", "awq"):
+        if fmt == "dummy":
+            from kvserve.model_loader.gptq_awq import quantize_dummy
+
+            quantize_dummy(model, method, dtype, hf_config)
+        elif fmt != "safetensors":
+            raise ValueError(f"--quantization {method} needs an HF safetensors checkpoint, got {fmt!r}")
     elif method == "gguf":
         from kvserve.model_loader.gguf_quant import apply_gguf_quantization, read_gguf_quantized
 

@@ -313,7 +313,12 @@ def resolve_checkpoint_quantization(requested: Optional[str], hf_config: Any, lo
                          f"{qm or 'none'}")
     if qm == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
         return requested, [requested] if requested else []  # experts dequantized at load (model_loader.mxfp4)
+    from kvserve.model_loader.gptq_awq import resolve_gptq_awq
+
+    ga = resolve_gptq_awq(requested, hf_config, load_format, path)
+    if ga is not None:
+        return ga, [ga]
     if qm:
         raise ValueError(f"{path or 'the model'} is pre-quantized with quant_method {qm!r}, which kvserve cannot "
-                         f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), GGUF")
+                         f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), gptq, awq, GGUF")
     return requested, [requested] if requested else []

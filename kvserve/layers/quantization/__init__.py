@@ -5,6 +5,9 @@ int4pack kernels on the CPU and CUDA. ``int8``: weight-only per-channel symmetri
 ``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (``torch._scaled_mm``;
 CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is ~1000x slower). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
 layout (exact) and Q8_0 into per-channel INT8, instead of dequantized (``gguf_quant``).
+``gptq`` / ``awq`` (and vLLM's ``gptq_marlin`` / ``awq_marlin`` names): pre-quantized GPTQ / AutoAWQ
+checkpoints (auto-detected from config.json), repacked into the Triton W4A16 GEMM's layout on CUDA
+(``triton_w4a16``) and int4pack on the CPU (``model_loader.gptq_awq``, ``group_quant``).
 ``compressed-tensors``: a pre-quantized HF checkpoint (llm-compressor / vLLM format; auto-detected
 from config.json) loaded as stored: INT4 group-wise, INT8 and FP8 per channel
 (``model_loader.compressed_tensors_quant``; its kernels are checked here as int4 / int8 / fp8).
@@ -21,7 +24,8 @@ from torch import nn
 from kvserve.layers.quantization.kernels import Fp8Weight, Int4Weight
 from kvserve.layers.quantization.linear import QuantizedLinear
 
-QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf", "compressed-tensors")
+QUANTIZATION_METHODS = ("int4", "int8", "fp8", "gguf", "compressed-tensors",
+                        "gptq", "awq", "gptq_marlin", "awq_marlin")
 # Decoder projections that are quantized (packed names of kvserve.models.llama).
 QUANTIZED_LAYER_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -42,6 +46,9 @@ def check_quantization(method: Optional[str], device: str, dtype: str, load_form
         raise ValueError(f"--quantization gguf keeps a GGUF file's quantized weights; this model is {load_format}")
     if method == "compressed-tensors" and load_format != "safetensors":
         raise ValueError(f"--quantization compressed-tensors loads a pre-quantized HF safetensors checkpoint; "
+                         f"this model is {load_format}")
+    if method in ("gptq", "awq", "gptq_marlin", "awq_marlin") and load_format not in ("safetensors", "dummy"):
+        raise ValueError(f"--quantization {method} loads a pre-quantized HF safetensors checkpoint; "
                          f"this model is {load_format}")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise ValueError(f"unsupported dtype {dtype!r} for quantized weights")

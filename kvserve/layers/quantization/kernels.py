@@ -10,6 +10,8 @@ features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernel
 ``w = (q - 8) * scale + zero``, so ``zero = min + 8 * scale`` (exact algebra; the one rounding
 is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
 
+On CUDA, INT4 runs the Triton W4A16 GEMM of ``triton_w4a16`` (M <= 256; dequantization + cuBLAS
+above) unless ``KVSERVE_INT4_KERNEL=tinygemm`` (read at load) or ``KVSERVE_TRITON_GEMV`` selects int4.
 On CUDA, M <= ``triton_gemv.MAX_M`` (decode) runs the Triton weight-only GEMV of ``triton_gemv``
 for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, "1" adds INT4, "0"
 restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
@@ -126,6 +128,18 @@ class PackedInt4:
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
         self.triton = _use_triton(device, "int4")
+        self.w4a16 = cuda and not self.triton and os.environ.get("KVSERVE_INT4_KERNEL", "w4a16") == "w4a16"
+        if self.w4a16:  # triton_w4a16 layout, float minima (ZP_FLOAT); scales/minima [Kp / g, N]
+            from kvserve.layers.quantization import triton_w4a16 as tw
+
+            self.packed = tw.pack(w.q.to(device), 4)
+            n_groups = -(-(self.packed.shape[0] * 8) // g)
+            sdt = torch.float16 if all(torch.equal(t.half().float(), t.float()) for t in (w.scale, w.min)) else dtype
+            pad = n_groups - w.scale.shape[1]
+            self.scale_t = F.pad(w.scale.float(), (0, pad)).t().contiguous().to(device, sdt)
+            self.min_t = F.pad(w.min.float(), (0, pad)).t().contiguous().to(device, sdt)
+            self.k_pad = k_q
+            return
         if self.triton:  # pack_int4 layout; scales / minima [K/g, N], float16 when exact (GGUF) else dtype
             self.packed = _gemv().pack_int4(w.q.to(device), g)
             sdt = torch.float16 if all(torch.equal(t.half().float(), t.float()) for t in (w.scale, w.min)) else dtype
@@ -148,6 +162,14 @@ class PackedInt4:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[M, K]`` -> ``x @ W.T`` ``[M, N]`` in x's dtype."""
+        if self.w4a16:
+            from kvserve.layers.quantization import triton_w4a16 as tw
+
+            if x.shape[0] <= tw.MAX_M:
+                return tw.gemm(x, self.packed, self.scale_t, self.min_t, self.n, self.group_size, 4, tw.ZP_FLOAT)
+            wd = tw.dequantize(self.packed, self.scale_t, self.min_t, self.n, self.k, self.group_size, 4,
+                               tw.ZP_FLOAT, x.dtype)
+            return F.linear(x, wd)
         if self.triton:
             tg = _gemv()
             if x.shape[0] <= tg.MAX_M:
@@ -164,7 +186,7 @@ class PackedInt4:
         return y[:, : self.n] if y.shape[1] != self.n else y
 
     def tensors(self) -> list[torch.Tensor]:
-        if self.triton:
+        if self.triton or self.w4a16:
             return [self.packed, self.scale_t, self.min_t]
         return [self.packed, self.scales_and_zeros]
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed import tp_all_reduce
 from kvserve.layers.quantization.kernels import (
     Fp8Weight,
     Int4Weight,
@@ -37,9 +38,10 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, method: str, packed, in_features: int, out_features: int,
-                 bias: Optional[torch.Tensor]) -> None:
+                 bias: Optional[torch.Tensor], tp_reduce: bool = False) -> None:
         super().__init__()
         self.method = method
+        self.tp_reduce = tp_reduce  # a row-parallel shard: partial products summed over the ranks before the bias
         self.in_features, self.out_features = in_features, out_features
         self.packed = packed
         for i, t in enumerate(packed.tensors()):  # visible to named_buffers / memory accounting
@@ -87,6 +89,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = self.packed.matmul(x.reshape(-1, shape[-1]))
+        if self.tp_reduce:
+            y = tp_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

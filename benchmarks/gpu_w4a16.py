@@ -1,0 +1,252 @@
+"""GPU: the Triton W4A16 GEMM (``triton_w4a16``) alone, and INT4 / AWQ / GPTQ engines at the Llama-3.1-8B shape.
+
+Parts:
+
+* ``gemm`` — the GEMM at M = 1, 16, 64, 256 for the 8B projections (qkv 4096->6144, o 4096->4096,
+  gate_up 4096->28672, down 14336->4096), group 128, in three zero-point layouts (``int4``: float
+  minima, ``awq``: integer zeros, ``gptq``: symmetric), beside bf16 ``F.linear`` (cuBLAS) and tinygemm
+  (``_weight_int4pack_mm``, the previous int4 kernel). Per call: us, GB/s of weight bytes and its
+  fraction of the measured device copy bandwidth (read + write bytes / s of a 1 GiB copy), speed-up
+  over bf16. CUDA-graph replay of copies cycled past L2 (>= 256 MB). ``--sweep`` adds GEMM
+  configurations around the static table (JSON only) for retuning ``gemm_config``.
+* ``offline`` — offline throughput, ISL/OSL 1000/1000 (``--offline-n`` requests, ignore_eos, greedy),
+  dummy weights, one child process per format (bf16, fp8, int4, ...): output tok/s.
+
+W2 (batch-1 decode) per format runs through ``workloads.py --workload w2 --engine-arg quantization=...``
+(benchmarks/gpu/run.sh, part ``int4-w2``). JSON records to ``--out/w4a16.json``; a table last.
+
+    PYTHONPATH=. python3 benchmarks/gpu_w4a16.py --out $OUT --parts gemm[,offline] [--sweep] [--cpu-smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+MS = (1, 16, 64, 256)
+
+
+def _time(fns, device: str, iters: int = 20) -> float:
+    from gpu_weight_quant import _time as t
+
+    return t(fns, device, iters)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device copy (read + write) of 1 GiB (CPU smoke: 64 MiB)."""
+    n = (1 << 30) if device == "cuda" else (64 << 20)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = _time([lambda: b.copy_(a)], device, 10)
+    return 2 * n / (ms / 1e3)
+
+
+def _layouts(w: torch.Tensor, device: str, with_ref: bool = False):
+    """``name -> (callable(x), weight bytes)`` for one dense weight ``w`` ``[N, K]`` (bf16), and ``"ref"``:
+    ``name -> float32 dequantized weight`` (the reference; only ``with_ref``)."""
+    from kvserve.layers.quantization import triton_w4a16 as tw
+    from kvserve.layers.quantization.group_quant import GroupQuantWeight, quantize_groupwise
+    from kvserve.layers.quantization.kernels import quantize_int4
+
+    out = {"ref": {}}
+    n, k = w.shape
+    i4 = quantize_int4(w.float(), 128)
+    if with_ref:  # the kernel rounds scales / minima to bf16 as stored here
+        out["ref"]["int4"] = (i4.q.float() * i4.scale.bfloat16().float().repeat_interleave(128, 1)
+                              + i4.min.bfloat16().float().repeat_interleave(128, 1))
+    packed = tw.pack(i4.q, 4).to(device)
+    s = i4.scale.t().contiguous().to(device, torch.bfloat16)
+    m = i4.min.t().contiguous().to(device, torch.bfloat16)
+    out["int4"] = (lambda x, a=(packed, s, m): tw.gemm(x, a[0], a[1], a[2], n, 128, 4, tw.ZP_FLOAT),
+                   packed.numel() * 4 + s.numel() * 2 + m.numel() * 2)
+    for name, sym in (("awq", False), ("gptq", True)):
+        g: GroupQuantWeight = quantize_groupwise(w.float(), 4, 128, sym)
+        pq = tw.pack(g.q, 4).to(device)
+        sc = g.scale.t().contiguous().to(device, torch.float16)
+        z = None if sym else g.zero.t().contiguous().to(device, torch.uint8)
+        zp = tw.ZP_SYM if sym else tw.ZP_INT
+        if with_ref:
+            g.scale = g.scale.half().float()
+            out["ref"][name] = g.dequantize()
+        out[name] = (lambda x, a=(pq, sc, z, zp): tw.gemm(x, a[0], a[1], a[2], n, 128, 4, a[3]),
+                     pq.numel() * 4 + sc.numel() * 2 + (z.numel() if z is not None else 0))
+    if device == "cuda":  # tinygemm, the int4 kernel before the W4A16 GEMM
+        q = i4.q.to(device)
+        tp = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        sz = torch.stack([i4.scale, i4.min + 8 * i4.scale], -1).transpose(0, 1).contiguous().to(device,
+                                                                                               torch.bfloat16)
+        out["tinygemm"] = (lambda x, a=(tp, sz): torch.ops.aten._weight_int4pack_mm(x, a[0], 128, a[1]),
+                           tp.numel() * tp.element_size() + sz.numel() * 2)
+    return out
+
+
+def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float, emit) -> None:
+    """Main records for every shape and M first (each with the layouts' relative error against the float
+    dequantized reference: a GPU correctness check), then the sweep, so a time limit cuts only the sweep."""
+    shapes = {"tiny": (256, 512)} if smoke else SHAPES
+    ms_list = (1, 16) if smoke else MS
+    for phase in ("main", "sweep") if sweep and device == "cuda" else ("main",):
+        for name, (n, k) in shapes.items():
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+            ncopy = 1 if device != "cuda" else max(1, min(16, -(-(256 << 20) // (n * k * 2))))
+            dense = [w] + [w.clone() for _ in range(ncopy - 1)]
+            nl = 1 if device != "cuda" else max(1, min(16, -(-(256 << 20) // (n * k // 2))))
+            layouts = [_layouts(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, device, i == 0)
+                       for i in range(nl)]
+            for m in ms_list:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                if phase == "sweep":
+                    if m in (1, 16, 64):
+                        for r in _sweep(layouts, x, n, k, m):
+                            emit(r)
+                    continue
+                bf16_ms = _time([lambda d=d: F.linear(x, d) for d in dense], device, 3 if smoke else 20)
+                rec = dict(part="gemm", shape=name, n=n, k=k, m=m, bf16_us=round(bf16_ms * 1e3, 2))
+                for lay in layouts[0]:
+                    if lay == "ref":
+                        continue
+                    fns = [lambda L=L: L[lay][0](x) for L in layouts]
+                    try:
+                        t = _time(fns, device, 3 if smoke else 20)
+                        ref = layouts[0]["ref"].get(lay)
+                        if ref is not None:
+                            y = layouts[0][lay][0](x).float()
+                            want = x.float() @ ref.T
+                            rec[f"{lay}_rel_err"] = float(f"{((y - want).norm() / want.norm()).item():.2e}")
+                    except Exception as e:  # one layout failing must not hide the others
+                        rec[f"{lay}_error"] = repr(e)[:200]
+                        continue
+                    nb = layouts[0][lay][1]
+                    rec[f"{lay}_us"] = round(t * 1e3, 2)
+                    rec[f"{lay}_gb_s"] = round(nb / t / 1e6, 1)
+                    rec[f"{lay}_of_copy_bw"] = round(nb / (t / 1e3) / copy_bw, 3)
+                    rec[f"{lay}_speedup_vs_bf16"] = round(bf16_ms / t, 2)
+                emit(rec)
+            del dense, layouts
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _sweep(layouts, x, n: int, k: int, m: int) -> list[dict]:
+    """``(BLOCK_M, BLOCK_N, split, num_warps)`` around ``gemm_config``'s choice, AWQ layout."""
+    from kvserve.layers.quantization import triton_w4a16 as tw
+
+    out = []
+    bms = (1, 16) if m == 1 else ((16,) if m == 16 else (16, 32, 64))  # M = 1: FMA path vs tl.dot padded to 16
+    args = []
+    for L in layouts:
+        f = L["awq"][0]
+        args.append(f.__defaults__[0])
+    for bm in bms:
+        for bn in (32, 64, 128, 256):
+            for split in (1, 2, 4, 8, 16):
+                for warps in (4, 8):
+                    cfg = (bm, bn, split, warps)
+                    try:
+                        t = _time([lambda a=a: tw.gemm(x, a[0], a[1], a[2], n, 128, 4, a[3], config=cfg)
+                                   for a in args], "cuda", 10)
+                    except Exception as e:
+                        out.append(dict(part="sweep", n=n, k=k, m=m, cfg=cfg, error=repr(e)[:100]))
+                        continue
+                    out.append(dict(part="sweep", n=n, k=k, m=m, cfg=cfg, us=round(t * 1e3, 2)))
+    return out
+
+
+def offline_one(fmt: str, n: int, isl: int, osl: int, smoke: bool) -> dict:
+    """One engine (this process): ``n`` requests of ``isl`` random prompt ids and ``osl`` output tokens."""
+    import numpy as np
+
+    from gpu_decode import LLAMA31_8B, _config_dir
+    from gpu_weight_quant import TINY
+
+    from kvserve import LLM, SamplingParams
+
+    path = _config_dir("/tmp/kvserve-w4a16", "tiny" if smoke else "llama-3.1-8b", TINY if smoke else LLAMA31_8B,
+                       "LlamaConfig")
+    llm = LLM(model=path, load_format="dummy", dtype="bfloat16", quantization=None if fmt == "bf16" else fmt,
+              skip_tokenizer_init=True, device="cpu" if smoke else "cuda", max_model_len=isl + osl + 16,
+              disable_log_stats=True, max_num_seqs=n if not smoke else 4,
+              **({"kv_cache_memory": "32MiB"} if smoke else {}))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 10000 if not smoke else 500, isl).tolist() for _ in range(n)]
+    sp = SamplingParams(temperature=0, max_tokens=osl, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    return dict(part="offline", format=fmt, requests=n, isl=isl, osl=osl, wall_s=round(wall, 2),
+                output_tok_s=round(n * osl / wall, 1), total_tok_s=round(n * (isl + osl) / wall, 1),
+                preemptions=llm.llm_engine.stats.num_preemptions)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--parts", default="gemm", help="gemm,offline")
+    ap.add_argument("--sweep", action="store_true", help="gemm part: also sweep GEMM configurations (JSON only)")
+    ap.add_argument("--formats", default="bf16,fp8,int4", help="offline part: engine formats")
+    ap.add_argument("--offline-n", type=int, default=256, help="offline part: requests")
+    ap.add_argument("--offline-deadline", type=float, default=1e9, help="offline part: skip formats after this many s")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: offline_one for this format
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ns = ap.parse_args()
+    smoke = ns.cpu_smoke
+    device = "cpu" if smoke else "cuda"
+    isl, osl = (16, 8) if smoke else (1000, 1000)
+    if ns.one:
+        print("RESULT " + json.dumps(offline_one(ns.one, 4 if smoke else ns.offline_n, isl, osl, smoke)), flush=True)
+        return
+    os.makedirs(ns.out, exist_ok=True)
+    records: list[dict] = []
+
+    def emit(r: dict) -> None:
+        records.append(r)
+        print(json.dumps(r), flush=True)
+        with open(os.path.join(ns.out, "w4a16.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", records=records), f,
+                          indent=1)
+
+    parts = ns.parts.split(",")
+    if "gemm" in parts:
+        if smoke:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        bw = copy_bandwidth(device)
+        emit(dict(part="copy", copy_gb_s=round(bw / 1e9, 1)))
+        gemm_part(device, smoke, ns.sweep, bw, emit)
+    if "offline" in parts:
+        t0 = time.monotonic()
+        for fmt in ns.formats.split(","):
+            if time.monotonic() - t0 > ns.offline_deadline:
+                emit(dict(part="offline", format=fmt, error="skipped: deadline"))
+                continue
+            cmd = [sys.executable, __file__, "--one", fmt] + (["--cpu-smoke"] if smoke else []) + \
+                  ["--offline-n", str(ns.offline_n)]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
+            emit(json.loads(line[-1][7:]) if line else dict(part="offline", format=fmt, error=p.stderr[-400:]))
+    print("\npart     figure")
+    for r in records:
+        if r["part"] == "gemm":
+            cols = [f"{lay} {r[lay + '_us']} us ({r[lay + '_of_copy_bw']:.0%} bw, x{r[lay + '_speedup_vs_bf16']}"
+                    f"{', err ' + str(r[lay + '_rel_err']) if lay + '_rel_err' in r else ''})"
+                    for lay in ("int4", "awq", "gptq", "tinygemm") if lay + "_us" in r]
+            print(f"gemm     {r['shape']:<8} m={r['m']:<4} bf16 {r['bf16_us']} us | " + " | ".join(cols))
+        elif r["part"] == "offline":
+            print(f"offline  {r['format']:<6} " + (r.get("error") or f"{r['output_tok_s']} out tok/s "
+                                                     f"({r['requests']} x {r['isl']}/{r['osl']})"))
+        elif r["part"] == "copy":
+            print(f"copy     {r['copy_gb_s']} GB/s")
+
+
+if __name__ == "__main__":
+    main()
