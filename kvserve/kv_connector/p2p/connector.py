@@ -22,6 +22,12 @@ its KV caches with a NIXL agent and a consumer READs the pages cache to cache, G
 GPU memory on CUDA; it needs ``pip install nixl``, see ``nixl_transport.py``),
 ``kv_load_failure_policy``. Tensor parallelism is refused (ValueError): every rank would need
 its own port and handshake.
+
+Authentication: with an internal secret (``$KVSERVE_INTERNAL_SECRET``, or a file named by
+``$KVSERVE_INTERNAL_SECRET_FILE`` / ``kvserve serve --internal-secret-file``; see
+``kvserve.utils.internal_auth``) every handshake, pull and release is authenticated with
+HMAC-SHA256 both ways (``wire``); peers must hold the same secret. Without one the channel is
+open, as before: keep ``kv_host`` on loopback or a private network.
 """
 
 from __future__ import annotations
@@ -141,10 +147,11 @@ class P2PKVConnector(KVConnectorBase_V1):
         self.worker = None
         if role == KVConnectorRole.WORKER:
             from kvserve.kv_connector.p2p.worker_side import P2PWorker
+            from kvserve.utils.internal_auth import load_internal_secret
 
             self.worker = P2PWorker(self.kv_role, cfg["kv_host"], cfg["kv_port"], cfg["lease_s"], self.layout,
                                     self.engine_id, [list(g.layer_indices) for g in kv_cache_config.groups],
-                                    transport=cfg["transport"])
+                                    transport=cfg["transport"], secret=load_internal_secret())
             return
         self.requests: dict[str, "Request"] = {}
         self.kv = None
