@@ -55,6 +55,8 @@ pd-transfer:200:P/D KV transfer on one GPU, tcp and NIXL: GB/s and TTFT vs recom
 serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
+soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
+engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -136,6 +138,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     pd)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;
+    soak) py $B/load/soak_gpu.py --duration 420 --calib-s 40 --out "$d" ;;
+    engine-release) py $B/gpu_engine_release.py --out "$d" ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
