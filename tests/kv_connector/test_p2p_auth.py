@@ -230,6 +230,19 @@ def test_connector_with_secret(tiny_llama_dir, monkeypatch):
         assert list(outs[0].outputs[0].token_ids) == list(outs[1].outputs[0].token_ids)
         stats = bad.llm_engine.engine_core.scheduler.get_stats().kv_connector_stats
         assert stats["load_failures"] == 1
+        # The producer counts the refusal; /metrics exports it.
+        core, end = producer.llm_engine.engine_core, time.monotonic() + 10
+        while core.scheduler.get_stats().kv_connector_stats.get("kv_auth_failures", 0) < 1:
+            assert time.monotonic() < end
+            core.step()
+            time.sleep(0.01)
+        from prometheus_client import generate_latest
+
+        from kvserve.metrics.prometheus import PrometheusStatLogger
+
+        pl = PrometheusStatLogger("m")
+        pl._on_transfer_stats(core.scheduler.get_stats().kv_connector_stats)
+        assert b'kvserve:kv_transfer_auth_failures_total{model_name="m"} 1.0' in generate_latest(pl.registry)
     finally:
         for x in (producer, good, bad):
             x.shutdown()
