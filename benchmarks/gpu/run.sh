@@ -139,7 +139,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-580} - 30 )) ${PDG_ARGS:-} ;;
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
-      py $B/load/soak_gpu.py --duration 420 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
+      py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
