@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Optional
 
 from kvserve.config import EngineConfig
@@ -17,6 +18,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_capacity import LOSSY_KV_FORMATS
 from kvserve.core.kv_cache_spec import (
     KVCacheConfig, MLAAttentionSpec, bytes_per_request, make_kv_cache_config, max_concurrency, max_request_tokens,
+    prefill_blocks,
 )
 from kvserve.core.kv_events import KVEventBatch, KVEventRecorder
 from kvserve.core.sched_output import SchedulerOutput
@@ -28,6 +30,23 @@ from kvserve.executor import Executor, get_executor_class
 from kvserve.request import Request, RequestStatus
 
 logger = logging.getLogger("kvserve")
+
+
+def kv_capacity_error(kv_cfg: KVCacheConfig, mnbt: int, kv_bytes: Optional[int]) -> str:
+    """Why a KV cache holds no request: each group short of blocks, named by its real kind."""
+    short = []
+    for g in kv_cfg.groups:
+        need = prefill_blocks(g.spec, mnbt)
+        what = f"group {g.group_id} ({len(g.layer_indices)} layers {g.spec.type_name}) has {g.num_blocks} blocks"
+        if need and g.num_blocks - 1 < need:
+            short.append(f"{what}, fewer than one window plus a prefill chunk of max_num_batched_tokens={mnbt} "
+                         f"needs ({need + 1})")
+        elif not need and g.num_blocks <= 1:
+            short.append(f"{what}: no room for one block of {g.spec.block_size} tokens")
+    mem = "" if kv_bytes is None else f" (memory left for the KV cache: {max(kv_bytes, 0) / 2**30:.2f} GiB)"
+    hint = ("raise --kv-cache-memory / --gpu-memory-utilization or lower --max-num-batched-tokens; "
+            "another engine in this process that was not shut down holds its memory until shutdown()")
+    return f"the KV cache cannot hold one request{mem}: {'; '.join(short) or kv_cfg.describe()}; {hint}"
 
 
 def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
@@ -45,10 +64,7 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     num_blocks = min(g.num_blocks for g in kv_cfg.groups)
     capacity = max_request_tokens(kv_cfg, mnbt)  # None: window groups only, any length fits
     if capacity == 0:
-        raise ValueError(
-            f"a sliding-window KV cache group ({kv_cfg.describe()}) cannot hold one window plus a "
-            f"prefill chunk of max_num_batched_tokens={mnbt}; raise --kv-cache-memory or lower "
-            f"--max-num-batched-tokens")
+        raise ValueError(kv_capacity_error(kv_cfg, mnbt, kv_bytes))
     if capacity is not None and capacity < sc.max_model_len:
         if mc.max_model_len_explicit or capacity < cc.block_size:
             raise ValueError(
@@ -94,6 +110,15 @@ def attach_event_recorders(manager: KVCacheManager) -> list[KVEventRecorder]:
     return out
 
 
+
+def _release(executor, publisher) -> None:
+    """Stop an engine's executor (workers, tensors) and its KV event publisher."""
+    try:
+        executor.shutdown()
+    finally:
+        if publisher is not None:
+            publisher.shutdown()
+
 class EngineCore:
     """Owns the executor (and through it the model), the KV cache manager and the scheduler.
 
@@ -116,15 +141,17 @@ class EngineCore:
             if self.kv_event_publisher is not None:
                 self.kv_event_publisher.shutdown()
             raise
+        # An engine dropped without shutdown() (del, garbage collection, exit) still stops its
+        # workers, threads and event publisher and releases its tensors. The finalizer holds the
+        # executor and the publisher, not the engine, so it never keeps the engine alive.
+        self._finalizer = weakref.finalize(self, _release, self.executor, self.kv_event_publisher)
         t1 = time.perf_counter()
         try:
             kv_cfg = plan_kv_cache(config, self.executor)
             self.executor.initialize_kv_cache(kv_cfg)
             self._startup_s = (t1 - t0, time.perf_counter() - t1)
         except BaseException:
-            self.executor.shutdown()
-            if self.kv_event_publisher is not None:
-                self.kv_event_publisher.shutdown()
+            self._finalizer()
             raise
         self.kv_cache_config = kv_cfg
         cc = config.cache_config
@@ -169,6 +196,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Queue a request. Raises ValueError for a duplicate id or an invalid structured-output
         constraint (compiled here, with the model's vocabulary)."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this engine was shut down (its memory is released); build a new one")
         if isinstance(request, EngineCoreRequest):
             request = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                               request.arrival_time, request.priority, request.eos_token_id, request.cache_salt)
@@ -313,6 +342,6 @@ class EngineCore:
         return outs
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-        if self.kv_event_publisher is not None:
-            self.kv_event_publisher.shutdown()
+        """Stop the workers and release every tensor of the engine (KV cache, model, CUDA
+        graphs, buffers); idempotent. Later ``add_request`` calls raise RuntimeError."""
+        self._finalizer()

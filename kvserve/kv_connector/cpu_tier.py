@@ -224,9 +224,12 @@ class CpuTierWorker:
         self._count("load", len(loads), time.perf_counter() - t0)
 
     def shutdown(self) -> None:
+        """Write the queued block files, stop the copy threads, then drop the host pool
+        (pinned on CUDA) and the views of the device caches."""
         try:
             self.flush_disk()
         finally:
             self._exec.shutdown(wait=True)
             if self._disk_exec is not None:
                 self._disk_exec.shutdown(wait=True)
+            self.caches, self.pool = [], None

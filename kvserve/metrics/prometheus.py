@@ -32,8 +32,9 @@ Exposed families (counters get the ``_total`` suffix in the text format):
 * bounded KV (``--kv-eviction-policy streaming|h2o``): ``kvserve:kv_evicted_blocks`` and
   ``kvserve:kv_evicted_tokens`` (blocks / token slots freed by eviction, cumulative)
 * KV transfer between engines (``P2PKVConnector``): ``kvserve:kv_transfer_bytes_total``,
-  ``kvserve:kv_transfer_requests_total``, ``kvserve:kv_transfer_failures_total`` and the
-  ``kvserve:kv_transfer_seconds`` histogram (per transfer, seconds)
+  ``kvserve:kv_transfer_requests_total``, ``kvserve:kv_transfer_failures_total``,
+  ``kvserve:kv_transfer_auth_failures_total`` (connections or pulls refused for a wrong or
+  missing internal secret) and the ``kvserve:kv_transfer_seconds`` histogram (per transfer, seconds)
 * mixture-of-experts models: counter ``kvserve:moe_expert_tokens_total`` (label ``expert``: tokens
   routed to each expert, summed over the MoE layers; a token counts once per selected expert
   per layer) and gauge ``kvserve:moe_expert_load_imbalance`` (max / mean of the per-expert tokens
@@ -147,9 +148,11 @@ class PrometheusStatLogger(StatLogger):
         self.xfer_requests = counter("kv_transfer_requests", "KV transfers between engines started (pulls "
                                                              "made or served).")
         self.xfer_failures = counter("kv_transfer_failures", "KV pulls that failed (recomputed or aborted).")
+        self.xfer_auth_failures = counter("kv_transfer_auth_failures", "KV transfer connections or pulls refused "
+                                          "for a wrong or missing internal secret.")
         self.xfer_seconds = hist("kv_transfer_seconds", "Duration of one KV transfer between engines, seconds "
                                  "(a step's transfers observed at their mean).", _XFER_BUCKETS)
-        self._xfer_last = dict(b=0.0, r=0.0, f=0.0, n=0.0, s=0.0)
+        self._xfer_last = dict(b=0.0, r=0.0, f=0.0, a=0.0, n=0.0, s=0.0)
         self._frontend: Optional[tuple] = None
         self.kv_events_published = counter("kv_events_published", "KV cache events (BlockStored / BlockRemoved / "
                                                                    "AllBlocksCleared) published on the ZMQ socket.")
@@ -254,7 +257,8 @@ class PrometheusStatLogger(StatLogger):
         last = self._xfer_last
         for key, name, c in (("b", "kv_transfer_bytes", self.xfer_bytes),
                              ("r", "kv_transfer_requests", self.xfer_requests),
-                             ("f", "kv_transfer_failures", self.xfer_failures)):
+                             ("f", "kv_transfer_failures", self.xfer_failures),
+                             ("a", "kv_auth_failures", self.xfer_auth_failures)):
             v = float(s.get(name, 0))
             if v > last[key]:
                 c.inc(v - last[key])

@@ -34,6 +34,7 @@ from kvserve.router.policies import POLICIES
 from kvserve.router.common import ClientError
 from kvserve.router.proxy import Router, RouterConfig, RouterError
 from kvserve.router.workers import ROLE_TO_POOL, Worker, WorkerRegistry
+from kvserve.utils import internal_auth
 
 logger = logging.getLogger("kvserve")
 
@@ -78,17 +79,33 @@ def _metric_sum(text: str, names: tuple) -> int:
     return int(total)
 
 
+def internal_httpx_auth(secret: bytes) -> httpx.Auth:
+    """An ``httpx.Auth`` adding ``x-kvserve-internal-auth`` (a fresh token per request sent,
+    retries included; see ``kvserve.utils.internal_auth``)."""
+
+    class _InternalAuth(httpx.Auth):
+        def auth_flow(self, request):
+            request.headers[internal_auth.HEADER] = internal_auth.request_token(secret, request.method,
+                                                                                request.url.path)
+            yield request
+
+    return _InternalAuth()
+
+
 class RouterApp:
     """Owns the registry, the forwarding core, the HTTP client and the health loop."""
 
     def __init__(self, config: RouterConfig, health_interval: float = 2.0, health_timeout: float = 2.0,
-                 failure_threshold: int = 3, cooldown: float = 5.0, load_from_metrics: bool = False) -> None:
+                 failure_threshold: int = 3, cooldown: float = 5.0, load_from_metrics: bool = False,
+                 internal_secret: Optional[bytes] = None) -> None:
         self.config = config
         self.registry = WorkerRegistry(failure_threshold, cooldown)
         self.metrics = RouterMetrics()
         self.registry.on_remove.append(lambda url: None)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=config.connect_timeout))
+        # With an internal secret every call to a worker carries a fresh signed token.
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=config.connect_timeout),
+                                        auth=internal_httpx_auth(internal_secret) if internal_secret else None)
         self.router = Router(config, self.registry, self.metrics, self.client)
         self.health_interval, self.health_timeout = health_interval, health_timeout
         self.load_from_metrics = load_from_metrics
@@ -337,6 +354,10 @@ def add_router_args(p: argparse.ArgumentParser, workers: bool = True) -> None:
                    help="Add the workers' running + waiting requests (their /metrics) to the router's counts.")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="Export spans over OTLP (also OTEL_TRACES_EXPORTER=console).")
+    p.add_argument("--internal-secret-file", default=None, metavar="PATH",
+                   help="File holding the internal secret the workers expect (default: "
+                        "$KVSERVE_INTERNAL_SECRET_FILE, else $KVSERVE_INTERNAL_SECRET, else none): every call to a "
+                        "worker then carries a signed x-kvserve-internal-auth header. See docs/reliability.md.")
     p.add_argument("--uvicorn-log-level", default="warning")
 
 
@@ -368,7 +389,8 @@ async def serve_router(ns, pools: list[tuple[str, str]], sock=None) -> int:
     import uvicorn
 
     ra = RouterApp(config_from_ns(ns), ns.health_check_interval, ns.health_check_timeout,
-                   ns.failure_threshold, ns.cooldown, ns.load_from_metrics)
+                   ns.failure_threshold, ns.cooldown, ns.load_from_metrics,
+                   internal_auth.load_internal_secret(getattr(ns, "internal_secret_file", None)))
     try:
         for url, pool in pools:
             await ra.add_worker(url, pool)

@@ -37,6 +37,7 @@ import time
 from typing import Optional
 
 from kvserve.engine.arg_utils import add_engine_args
+from kvserve.utils.internal_auth import HEADER as INTERNAL_HEADER, load_internal_secret, request_token
 from kvserve.utils.processes import die_with_parent, free_port, stop_process_group
 
 logger = logging.getLogger("kvserve")
@@ -168,13 +169,15 @@ def wait_healthy(children: list[Child], timeout: float) -> None:
             time.sleep(0.5)
 
 
-def validate_pd(children: list[Child]) -> None:
-    """Every P/D worker has /v1/kv_transfer with its role, and one kv_layout overall (ValueError)."""
+def validate_pd(children: list[Child], secret: Optional[bytes] = None) -> None:
+    """Every P/D worker has /v1/kv_transfer with its role, and one kv_layout overall (ValueError).
+    ``secret``: the internal secret the workers expect (the call is signed with it)."""
     import httpx
 
     layouts = {}
     for c in children:
-        r = httpx.get(c.url + "/v1/kv_transfer", timeout=10)
+        headers = {INTERNAL_HEADER: request_token(secret, "GET", "/v1/kv_transfer")} if secret else None
+        r = httpx.get(c.url + "/v1/kv_transfer", timeout=10, headers=headers)
         if r.status_code == 404:
             raise ValueError(f"worker {c.name} has no /v1/kv_transfer: this kvserve build has no KV transfer "
                              "(P2PKVConnector); use --prefill 0 --decode 0 --replicas K for colocated mode")
@@ -269,6 +272,9 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
     pd = resolve_worker_counts(ns)
     if ns.log_dir:
         os.makedirs(ns.log_dir, exist_ok=True)
+    if getattr(ns, "internal_secret_file", None):  # the workers (children) read the same file
+        os.environ["KVSERVE_INTERNAL_SECRET_FILE"] = ns.internal_secret_file
+    secret = load_internal_secret()  # ValueError before any worker starts
     base = ["--disable-access-log", "--uvicorn-log-level", "warning"] + extra
     if pd:
         specs = [(f"prefill{i}", "prefill", ["--kv-transfer-config", kv_transfer_config("kv_producer", ns.kv_transport)])
@@ -309,7 +315,7 @@ def run_launch(ns, extra: Optional[list[str]] = None) -> int:
                         f" (CUDA_VISIBLE_DEVICES={c.gpus})" if c.gpus is not None else "")
         wait_healthy(children, ns.startup_timeout)
         if pd:
-            validate_pd(children)
+            validate_pd(children, secret)
         for s in prev:
             # uvicorn handles SIGTERM/SIGINT while serving, then re-raises the signal under the
             # handler it found: a no-op here, so that the workers are stopped below and we exit 0.

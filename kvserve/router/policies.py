@@ -14,6 +14,8 @@ or circuit-open workers: the registry filters them first.
   characters; otherwise, or when the load is imbalanced (``max - min > balance_abs`` and
   ``max > balance_rel * min``), the least-loaded worker wins. The chosen worker's tree gets
   the request's text. It is approximate: the router does not see the worker's evictions.
+  Requests with a ``cache_salt`` live in their salt's own namespace of the tree (workers
+  share KV only between equal salts, so a prefix sent under another salt is no hit).
 * ``kv_events``: exact placement from the workers' KV events (``kvserve.router.kv_events``,
   built by the router with its event subscriptions), this tree as its fallback.
 """
@@ -178,12 +180,19 @@ class ApproxRadixTree:
         return total
 
 
+def salt_namespace(salt: Optional[str]) -> str:
+    """The tree-key prefix of a ``cache_salt``: prefix-free (no salt's prefix followed by any
+    text is another salt's prefix), and distinct from the unsalted one."""
+    return "\x01" if salt is None else f"\x00{len(salt)}:{salt}"
+
+
 class Policy:
-    """Base class: ``choose(text, candidates) -> Decision``; ``candidates`` is non-empty."""
+    """Base class: ``choose(text, candidates, salt) -> Decision``; ``candidates`` is non-empty;
+    ``salt``: the request's ``cache_salt`` (None: none)."""
 
     name = "base"
 
-    def choose(self, text: str, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, text: str, candidates: Sequence[Candidate], salt: Optional[str] = None) -> Decision:
         raise NotImplementedError
 
     def remove_worker(self, url: str) -> None:
@@ -196,7 +205,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._n = 0
 
-    def choose(self, text: str, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, text: str, candidates: Sequence[Candidate], salt: Optional[str] = None) -> Decision:
         c = candidates[self._n % len(candidates)]
         self._n += 1
         return Decision(c.url, 0, "round_robin")
@@ -209,7 +218,7 @@ class LeastLoaded(Policy):
         self._last: dict[str, int] = {}
         self._tick = itertools.count(1)
 
-    def choose(self, text: str, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, text: str, candidates: Sequence[Candidate], salt: Optional[str] = None) -> Decision:
         c = min(candidates, key=lambda c: (c.load, self._last.get(c.url, 0)))
         self._last[c.url] = next(self._tick)
         return Decision(c.url, 0, "least_loaded")
@@ -236,10 +245,12 @@ class CacheAware(Policy):
         self.tree = ApproxRadixTree(max_tree_chars)
         self._ll = LeastLoaded()
 
-    def choose(self, text: str, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, text: str, candidates: Sequence[Candidate], salt: Optional[str] = None) -> Decision:
         loads = [c.load for c in candidates]
         lo, hi = min(loads), max(loads)
-        matches = self.tree.match(text)
+        ns = salt_namespace(salt)
+        # Only matches past the whole namespace count, in characters of the request's text.
+        matches = {u: n - len(ns) for u, n in self.tree.match(ns + text).items() if n > len(ns)}
         urls = {c.url for c in candidates}
         best = max(((n, u) for u, n in matches.items() if u in urls), default=(0, None))
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
@@ -254,7 +265,7 @@ class CacheAware(Policy):
         else:
             d = self._ll.choose(text, candidates)
             d = Decision(d.url, matches.get(d.url, 0), "cache_miss")
-        self.tree.insert(text, d.url)
+        self.tree.insert(ns + text, d.url)
         return d
 
     def remove_worker(self, url: str) -> None:

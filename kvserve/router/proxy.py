@@ -77,15 +77,16 @@ class Router(StreamRelay):
 
     # ------------------------------------------------------------------ routing
 
-    async def pick(self, pool: str, text: str, exclude: set, deadline: float) -> Worker:
-        """A routable worker of ``pool`` (waiting up to ``queue_timeout`` for one); RouterError(503)."""
+    async def pick(self, pool: str, text: str, exclude: set, deadline: float, salt: Optional[str] = None) -> Worker:
+        """A routable worker of ``pool`` (waiting up to ``queue_timeout`` for one); RouterError(503).
+        ``salt``: the request's ``cache_salt`` (cache-aware placement keeps salts apart)."""
         with tracing.span("router.route", pool=pool, policy=self.config.policy) as sp:
-            w = await self._pick(pool, text, exclude, deadline)
+            w = await self._pick(pool, text, exclude, deadline, salt)
             if sp is not None:
                 sp.set_attribute("kvserve.worker", w.url)
             return w
 
-    async def _pick(self, pool: str, text: str, exclude: set, deadline: float) -> Worker:
+    async def _pick(self, pool: str, text: str, exclude: set, deadline: float, salt: Optional[str] = None) -> Worker:
         reg, t0 = self.registry, time.monotonic()
         limit = min(deadline, t0 + self.config.queue_timeout)
         queued = False
@@ -99,7 +100,7 @@ class Router(StreamRelay):
                     if not ws:
                         continue
                     policy = self.policies[p]
-                    d = policy.choose(text, [Candidate(w.url, w.load) for w in ws])
+                    d = policy.choose(text, [Candidate(w.url, w.load) for w in ws], salt)
                     w = reg.get(d.url)
                     if w is None or not w.breaker.acquire():
                         continue
@@ -210,7 +211,8 @@ class Router(StreamRelay):
         exclude = set() if exclude is None else exclude
         last = None
         for attempt in range(self.config.max_attempts):
-            w = await self.pick(pool, text, exclude, deadline)
+            salt = body.get("cache_salt")
+            w = await self.pick(pool, text, exclude, deadline, salt if isinstance(salt, str) else None)
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -154,6 +154,31 @@ class ModelRunner:
                                 {layer.sliding_window for layer in layers})
         self.maybe_capture_cuda_graphs()
 
+    def release(self) -> None:
+        """Drop every tensor this runner owns, whoever still holds the runner or the engine:
+        CUDA graphs (reset, so their private pool goes back at once), the KV caches (also
+        unbound from the attention layers), the model, the draft model, the batch and
+        metadata buffers; on CUDA then ``gc.collect`` and ``torch.cuda.empty_cache``.
+        The runner cannot run again (the engine's ``shutdown``)."""
+        import gc
+
+        if self.device.type == "cuda":  # a launched step (async scheduling) may still read them
+            torch.cuda.synchronize(self.device)
+        for gr in (self.graph_runner, self.piecewise_runner):
+            for g in (getattr(gr, "graphs", None) or {}).values():
+                for graph in (g if isinstance(g, list) else [g[0]]):
+                    graph.reset()
+        self.graph_runner = self.piecewise_runner = None
+        if self.model is not None:
+            for layer in attention_layers(self.model):
+                layer.kv = None
+        self.kv_caches.clear()  # the dict the KV connector registered: its view goes too
+        self.model = self.proposer = self.input_batch = self.attn_builder = None
+        self._last_sampled, self._last_rows = None, {}
+        if self.device.type == "cuda":  # a full collection costs ~1 s in a big process: CUDA only
+            gc.collect()
+            torch.cuda.empty_cache()
+
     # ---- block operations (before the forward) -------------------------------------------
     @torch.inference_mode()
     def run_block_ops(self, ops: list[BlockOp]) -> None:

@@ -70,7 +70,9 @@ class Worker:
         return self.model_runner.execute_model_async(sched)
 
     def shutdown(self) -> None:
-        """Finish the KV connector's pending transfers (block files included) and stop its threads."""
+        """Finish the KV connector's pending transfers (block files included) and stop its
+        threads, then release the runner's tensors (``ModelRunner.release``); idempotent."""
         conn = self.model_runner.kv_connector
         if conn is not None:
             conn.shutdown()
+        self.model_runner.release()

@@ -285,9 +285,9 @@ def test_abort_while_waiting_frees_both_sides(tiny_llama_dir, transport):
         orig = getattr(wp, name)
         gate = __import__("threading").Event()
 
-        def slow(conn, rid, blocks):
+        def slow(conn, rid, blocks, *rest):
             gate.wait(5)
-            orig(conn, rid, blocks)
+            orig(conn, rid, blocks, *rest)
 
         setattr(wp, name, slow)
         eng = consumer.llm_engine

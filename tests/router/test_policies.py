@@ -52,6 +52,20 @@ def test_cache_aware_prefers_longest_match():
     assert d.url == first.url and d.reason == "cache_hit" and d.matched_chars >= 33
 
 
+def test_cache_aware_keeps_cache_salts_apart():
+    """A prefix sent under one cache_salt is no hit for another salt (or none), however the
+    salts and texts line up; the same salt still hits."""
+    p = CacheAware(cache_threshold=0.5)
+    text = "system prompt: you are helpful. user: hi"
+    p.choose(text, [Candidate("a", 0)], salt="t1")
+    ws = [Candidate("a", 5), Candidate("b", 0)]
+    for salt, t in (("t2", text), (None, text), ("t", "1" + text), ("t1x", text), ("", text)):
+        d = p.choose(t, ws, salt=salt)
+        assert d.reason == "cache_miss" and d.matched_chars == 0 and d.url == "b", (salt, t)
+    d = p.choose(text + "!", [Candidate("a", 3), Candidate("b", 0)], salt="t1")
+    assert d.url == "a" and d.reason == "cache_hit" and d.matched_chars == len(text)
+
+
 def test_cache_aware_imbalance_goes_least_loaded():
     p = CacheAware(cache_threshold=0.5, balance_abs=4, balance_rel=1.5)
     p.choose("long shared prefix xxxxxxxxxxxxxxxxxxxx", [Candidate("a", 0)])

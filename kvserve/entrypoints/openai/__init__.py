@@ -27,6 +27,11 @@ def register_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     g.add_argument("--api-key", default=None,
                    help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY, else none). "
                         "Prefer the environment variable: a flag's value is visible to every user in `ps`.")
+    g.add_argument("--internal-secret-file", default=None, metavar="PATH",
+                   help="File holding the internal secret (default: $KVSERVE_INTERNAL_SECRET_FILE, else "
+                        "$KVSERVE_INTERNAL_SECRET, else none). With one, every route but /health, /ping, /version "
+                        "(and open /metrics) needs the router's signed x-kvserve-internal-auth header, and the P/D "
+                        "KV transfer authenticates its peers. See docs/reliability.md.")
     g.add_argument("--allowed-hosts", default=None, metavar="HOSTS",
                    help="Comma-separated Host header names the server answers ('*': any; '*.example.com': "
                         "subdomains); others get 400 (DNS-rebinding defence; /health, /ping, /version and "

@@ -11,7 +11,8 @@ Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 40
 parameters (FastAPI's 422 validation errors and unparsable bodies included) and context
 overflow (and a ``Host`` header outside ``--allowed-hosts``), 401 for a missing/wrong
 ``--api-key`` (every route but ``/health``, ``/ping``,
-``/version`` and, unless ``--protect-metrics``, ``/metrics``), 404 for an unknown model, 413
+``/version`` and, unless ``--protect-metrics``, ``/metrics``; also for a missing/invalid
+``x-kvserve-internal-auth`` token when an internal secret is configured), 404 for an unknown model, 413
 for a body over ``--max-request-body-bytes``, 429 (with ``Retry-After``) past
 ``--max-waiting-requests``, 503 when the engine is dead or the server is shutting down.
 If the engine-core process dies or stalls (``--engine-stall-timeout``), the server answers
@@ -46,6 +47,7 @@ from kvserve.entrypoints.openai.errors import APIError
 from kvserve.entrypoints.openai.serving import Admission, OpenAIServingChat, OpenAIServingCompletion
 from kvserve.entrypoints.openai.tokenization import DEFAULT_MAX_CONCURRENCY, TokenizerPool
 from kvserve.entrypoints.openai.tracing import TraceMiddleware
+from kvserve.utils.internal_auth import ENV_SECRET_FILE, HEADER as INTERNAL_HEADER, TokenVerifier, load_internal_secret
 
 logger = logging.getLogger("kvserve")
 
@@ -94,6 +96,13 @@ class _GateMiddleware:
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, st.api_key_bytes):
                 err = APIError(401, "Incorrect or missing API key.", type_="authentication_error")
+        if err is None and st.internal_verifier is not None and not open_path:
+            token = headers.get(INTERNAL_HEADER.encode(), b"").decode("latin-1")
+            if not st.internal_verifier.verify(token, scope.get("method", ""), path):
+                client = scope.get("client") or ("?", 0)
+                logger.warning("refused %s %s from %s: missing or invalid %s (this worker takes calls from its "
+                               "router only)", scope.get("method"), path, client[0], INTERNAL_HEADER)
+                err = APIError(401, "missing or invalid internal authentication", type_="authentication_error")
         limit = st.max_body_bytes
         if err is None and limit is not None and limit >= 0:
             cl = headers.get(b"content-length")
@@ -165,7 +174,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
               default_max_tokens: Optional[int] = None,
               max_tokenize_concurrency: int = DEFAULT_MAX_CONCURRENCY, enable_auto_tool_choice: bool = False,
               tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
-              generation_defaults: Optional[dict] = None) -> FastAPI:
+              generation_defaults: Optional[dict] = None, internal_secret: Optional[bytes] = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (already started) under ``served_model_names``.
 
     ``stat_logger``: a ``PrometheusStatLogger`` for ``/metrics`` (404 there if None).
@@ -179,6 +188,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     ``max_tokenize_concurrency``: tokenizations running at once, off the event loop.
     ``tool_call_parser`` / ``reasoning_parser``: parser names (ValueError listing the known ones).
     ``generation_defaults``: request-field defaults (``generation_config.load_generation_defaults``).
+    ``internal_secret``: every route but the open ones also needs an ``x-kvserve-internal-auth``
+    token made with this secret (the router's; ``kvserve.utils.internal_auth``), else 401.
     ``app.state`` holds ``engine``, ``draining`` (bool), ``inflight`` (requests being served),
     ``admission`` (the ``Admission`` gate) and ``tokenizer_pool``.
     """
@@ -191,6 +202,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     state = app.state
     state.engine, state.api_key, state.stat_logger = engine, api_key, stat_logger
     state.api_key_bytes = api_key.encode() if api_key else b""
+    state.internal_verifier = TokenVerifier(internal_secret) if internal_secret else None
     state.protect_metrics, state.max_body_bytes = protect_metrics, max_request_body_bytes
     state.draining, state.inflight = False, 0
     state.allowed_hosts = allowed_hosts if allowed_hosts is not None else default_allowed_hosts(api_key)
@@ -422,6 +434,10 @@ async def serve_async(ns: argparse.Namespace) -> int:
     names = ns.served_model_name or [default_model_name(ns.model)]
     sock = bind_socket(ns.host, ns.port)
     api_key = ns.api_key or os.environ.get("KVSERVE_API_KEY")
+    secret_file = getattr(ns, "internal_secret_file", None)
+    internal_secret = load_internal_secret(secret_file)
+    if secret_file:  # the engine's KV connector (maybe in another process) reads the same file
+        os.environ[ENV_SECRET_FILE] = secret_file
     if ns.api_key:
         logger.warning("--api-key on the command line is readable by every local user (ps, /proc); "
                        "set $KVSERVE_API_KEY instead")
@@ -458,7 +474,7 @@ async def serve_async(ns: argparse.Namespace) -> int:
                         enable_auto_tool_choice=getattr(ns, "enable_auto_tool_choice", False),
                         tool_call_parser=getattr(ns, "tool_call_parser", None),
                         reasoning_parser=getattr(ns, "reasoning_parser", None),
-                        generation_defaults=gen_defaults)
+                        generation_defaults=gen_defaults, internal_secret=internal_secret)
         # lifespan="off": the app has no startup/shutdown hooks (the engine is started above), and
         # an idle lifespan task would be cancelled at exit with a spurious traceback.
         # timeout_graceful_shutdown: uvicorn's own wait for connections, once we decided to stop.

@@ -13,7 +13,8 @@ pull model; pages move over TCP through host memory, or with NIXL READs between 
   token's logits), asynchronously. It waits (``WAITING_FOR_REMOTE_KVS``) while a worker
   thread pulls the pages; ``finished_recving`` lets the scheduler resume it. A failed pull
   recomputes the prompt in the same blocks (``kv_load_failure_policy: "recompute"``, the
-  default) or ends the request with finish_reason ``"abort"`` (``"fail"``).
+  default) or ends the request with finish_reason ``"abort"`` (``"fail"``). Params whose
+  ``cache_salt_digest`` differs from the request's salt are not pulled (computed instead).
 
 Extra config (``kv_connector_extra_config``): ``kv_host`` (default 127.0.0.1), ``kv_port``
 (0: a free port, resolved once at start-up by ``prepare_config``; the TCP control channel),
@@ -22,10 +23,17 @@ its KV caches with a NIXL agent and a consumer READs the pages cache to cache, G
 GPU memory on CUDA; it needs ``pip install nixl``, see ``nixl_transport.py``),
 ``kv_load_failure_policy``. Tensor parallelism is refused (ValueError): every rank would need
 its own port and handshake.
+
+Authentication: with an internal secret (``$KVSERVE_INTERNAL_SECRET``, or a file named by
+``$KVSERVE_INTERNAL_SECRET_FILE`` / ``kvserve serve --internal-secret-file``; see
+``kvserve.utils.internal_auth``) every handshake, pull and release is authenticated with
+HMAC-SHA256 both ways (``wire``); peers must hold the same secret. Without one the channel is
+open, as before: keep ``kv_host`` on loopback or a private network.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import uuid
@@ -69,6 +77,12 @@ class P2PMetadata(KVConnectorMetadata):
 
     def __bool__(self) -> bool:
         return bool(self.send or self.recv or self.cancel or self.release)
+
+
+def salt_digest(salt: Optional[str]) -> Optional[str]:
+    """SHA-256 (hex) of a ``cache_salt`` (None for none): in ``kv_transfer_params`` a consumer
+    pulls only KV computed under its own request's salt, without the salt itself travelling."""
+    return None if salt is None else hashlib.sha256(salt.encode()).hexdigest()
 
 
 def parse_extra_config(config) -> dict[str, Any]:
@@ -141,10 +155,11 @@ class P2PKVConnector(KVConnectorBase_V1):
         self.worker = None
         if role == KVConnectorRole.WORKER:
             from kvserve.kv_connector.p2p.worker_side import P2PWorker
+            from kvserve.utils.internal_auth import load_internal_secret
 
             self.worker = P2PWorker(self.kv_role, cfg["kv_host"], cfg["kv_port"], cfg["lease_s"], self.layout,
                                     self.engine_id, [list(g.layer_indices) for g in kv_cache_config.groups],
-                                    transport=cfg["transport"])
+                                    transport=cfg["transport"], secret=load_internal_secret())
             return
         self.requests: dict[str, "Request"] = {}
         self.kv = None
@@ -186,6 +201,12 @@ class P2PKVConnector(KVConnectorBase_V1):
         except (KeyError, TypeError, ValueError) as exc:
             logger.warning("P2P KV: request %s: bad kv_transfer_params (%s); computing the prompt", rid, exc)
             self._consumed.add(rid)
+            return 0, False
+        if p.get("cache_salt_digest") != salt_digest(request.cache_salt):
+            # KV computed under another tenant's salt never enters this request's cache.
+            logger.warning("P2P KV: request %s: kv_transfer_params come from another cache_salt; computing the "
+                           "prompt", rid)
+            self._skip(rid, p)
             return 0, False
         if n_prompt != request.num_prompt_tokens:
             logger.warning("P2P KV: request %s: remote prompt has %d tokens, this one %d; computing the prompt",
@@ -263,6 +284,7 @@ class P2PKVConnector(KVConnectorBase_V1):
             "do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_host": self.cfg["kv_host"],
             "remote_port": self.cfg["kv_port"], "remote_request_id": rid, "remote_block_ids": ids,
             "num_prompt_tokens": request.num_prompt_tokens, "kv_layout": self.layout,
+            "cache_salt_digest": salt_digest(request.cache_salt),
         }
 
     def on_kv_connector_output(self, out) -> None:

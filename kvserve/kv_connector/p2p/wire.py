@@ -17,6 +17,18 @@ bytes when the header names them. One TCP connection carries one pull:
    "bytes_read": int}`` (``nbytes`` always names a frame's payload).
 3. consumer -> ``{"op": "release", "req": remote_request_id}`` once the pages landed (or
    the consumer gave up): the producer frees the blocks.
+
+With an internal secret (``kvserve.utils.internal_auth``) on both sides every step is
+authenticated with HMAC-SHA256, mutually: the hello carries ``ts``, a fresh ``nonce`` and
+``mac`` = HMAC("kv-hello", engine id, ts, nonce); the producer checks it before it compares
+layouts and answers with its own fresh ``challenge`` and ``mac`` = HMAC("kv-hello-ok",
+consumer nonce, challenge, producer engine id), so the consumer knows the producer holds the
+secret. Each pull and release then carries ``mac`` over (label, challenge, request id, block
+ids, transport), bound to this connection; the producer checks it before it looks the id
+up, and a failure is answered ``"authentication failed"`` whether or not the id exists. The
+``done`` frame of a TCP pull carries ``mac``: HMAC over the consumer nonce and every layer
+frame (header and pages), so pages altered in flight fail the pull (recomputed); a NIXL
+descriptor frame carries ``mac`` over its fields and the SHA-256 of the agent metadata.
 """
 
 from __future__ import annotations
@@ -25,7 +37,10 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any, Optional
+
+from kvserve.utils import internal_auth as auth
 
 _HDR = struct.Struct(">I")
 MAX_HEADER = 1 << 24
@@ -33,6 +48,13 @@ MAX_HEADER = 1 << 24
 
 class KVLayoutMismatch(ValueError):
     """The producer refused the consumer's KV layout; the message names the differing fields."""
+
+
+class KVTransferAuthError(PermissionError):
+    """A KV transfer peer failed authentication (wrong or missing internal secret)."""
+
+
+AUTH_FAILED = "authentication failed"
 
 
 def kv_layout(config, kv_cache_config) -> dict[str, Any]:
@@ -129,14 +151,40 @@ def recv_frame(sock: socket.socket, with_payload: bool = True) -> tuple[dict, Op
     return header, payload
 
 
-def client_handshake(sock: socket.socket, layout: dict, engine_id: str) -> dict:
-    """Consumer side of step 1: the producer's reply (``transports`` it serves). Raises
-    KVLayoutMismatch when refused, ConnectionError on I/O."""
-    send_frame(sock, {"op": "hello", "layout": layout, "engine_id": engine_id})
+def client_handshake(sock: socket.socket, layout: dict, engine_id: str, secret: Optional[bytes] = None) -> dict:
+    """Consumer side of step 1: the producer's reply (``transports`` it serves; with
+    ``secret``, also ``client_nonce``, this side's nonce, and the producer's ``challenge``).
+
+    Raises:
+        KVTransferAuthError: refused for authentication, or (with ``secret``) the producer
+            did not prove it holds the secret.
+        KVLayoutMismatch: refused for the layout. ConnectionError on I/O.
+    """
+    hello = {"op": "hello", "layout": layout, "engine_id": engine_id}
+    nonce = None
+    if secret is not None:
+        nonce, ts = auth.new_nonce(), time.time()
+        hello.update(ts=ts, nonce=nonce, mac=auth.sign(secret, "kv-hello", engine_id, ts, nonce))
+    send_frame(sock, hello)
     reply, _ = recv_frame(sock)
     if not reply.get("ok"):
-        raise KVLayoutMismatch(reply.get("error") or "KV transfer handshake refused")
+        err = reply.get("error") or "KV transfer handshake refused"
+        if err == AUTH_FAILED:
+            raise KVTransferAuthError(f"the KV transfer producer refused this consumer: {err} "
+                                      f"(is ${auth.ENV_SECRET} the same on both sides?)")
+        raise KVLayoutMismatch(err)
+    if secret is not None:
+        if not auth.verify(secret, reply.get("mac"), "kv-hello-ok", nonce, reply.get("challenge"),
+                           reply.get("engine_id")):
+            raise KVTransferAuthError("the KV transfer producer did not authenticate (no or another internal "
+                                      "secret there)")
+        reply["client_nonce"] = nonce
     return reply
+
+
+def pull_mac(secret: bytes, label: str, challenge: Any, req: Any, blocks: Any = None, transport: Any = None) -> str:
+    """The ``mac`` of a pull (``label`` "kv-pull") or release ("kv-release") frame."""
+    return auth.sign(secret, label, challenge, req, blocks, transport)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -12,6 +12,8 @@ Nothing here blocks the engine loop: the scheduler learns of finished transfers 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import select
 import socket
@@ -23,8 +25,10 @@ import torch
 
 from kvserve.core.sched_output import KVConnectorOutput
 from kvserve.kv_connector.p2p.wire import (
-    KVLayoutMismatch, client_handshake, layout_mismatch, recv_frame, send_frame,
+    AUTH_FAILED, KVLayoutMismatch, KVTransferAuthError, client_handshake, layout_mismatch, pull_mac, recv_frame,
+    send_frame,
 )
+from kvserve.utils import internal_auth as auth
 
 logger = logging.getLogger("kvserve")
 
@@ -41,6 +45,12 @@ def _bytes_view(cache: torch.Tensor) -> torch.Tensor:
     """The cache as raw bytes ``[2, num_blocks, block_size, kv_heads, row * itemsize]`` uint8
     (copies of uint8 pages work for every KV dtype, fp8 included, and are bit exact)."""
     return cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+
+
+def _nixl_mac(secret: bytes, nonce, rid: str, desc: dict, md: bytes) -> str:
+    """MAC of a NIXL descriptor frame: its agent, memory kind, regions and metadata digest."""
+    return auth.sign(secret, "kv-nixl", nonce, rid, desc.get("agent"), desc.get("mem"), desc.get("regions"),
+                     hashlib.sha256(bytes(md)).hexdigest())
 
 
 class _Exposed:
@@ -62,11 +72,14 @@ class P2PWorker:
         group_layers: per KV cache group, its layer indices.
         transport: ``"tcp"`` or ``"nixl"`` (a NIXL agent registers the caches in
             ``register_kv_caches``; pulls from producers without NIXL fall back to TCP).
+        secret: the internal secret (``internal_auth.load_internal_secret``): every
+            connection, pull and release is authenticated with it (see ``wire``); None: open.
     """
 
     def __init__(self, role: str, host: str, port: int, lease_s: float, layout: dict, engine_id: str,
-                 group_layers: list[list[int]], transport: str = "tcp") -> None:
+                 group_layers: list[list[int]], transport: str = "tcp", secret: Optional[bytes] = None) -> None:
         self.role, self.host, self.port, self.lease_s = role, host, port, lease_s
+        self.secret = secret
         self.transport = transport
         self.nixl = None  # NixlAgent once the caches are registered (transport nixl)
         self._warned_tcp_fallback = False
@@ -81,7 +94,8 @@ class P2PWorker:
         self._early_release: set[str] = set()  # released before registered (bounded below)
         self._progress = threading.Event()
         self.stats = dict(transfer_bytes=0, transfer_seconds=0.0, transfers=0, transfer_failures=0,
-                          transfer_requests=0, bytes_sent=0, blocks_expired=0, requests_expired=0)
+                          transfer_requests=0, bytes_sent=0, blocks_expired=0, requests_expired=0,
+                          auth_failures=0)
         self._stop = threading.Event()
         self._srv: Optional[socket.socket] = None
 
@@ -103,7 +117,12 @@ class P2PWorker:
             srv.listen(64)
             self._srv = srv
             threading.Thread(target=self._accept_loop, name="kvserve-p2p-accept", daemon=True).start()
-            logger.info("P2P KV producer listening on %s:%d (lease %.1f s)", self.host, self.port, self.lease_s)
+            logger.info("P2P KV producer listening on %s:%d (lease %.1f s, %s)", self.host, self.port, self.lease_s,
+                        "authenticated" if self.secret else "unauthenticated")
+            if self.secret is None and not self.host.startswith("127.") and self.host not in ("localhost", "::1"):
+                logger.warning("P2P KV producer on %s without an internal secret: anyone who reaches the port and "
+                               "learns a request id within its lease can pull its KV pages; set $%s",
+                               self.host, auth.ENV_SECRET)
 
     # ---- per step ----------------------------------------------------------------------
     def handle_meta(self, meta) -> None:
@@ -183,11 +202,32 @@ class P2PWorker:
                 return
             threading.Thread(target=self._serve, args=(conn,), name="kvserve-p2p-serve", daemon=True).start()
 
+    def _refuse(self, conn: socket.socket, peer, what: str, hello: bool = False) -> None:
+        """Answer an authentication failure (the same words whatever the request id) and log it."""
+        with self._lock:
+            self.stats["auth_failures"] += 1
+        logger.warning("P2P KV: refused %s from %s: %s (wrong or missing internal secret)", what, peer, AUTH_FAILED)
+        send_frame(conn, {"op": "hello", "ok": False, "error": AUTH_FAILED} if hello
+                   else {"op": "error", "error": AUTH_FAILED})
+
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(IO_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                peer = "%s:%d" % conn.getpeername()[:2]
+            except OSError:
+                peer = "?"
             hello, _ = recv_frame(conn)
+            secret, challenge, nonce = self.secret, None, None
+            if secret is not None:
+                nonce = hello.get("nonce")
+                if not (hello.get("op") == "hello" and auth.fresh(hello.get("ts")) and isinstance(nonce, str)
+                        and auth.verify(secret, hello.get("mac"), "kv-hello", hello.get("engine_id"),
+                                        hello.get("ts"), nonce)):
+                    self._refuse(conn, peer, "a consumer's handshake", hello=True)
+                    return
+                challenge = auth.new_nonce()
             diff = layout_mismatch(self.layout, hello.get("layout"))
             if hello.get("op") != "hello" or diff:
                 msg = f"kv_layout mismatch between producer {self.engine_id} and consumer " \
@@ -195,15 +235,25 @@ class P2PWorker:
                 logger.error("P2P KV: refused a consumer: %s", msg)
                 send_frame(conn, {"op": "hello", "ok": False, "error": msg})
                 return
-            send_frame(conn, {"op": "hello", "ok": True, "engine_id": self.engine_id,
-                              "transports": ["tcp", "nixl"] if self.nixl is not None else ["tcp"]})
+            reply = {"op": "hello", "ok": True, "engine_id": self.engine_id,
+                     "transports": ["tcp", "nixl"] if self.nixl is not None else ["tcp"]}
+            if secret is not None:
+                reply.update(challenge=challenge,
+                             mac=auth.sign(secret, "kv-hello-ok", nonce, challenge, self.engine_id))
+            send_frame(conn, reply)
             while True:
                 msg, _ = recv_frame(conn)
                 op = msg.get("op")
+                if secret is not None and op in ("pull", "release"):
+                    label = "kv-pull" if op == "pull" else "kv-release"
+                    want = pull_mac(secret, label, challenge, msg.get("req"), msg.get("blocks"), msg.get("transport"))
+                    if not hmac.compare_digest(str(msg.get("mac")).encode(), want.encode()):
+                        self._refuse(conn, peer, f"a {op}")  # before any look-up of the id
+                        return
                 if op == "pull" and msg.get("transport") == "nixl" and self.nixl is not None:
-                    self._lend_nixl(conn, str(msg.get("req")), msg.get("blocks") or [])
+                    self._lend_nixl(conn, str(msg.get("req")), msg.get("blocks") or [], nonce)
                 elif op == "pull":
-                    self._send_blocks(conn, str(msg.get("req")), msg.get("blocks") or [])
+                    self._send_blocks(conn, str(msg.get("req")), msg.get("blocks") or [], nonce)
                 elif op == "release":
                     self.release_local(str(msg.get("req")), early_ok=True)
                     self._progress.set()
@@ -249,12 +299,19 @@ class P2PWorker:
                 self.stats["transfer_seconds"] += secs
                 self.stats["transfers"] += 1
 
-    def _send_blocks(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> None:
+    def _pages_mac(self, nonce: Optional[str]):
+        """The running HMAC over a TCP pull's layer frames (None without a secret)."""
+        if self.secret is None:
+            return None
+        return hmac.new(self.secret, b"kv-pages|" + str(nonce).encode(), hashlib.sha256)
+
+    def _send_blocks(self, conn: socket.socket, rid: str, blocks: list[list[int]], nonce: Optional[str] = None) -> None:
         e = self._acquire(conn, rid, blocks)
         if e is None:
             return
         t0 = time.perf_counter()
         sent = 0
+        mac = self._pages_mac(nonce)
         try:
             for gid, ids in enumerate(blocks):
                 if not ids:
@@ -266,14 +323,17 @@ class P2PWorker:
                     if pages.device.type != "cpu":
                         pages = pages.cpu()
                     raw = pages.reshape(-1).numpy()
+                    if mac is not None:
+                        mac.update(f"{layer},{gid},{raw.nbytes};".encode())
+                        mac.update(raw.data)
                     send_frame(conn, {"op": "layer", "layer": layer, "group": gid, "nbytes": raw.nbytes}, raw.data)
                     sent += raw.nbytes
-            send_frame(conn, {"op": "done"})
+            send_frame(conn, {"op": "done"} if mac is None else {"op": "done", "mac": mac.hexdigest()})
         finally:
             self._unpin(e, sent, time.perf_counter() - t0)
         logger.debug("P2P KV: sent %s: %d bytes in %.1f ms", rid, sent, (time.perf_counter() - t0) * 1e3)
 
-    def _lend_nixl(self, conn: socket.socket, rid: str, blocks: list[list[int]]) -> None:
+    def _lend_nixl(self, conn: socket.socket, rid: str, blocks: list[list[int]], nonce: Optional[str] = None) -> None:
         """A NIXL pull: send the agent descriptor, keep the blocks pinned until the consumer
         reports its READ over (or the connection drops / times out)."""
         e = self._acquire(conn, rid, blocks)
@@ -284,6 +344,8 @@ class P2PWorker:
         try:
             self.nixl.bind_thread()
             desc, md = self.nixl.descriptor()
+            if self.secret is not None:  # the consumer checks the descriptor came from this producer
+                desc = dict(desc, mac=_nixl_mac(self.secret, nonce, rid, desc, md))
             send_frame(conn, {"op": "nixl", **desc, "nbytes": len(md)}, md)
             deadline = time.monotonic() + IO_TIMEOUT_S
             poller = select.poll()  # poll, not select: no FD_SETSIZE limit
@@ -307,31 +369,33 @@ class P2PWorker:
         ok, nbytes, err = False, 0, None
         with self._lock:
             self.stats["transfer_requests"] += 1
-        sock = None
+        sock, hello = None, None
         try:
             sock = socket.create_connection((spec.host, spec.port), timeout=CONNECT_TIMEOUT_S)
             sock.settimeout(IO_TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = client_handshake(sock, self.layout, self.engine_id)
+            hello = client_handshake(sock, self.layout, self.engine_id, self.secret)
             if self.nixl is not None and "nixl" in (hello.get("transports") or ()):
-                nbytes = self._pull_nixl(sock, spec, cancel)
+                nbytes = self._pull_nixl(sock, spec, cancel, hello)
             else:
                 if self.nixl is not None and not self._warned_tcp_fallback:
                     self._warned_tcp_fallback = True
                     logger.warning("P2P KV: producer %s:%d offers no NIXL transport; pulling over TCP",
                                    spec.host, spec.port)
-                nbytes = self._pull_tcp(sock, spec, cancel)
+                nbytes = self._pull_tcp(sock, spec, cancel, hello)
             ok = True
         except KVLayoutMismatch as exc:
             err = f"handshake refused: {exc}"
+        except KVTransferAuthError as exc:
+            err = str(exc)
         except InterruptedError:
             err = "cancelled (request aborted)"
         except Exception as exc:  # noqa: BLE001 - any failure is a load failure (recompute / fail)
             err = f"{type(exc).__name__}: {exc}"
         finally:
-            if sock is not None:
+            if sock is not None and hello is not None:
                 try:  # done or giving up: either way the producer may free the blocks
-                    send_frame(sock, {"op": "release", "req": spec.remote_request_id})
+                    send_frame(sock, self._release_frame(hello, spec.remote_request_id))
                     send_frame(sock, {"op": "bye"})
                 except OSError:
                     pass
@@ -355,25 +419,50 @@ class P2PWorker:
         elif not cancel.is_set():
             logger.warning("P2P KV: pull of %s from %s:%d failed: %s", rid, spec.host, spec.port, err)
 
-    def _pull_tcp(self, sock: socket.socket, spec, cancel: threading.Event) -> int:
-        """Pages streamed over the control connection, written per layer; returns the bytes."""
-        send_frame(sock, {"op": "pull", "req": spec.remote_request_id, "blocks": [r for _, r in spec.pairs]})
+    def _pull_frame(self, hello: dict, rid: str, blocks: list, transport: Optional[str] = None) -> dict:
+        msg = {"op": "pull", "req": rid, "blocks": blocks}
+        if transport is not None:
+            msg["transport"] = transport
+        if self.secret is not None:
+            msg["mac"] = pull_mac(self.secret, "kv-pull", hello.get("challenge"), rid, blocks, transport)
+        return msg
+
+    def _release_frame(self, hello: dict, rid: str) -> dict:
+        msg = {"op": "release", "req": rid}
+        if self.secret is not None:
+            msg["mac"] = pull_mac(self.secret, "kv-release", hello.get("challenge"), rid)
+        return msg
+
+    def _pull_tcp(self, sock: socket.socket, spec, cancel: threading.Event, hello: dict) -> int:
+        """Pages streamed over the control connection, written per layer; returns the bytes.
+        With a secret, the ``done`` frame's MAC over the layer frames is checked (a mismatch
+        raises KVTransferAuthError: the pull fails and the prompt is recomputed)."""
+        blocks = [r for _, r in spec.pairs]
+        send_frame(sock, self._pull_frame(hello, spec.remote_request_id, blocks))
         local = [torch.tensor(loc, dtype=torch.long) for loc, _ in spec.pairs]
         nbytes = 0
+        mac = self._pages_mac(hello.get("client_nonce"))
         while True:
             h, payload = recv_frame(sock)
             op = h.get("op")
             if op == "done":
                 if cancel.is_set():
                     raise InterruptedError("cancelled")
+                if mac is not None and not hmac.compare_digest(str(h.get("mac")).encode(), mac.hexdigest().encode()):
+                    raise KVTransferAuthError("KV pages failed their MAC check (altered in flight?)")
                 break
             if op == "error":
+                if h.get("error") == AUTH_FAILED:
+                    raise KVTransferAuthError(f"the KV transfer producer refused the pull: {AUTH_FAILED}")
                 raise LookupError(h.get("error"))
             if op != "layer":
                 raise ValueError(f"unexpected KV transfer frame {op!r}")
             if cancel.is_set():  # aborted: drain the stream (the connection then releases)
                 continue
             layer, gid = int(h["layer"]), int(h["group"])
+            if mac is not None:
+                mac.update(f"{layer},{gid},{len(payload)};".encode())
+                mac.update(payload)
             cache = _bytes_view(self.caches[layer])
             n = len(spec.pairs[gid][0])
             src = torch.frombuffer(payload, dtype=torch.uint8).view(cache.shape[0], n, *cache.shape[2:])  # K/V or a latent
@@ -386,16 +475,22 @@ class P2PWorker:
             torch.cuda.synchronize()
         return nbytes
 
-    def _pull_nixl(self, sock: socket.socket, spec, cancel: threading.Event) -> int:
+    def _pull_nixl(self, sock: socket.socket, spec, cancel: threading.Event, hello: dict) -> int:
         """Ask for the producer's NIXL descriptor, READ the pages, report the READ over (the
         producer unpins the blocks then); returns the bytes read."""
-        send_frame(sock, {"op": "pull", "req": spec.remote_request_id, "blocks": [r for _, r in spec.pairs],
-                          "transport": "nixl"})
+        send_frame(sock, self._pull_frame(hello, spec.remote_request_id, [r for _, r in spec.pairs], "nixl"))
         h, md = recv_frame(sock)
         if h.get("op") == "error":
+            if h.get("error") == AUTH_FAILED:
+                raise KVTransferAuthError(f"the KV transfer producer refused the pull: {AUTH_FAILED}")
             raise LookupError(h.get("error"))
         if h.get("op") != "nixl" or md is None:
             raise ValueError(f"unexpected KV transfer frame {h.get('op')!r}")
+        if self.secret is not None:
+            desc = {k: h.get(k) for k in ("agent", "mem", "regions")}
+            want = _nixl_mac(self.secret, hello.get("client_nonce"), spec.remote_request_id, desc, md)
+            if not hmac.compare_digest(str(h.get("mac")).encode(), want.encode()):
+                raise KVTransferAuthError("the producer's NIXL descriptor failed its MAC check")
         nbytes = 0
         try:
             nbytes = self.nixl.read(h, md, spec.pairs, self.group_layers, cancel, IO_TIMEOUT_S)
@@ -415,8 +510,8 @@ class P2PWorker:
         try:
             with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
                 sock.settimeout(IO_TIMEOUT_S)
-                client_handshake(sock, self.layout, self.engine_id)
-                send_frame(sock, {"op": "release", "req": remote_rid})
+                hello = client_handshake(sock, self.layout, self.engine_id, self.secret)
+                send_frame(sock, self._release_frame(hello, remote_rid))
                 send_frame(sock, {"op": "bye"})
         except (OSError, ValueError) as exc:
             logger.warning("P2P KV: could not release %s at %s:%d: %s", remote_rid, host, port, exc)
