@@ -59,3 +59,21 @@ def test_small_llama_quantized_generates_on_cuda(tmp_path):
         out = llm.generate([[1, 2, 3, 4]], sp, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 8
         del llm
+
+
+@pytest.mark.parametrize("group_size,sym", [(128, False), (32, True), (-1, False)])
+@pytest.mark.parametrize("kernel", ["tinygemm", "w4a16"])
+def test_gptq_awq_weights_on_cuda_match_dequantized(group_size, sym, kernel, monkeypatch):
+    """GPTQ / AWQ 4-bit weights (``w = (q - z) * s``) on both CUDA kernels, bf16, M = 1 and 33."""
+    from kvserve.layers.quantization.group_quant import PackedGroupQuant, quantize_groupwise
+
+    monkeypatch.setenv("KVSERVE_INT4_KERNEL", kernel)
+    torch.manual_seed(group_size + sym)
+    w = torch.randn(256, 512) * 0.05
+    gq = quantize_groupwise(w, 4, group_size, sym)
+    packed = PackedGroupQuant(gq, torch.device("cuda"), torch.bfloat16)
+    assert packed.cuda_triton == (kernel == "w4a16")
+    ref = gq.dequantize().float().cuda()
+    for m in (1, 33):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        assert _rel(packed.matmul(x), x.float() @ ref.T) < 2e-2

@@ -118,7 +118,7 @@ for bm, zp in ((1, tw.ZP_INT), (16, tw.ZP_FLOAT)):
            "b_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "n_blocks": "i32", "blocks_per_split": "i32"}
     consts = dict(BITS=4, GROUP=128, PPG=8, GPB=1, ZP=zp, BLOCK_M=bm, BLOCK_N=64, SPLIT=True, HAS_BIAS=False,
-                  WIDEN=False, EVEN_K=True)
+                  WIDEN=False, EVEN_K=True, PREC="tf32")
     sig.update({k: "constexpr" for k in consts})
     k = triton.compile(ASTSource(fn=tw._w4a16_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

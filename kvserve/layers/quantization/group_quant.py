@@ -3,7 +3,9 @@
 ``GroupQuantWeight`` is the loaders' canonical form (``model_loader.gptq_awq``): ``w = (q - z) * s`` per
 group of input features, 4 or 8 bits. ``PackedGroupQuant`` places it for a device:
 
-* CUDA: the Triton W4A16/W8A16 GEMM (``triton_w4a16``) for M <= 256, its dequantization + cuBLAS above;
+* CUDA, 4 bits in bfloat16: tinygemm (``PackedInt4``, as ``--quantization int4``: faster than the Triton
+  GEMM at M = 1 on an H200); ``KVSERVE_INT4_KERNEL=w4a16`` (and 8 bits, other dtypes): the Triton
+  W4A16/W8A16 GEMM (``triton_w4a16``) for M <= 256, its dequantization + cuBLAS above;
 * CPU, 4 bits: PyTorch's int4pack kernel (``PackedInt4``: ``w = q * s + m`` with ``m = -z * s``, exact in
   float32; per-channel scales repeated over groups of 128/64/32); 8 bits: ``_weight_int8pack_mm`` when
   symmetric per channel, else the dequantized weight (correct, not smaller).
@@ -14,6 +16,7 @@ Activation order (GPTQ ``desc_act``): the loader sorts K by group (``perm``) so 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -93,10 +96,14 @@ class PackedGroupQuant:
         self.bits, self.dtype = w.bits, dtype
         self.perm = w.perm.to(device) if w.perm is not None else None
         self.cuda = device.type == "cuda"
+        self.cuda_triton = False  # the Triton W4A16/W8A16 layout (else int4pack / int8pack / dense)
         self.int4 = self.int8 = None
         self.dense = None
-        if self.cuda:
+        tinygemm = (w.bits == 4 and dtype == torch.bfloat16
+                    and os.environ.get("KVSERVE_INT4_KERNEL", "tinygemm") == "tinygemm")
+        if self.cuda and not tinygemm:
             self._init_triton(w, device, dtype)
+            self.cuda_triton = True
         elif w.bits == 4:
             g = w.group_size
             scale, zero, q = w.scale, w.zeros(), w.q
@@ -135,7 +142,7 @@ class PackedGroupQuant:
         """``x`` ``[M, K]`` -> ``x @ W.T`` ``[M, N]`` in x's dtype."""
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        if self.cuda:
+        if self.cuda_triton:
             from kvserve.layers.quantization import triton_w4a16 as tw
 
             if x.shape[0] <= tw.MAX_M:
@@ -151,7 +158,7 @@ class PackedGroupQuant:
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [self.perm] if self.perm is not None else []
-        if self.cuda:
+        if self.cuda_triton:
             return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else []) + extra
         inner = self.int4 or self.int8
         return (inner.tensors() if inner is not None else [self.dense]) + extra

@@ -10,8 +10,10 @@ features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernel
 ``w = (q - 8) * scale + zero``, so ``zero = min + 8 * scale`` (exact algebra; the one rounding
 is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
 
-On CUDA, INT4 runs the Triton W4A16 GEMM of ``triton_w4a16`` (M <= 256; dequantization + cuBLAS
-above) unless ``KVSERVE_INT4_KERNEL=tinygemm`` (read at load) or ``KVSERVE_TRITON_GEMV`` selects int4.
+On CUDA, INT4 runs tinygemm (``_weight_int4pack_mm``): on an H200 it is 1.6-1.8x bf16 at M = 1, where
+the Triton W4A16 GEMM of ``triton_w4a16`` reaches 0.9-1.35x (benchmarks/results/weight_quant/); the
+Triton GEMM (faster than tinygemm from M = 16) is selected with ``KVSERVE_INT4_KERNEL=w4a16`` (read at
+load), the Triton GEMV with ``KVSERVE_TRITON_GEMV``.
 On CUDA, M <= ``triton_gemv.MAX_M`` (decode) runs the Triton weight-only GEMV of ``triton_gemv``
 for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, "1" adds INT4, "0"
 restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
@@ -128,7 +130,7 @@ class PackedInt4:
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
         self.triton = _use_triton(device, "int4")
-        self.w4a16 = cuda and not self.triton and os.environ.get("KVSERVE_INT4_KERNEL", "w4a16") == "w4a16"
+        self.w4a16 = cuda and not self.triton and os.environ.get("KVSERVE_INT4_KERNEL", "tinygemm") == "w4a16"
         if self.w4a16:  # triton_w4a16 layout, float minima (ZP_FLOAT); scales/minima [Kp / g, N]
             from kvserve.layers.quantization import triton_w4a16 as tw
 

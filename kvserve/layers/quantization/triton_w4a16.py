@@ -70,7 +70,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
                   blocks_per_split,
                   BITS: tl.constexpr, GROUP: tl.constexpr, PPG: tl.constexpr, GPB: tl.constexpr,
                   ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, EVEN_K: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, WIDEN: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr = "tf32"):
     # PPG: planes (16-row K-slices) per group within a block; GPB: groups per block (PPG * GPB = PACK).
     PACK: tl.constexpr = 32 // BITS
     KB: tl.constexpr = 16 * PACK
@@ -136,7 +136,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, 
                     if CB == 0:
                         q = q - C
                     q = q.to(in_dtype)  # exact (see CB)
-                    t += tl.dot(x.to(dot_dtype), q.to(dot_dtype))
+                    t += tl.dot(x.to(dot_dtype), q.to(dot_dtype), input_precision=PREC)
                     xs += tl.sum(x.to(tl.float32), axis=1)
                 acc += t * sc[None, :] + xs[:, None] * zs[None, :]
     if BLOCK_M == 1:
@@ -276,7 +276,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         x, w, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, out,
         m, n, k, x.stride(0), y.stride(0), n_blocks, bps,
         BITS=bits, GROUP=group_size, PPG=ppg, GPB=per // ppg, ZP=zp, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, WIDEN=widen, EVEN_K=k % block_rows(bits) == 0, num_warps=warps)
+        HAS_BIAS=bias is not None, WIDEN=widen, EVEN_K=k % block_rows(bits) == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)  # float32: no TF32 rounding
     if split > 1:
         block = 1024
         _reduce()[(triton.cdiv(m * n, block),)](out, bias if bias is not None else out, y, m * n, n, split,
