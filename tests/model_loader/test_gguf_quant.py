@@ -111,7 +111,7 @@ def test_cli_rejects_unknown_quantization():
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
     assert parser.parse_args(["--quantization", "int4"]).quantization == "int4"
     with pytest.raises((SystemExit, argparse.ArgumentError)):
-        parser.parse_args(["--quantization", "awq"])
+        parser.parse_args(["--quantization", "bitsandbytes"])
 
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"])
