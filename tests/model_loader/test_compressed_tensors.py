@@ -320,7 +320,7 @@ def _until_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_default_model_w4a16_greedy_vs_dense(smollm2_path, tmp_path, capsys):
+def test_default_model_w4a16_greedy_vs_dense(smollm2_path, llm, tmp_path, capsys):
     """SmolLM2-135M (the default GGUF, dequantized by transformers) quantized W4A16 group 32 by the library."""
     from kvserve import LLM, SamplingParams
     from kvserve.model_loader import get_tokenizer
@@ -338,11 +338,11 @@ def test_default_model_w4a16_greedy_vs_dense(smollm2_path, tmp_path, capsys):
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     args = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
                 disable_log_stats=True)
-    out = {}
-    for key, model in (("ct", cdir), ("decompressed", ddir), ("dense", None)):
-        llm = LLM(model=model, **args)
-        out[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        del llm
+    out = {"dense": [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]}  # the session's
+    for key, model in (("ct", cdir), ("decompressed", ddir)):
+        eng = LLM(model=model, **args)
+        out[key] = [o.outputs[0].token_ids for o in eng.generate(prompts, sp, use_tqdm=False)]
+        eng.shutdown()
     # Same weights as the library's decompression: the same greedy tokens.
     assert out["ct"] == out["decompressed"]
     # Against the unquantized model: W4 changes some tokens; report how long they agree.
