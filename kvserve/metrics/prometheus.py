@@ -59,7 +59,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvserve.engine.async_client import StatLogger
+from kvserve.engine.stat_logger import StatLogger
 
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0]

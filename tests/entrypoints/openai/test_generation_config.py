@@ -46,7 +46,7 @@ def test_request_fields_win():
 def test_ready_and_startup_lines():
     from types import SimpleNamespace
 
-    from kvserve.engine.async_client import startup_line
+    from kvserve.engine.stat_logger import startup_line
     from kvserve.entrypoints.openai.api_server import ready_line
 
     assert ready_line("m", "0.0.0.0", 8000) == "kvserve ready: serving m at http://0.0.0.0:8000/v1"
