@@ -236,5 +236,12 @@ done
 if [ -z "${KEEP_DIRS:-}" ]; then
   dirs=()
   for spec in "$@"; do [ -d "$OUT/${spec%%:*}" ] && dirs+=("${spec%%:*}"); done
+  # Server and launch logs can run to hundreds of MB; keep the last 512 KB of each so the
+  # archive stays under the device tool's 16 MiB per file and the JSON always comes back.
+  for d in "${dirs[@]}"; do
+    find "$OUT/$d" -type f \( -name '*.txt' -o -name '*.log' \) -size +512k | while read -r f; do
+      tail -c 524288 "$f" > "$f.tail" && mv "$f.tail" "$f"
+    done
+  done
   [ ${#dirs[@]} -gt 0 ] && tar czf "$OUT/results.tgz" -C "$OUT" "${dirs[@]}" && (cd "$OUT" && rm -rf "${dirs[@]}")
 fi
