@@ -28,7 +28,7 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Multicast stays off on multi-GPU hosts (it can take the host's GPUs out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-SITE=/tmp/site
+SITE=${SITE:-/tmp/site}
 SRC=${KVSERVE_SRC:-$ROOT}
 B=benchmarks
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Single-GPU parts side by side on a multi-GPU machine, then the multi-GPU parts: each lane is
+# one `run.sh` on its own GPU (CUDA_VISIBLE_DEVICES), in its own processes, writing into
+# $OUT/lane<i>/; the parts after `--` then run on all GPUs into $OUT/all/. One device call then
+# measures what would otherwise take one call per kind. Lanes share the host's CPU cores and
+# memory, so host-bound figures are taken with the other lane busy (say so where they matter).
+#
+# Usage (repo root, on the GPU machine):
+#   OUT=<dir> bash benchmarks/gpu/lanes.sh "PART[:S] PART..." "PART..." -- PART[:S] ...
+#   (one quoted list per GPU, in GPU order; the lists after `--` use every GPU)
+set -u
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/kvserve-out}
+mkdir -p "$OUT"
+lanes=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do lanes+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+pids=()
+for i in "${!lanes[@]}"; do
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=$i SITE=/tmp/site_lane$i OUT=$OUT/lane$i \
+    bash "$ROOT/benchmarks/gpu/run.sh" ${lanes[$i]} > "$OUT/lane$i.txt" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+for i in "${!lanes[@]}"; do echo "== lane $i (GPU $i)"; sed -n '/^part /,$p' "$OUT/lane$i.txt"; done
+if [ $# -gt 0 ]; then
+  OUT=$OUT/all bash "$ROOT/benchmarks/gpu/run.sh" "$@" > "$OUT/all.txt" 2>&1
+  echo "== all GPUs"; sed -n '/^part /,$p' "$OUT/all.txt"
+fi
+# The device tool brings back at most 8 files: one archive of everything, and the summaries.
+if [ -z "${KEEP_DIRS:-}" ]; then
+  (cd "$OUT" && { for f in lane*.txt all.txt; do [ -f "$f" ] && sed -n '/^part /,$p' "$f"; done; } > summary.txt
+   tar czf results.tgz --exclude=results.tgz --exclude=summary.txt ./* && \
+   find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name summary.txt -exec rm -rf {} +)
+fi
