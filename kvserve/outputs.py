@@ -17,7 +17,8 @@ class CompletionOutput:
         index: which of the ``n`` completions.
         text: detokenized output (stop strings removed).
         token_ids: generated token ids.
-        finish_reason: "stop", "length", "abort", or None while running.
+        finish_reason: "stop", "length", "abort", "error" (its step failed, e.g. out of device
+            memory), or None while running.
         stop_reason: the stop string or stop token id that ended it, if any.
         logprobs: per generated token, top-n (plus the sampled token) logprobs, if asked.
         cumulative_logprob: sum of the sampled tokens' logprobs, if logprobs were asked.

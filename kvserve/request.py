@@ -16,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # EOS, a stop token or a stop string
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the step that ran it failed (e.g. out of GPU memory); other requests go on
     # Holds blocks whose KV a remote engine is sending (disaggregated prefill/decode).
     WAITING_FOR_REMOTE_KVS = -1
 
@@ -28,6 +29,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

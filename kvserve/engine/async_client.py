@@ -47,6 +47,10 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone (crashed, killed) or the engine was shut down."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request's engine step failed (e.g. out of device memory); the engine goes on."""
+
+
 class EngineStalledError(EngineDeadError):
     """The engine core sent nothing (no step output, no heartbeat) for ``engine_stall_timeout`` s."""
 
@@ -365,6 +369,10 @@ class AsyncLLM:
             if st is None:
                 continue
             self._record_finished(st, now)
+            if st.error is None and any(s.finish_reason == "error" for s in p.seqs):
+                st.error = RequestFailedError(
+                    f"request {p.request_id}: the engine step that ran it failed (out of device memory; "
+                    "see the server log); other requests were not affected, retry it")
             st.event.set()
         self.last_stats = msg.stats
         self.stat_logger.on_step(msg.stats, msg.num_prompt_tokens, msg.num_generation_tokens)

@@ -49,7 +49,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         new_token_ids: tokens since the previous output (one per step; more with speculation;
             none in the output of a request the core refused).
         new_logprobs: per new token ``{token_id: (logprob, 1-based rank)}``, if asked.
-        finish_reason: "stop" | "length" | "abort" once finished, else None.
+        finish_reason: "stop" | "length" | "abort" | "error" once finished, else None ("error":
+            the step that ran it failed, e.g. out of device memory).
         stop_reason: the stop token id that ended it, if any.
         num_cached_tokens: prompt tokens served from the prefix cache (-1: not scheduled yet).
         first_scheduled_time / first_token_time / finished_time: engine-side timestamps (s).

@@ -119,6 +119,26 @@ def _release(executor, publisher) -> None:
         if publisher is not None:
             publisher.shutdown()
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a device allocation failure: ``torch.OutOfMemoryError`` in this
+    process, or a worker's error whose message says so (multi-process executors re-raise a
+    worker's failure as ``RuntimeError`` with its text)."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and ("OutOfMemoryError" in msg or "CUDA out of memory" in msg)
+
+
+def release_cached_device_memory() -> None:
+    """Give the caching allocator's free blocks back to the device (after an OOM)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class EngineCore:
     """Owns the executor (and through it the model), the KV cache manager and the scheduler.
 
@@ -236,11 +256,36 @@ class EngineCore:
         return conn.transfer_info() if conn is not None else None
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run and update one step (``_step``); then publish the step's KV events."""
-        out = self._step()
+        """Schedule, run and update one step (``_step``); then publish the step's KV events.
+
+        A step that runs out of device memory fails only its own requests (finish_reason
+        ``"error"``, their blocks freed) and the engine goes on serving; other errors propagate.
+        """
+        try:
+            out = self._step()
+        except Exception as exc:  # noqa: BLE001 -- re-raised unless it is an out-of-memory error
+            if not is_out_of_memory(exc):
+                raise
+            out = self._fail_step_requests(exc)
         if self._kv_event_recorders:
             self.publish_kv_events()
         return out
+
+    def _fail_step_requests(self, exc: BaseException) -> EngineCoreOutputs:
+        """End the requests of the step that raised ``exc`` (the running ones, and those of a
+        step in flight) with ``FINISHED_ERROR``; waiting requests keep their place."""
+        ids = [r.request_id for r in self.scheduler.running]
+        if self._in_flight is not None:
+            ids += [rid for rid in self._in_flight[0].num_scheduled_tokens if rid not in ids]
+            self._in_flight = None
+        failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        logger.error("a step ran out of device memory; failed its %d request(s) %s, the engine goes on: %s",
+                     len(failed), [r.request_id for r in failed][:8], str(exc).splitlines()[0][:300])
+        release_cached_device_memory()
+        return EngineCoreOutputs(outputs=[
+            EngineCoreOutput(r.request_id, [], finish_reason=r.finish_reason,
+                             num_cached_tokens=r.num_cached_tokens,
+                             first_scheduled_time=r.first_scheduled_time) for r in failed])
 
     def publish_kv_events(self) -> int:
         """Publish the KV events recorded since the last call as one ``KVEventBatch`` (nothing when

@@ -27,7 +27,7 @@ class StatLogger:
 
     def on_finished(self, finish_reason: str, e2e_s: float, queue_s: Optional[float],
                     num_prompt_tokens: int, num_generation_tokens: int, ttft_s: Optional[float] = None) -> None:
-        """A completion finished ("stop" | "length" | "abort"); ``ttft_s``: its first token's delay
+        """A completion finished ("stop" | "length" | "abort" | "error"); ``ttft_s``: its first token's delay
         (None: it got none)."""
 
 

@@ -20,7 +20,7 @@ Exposed families (counters get the ``_total`` suffix in the text format):
   ``local_compute`` | ``local_cache_hit``, vLLM's), ``kvserve:prompt_tokens_cached``,
   ``kvserve:prompt_tokens_computed`` (prompt tokens the steps computed, recompute after
   preemption included), ``kvserve:generation_tokens``, ``kvserve:request_success``
-  (completions finished, label ``finished_reason``: stop | length | abort)
+  (completions finished, label ``finished_reason``: stop | length | abort | error)
 * API-server gauges (set by ``attach_frontend``): ``kvserve:num_requests_admitted``
   (engine sequences the server admitted and still serves), ``kvserve:frontend_unfinished_requests``
   (requests the engine client still tracks); counter ``kvserve:num_requests_rejected_total``

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from kvserve.engine.async_client import EngineDeadError
+from kvserve.engine.async_client import EngineDeadError, RequestFailedError
 from kvserve.entrypoints.openai import protocol as P
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -31,6 +31,8 @@ class APIError(Exception):
             return exc
         if isinstance(exc, EngineDeadError):
             return cls(503, f"the engine is not available: {exc}")
+        if isinstance(exc, RequestFailedError):
+            return cls(500, str(exc))
         if isinstance(exc, (ValueError, TypeError)):
             return cls(400, str(exc), P.param_of(str(exc)))
         return cls(500, f"internal error: {type(exc).__name__}: {exc}")
