@@ -259,12 +259,13 @@ class EngineCore:
         """Schedule, run and update one step (``_step``); then publish the step's KV events.
 
         A step that runs out of device memory fails only its own requests (finish_reason
-        ``"error"``, their blocks freed) and the engine goes on serving; other errors propagate.
+        ``"error"``, their blocks freed) and the engine goes on serving; other errors propagate,
+        and so does an OOM with several ranks (the others may be left inside a collective).
         """
         try:
             out = self._step()
         except Exception as exc:  # noqa: BLE001 -- re-raised unless it is an out-of-memory error
-            if not is_out_of_memory(exc):
+            if not is_out_of_memory(exc) or self.config.parallel_config.world_size > 1:
                 raise
             out = self._fail_step_requests(exc)
         if self._kv_event_recorders:
