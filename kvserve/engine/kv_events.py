@@ -12,12 +12,20 @@ background thread as one ZMQ multipart message on a PUB socket, the frames vLLM'
 ``(b"", seq, payload)`` reply per buffered batch from that ``seq`` on, then ``(b"", -1 as 8 signed
 bytes, b"")``. A consumer that joins late or sees a gap in ``seq`` asks for what it missed.
 
+With an internal secret (``$KVSERVE_INTERNAL_SECRET`` / ``--internal-secret-file``, see
+``kvserve.utils.internal_auth``) each message and replay reply carries a fourth frame, the
+batch's HMAC-SHA256 (``batch_mac``), and a replay request needs a third frame, an internal-auth
+token for ``REPLAY kv_events/<seq>``; consumers without the secret ignore the extra frame. The
+events are authenticated, not encrypted (they hold block hashes, and token ids only with
+``include_token_ids``): keep the endpoints on loopback or a private network.
+
 The engine never blocks on the consumers: a batch that finds ``max_queue_size`` batches queued is
 dropped (``num_dropped``), and the PUB socket drops past its ``hwm`` as ZMQ does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -79,11 +87,17 @@ class ZmqEventPublisher(EventPublisher):
 
     SHUTDOWN_TIMEOUT_S = 1.0
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0, secret: Optional[bytes] = None) -> None:
         import zmq  # here: importing kvserve stays free of zmq
 
         super().__init__()
         self.config = config
+        self._secret = secret
+        self._replay_verifier = None
+        if secret is not None:
+            from kvserve.utils.internal_auth import TokenVerifier
+
+            self._replay_verifier = TokenVerifier(secret)
         self.data_parallel_rank = data_parallel_rank
         self._queue: queue.Queue[Optional[KVEventBatch]] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -150,7 +164,7 @@ class ZmqEventPublisher(EventPublisher):
             payload = enc.encode(batch)
             seq = self._seq
             try:
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._pub.send_multipart(self._frames(seq, payload))
             except zmq.ZMQError as exc:
                 logger.warning("KV events: send failed (%s); batch %d dropped", exc, seq)
                 self.num_dropped += len(batch.events)
@@ -160,16 +174,27 @@ class ZmqEventPublisher(EventPublisher):
                 self.num_published += len(batch.events)
             self._num_done += 1
 
+    def _frames(self, seq: int, payload: bytes) -> tuple[bytes, ...]:
+        """``(topic, seq, payload)``, plus the batch's MAC (``batch_mac``) with an internal secret."""
+        head = (self._topic, seq.to_bytes(8, "big"), payload)
+        return head if self._secret is None else (*head, batch_mac(self._secret, self._topic, seq, payload))
+
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        if len(frames) not in (3, 4) or len(frames[2]) != 8:
             logger.warning("KV events: malformed replay request (%d frames)", len(frames))
             return
-        ident, _, start = frames
+        ident, start = frames[0], frames[2]
         start_seq = int.from_bytes(start, "big")
+        if self._replay_verifier is not None:
+            token = frames[3].decode(errors="replace") if len(frames) == 4 else None
+            if not self._replay_verifier.verify(token, "REPLAY", f"kv_events/{start_seq}"):
+                logger.warning("KV events: replay request without a valid internal-auth token refused")
+                self._replay.send_multipart((ident, b"", END_SEQ, b""))
+                return
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart((ident, b"", *self._frames(seq, payload)[1:]))
         self._replay.send_multipart((ident, b"", END_SEQ, b""))
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -199,8 +224,22 @@ class ZmqEventPublisher(EventPublisher):
             self._close_sockets()
 
 
+def batch_mac(secret: bytes, topic: bytes, seq: int, payload: bytes) -> bytes:
+    """HMAC-SHA256 (hex, ASCII) of one published batch: its topic, sequence number and the
+    SHA-256 of its payload (``kvserve.utils.internal_auth.sign``, label ``kv_events``)."""
+    from kvserve.utils.internal_auth import sign
+
+    return sign(secret, "kv_events", topic.decode(errors="replace"), seq, hashlib.sha256(payload).hexdigest()).encode()
+
+
 def make_event_publisher(config: Optional[KVEventsConfig], data_parallel_rank: int = 0) -> Optional[EventPublisher]:
-    """The publisher ``config`` asks for, or None when KV events are off (no recorder is attached then)."""
+    """The publisher ``config`` asks for, or None when KV events are off (no recorder is attached then).
+
+    With an internal secret (``kvserve.utils.internal_auth.load_internal_secret``) every batch
+    carries a fourth frame, its MAC, and replay requests need an internal-auth token.
+    """
     if config is None or not config.enabled:
         return None
-    return ZmqEventPublisher(config, data_parallel_rank)
+    from kvserve.utils.internal_auth import load_internal_secret
+
+    return ZmqEventPublisher(config, data_parallel_rank, secret=load_internal_secret())

@@ -106,7 +106,7 @@ class RouterApp:
         # With an internal secret every call to a worker carries a fresh signed token.
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=config.connect_timeout),
                                         auth=internal_httpx_auth(internal_secret) if internal_secret else None)
-        self.router = Router(config, self.registry, self.metrics, self.client)
+        self.router = Router(config, self.registry, self.metrics, self.client, internal_secret)
         self.health_interval, self.health_timeout = health_interval, health_timeout
         self.load_from_metrics = load_from_metrics
         self._task: Optional[asyncio.Task] = None

@@ -168,11 +168,31 @@ class KVEventSubscriber(threading.Thread):
     POLL_MS = 100
     REPLAY_TIMEOUT_MS = 2000
 
-    def __init__(self, endpoint: str, replay_endpoint: Optional[str], index: WorkerBlockIndex, topic: str = "") -> None:
+    def __init__(self, endpoint: str, replay_endpoint: Optional[str], index: WorkerBlockIndex, topic: str = "",
+                 secret: Optional[bytes] = None) -> None:
         super().__init__(name=f"kv-events-sub {endpoint}", daemon=True)
         self.endpoint, self.replay_endpoint, self.index, self.topic = endpoint, replay_endpoint, index, topic
+        self.secret = secret
         self._stop = threading.Event()
         self.num_replayed = 0  # batches received through replay
+        self.num_rejected = 0  # batches whose MAC was missing or wrong (with a secret)
+
+    def _authentic(self, seq: int, payload: bytes, mac: Optional[bytes]) -> bool:
+        """With a secret: whether ``mac`` is the batch's (``batch_mac``); a forged or unsigned
+        batch is counted and dropped (logged once). Without one: always."""
+        if self.secret is None:
+            return True
+        import hmac
+
+        from kvserve.engine.kv_events import batch_mac
+
+        if mac is not None and hmac.compare_digest(mac, batch_mac(self.secret, self.topic.encode(), seq, payload)):
+            return True
+        if not self.num_rejected:
+            logger.warning("KV events from %s: a batch without a valid MAC was dropped (is the worker's internal "
+                           "secret the router's?)", self.endpoint)
+        self.num_rejected += 1
+        return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -196,15 +216,22 @@ class KVEventSubscriber(threading.Thread):
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self.replay_endpoint)
-            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            req = [b"", start.to_bytes(8, "big")]
+            if self.secret is not None:
+                from kvserve.utils.internal_auth import request_token
+
+                req.append(request_token(self.secret, "REPLAY", f"kv_events/{start}").encode())
+            sock.send_multipart(req)
             first = True
             while sock.poll(self.REPLAY_TIMEOUT_MS):
                 frames = sock.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) not in (3, 4):
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq < 0:
                     return True
+                if not self._authentic(seq, frames[2], frames[3] if len(frames) == 4 else None):
+                    continue
                 if first and seq > start:
                     logger.warning("KV events from %s: batches %d..%d are no longer buffered; the index may "
                                    "keep blocks the worker evicted", self.endpoint, start, seq - 1)
@@ -231,9 +258,11 @@ class KVEventSubscriber(threading.Thread):
                 if not sub.poll(self.POLL_MS):
                     continue
                 frames = sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                if len(frames) not in (3, 4) or len(frames[1]) != 8:
                     continue
                 seq = int.from_bytes(frames[1], "big")
+                if not self._authentic(seq, frames[2], frames[3] if len(frames) == 4 else None):
+                    continue
                 if seq == 0 and self.index.last_seq is not None:
                     # A publisher numbers from 0 when it starts: the worker restarted, its cache is empty.
                     logger.info("KV events from %s: the publisher restarted; index reset", self.endpoint)
@@ -264,8 +293,9 @@ def parse_endpoint_spec(spec: str) -> tuple[str, str, Optional[str]]:
 class KVEventHub:
     """The subscriptions, one per worker URL with a known endpoint; shared by the router's pools."""
 
-    def __init__(self, endpoints: dict[str, tuple[str, Optional[str]]], topic: str = "") -> None:
-        self.topic = topic
+    def __init__(self, endpoints: dict[str, tuple[str, Optional[str]]], topic: str = "",
+                 secret: Optional[bytes] = None) -> None:
+        self.topic, self.secret = topic, secret
         self.indexes: dict[str, WorkerBlockIndex] = {}
         self.subscribers: dict[str, KVEventSubscriber] = {}
         for url, (ep, replay) in endpoints.items():
@@ -274,7 +304,7 @@ class KVEventHub:
     def add(self, url: str, endpoint: str, replay_endpoint: Optional[str] = None) -> None:
         self.remove(url)
         idx = self.indexes[url] = WorkerBlockIndex()
-        sub = self.subscribers[url] = KVEventSubscriber(endpoint, replay_endpoint, idx, self.topic)
+        sub = self.subscribers[url] = KVEventSubscriber(endpoint, replay_endpoint, idx, self.topic, self.secret)
         sub.start()
 
     def remove(self, url: str) -> None:

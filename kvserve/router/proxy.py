@@ -57,7 +57,7 @@ class Router(StreamRelay):
     """The forwarding core: ``handle(route, body, traceparent)`` -> ``(status, dict)`` or an SSE iterator."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, metrics: RouterMetrics,
-                 client: httpx.AsyncClient) -> None:
+                 client: httpx.AsyncClient, internal_secret: Optional[bytes] = None) -> None:
         self.config, self.registry, self.metrics, self.client = config, registry, metrics, client
         kw = {}
         if config.policy in ("cache_aware", "kv_events"):
@@ -66,7 +66,7 @@ class Router(StreamRelay):
         self.kv_event_hub = None
         if config.policy == "kv_events":
             eps = {WorkerRegistry.normalize(u): ep for u, ep in config.kv_events_endpoints.items()}
-            self.kv_event_hub = KVEventHub(eps, config.kv_events_topic)
+            self.kv_event_hub = KVEventHub(eps, config.kv_events_topic, internal_secret)
             self.policies = {pool: KVEventsPolicy(self.kv_event_hub, config.kv_events_stale_after, **kw)
                              for pool in ("worker", "prefill", "prefill_long", "decode")}
         else:

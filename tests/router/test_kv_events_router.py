@@ -255,3 +255,42 @@ def test_subscriber_follows_a_publisher_restart():
         assert idx.match(block_keys([1, 2, 3, 4], BS)) == 0 and len(idx.keys) == 1  # the old blocks are gone
     finally:
         hub.close()
+
+
+def test_signed_events_and_replay_need_the_internal_secret():
+    """With an internal secret the publisher signs every batch and refuses unsigned replay
+    requests; a router with the same secret indexes them, one with another secret or none drops
+    or never gets them (real sockets on localhost)."""
+    from kvserve.config import KVEventsConfig
+    from kvserve.core.kv_events import BlockStored, KVEventBatch
+    from kvserve.engine.kv_events import ZmqEventPublisher
+
+    secret, other = b"s" * 32, b"o" * 32
+    port, rport = free_port(), free_port()
+    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
+                                    "replay_endpoint": f"tcp://*:{rport}"})
+    pub = ZmqEventPublisher(cfg, secret=secret)
+    hubs = {}
+    try:
+        early = [1, 2, 3, 4]  # published before any router joins: reachable only through replay
+        pub.publish(KVEventBatch(ts=time.time(), events=[BlockStored([21], None, early, BS, None, "GPU", None)]))
+        assert pub.flush()
+        for name, key in (("right", secret), ("wrong", other), ("none", None)):
+            hubs[name] = KVEventHub({URLS[0]: (f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")}, secret=key)
+        time.sleep(0.5)  # the subscriptions reach the publisher
+        toks = [5, 6, 7, 8]
+        pub.publish(KVEventBatch(ts=time.time(), events=[BlockStored([22], None, toks, BS, None, "GPU", None)]))
+        assert pub.flush()
+        right = hubs["right"].indexes[URLS[0]]
+        _wait(lambda: right.match(block_keys(toks, BS)) == 1 and right.match(block_keys(early, BS)) == 1)
+        time.sleep(0.3)
+        wrong_sub = hubs["wrong"].subscribers[URLS[0]]
+        assert hubs["wrong"].indexes[URLS[0]].match(block_keys(toks, BS)) == 0 and wrong_sub.num_rejected >= 1
+        # without a secret the router reads the live batches (PUB is not encrypted: keep it on a
+        # private network) but the publisher refuses its unsigned replay request
+        none = hubs["none"].indexes[URLS[0]]
+        assert none.match(block_keys(toks, BS)) == 1 and none.match(block_keys(early, BS)) == 0
+    finally:
+        for h in hubs.values():
+            h.close()
+        pub.shutdown()
