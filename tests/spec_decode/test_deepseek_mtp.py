@@ -4,8 +4,8 @@ decoder block saved by transformers plus ``enorm``, ``hnorm``, ``eh_proj``, ``sh
 added under its HF names: greedy outputs with k = 1 and k = 2 equal those without
 speculation (batched, chunked prefill, preemption, prefix hit); the MTP layer's logits equal
 a plain torch reference of the formula (transformers' decoder block) on the same weights, in
-prefill and in decode; an MTP layer that predicts the target exactly has every draft
-accepted; a checkpoint without an MTP layer is refused at start-up."""
+prefill and in decode; an MTP layer that predicts the target exactly has every greedy draft
+accepted, and seeded sampling gives the tokens it gives without speculation; a checkpoint without an MTP layer is refused at start-up."""
 
 from __future__ import annotations
 
@@ -183,7 +183,10 @@ def test_mtp_logits_equal_torch_reference(ckpt, mtp_k1):
     assert torch.equal(head.greedy_tokens(torch.cat([f1, f2])), ref.argmax(-1))
 
 
-def test_exact_mtp_layer_has_every_draft_accepted(tmp_path):
+def test_exact_mtp_layer_accepts_greedy_drafts_and_sampling_is_unchanged(tmp_path):
+    """Greedy: every draft of an MTP layer that predicts the target exactly is accepted.
+    Sampled (temperature 0.7, seeded): the tokens equal those without speculation while drafts
+    are both kept and rejected."""
     _write_checkpoint(str(tmp_path), oracle=True)
     llm = _llm(tmp_path, k=2, num_gpu_blocks_override=64)
     prompts, _ = _prompts()
@@ -192,6 +195,13 @@ def test_exact_mtp_layer_has_every_draft_accepted(tmp_path):
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
     assert st.num_accepted_tokens_per_pos[0] == st.num_accepted_tokens_per_pos[1] > 0
     assert all(len(o.outputs[0].token_ids) == STEPS for o in outs)
+    drafts, accepted = st.num_draft_tokens, st.num_accepted_tokens
+    sampled = [SamplingParams(temperature=0.7, max_tokens=STEPS, ignore_eos=True, seed=s) for s in range(len(prompts))]
+    plain = _llm(tmp_path, num_gpu_blocks_override=64).generate(prompts, sampled, use_tqdm=False)
+    spec = llm.generate(prompts, sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    st = llm.llm_engine.stats
+    assert 0 < st.num_accepted_tokens - accepted < st.num_draft_tokens - drafts
 
 
 def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
