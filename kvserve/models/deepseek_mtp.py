@@ -22,7 +22,8 @@ scales as in the main model) and a copy of the embedding (``embed_tokens.weight`
 
 from __future__ import annotations
 
-import logging
+import json
+import os
 import re
 from typing import Any, Iterable, Iterator, Optional
 
@@ -33,8 +34,6 @@ from kvserve.layers.linear import ParallelLMHead, parallel_logits
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.deepseek_v2 import DeepseekV2DecoderLayer, load_deepseek_weights
-
-logger = logging.getLogger("kvserve")
 
 
 class _SharedHead(nn.Module):
@@ -136,12 +135,21 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 def iterate_layer_weights(model_dir: str, layer_index: int) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, CPU tensor)`` of decoder layer ``layer_index`` only, read from the
-    checkpoint's safetensors shards (the other tensors are not read)."""
+    checkpoint's safetensors shards (the other tensors are not read; with a
+    ``model.safetensors.index.json``, only the shards holding the layer are opened)."""
     from safetensors import safe_open
 
     from kvserve.model_loader.hf_loader import safetensors_files
 
-    for path in safetensors_files(model_dir):
+    files = safetensors_files(model_dir)
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        wanted = {os.path.join(model_dir, shard) for name, shard in weight_map.items()
+                  if (m := _LAYER_KEY.match(name)) and int(m.group(1)) == layer_index}
+        files = [p for p in files if p in wanted]
+    for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 m = _LAYER_KEY.match(name)
