@@ -8,7 +8,8 @@ predicts one token further: for position ``i`` it combines the main model's repr
     h' = block(x)                                                 one MLA + MoE decoder layer
     logits = shared_head.head(shared_head.norm(h'))
 
-The embedding is the main model's (shared). ``h_i`` is the main model's final-normed hidden
+The embedding is the main model's (shared); at the sequence's position 0 it is zero (vLLM and
+SGLang mask it there, "not needed by MTP"). ``h_i`` is the main model's final-normed hidden
 state (what the model runner hands to proposers); ``h'`` (before ``shared_head.norm``) is fed
 back as ``h`` to draft further tokens with the same layer (vLLM does the same). The
 concatenation order (embedding first) is the released checkpoints' (vLLM, SGLang).
@@ -77,6 +78,9 @@ class DeepseekMTP(nn.Module):
         self.layer_index = hf_config.num_hidden_layers
         self.layers = nn.ModuleList([DeepseekMTPLayer(hf_config, self.layer_index, rotary, dtype)])
         self.target: Optional[list[nn.Module]] = None
+        # Rows of the next forward at the sequence's position 0 (their embedding is zeroed); set
+        # by the proposer, which knows where each request's pairs start.
+        self.first_position_rows: Optional[torch.Tensor] = None
 
     def share_target(self, target: nn.Module) -> None:
         """Use ``target``'s token embedding (``target.model.embed_tokens``)."""
@@ -89,6 +93,8 @@ class DeepseekMTP(nn.Module):
         metadata of the MTP layer's own latent KV cache."""
         layer = self.layers[0]
         emb = self.target[0].model.embed_tokens(input_ids)
+        if self.first_position_rows is not None and self.first_position_rows.numel():
+            emb = emb.index_fill(0, self.first_position_rows, 0.0)
         x = layer.eh_proj(torch.cat([layer.enorm(emb), layer.hnorm(hidden)], dim=-1))
         x, residual = DeepseekV2DecoderLayer.forward(layer, positions, x, None)
         return x + residual

@@ -7,8 +7,9 @@ the model. It drafts like an EAGLE-1 head, so this proposer is ``EagleProposer``
 head: pair ``p`` of a request is ``(h_p, t_{p+1})``, the layer keeps one latent KV row per
 pair in its own paged pool (an ``MLAAttentionSpec`` cache: ``kv_lora_rank + qk_rope_head_dim``
 values per token), and ``k > 1`` drafts reuse the one layer, fed its own output (vLLM does the
-same). Rejected drafts roll back for free (their rows are overwritten); verification
-(``rejection_sampler``) keeps outputs exactly those of the target at any temperature.
+same; as there, the embedding of the pair at the sequence's position 0 is zeroed). Rejected
+drafts roll back for free (their rows are overwritten); verification (``rejection_sampler``)
+keeps outputs exactly those of the target at any temperature.
 
 With ``--load-format dummy`` the layer gets random weights like the target (benchmarks).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvserve.attention.registry import get_attn_backend
@@ -81,3 +83,12 @@ class DeepseekMTPProposer(EagleProposer):
         bind_kv_cache(head, {layer.layer_idx: cache}, specs={layer.layer_idx: spec})
         logger.info("DeepSeek MTP layer %d: %d latent KV blocks of %d tokens (%s)", head.layer_index,
                     self.num_blocks, self.block_size, spec.type_name)
+
+    def _forward(self, rows, ids, pos: np.ndarray, hidden: torch.Tensor, qlens: list[int],
+                 seq_lens: list[int]) -> torch.Tensor:
+        """``EagleProposer._forward``, telling the layer which rows sit at the sequence's
+        position 0 (pair ``(h_0, t_1)``: its embedding is zeroed, as vLLM / SGLang do)."""
+        base = np.repeat(np.asarray([st.base for _, st, *_rest in rows], dtype=np.int64), qlens)
+        first = np.flatnonzero(base + np.asarray(pos) == 0)
+        self.head.first_position_rows = torch.from_numpy(first).to(self.device) if len(first) else None
+        return super()._forward(rows, ids, pos, hidden, qlens, seq_lens)

@@ -150,8 +150,8 @@ def _rms(x, w, eps):
 
 def test_mtp_logits_equal_torch_reference(ckpt, mtp_k1):
     """logits = head(norm(block(eh_proj(cat(enorm(emb(t)), hnorm(h)))))), the block being
-    transformers' decoder layer with the MTP layer's weights: prefill of T - 1 pairs, then one
-    decode step (the absorbed-latent path) at the last position."""
+    transformers' decoder layer with the MTP layer's weights and emb zero at position 0:
+    prefill of T - 1 pairs, then one decode step (the absorbed-latent path) at the last position."""
     _, big, extra = ckpt
     proposer = mtp_k1.llm_engine.engine_core.model_runner.proposer
     head = proposer.head
@@ -160,6 +160,7 @@ def test_mtp_logits_equal_torch_reference(ckpt, mtp_k1):
     ids = torch.randint(3, VOCAB, (T,), generator=g)
     hid = torch.randn(T, big.config.hidden_size, generator=g)
     st = _EagleState()
+    st.base = 0  # the pairs start at the sequence's position 0: its embedding is zeroed
     assert proposer._ensure_blocks(st, T)
     try:
         with torch.inference_mode():
@@ -171,6 +172,7 @@ def test_mtp_logits_equal_torch_reference(ckpt, mtp_k1):
     pre, eps = f"model.layers.{LAYERS}.", big.config.rms_norm_eps
     with torch.no_grad():
         emb = big.model.embed_tokens(ids)[None]
+        emb[:, 0] = 0
         x = torch.cat([_rms(emb, extra[pre + "enorm.weight"], eps), _rms(hid[None], extra[pre + "hnorm.weight"], eps)],
                       dim=-1) @ extra[pre + "eh_proj.weight"].T
         pos = torch.arange(T)[None]
@@ -189,7 +191,7 @@ def test_exact_mtp_layer_accepts_greedy_drafts_and_sampling_is_unchanged(tmp_pat
     are both kept and rejected."""
     _write_checkpoint(str(tmp_path), oracle=True)
     llm = _llm(tmp_path, k=2, num_gpu_blocks_override=64)
-    prompts, _ = _prompts()
+    prompts = _prompts()[0][1:]  # a 1-token prompt drafts from position 0, whose embedding is zeroed
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
     st = llm.llm_engine.stats
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
