@@ -438,6 +438,9 @@ def main() -> None:
             fig = "error: " + r["error"].strip().splitlines()[-1][:120] if r["error"].strip() else "error"
         elif r["part"] == "copy":
             fig = f"device copy {r['gb_s']} GB/s read"
+        elif r["part"] == "mtp" and r["k"] == 0:
+            fig = (f"{r['shape']} ({r['num_hidden_layers']} layers + 1 MTP): no speculation: batch-1 "
+                   f"{r['batch1_ms_per_token']} ms/token")
         elif r["part"] == "mtp":
             fig = (f"{r['shape']} ({r['num_hidden_layers']} layers + 1 MTP): k={r['k']}: batch-1 "
                    f"{r['batch1_ms_per_token']} ms/token, {r.get('ms_per_step')} ms/step, propose "
