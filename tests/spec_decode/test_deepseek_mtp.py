@@ -5,7 +5,8 @@ added under its HF names: greedy outputs with k = 1 and k = 2 equal those withou
 speculation (batched, chunked prefill, preemption, prefix hit); the MTP layer's logits equal
 a plain torch reference of the formula (transformers' decoder block) on the same weights, in
 prefill and in decode; an MTP layer that predicts the target exactly has every greedy draft
-accepted, and seeded sampling gives the tokens it gives without speculation; a checkpoint without an MTP layer is refused at start-up."""
+accepted, and seeded sampling gives the tokens it gives without speculation; a checkpoint
+without an MTP layer is refused at start-up."""
 
 from __future__ import annotations
 
