@@ -184,6 +184,12 @@ def test_mtp_logits_equal_torch_reference(ckpt, mtp_k1):
         ref = _rms(out[0], extra[pre + "shared_head.norm.weight"], eps) @ extra[pre + "shared_head.head.weight"].T
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     assert torch.equal(head.greedy_tokens(torch.cat([f1, f2])), ref.argmax(-1))
+    # the target loaded layers 0..L-1 and left layer L (the MTP layer's block) to the proposer
+    target = mtp_k1.llm_engine.engine_core.model_runner.model
+    assert len(target.model.layers) == LAYERS
+    w = [big.model.layers[i].self_attn.kv_b_proj.weight for i in (LAYERS - 1, LAYERS)]
+    assert torch.equal(target.model.layers[LAYERS - 1].self_attn.kv_b_proj.weight, w[0])
+    assert torch.equal(head.layers[0].self_attn.kv_b_proj.weight, w[1])
 
 
 def test_exact_mtp_layer_accepts_greedy_drafts_and_sampling_is_unchanged(tmp_path):
