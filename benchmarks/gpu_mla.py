@@ -13,10 +13,19 @@ Parts:
   batch-1 ms/token; KV capacity in tokens (and 32K-token requests) beside the same bytes
   holding the latent expanded to per-head K and V (computed); offline throughput of
   ``--num-requests`` requests of 1000 prompt / 1000 output tokens.
+- ``mtp`` (not in the default ``--parts``): DeepSeek multi-token prediction (``deepseek_mtp``)
+  on a DeepSeek-V3-shaped small config with one MTP layer (``V3_MTP``: query LoRA 1536,
+  kv_lora_rank 512, 16 heads of 128 + 64, 64 routed experts top-8 in 8 groups + 1 shared,
+  ``--mtp-layers`` decoder layers), dummy weights: batch-1 ms/token without speculation and
+  with k = ``--mtp-ks``, ``dynamic`` off. Random weights accept (almost) no drafts, so this is
+  the cost side only: ms per step with the verify (1 + k tokens) and the MTP layer's drafting,
+  against a plain decode step; ``break_even_tokens_per_step`` is the mean accepted length a
+  real checkpoint needs for MTP to pay off at batch 1.
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT [--parts kernel,engine]
-    PYTHONPATH=. python3 benchmarks/gpu_mla.py --cpu-smoke --out /tmp/mla   (tiny shapes, CPU)
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT --parts mtp [--mtp-ks 1,2]   (about 60 s)
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --cpu-smoke --out /tmp/mla [--parts kernel,engine,mtp]
 Writes ``--out/mla.json`` and prints a table last.
 """
 
@@ -29,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 V2_LITE = dict(
     vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
@@ -46,6 +56,22 @@ TINY = dict(V2_LITE, vocab_size=256, hidden_size=64, intermediate_size=96, moe_i
             num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
             max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+V3_MTP = dict(
+    vocab_size=129280, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1, n_routed_experts=64, num_experts_per_tok=8,
+    n_group=8, topk_group=4, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    num_nextn_predict_layers=1, max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "beta_fast": 32, "beta_slow": 1},
+    architectures=["DeepseekV3ForCausalLM"],
+)
+TINY_MTP = dict(V3_MTP, vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=2,
+                topk_group=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                v_head_dim=16, qk_nope_head_dim=16, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def _time_cuda(fn, iters: int = 20) -> float:
@@ -151,9 +177,9 @@ def _config_dir(tmp: str, cfg: dict) -> str:
 
     os.makedirs(tmp, exist_ok=True)
     kw = dict(cfg)
-    kw.pop("architectures")
-    c = transformers.DeepseekV2Config(**kw)
-    c.architectures = ["DeepseekV2ForCausalLM"]
+    arch = kw.pop("architectures")
+    c = (transformers.DeepseekV3Config if arch == ["DeepseekV3ForCausalLM"] else transformers.DeepseekV2Config)(**kw)
+    c.architectures = arch
     c.save_pretrained(tmp)
     return tmp
 
@@ -266,6 +292,95 @@ def engine(tmp: str, device: str, smoke: bool, num_requests: int, timeout: float
     return recs
 
 
+def mtp(tmp: str, device: str, smoke: bool, ks: list[int], num_layers: int, deadline: float) -> Iterator[dict]:
+    """Batch-1 decode without speculation and with ``deepseek_mtp`` k in ``ks`` (one engine
+    at a time in this process, each shut down before the next); stops starting engines past
+    ``deadline`` seconds. Yields a record per engine as soon as it is measured."""
+    import gc
+
+    import torch
+
+    from kvserve import LLM, SamplingParams
+
+    t_start = time.perf_counter()
+    cfg = TINY_MTP if smoke else dict(V3_MTP, num_hidden_layers=num_layers)
+    path = _config_dir(os.path.join(tmp, "v3-mtp" if not smoke else "tiny-mtp"), cfg)
+    n = 128 if not smoke else 8
+    prompt = list(range(10, 138)) if not smoke else list(range(10, 30))
+    base_ms = None
+    for k in [0] + [k for k in ks if k > 0]:
+        if time.perf_counter() - t_start > deadline:
+            yield dict(part="mtp", k=k, error=f"skipped: past the {deadline:.0f} s deadline")
+            continue
+        spec = None if k == 0 else {"method": "deepseek_mtp", "num_speculative_tokens": k, "dynamic": False}
+        kw = dict(model=path, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32",
+                  skip_tokenizer_init=True, device=device, max_model_len=1024 if not smoke else 128, max_num_seqs=4,
+                  disable_log_stats=True, speculative_config=spec)
+        if smoke:
+            kw.update(kv_cache_memory="8MiB", cpu_threads=1)
+        else:
+            kw.update(max_model_len=512, max_num_batched_tokens=512)  # fewer piecewise CUDA graphs to capture
+        rec = dict(part="mtp", shape="DeepSeek-V3-shaped small" if not smoke else "tiny", k=k,
+                   num_hidden_layers=cfg["num_hidden_layers"], mtp_layers=1)
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(**kw)
+        except Exception as e:
+            yield dict(rec, error=repr(e)[:400])
+            continue
+        rec["load_s"] = round(time.perf_counter() - t0, 1)
+        proposer = llm.llm_engine.engine_core.model_runner.proposer
+        prop_s = []
+        if proposer is not None:
+            orig = proposer.propose
+
+            def timed(requests, batch, orig=orig):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                r = orig(requests, batch)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                prop_s.append(time.perf_counter() - t)
+                return r
+
+            proposer.propose = timed
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        prop_s.clear()
+        st0 = llm.llm_engine.stats
+        d0, a0, s0 = st0.num_draft_tokens, st0.num_accepted_tokens, st0.num_drafts
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        m = o.metrics
+        ttft = (m.first_token_time - m.arrival_time) if getattr(m, "first_token_time", None) else 0.0
+        st = llm.llm_engine.stats
+        drafts, accepted, steps = st.num_draft_tokens - d0, st.num_accepted_tokens - a0, st.num_drafts - s0
+        ms_tok = (wall - ttft) * 1e3 / max(n - 1, 1)
+        rec.update(batch1_ms_per_token=round(ms_tok, 3), decode_tokens=n, draft_tokens=drafts,
+                   accepted_tokens=accepted, acceptance_rate=round(accepted / drafts, 3) if drafts else None,
+                   mean_tokens_per_step=round(1 + accepted / steps, 3) if steps else 1.0)
+        if prop_s:
+            rec["propose_ms_mean"] = round(1e3 * sum(prop_s) / len(prop_s), 3)
+        if steps:
+            rec["ms_per_step"] = round((wall - ttft) * 1e3 / steps, 3)
+        if k == 0:
+            base_ms = ms_tok
+        elif base_ms:
+            step_ms = rec.get("ms_per_step", ms_tok)
+            rec["break_even_tokens_per_step"] = round(step_ms / base_ms, 3)  # step cost / plain decode step
+        llm.shutdown()
+        del llm, proposer
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        yield rec  # after the engine is gone: the next one starts from free memory
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -273,6 +388,9 @@ def main() -> None:
     ap.add_argument("--parts", default="kernel,engine")
     ap.add_argument("--num-requests", type=int, default=128, help="offline requests of 1000/1000 tokens")
     ap.add_argument("--engine-timeout", type=float, default=420.0)
+    ap.add_argument("--mtp-ks", default="1,2", help="mtp part: num_speculative_tokens values (beside 0: off)")
+    ap.add_argument("--mtp-layers", type=int, default=8, help="mtp part: decoder layers of the target")
+    ap.add_argument("--mtp-deadline", type=float, default=45.0, help="mtp part: start no engine after this (s)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ap.add_argument("--engine-inner", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-out", default=None, help=argparse.SUPPRESS)
@@ -307,12 +425,28 @@ def main() -> None:
     if "engine" in parts:
         for r in engine(ns.tmp, device, ns.cpu_smoke, ns.num_requests, ns.engine_timeout):
             emit(r)
+    if "mtp" in parts:
+        try:
+            for r in mtp(ns.tmp, device, ns.cpu_smoke, [int(x) for x in ns.mtp_ks.split(",") if x], ns.mtp_layers,
+                         ns.mtp_deadline):
+                emit(r)
+        except Exception as e:
+            emit(dict(part="mtp", error=repr(e)[:400]))
     print("\n| part | figure |\n|--|--|")
     for r in records:
         if r.get("error"):
             fig = "error: " + r["error"].strip().splitlines()[-1][:120] if r["error"].strip() else "error"
         elif r["part"] == "copy":
             fig = f"device copy {r['gb_s']} GB/s read"
+        elif r["part"] == "mtp" and r["k"] == 0:
+            fig = (f"{r['shape']} ({r['num_hidden_layers']} layers + 1 MTP): no speculation: batch-1 "
+                   f"{r['batch1_ms_per_token']} ms/token")
+        elif r["part"] == "mtp":
+            fig = (f"{r['shape']} ({r['num_hidden_layers']} layers + 1 MTP): k={r['k']}: batch-1 "
+                   f"{r['batch1_ms_per_token']} ms/token, {r.get('ms_per_step')} ms/step, propose "
+                   f"{r.get('propose_ms_mean')} ms, acceptance {r.get('acceptance_rate')} (random weights)"
+                   + (f", break-even {r['break_even_tokens_per_step']} tokens/step"
+                      if "break_even_tokens_per_step" in r else ""))
         elif r["part"] == "kernel":
             fig = (f"H={r['heads']} {r['latent']} b{r['batch']} x {r['context']}: err {r['max_abs_err_vs_torch']}"
                    + (f", {r['us_best']} us, {r['gb_s_best']} GB/s ({r.get('fraction_of_copy_best')} of copy)"

@@ -258,7 +258,8 @@ class EngineArgs:
             raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
                              "are not supported with bounded KV")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
-        stateful = spec_config is not None and spec_config.method in ("draft_model", "eagle", "eagle3")
+        stateful = spec_config is not None and spec_config.method in ("draft_model", "eagle", "eagle3",
+                                                                    "deepseek_mtp")
         if spec_config is not None and (not spec_config.dynamic or stateful):
             async_sched = False  # drafts of step N are needed to schedule step N+1
         # Dynamic speculation with a stateless proposer (n-gram) keeps async scheduling: steps

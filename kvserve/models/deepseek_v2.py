@@ -18,7 +18,7 @@
   ``mlp.experts.E.gate_proj.weight``, ``mlp.gate.e_score_correction_bias``, ...). FP8
   block-quantized checkpoints (``weight_scale_inv``, 128 x 128 blocks, DeepSeek-V3's release)
   are dequantized to the model dtype at load. Multi-token-prediction layers (layer index
-  ``num_hidden_layers`` and up) are skipped.
+  ``num_hidden_layers`` and up) are skipped here (``kvserve.models.deepseek_mtp`` loads them).
 - Tensor parallelism: query heads, ``kv_b_proj``, ``o_proj``, the dense and shared MLPs and the
   experts split over the ranks; ``kv_a_proj_with_mqa`` and the latent are replicated.
 """
@@ -264,6 +264,86 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: t
     return (weight.float() * s.to(weight.device)).to(dtype)
 
 
+@torch.no_grad()
+def load_deepseek_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Copy HF-named tensors into ``module``'s parameters of the same names (a DeepSeek model,
+    or the multi-token-prediction layer with its names rebased).
+
+    Dense ``gate_proj`` / ``up_proj`` pack into ``gate_up_proj``; experts go through
+    ``FusedMoE.weight_loader``; ``mlp.gate.e_score_correction_bias`` is the experts' bias;
+    FP8 ``weight`` + ``weight_scale_inv`` pairs are dequantized to ``dtype``. Raises ValueError
+    on an unknown name, a shape mismatch, or a parameter left unloaded.
+    """
+    params = dict(module.named_parameters())
+    owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in module.named_modules()
+              for pn, _ in m.named_parameters(recurse=False)}
+    seen: dict[str, set] = {}
+    fp8: dict[str, dict[str, torch.Tensor]] = {}
+
+    def load(name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype == torch.float8_e4m3fn:  # wait for its weight_scale_inv
+            fp8.setdefault(name, {})["w"] = tensor
+            if "s" in fp8[name]:
+                load(name, dequantize_fp8_block(tensor, fp8.pop(name)["s"], dtype))
+            return
+        m = _EXPERT_RE.match(name)
+        if m:
+            moe = owners[f"{m.group(1)}.experts.w13"]
+            param = moe.w2 if m.group(3) == "down_proj" else moe.w13
+            shard = _SHARD[m.group(3)]
+            moe.weight_loader(param, tensor.to(param.dtype), int(m.group(2)), shard)
+            seen.setdefault(f"{m.group(1)}.experts.{'w2' if shard == 'w2' else 'w13'}", set()).add(
+                (int(m.group(2)), shard))
+            return
+        shard = 0
+        m = _PACKED_RE.match(name)
+        if m:
+            target, shard = f"{m.group(1)}.gate_up_proj.weight", (0 if m.group(2) == "gate_proj" else 1)
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            target = name.replace("mlp.gate.e_score_correction_bias", "mlp.experts.e_score_correction_bias")
+        else:
+            target = name
+        if target not in params:
+            raise ValueError(f"unknown weight {name!r} for {type(module).__name__}")
+        loader = getattr(owners[target], "weight_loader", None)
+        dst = params[target]
+        tensor = tensor.to(dst.dtype)
+        if loader is not None and not isinstance(owners[target], FusedMoE):
+            loader(dst, tensor, shard)
+        else:
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+        seen.setdefault(target, set()).add(shard)
+
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            wname = name[: -len("_scale_inv")]
+            fp8.setdefault(wname, {})["s"] = tensor
+            if "w" in fp8[wname]:
+                pair = fp8.pop(wname)
+                load(wname, dequantize_fp8_block(pair["w"], pair["s"], dtype))
+            continue
+        try:
+            load(name, tensor)
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from None
+    if fp8:
+        raise ValueError(f"FP8 weights without their weight_scale_inv (or scales without weights): "
+                         f"{sorted(fp8)[:4]}")
+    missing = []
+    for pname in params:
+        owner = owners[pname]
+        if isinstance(owner, FusedMoE) and pname.endswith(("experts.w13", "experts.w2")):
+            need = owner.num_experts * (2 if pname.endswith("w13") else 1)  # (expert, shard) pairs
+        else:
+            need = 2 if pname.endswith("gate_up_proj.weight") else 1
+        if len(seen.get(pname, ())) < need:
+            missing.append(pname)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
 class DeepseekV2ForCausalLM(nn.Module):
     """Causal LM for DeepSeek-V2 / V2-Lite / V3 (/ R1) HF configs (``deepseek_v2``, ``deepseek_v3``).
 
@@ -297,95 +377,34 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model (names in the module docstring).
-
-        Dense ``gate_proj`` / ``up_proj`` pack into ``gate_up_proj``; experts go through
-        ``FusedMoE.weight_loader``; ``mlp.gate.e_score_correction_bias`` is the experts' bias;
-        FP8 ``weight`` + ``weight_scale_inv`` pairs are dequantized. Raises ValueError on an
-        unknown name, a shape mismatch, or a parameter left unloaded.
-        """
-        params = dict(self.named_parameters())
-        owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in self.named_modules()
-                  for pn, _ in m.named_parameters(recurse=False)}
+        """Copy HF-named tensors into the model (names in the module docstring; see
+        ``load_deepseek_weights``). Multi-token-prediction layers (index ``num_hidden_layers``
+        and up) are skipped: ``kvserve.models.deepseek_mtp`` loads them for ``deepseek_mtp``
+        speculation. Raises ValueError on an unknown name, a shape mismatch, or a parameter
+        left unloaded."""
         n_layers = self.config.num_hidden_layers
-        seen: dict[str, set] = {}
-        fp8: dict[str, dict[str, torch.Tensor]] = {}
         skipped_mtp = 0
 
-        def load(name: str, tensor: torch.Tensor) -> None:
-            if tensor.dtype == torch.float8_e4m3fn:  # wait for its weight_scale_inv
-                fp8.setdefault(name, {})["w"] = tensor
-                if "s" in fp8[name]:
-                    load(name, dequantize_fp8_block(tensor, fp8.pop(name)["s"], self.dtype))
-                return
-            m = _EXPERT_RE.match(name)
-            if m:
-                moe = owners[f"{m.group(1)}.experts.w13"]
-                param = moe.w2 if m.group(3) == "down_proj" else moe.w13
-                shard = _SHARD[m.group(3)]
-                moe.weight_loader(param, tensor.to(param.dtype), int(m.group(2)), shard)
-                seen.setdefault(f"{m.group(1)}.experts.{'w2' if shard == 'w2' else 'w13'}", set()).add(
-                    (int(m.group(2)), shard))
-                return
-            shard = 0
-            m = _PACKED_RE.match(name)
-            if m:
-                target, shard = f"{m.group(1)}.gate_up_proj.weight", (0 if m.group(2) == "gate_proj" else 1)
-            elif name.endswith("mlp.gate.e_score_correction_bias"):
-                target = name.replace("mlp.gate.e_score_correction_bias", "mlp.experts.e_score_correction_bias")
-            else:
-                target = name
-            if target not in params:
-                raise ValueError(f"unknown weight {name!r} for {type(self).__name__}")
-            loader = getattr(owners[target], "weight_loader", None)
-            dst = params[target]
-            tensor = tensor.to(dst.dtype)
-            if loader is not None and not isinstance(owners[target], FusedMoE):
-                loader(dst, tensor, shard)
-            else:
-                if tuple(dst.shape) != tuple(tensor.shape):
-                    raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
-                dst.copy_(tensor)
-            seen.setdefault(target, set()).add(shard)
-
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            m = _LAYER_RE.match(name)
-            if m and int(m.group(1)) >= n_layers:  # multi-token-prediction layers
-                skipped_mtp += 1
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                if "model.embed_tokens.weight" in seen:
+        def kept() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal skipped_mtp
+            embed_seen = False
+            for name, tensor in weights:
+                if name.endswith("rotary_emb.inv_freq"):
                     continue
-                name = "model.embed_tokens.weight"
-            if name.endswith(".weight_scale_inv"):
-                wname = name[: -len("_scale_inv")]
-                fp8.setdefault(wname, {})["s"] = tensor
-                if "w" in fp8[wname]:
-                    pair = fp8.pop(wname)
-                    load(wname, dequantize_fp8_block(pair["w"], pair["s"], self.dtype))
-                continue
-            try:
-                load(name, tensor)
-            except ValueError as e:
-                raise ValueError(f"{name!r}: {e}") from None
-        if fp8:
-            raise ValueError(f"FP8 weights without their weight_scale_inv (or scales without weights): "
-                             f"{sorted(fp8)[:4]}")
+                m = _LAYER_RE.match(name)
+                if m and int(m.group(1)) >= n_layers:  # multi-token-prediction layers
+                    skipped_mtp += 1
+                    continue
+                if name == "lm_head.weight" and self.tie_word_embeddings:
+                    if embed_seen:
+                        continue
+                    name = "model.embed_tokens.weight"
+                embed_seen = embed_seen or name == "model.embed_tokens.weight"
+                yield name, tensor
+
+        load_deepseek_weights(self, kept(), self.dtype)
         if skipped_mtp:
             logger.info("skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, n_layers)
-        missing = []
-        for pname in params:
-            owner = owners[pname]
-            if isinstance(owner, FusedMoE) and pname.endswith(("experts.w13", "experts.w2")):
-                need = owner.num_experts * (2 if pname.endswith("w13") else 1)  # (expert, shard) pairs
-            else:
-                need = 2 if pname.endswith("gate_up_proj.weight") else 1
-            if len(seen.get(pname, ())) < need:
-                missing.append(pname)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

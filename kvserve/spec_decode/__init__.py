@@ -19,6 +19,7 @@ PROPOSERS: dict[str, str] = {
     "draft_model": "kvserve.spec_decode.draft_model:DraftModelProposer",
     "eagle": "kvserve.spec_decode.eagle:EagleProposer",
     "eagle3": "kvserve.spec_decode.eagle:EagleProposer",
+    "deepseek_mtp": "kvserve.spec_decode.deepseek_mtp:DeepseekMTPProposer",
 }
 
 
