@@ -75,8 +75,8 @@ def quant_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, 
     s = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(group)
-        _quant_fp8_kernel[(m, n_groups)](x, q.view(torch.uint8), s, k, x.stride(0), k, n_groups, GROUP=group, BLOCK=block, ROUND=_interpret(),
-                                         num_warps=max(1, min(16, block // 256)))
+        _quant_fp8_kernel[(m, n_groups)](x, q.view(torch.uint8), s, k, x.stride(0), k, n_groups, GROUP=group,
+                                         BLOCK=block, ROUND=_interpret(), num_warps=max(1, min(16, block // 256)))
     return q, s
 
 
@@ -118,7 +118,8 @@ def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
     if t:
         block = triton.next_power_of_2(d)
         _rms_norm_quant_kernel[(t,)](
-            x, residual if residual is not None else x, weight, q.view(torch.uint8), s, res_out if res_out is not None else x, d,
+            x, residual if residual is not None else x, weight, q.view(torch.uint8), s,
+            res_out if res_out is not None else x, d,
             x.stride(0), residual.stride(0) if residual is not None else 0, eps,
             HAS_RES=residual is not None, BLOCK=block, DT=_TL_DTYPES[x.dtype], ROUND=_interpret(),
             num_warps=max(1, min(16, block // 256)))
