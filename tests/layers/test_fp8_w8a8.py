@@ -58,6 +58,20 @@ def test_fused_norm_quant_equals_unfused(residual):
     assert isinstance(norm(x[:4]), torch.Tensor)
 
 
+def test_fused_silu_mul_quant_equals_unfused():
+    from kvserve.layers.activation import SiluAndMul
+
+    torch.manual_seed(3)
+    x = torch.randn(5, 2 * 80, device=DEV, dtype=torch.bfloat16) * 3
+    q, s = tf.silu_mul_quant_fp8(x)
+    qr, sr = f8.quantize_act_ref(SiluAndMul()(x.cpu()))
+    torch.testing.assert_close(s.cpu(), sr, rtol=1e-6, atol=0)
+    assert (_codes(q) != _codes(qr)).float().mean() < 0.01  # exp's last bit may differ from torch's
+    act = f8.SiluAndMulFp8()
+    act.fp8_out_min_m = 2
+    assert isinstance(act(x), f8.Fp8Act) and isinstance(act(x[:2]), torch.Tensor)
+
+
 @pytest.mark.parametrize("m,n,k", [(5, 70, 200), (20, 72, 384)])
 def test_block_gemm_matches_emulation(m, n, k):
     torch.manual_seed(m + n)
@@ -100,8 +114,11 @@ def test_norms_switched_only_before_fp8_linears():
     model = LlamaForCausalLM(cfg, torch.float32)
     quantize_model(model, "int8", torch.float32)
     assert all(m.fp8_out_min_m is None for m in model.modules() if isinstance(m, RMSNorm))
+    assert not any(isinstance(m, f8.SiluAndMulFp8) for m in model.modules())
     model = LlamaForCausalLM(cfg, torch.float32)
     quantize_model(model, "fp8", torch.float32)
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert sum(m.fp8_out_min_m == 0 for m in norms) == 4  # 2 per layer; the final norm feeds the LM head
     assert model.model.norm.fp8_out_min_m is None
+    assert all(isinstance(layer.mlp.act, f8.SiluAndMulFp8) and layer.mlp.act.fp8_out_min_m == 0
+               for layer in model.model.layers)

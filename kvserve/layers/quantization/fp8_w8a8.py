@@ -9,8 +9,8 @@ ones (DeepSeek-V3, arXiv:2412.19437 §3.3), so both operands of the GEMM are FP8
 * CUDA, ``M > W8A8_MIN_M``: ``torch._scaled_mm`` with row-wise scales (``scale_a [M, 1]``,
   ``scale_b [1, N]`` float32, bf16 out; cuBLASLt / CUTLASS FP8 tensor cores), or the Triton
   block-scaled GEMM (``triton_fp8.block_gemm``). The activation quantization is one Triton kernel,
-  or none where an ``RMSNorm`` right before the GEMM emits the FP8 input itself (``Fp8Act``;
-  ``attach_fp8_norms``).
+  or none where the ``RMSNorm`` or ``SiluAndMul`` right before the GEMM emits the FP8 input itself
+  (``Fp8Act``; ``attach_fp8_norms``).
 * CUDA, ``M <= W8A8_MIN_M`` (decode at small batch): the weight-only Triton GEMV of ``triton_gemv``
   (bf16 activations; reading the weight is the cost there, and it reads the same FP8 bytes).
 * CPU: no FP8 GEMM worth running; ``matmul_emulated`` computes the same quantized numerics in float32
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.layers.activation import SiluAndMul
 
 FP8_MAX = 448.0
 #: largest M served by the weight-only GEMV on CUDA; above it the W8A8 GEMM runs (benchmarks/gpu_fp8_gemm.py).
@@ -169,32 +171,56 @@ def matmul_emulated_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return (q.float() * _expand_cols(scale.float(), q.shape[1])).to(dtype)
 
 
-def attach_fp8_norms(model: torch.nn.Module) -> int:
-    """Fuse the per-token FP8 quantization into the ``RMSNorm`` before channel-scaled FP8 linears.
+class SiluAndMulFp8(SiluAndMul):
+    """``SiluAndMul`` that, for more than ``fp8_out_min_m`` rows, returns its output quantized per token
+    (``Fp8Act``; one Triton kernel on CUDA) for the FP8 linear after it (``attach_fp8_norms``)."""
 
-    A decoder layer class opts in with ``fp8_input_norms``: norm attribute -> the dotted paths of the
-    linears that read its output (Llama: ``input_layernorm`` -> ``self_attn.qkv_proj``). The norm is
-    switched only when all of them take ``Fp8Act`` input, for M above the row count where they use the
-    weight-only GEMV. ``KVSERVE_FP8_NORM_QUANT=0`` turns it off. Returns the number of norms switched.
+    fp8_out_min_m: int | None = None
+
+    def forward(self, x: torch.Tensor):
+        if self.fp8_out_min_m is None or x.dim() != 2 or x.shape[0] <= self.fp8_out_min_m:
+            return super().forward(x)
+        if x.is_cuda and x.stride(-1) == 1:
+            from kvserve.layers.quantization import triton_fp8
+
+            q, s = triton_fp8.silu_mul_quant_fp8(x)
+        else:
+            q, s = quantize_act_ref(super().forward(x))
+        return Fp8Act(q, s, x.dtype)
+
+
+def attach_fp8_norms(model: torch.nn.Module) -> int:
+    """Fuse the per-token FP8 quantization into the module before channel-scaled FP8 linears.
+
+    A decoder layer class opts in with ``fp8_input_producers``: the dotted path of a module whose output
+    only linears read -> those linears' paths (Llama: ``input_layernorm`` -> ``self_attn.qkv_proj``,
+    ``mlp.act`` -> ``mlp.down_proj``). An ``RMSNorm`` is switched in place (``fp8_out_min_m``); a plain
+    ``SiluAndMul`` is replaced by ``SiluAndMulFp8``. Only when all the linears take ``Fp8Act`` input, for
+    M above the row count where they use the weight-only GEMV. ``KVSERVE_FP8_NORM_QUANT=0`` turns it off.
+    Returns the number of modules switched.
     """
     if os.environ.get("KVSERVE_FP8_NORM_QUANT", "1") == "0":
         return 0
     n = 0
-    for layer in model.modules():
-        for norm_attr, paths in getattr(type(layer), "fp8_input_norms", {}).items():
-            norm = getattr(layer, norm_attr, None)
-            linears = [layer.get_submodule(p) if _has(layer, p) else None for p in paths]
-            if norm is None or not hasattr(norm, "fp8_out_min_m") or \
-                    not all(getattr(lin, "accepts_fp8_input", False) for lin in linears):
+    for layer in list(model.modules()):
+        for src_path, paths in getattr(type(layer), "fp8_input_producers", {}).items():
+            src = _get(layer, src_path)
+            linears = [_get(layer, p) for p in paths]
+            if src is None or not all(getattr(lin, "accepts_fp8_input", False) for lin in linears):
                 continue
-            norm.fp8_out_min_m = W8A8_MIN_M if any(lin.packed.triton for lin in linears) else 0
+            if type(src) is SiluAndMul:
+                parent, _, attr = src_path.rpartition(".")
+                src = SiluAndMulFp8()
+                setattr(_get(layer, parent) if parent else layer, attr, src)
+            if not hasattr(src, "fp8_out_min_m"):
+                continue
+            src.fp8_out_min_m = W8A8_MIN_M if any(lin.packed.triton for lin in linears) else 0
             n += 1
     return n
 
 
-def _has(module: torch.nn.Module, path: str) -> bool:
+def _get(module: torch.nn.Module, path: str):
     try:
-        module.get_submodule(path)
-        return True
+        return module.get_submodule(path)
     except AttributeError:
-        return False
+        return None

@@ -7,6 +7,7 @@
 * ``rms_norm_quant_fp8`` — ``RMSNorm(x [+ residual])`` then the per-token quantization in one pass over
   the row: the norm's output is rounded to the model dtype where ``RMSNorm`` (and HF) round it, so the
   FP8 codes equal quantizing the unfused norm's output (up to the fp32 summation order of the mean).
+* ``silu_mul_quant_fp8`` — ``SiluAndMul`` then the per-token quantization (the input of ``down_proj``).
 * ``block_gemm`` — ``y = (x_q * x_s) @ (w_q * w_s)^T`` with per-token-per-128-group activation scales
   ``x_s [M, K/128]`` and per-row-per-128-column weight scales ``w_s [N, K/128]`` (a 128 x 128 block
   checkpoint's ``weight_scale_inv`` expanded along N, so q/k/v shards concatenate at any row count).
@@ -124,6 +125,39 @@ def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
             HAS_RES=residual is not None, BLOCK=block, DT=_TL_DTYPES[x.dtype], ROUND=_interpret(),
             num_warps=max(1, min(16, block // 256)))
     return q, s, res_out
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n, stride_x, BLOCK: tl.constexpr, DT: tl.constexpr,
+                           ROUND: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + r * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _round(_round(g / (1.0 + tl.exp(-g)), DT) * u, DT)  # the unfused SiluAndMul's output, in float32
+    s = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+    q = tl.minimum(tl.maximum(y / s, -448.0), 448.0)
+    tl.store(q_ptr + r * n + cols, _to_e4m3(q, ROUND).to(tl.uint8, bitcast=True), mask=mask)
+    tl.store(s_ptr + r, s)
+
+
+def silu_mul_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(x[:, :I]) * x[:, I:]`` quantized per token to FP8 e4m3, in one kernel.
+
+    ``x`` ``[T, 2I]`` (last dim contiguous), fp32/bf16/fp16. Returns ``(q float8_e4m3fn [T, I], scale
+    float32 [T, 1])``; the product is rounded to x's dtype first, as ``SiluAndMul`` rounds it.
+    """
+    t, two_i = x.shape
+    n = two_i // 2
+    assert x.stride(-1) == 1
+    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t:
+        block = triton.next_power_of_2(n)
+        _silu_mul_quant_kernel[(t,)](x, q.view(torch.uint8), s, n, x.stride(0), BLOCK=block, DT=_TL_DTYPES[x.dtype],
+                                     ROUND=_interpret(), num_warps=max(1, min(16, block // 256)))
+    return q, s
 
 
 @triton.jit
