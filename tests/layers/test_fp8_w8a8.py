@@ -19,6 +19,20 @@ def _codes(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8).cpu()
 
 
+def _check_fused(q, s, ref):
+    """A fused kernel's FP8 output against quantizing the unfused float output ``ref``: equal codes up
+    to summation-order ties (interpreter); on CUDA, where rsqrt / exp / division differ in the last bits
+    and can move a scale, the dequantized values within e4m3's half-spacing (2^-4 relative, plus the
+    model dtype's last bits) of ``ref``."""
+    qr, sr = f8.quantize_act_ref(ref.cpu())
+    if DEV == "cuda":
+        deq, r = q.float().cpu() * s.cpu(), ref.float().cpu()
+        assert ((deq - r).abs() <= (2 ** -4 + 2 ** -7) * r.abs() + 2 ** -9 * s.cpu()).all()  # + bf16 ulps
+        return
+    torch.testing.assert_close(s.cpu(), sr, rtol=1e-6, atol=0)
+    assert (_codes(q) != _codes(qr)).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group", [None, 128])
 def test_activation_quant_kernel_equals_torch(dtype, group):
@@ -45,10 +59,7 @@ def test_fused_norm_quant_equals_unfused(residual):
     x = torch.randn(6, d, device=DEV, dtype=torch.bfloat16)
     r = torch.randn(6, d, device=DEV, dtype=torch.bfloat16) if residual else None
     q, s, res = tf.rms_norm_quant_fp8(x, norm.weight, norm.variance_epsilon, r)
-    ref = norm._norm(x if r is None else x + r)
-    qr, sr = f8.quantize_act_ref(ref)
-    torch.testing.assert_close(s, sr.to(DEV), rtol=1e-6, atol=0)
-    assert (_codes(q) != _codes(qr)).float().mean() < 0.01  # only fp32 summation-order ties differ
+    _check_fused(q, s, norm._norm(x if r is None else x + r))
     if residual:
         assert torch.equal(res, x + r)
     # the module: above fp8_out_min_m rows it returns the FP8 input, below it the normed tensor
@@ -64,9 +75,7 @@ def test_fused_silu_mul_quant_equals_unfused():
     torch.manual_seed(3)
     x = torch.randn(5, 2 * 80, device=DEV, dtype=torch.bfloat16) * 3
     q, s = tf.silu_mul_quant_fp8(x)
-    qr, sr = f8.quantize_act_ref(SiluAndMul()(x.cpu()))
-    torch.testing.assert_close(s.cpu(), sr, rtol=1e-6, atol=0)
-    assert (_codes(q) != _codes(qr)).float().mean() < 0.01  # exp's last bit may differ from torch's
+    _check_fused(q, s, SiluAndMul()(x.cpu()))
     act = f8.SiluAndMulFp8()
     act.fp8_out_min_m = 2
     assert isinstance(act(x), f8.Fp8Act) and isinstance(act(x[:2]), torch.Tensor)
@@ -81,7 +90,8 @@ def test_block_gemm_matches_emulation(m, n, k):
     xq, xs = tf.quant_fp8(x, 128)
     y = tf.block_gemm(xq, xs, wq, ws, torch.float32, config=(16, 32, 4, 1))
     ref = f8.matmul_emulated(xq, xs, wq, ws, torch.float32)
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    # CUDA: FP8 tensor-core dots accumulate with ~14 mantissa bits within each 128-wide K step
+    assert ((y - ref).norm() / ref.norm()).item() < (1e-3 if DEV == "cuda" else 1e-6)
 
 
 def test_w8a8_within_documented_bound_and_fp8_input_path():
