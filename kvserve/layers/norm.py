@@ -53,7 +53,6 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
-
     def _forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None):
         from kvserve.layers.quantization.fp8_w8a8 import Fp8Act, quantize_act_ref
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed import tp_all_reduce
+from kvserve.layers.quantization.fp8_w8a8 import Fp8Act, Fp8BlockWeight, PackedFp8Block
 from kvserve.layers.quantization.kernels import (
     Fp8Weight,
     Int4Weight,
@@ -19,7 +20,6 @@ from kvserve.layers.quantization.kernels import (
     quantize_int4,
     quantize_int8,
 )
-from kvserve.layers.quantization.fp8_w8a8 import Fp8Act, Fp8BlockWeight, PackedFp8Block
 
 
 def int4_group_size(in_features: int, preferred: int = 128) -> int:
