@@ -2,7 +2,7 @@
 
 Parts:
 
-* ``gemm`` — per call (CUDA-graph replay, ``gpu_weight_quant._time``) at M = 1, 16, 32, 64, 256, 512, 1024
+* ``gemm`` — (run second; stops at ``--deadline``, its JSON written after each shape) per call (CUDA-graph replay, ``gpu_weight_quant._time``) at M = 1, 16, 64, 256, 512, 1024
   for (N, K) in qkv (6144, 4096), o (4096, 4096), gate_up (28672, 4096), down (4096, 14336):
   ``bf16`` (``F.linear``, cuBLAS; also what a block checkpoint dequantized at load runs), ``wonly``
   (the FP8 weight-only Triton GEMV, M <= 64), ``w8a8`` (per-token activation quantization kernel +
@@ -11,11 +11,11 @@ Parts:
   quantization + the Triton 128 x 128 block-scaled GEMM). us and TFLOP/s (2 M N K / t). Prints the
   cut-over: the smallest M from which W8A8 (with its quantization) beats the weight-only GEMV summed
   over the four projections (``fp8_w8a8.W8A8_MIN_M`` is set from it).
-* ``w4`` — ``workloads.py --workload w4`` with ``quantization=fp8`` and ``--kv-cache-dtype fp8_e4m3``:
+* ``w4`` — (run first) ``workloads.py --workload w4`` with ``quantization=fp8`` and ``--kv-cache-dtype fp8_e4m3``:
   1000/1000 then 128/128, each engine in its own process; output tok/s beside TensorRT-LLM's 17,744 /
   27,911.
 
-    PYTHONPATH=. python3 benchmarks/gpu_fp8_gemm.py --out $OUT [--parts gemm,w4] [--cpu-smoke]
+    PYTHONPATH=. python3 benchmarks/gpu_fp8_gemm.py --out $OUT [--parts w4,gemm] [--deadline S] [--cpu-smoke]
 
 ``--cpu-smoke``: tiny shapes on the CPU (Triton interpreter, FP8 emulation) to check the script.
 JSON records to ``--out/fp8_gemm.json`` (and ``w4_fp8.json``); a table last.
@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-MS = (1, 16, 32, 64, 256, 512, 1024)
+MS = (1, 16, 64, 256, 512, 1024)
 SMOKE_SHAPES = {"qkv": (96, 256), "down": (64, 384)}
 SMOKE_MS = (1, 16, 64)
 
@@ -44,7 +44,10 @@ def _time(fns, device: str, iters: int) -> float:
     return t(fns, device, iters)
 
 
-def gemm(a: argparse.Namespace) -> list[dict]:
+T0 = time.time()
+
+
+def gemm(a: argparse.Namespace, save=None) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -59,6 +62,9 @@ def gemm(a: argparse.Namespace) -> list[dict]:
     rows = []
     torch.manual_seed(0)
     for name, (n, k) in shapes.items():
+        if a.deadline and time.time() - T0 > a.deadline:
+            print(f"deadline ({a.deadline} s) reached: shapes from {name} on not measured", flush=True)
+            break
         lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.normal_(0, 0.02)
@@ -101,6 +107,8 @@ def gemm(a: argparse.Namespace) -> list[dict]:
                     rec[f"{key}_tflops"] = round(2 * m * n * k / (us * 1e-6) / 1e12, 1)
             print(json.dumps(rec), flush=True)
             rows.append(rec)
+        if save is not None:
+            save(rows)  # after each shape: a part killed at its limit keeps what it measured
     return rows
 
 
@@ -150,7 +158,9 @@ def w4(a: argparse.Namespace) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="gemm,w4")
+    ap.add_argument("--parts", default="w4,gemm")
+    ap.add_argument("--deadline", type=float, default=0,
+                    help="seconds from start after which the GEMM sweep stops (0: none)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (interpreter, emulation)")
     a = ap.parse_args()
     if a.cpu_smoke:
@@ -160,19 +170,7 @@ def main() -> None:
 
     parts = a.parts.split(",")
     rec = dict(environment(), date=time.strftime("%Y-%m-%d", time.gmtime()))
-    if "gemm" in parts:
-        rows = gemm(a)
-        rec["gemm"], rec["cut_over_m"] = rows, cut_over(rows)
-        from kvserve.layers.quantization.fp8_w8a8 import W8A8_MIN_M
-
-        print(table(rows))
-        c = rec["cut_over_m"]
-        print(f"cut-over: W8A8 beats the weight-only GEMV from M = {c} on" if c is not None else
-              "cut-over: W8A8 does not beat the weight-only GEMV at any M it serves (<= 64)",
-              f"(W8A8_MIN_M is {W8A8_MIN_M}: weight-only for M <= it)", flush=True)
-        with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
-            json.dump(rec, f, indent=1)
-    if "w4" in parts:
+    if "w4" in parts:  # first: the targets; the GEMM sweep stops at --deadline
         res = w4(a)
         with open(os.path.join(a.out, "w4_fp8.json"), "w") as f:
             json.dump(res, f, indent=1)
@@ -182,6 +180,21 @@ def main() -> None:
                 print(f"| {io} | {v['output_tok_per_s']:,.0f} | {v['trtllm_fp8_tok_per_s']:,} | {v['vs_trtllm']} |")
             if "rc" in r:
                 print(f"| {r['isl_osl']} | failed rc={r['rc']} | | |")
+    if "gemm" in parts:
+        def save(rows):
+            rec["gemm"], rec["cut_over_m"] = rows, cut_over(rows)
+            with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
+                json.dump(rec, f, indent=1)
+
+        rows = gemm(a, save)
+        save(rows)
+        from kvserve.layers.quantization.fp8_w8a8 import W8A8_MIN_M
+
+        print(table(rows))
+        c = rec["cut_over_m"]
+        print(f"cut-over: W8A8 beats the weight-only GEMV from M = {c} on" if c is not None else
+              "cut-over: W8A8 does not beat the weight-only GEMV at any M it serves (<= 64)",
+              f"(W8A8_MIN_M is {W8A8_MIN_M}: weight-only for M <= it)", flush=True)
 
 
 if __name__ == "__main__":
