@@ -70,7 +70,8 @@ def _write(root: str, name: str, hf, scheme: str) -> tuple[str, str]:
         if scheme == "block":
             q, s = _block_quant(w)
             out[key], out[key + "_scale_inv"] = q, s
-            dense[key] = q.float() * s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+            n, k = w.shape
+            dense[key] = q.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         else:
             per_tensor = "k_proj" in key  # one scalar scale (AutoFP8's per-tensor) next to per-channel ones
             s = (w.abs().amax() if per_tensor else w.abs().amax(1, keepdim=True)) / 448
@@ -79,7 +80,8 @@ def _write(root: str, name: str, hf, scheme: str) -> tuple[str, str]:
             out[key[: -len("weight")] + "input_scale"] = torch.tensor(0.05)  # static scheme: ignored
             dense[key] = q.float() * s
     cfg = json.load(open(os.path.join(qdir, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic" if scheme == "block" else "static",
+    cfg["quantization_config"] = {"quant_method": "fp8",
+                                  "activation_scheme": "dynamic" if scheme == "block" else "static",
                                   **({"weight_block_size": [128, 128]} if scheme == "block" else {})}
     json.dump(cfg, open(os.path.join(qdir, "config.json"), "w"))
     save_file(out, os.path.join(qdir, "model.safetensors"))
