@@ -10,6 +10,10 @@
   128 unique tokens, 128 output tokens, greedy, ignore_eos; prefix caching on and off, each
   engine in a child process of its own. Figures: output tok/s and mean TTFT (s) for each, and
   the on/off ratios.
+- ``w4`` TensorRT-LLM's published workload: Llama-3.1-8B shape, dummy weights, ISL/OSL 1000/1000
+  (512 requests) and 128/128 (2,048 requests) of random ids, ignore_eos, greedy, ``max_num_seqs``
+  512; each ISL/OSL in a child process of its own (``--isl-osl`` runs one here). Figure: output
+  tok/s beside TensorRT-LLM's FP8 figures on one H200 (17,744 / 27,911).
 
 Only kvserve's public API is used (``LLM``, ``SamplingParams``, ``RequestOutput.metrics``; W2 also
 ``LLM.llm_engine``'s ``add_request`` / ``step`` / ``abort_request``, as vLLM's ``LLMEngine`` has them), with
@@ -17,7 +21,7 @@ Only kvserve's public API is used (``LLM``, ``SamplingParams``, ``RequestOutput.
 older checkout: ``PYTHONPATH=<other checkout> python3 benchmarks/workloads.py --workload w1``.
 
 Usage (repo root):
-    PYTHONPATH=. python3 benchmarks/workloads.py --workload w1|w2|w3 [--kv-cache-dtype fp8_e4m3]
+    PYTHONPATH=. python3 benchmarks/workloads.py --workload w1|w2|w3|w4 [--kv-cache-dtype fp8_e4m3]
         [--engine-arg quantization=fp8 ...] [--out FILE.json]
     python3 benchmarks/workloads.py --workload w1 --tiny   # tiny random model on the CPU, < 1 min
 Prints one JSON line (device, torch/triton versions, commit, command, figures); --out writes it too.
@@ -54,6 +58,7 @@ LLAMA31_8B = dict(
 _TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 SHAPES = {"w1": QWEN3_06B, "w2": LLAMA31_8B, "w3": QWEN3_06B}
+SHAPES["w4"] = LLAMA31_8B
 
 # Workload sizes: the canonical ones, and the --tiny ones (CPU check of the script, no figure).
 SIZES = {
@@ -73,6 +78,13 @@ ENGINE = {
     "w2": dict(dtype="bfloat16", max_model_len=4096, kv_cache_memory="4GiB"),
     "w3": dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, kv_cache_memory="24GiB"),
 }
+# W4: ISL/OSL -> requests, and TensorRT-LLM's published FP8 output tok/s on one H200
+W4_SIZES = {"1000/1000": dict(requests=512, isl=1000, osl=1000, vocab=10000, trtllm=17744),
+            "128/128": dict(requests=2048, isl=128, osl=128, vocab=10000, trtllm=27911)}
+W4_TINY_SIZES = {"1000/1000": dict(requests=8, isl=40, osl=24, vocab=2000, trtllm=17744),
+                 "128/128": dict(requests=16, isl=16, osl=16, vocab=2000, trtllm=27911)}
+ENGINE["w4"] = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=8192,
+                    gpu_memory_utilization=0.9)
 TINY_ENGINE = dict(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory="64MiB")
 
 
@@ -250,6 +262,48 @@ def w3(a: argparse.Namespace) -> dict:
                 ttft_ratio=round(on["mean_ttft_s"] / off["mean_ttft_s"], 3))
 
 
+def w4_one(a: argparse.Namespace) -> dict:
+    """One ISL/OSL of W4 in this process: output tokens per wall second of all requests at once."""
+    import numpy as np
+
+    from kvserve import SamplingParams
+
+    s = (W4_TINY_SIZES if a.tiny else W4_SIZES)[a.isl_osl]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, s["vocab"], s["isl"]).tolist() for _ in range(s["requests"])]
+    llm, args = make_llm("w4", a)
+    llm.generate([list(range(100))] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    sp = SamplingParams(temperature=0, max_tokens=s["osl"], ignore_eos=True)
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    _sync()
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == s["requests"] * s["osl"], n_out
+    tps = n_out / wall
+    print(f"W4 {a.isl_osl}: {tps:,.0f} output tok/s (TensorRT-LLM FP8, one H200: {s['trtllm']:,}; "
+          f"{tps / s['trtllm']:.2f}x)", file=sys.stderr, flush=True)
+    return dict(output_tok_per_s=round(tps, 1), wall_s=round(wall, 3), output_tokens=n_out,
+                num_requests=s["requests"], isl=s["isl"], osl=s["osl"], trtllm_fp8_tok_per_s=s["trtllm"],
+                vs_trtllm=round(tps / s["trtllm"], 3), engine_args=args)
+
+
+def w4(a: argparse.Namespace) -> dict:
+    """Both ISL/OSLs, 1000/1000 then 128/128, each engine in a child process (see ``w3``)."""
+    res = {}
+    for io in W4_SIZES:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, os.path.abspath(__file__), "--workload", "w4", "--isl-osl", io,
+                   "--out", f.name, "--tmp", a.tmp]
+            cmd += ["--tiny"] * a.tiny + (["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else [])
+            for k, v in a.engine_args.items():
+                cmd += ["--engine-arg", f"{k}={json.dumps(v)}"]
+            subprocess.run(cmd, check=True, stdout=sys.stderr)
+            res[io] = json.load(open(f.name))[io]
+    return res
+
+
 def _engine_arg(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
     try:
@@ -260,12 +314,14 @@ def _engine_arg(text: str) -> tuple[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, choices=("w1", "w2", "w3"))
+    ap.add_argument("--workload", required=True, choices=("w1", "w2", "w3", "w4"))
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3, int8, int4 (default: the engine's)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other LLM(...) argument, VALUE as JSON where it parses (repeatable)")
     ap.add_argument("--prefix-caching", choices=("on", "off", "both"), default="both",
                     help="w3: one engine (on/off) in this process, or both in child processes")
+    ap.add_argument("--isl-osl", choices=tuple(W4_SIZES), default=None,
+                    help="w4: one ISL/OSL in this process (default: both, each in a child process)")
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU, small sizes (checks the script)")
     ap.add_argument("--out", default=None, help="write the JSON record to this file")
     ap.add_argument("--tmp", default=os.path.join(tempfile.gettempdir(), "kvserve-workloads"),
@@ -278,6 +334,10 @@ def main() -> None:
         torch.set_num_threads(1)  # a tiny model: extra threads only wait on a shared CPU
     if a.workload == "w3" and a.prefix_caching != "both":
         figures = {f"caching_{a.prefix_caching}": w3_one(a, a.prefix_caching == "on")}
+    elif a.workload == "w4" and a.isl_osl:
+        figures = {a.isl_osl: w4_one(a)}
+    elif a.workload == "w4":
+        figures = w4(a)
     else:
         figures = {"w1": w1, "w2": w2, "w3": w3}[a.workload](a)
     rec = dict(workload=a.workload.upper() + (" (tiny)" if a.tiny else ""), kv_cache_dtype=a.kv_cache_dtype,

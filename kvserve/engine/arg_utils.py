@@ -185,7 +185,7 @@ class EngineArgs:
 
         # A pre-quantized (compressed-tensors) checkpoint sets it; kernels: what check_quantization checks.
         quantization, kernels = resolve_checkpoint_quantization(self.quantization, hf_config, load_format,
-                                                                model_path)
+                                                                model_path, device=device)
         dtype = resolve_auto_dtype(device, hf_config) if self.dtype == "auto" else self.dtype
         check_quantization(quantization, device, dtype, load_format)
         for kernel in kernels if quantization == "compressed-tensors" else ():

@@ -14,6 +14,11 @@ class RMSNorm(nn.Module):
         eps: variance epsilon.
     """
 
+    #: set by ``fp8_w8a8.attach_fp8_norms`` when every linear reading this norm's output takes FP8
+    #: activations: for more than this many rows ``forward`` returns an ``Fp8Act`` (norm + per-token FP8
+    #: quantization fused) in place of the normed tensor. None: never.
+    fp8_out_min_m: int | None = None
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -33,8 +38,11 @@ class RMSNorm(nn.Module):
 
         Without ``residual`` returns the normed ``x``. With ``residual`` (same shape) returns
         ``(norm(x + residual), x + residual)``: the sum is the new residual stream.
-        On CUDA this is one Triton kernel (``kvserve.layers.fused``).
+        On CUDA this is one Triton kernel (``kvserve.layers.fused``). With ``fp8_out_min_m`` set and more
+        rows than it, the normed output is an ``Fp8Act`` (``[T, hidden]`` FP8 codes + per-token scales).
         """
+        if self.fp8_out_min_m is not None and x.dim() == 2 and x.shape[0] > self.fp8_out_min_m:
+            return self._forward_fp8(x, residual)
         if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
             from kvserve.layers import fused
 
@@ -44,6 +52,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+    def _forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None):
+        from kvserve.layers.quantization.fp8_w8a8 import Fp8Act, quantize_act_ref
+
+        if x.is_cuda and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+            from kvserve.layers.quantization.triton_fp8 import rms_norm_quant_fp8
+
+            q, s, res = rms_norm_quant_fp8(x, self.weight, self.variance_epsilon, residual)
+        else:  # the same numerics unfused (CPU)
+            res = None if residual is None else x + residual
+            q, s = quantize_act_ref(self._norm(x if res is None else res))
+        act = Fp8Act(q, s, x.dtype)
+        return act if residual is None else (act, res)
 
 
 class GemmaRMSNorm(nn.Module):

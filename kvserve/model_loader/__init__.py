@@ -121,6 +121,12 @@ def _rebuild_buffers(model: nn.Module) -> None:
             m.build_cache()
 
 
+def _fp8_checkpoint(hf_config: Any):
+    from kvserve.model_loader.fp8_checkpoint import fp8_checkpoint_config
+
+    return fp8_checkpoint_config(hf_config)
+
+
 def get_model(model_config: Any, device: str) -> nn.Module:
     """Build the model for ``model_config`` (a ``kvserve.config.ModelConfig``) and load its weights.
 
@@ -129,7 +135,7 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     seeded by ``model_config.seed``), then quantized per ``model_config.quantization`` (decoder
     projections replaced by ``QuantizedLinear``; ``compressed-tensors`` loads a pre-quantized
     checkpoint's projections as stored, ``compressed_tensors_quant``; ``gptq`` / ``awq`` likewise,
-    ``gptq_awq``). Returns the model in eval mode.
+    ``gptq_awq``; HF FP8 checkpoints, ``fp8_checkpoint``). Returns the model in eval mode.
     Raises ValueError for an unsupported architecture or a checkpoint that does not match.
     """
     from kvserve.models.registry import get_model_class
@@ -164,6 +170,13 @@ def get_model(model_config: Any, device: str) -> nn.Module:
         ga = GptqAwqLoader(model, GptqAwqConfig.from_dict(qcfg))
         model.load_weights(ga.filter(iterate_safetensors(model_config.model)))
         ga.apply(model, dtype)
+    elif fmt == "safetensors" and _fp8_checkpoint(hf_config) is not None:
+        from kvserve.model_loader.fp8_checkpoint import Fp8CheckpointLoader
+
+        fp8 = Fp8CheckpointLoader(model, _fp8_checkpoint(hf_config), dtype, keep=method == "fp8")
+        model.load_weights(fp8.filter(iterate_safetensors(model_config.model)))
+        fp8.apply(model)
+        method = None  # loaded as stored: nothing left to quantize
     elif fmt == "safetensors":
         model.load_weights(iterate_safetensors(model_config.model))
     else:

@@ -291,7 +291,7 @@ class CompressedTensorsLoader:
 
 
 def resolve_checkpoint_quantization(requested: Optional[str], hf_config: Any, load_format: str,
-                                    path: str = "") -> tuple[Optional[str], list[str]]:
+                                    path: str = "", device: Optional[str] = None) -> tuple[Optional[str], list[str]]:
     """The ``--quantization`` to use and the kernels it needs (for ``check_quantization``).
 
     A compressed-tensors checkpoint gives ``compressed-tensors`` (auto-detected) and its kernels
@@ -313,6 +313,12 @@ def resolve_checkpoint_quantization(requested: Optional[str], hf_config: Any, lo
                          f"{qm or 'none'}")
     if qm == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
         return requested, [requested] if requested else []  # experts dequantized at load (model_loader.mxfp4)
+    if qm == "fp8":  # HF FP8 checkpoint (per tensor / channel, or 128 x 128 blocks): model_loader.fp8_checkpoint
+        from kvserve.model_loader.fp8_checkpoint import fp8_checkpoint_config, resolve_fp8_checkpoint
+
+        fp8_checkpoint_config(hf_config)  # validates
+        method = resolve_fp8_checkpoint(requested, hf_config, device, path)
+        return method, [method] if method else []
     from kvserve.model_loader.gptq_awq import resolve_gptq_awq
 
     ga = resolve_gptq_awq(requested, hf_config, load_format, path)
@@ -320,5 +326,5 @@ def resolve_checkpoint_quantization(requested: Optional[str], hf_config: Any, lo
         return ga, [ga]
     if qm:
         raise ValueError(f"{path or 'the model'} is pre-quantized with quant_method {qm!r}, which kvserve cannot "
-                         f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), gptq, awq, GGUF")
+                         f"load; supported pre-quantized formats: {CT_METHOD} ({SUPPORTED}), gptq, awq, fp8, GGUF")
     return requested, [requested] if requested else []

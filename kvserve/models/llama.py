@@ -98,6 +98,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    #: module -> the linears reading its output: with FP8 W8A8 weights it emits their FP8 input
+    #: (``kvserve.layers.quantization.fp8_w8a8.attach_fp8_norms``)
+    fp8_input_producers = {"input_layernorm": ("self_attn.qkv_proj",),
+                           "post_attention_layernorm": ("mlp.gate_up_proj",), "mlp.act": ("mlp.down_proj",)}
+
     def __init__(self, cfg: Any, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary, dtype)

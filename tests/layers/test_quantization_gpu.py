@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.layers.quantization import QuantizedLinear
-from kvserve.layers.quantization.triton_gemv import MAX_M
+from kvserve.layers.quantization.fp8_w8a8 import W8A8_MIN_M
 from kvserve.layers.quantization.kernels import FP8_MAX, quantize_fp8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_cuda_formats_match_dequantized(n, k, m):
         qf, sf = quantize_fp8(w)
         layer = QuantizedLinear.from_dense(lin, "fp8", torch.bfloat16)
         xq = x.float()
-        if not (layer.packed.triton and m <= MAX_M):  # _scaled_mm path: activations quantized per token
+        if not (layer.packed.triton and m <= W8A8_MIN_M):  # _scaled_mm path: activations quantized per token
             xs = x.float().abs().amax(1, keepdim=True) / FP8_MAX
             xq = (x.float() / xs).to(torch.float8_e4m3fn).float() * xs
         ref = xq @ (qf.float() * sf[:, None]).T + b

@@ -2,8 +2,12 @@
 
 ``int4``: weight-only, group-wise asymmetric INT4 (group 128, or the largest of 64/32 dividing K),
 int4pack kernels on the CPU and CUDA. ``int8``: weight-only per-channel symmetric INT8.
-``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (``torch._scaled_mm``;
-CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is ~1000x slower). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
+``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (W8A8: ``torch._scaled_mm``
+above ``fp8_w8a8.W8A8_MIN_M`` rows, the norm before the GEMM emitting the FP8 input; the weight-only
+Triton GEMV below; CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is
+~1000x slower, unless ``KVSERVE_FP8_EMULATE=1`` selects the float32 emulation). HF FP8 checkpoints
+(``quant_method: fp8``, per-tensor / per-channel or 128 x 128 block scales) load as stored
+(``model_loader.fp8_checkpoint``). ``gguf``: a GGUF's Q4_0/Q4_1 tensors repacked into the INT4
 layout (exact) and Q8_0 into per-channel INT8, instead of dequantized (``gguf_quant``).
 ``gptq`` / ``awq`` (and vLLM's ``gptq_marlin`` / ``awq_marlin`` names): pre-quantized GPTQ / AutoAWQ
 checkpoints (auto-detected from config.json), repacked into the Triton W4A16 GEMM's layout on CUDA
@@ -21,6 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvserve.layers.quantization.fp8_w8a8 import Fp8BlockWeight, attach_fp8_norms, emulate_on_cpu
 from kvserve.layers.quantization.kernels import Fp8Weight, Int4Weight
 from kvserve.layers.quantization.linear import QuantizedLinear
 
@@ -60,7 +65,7 @@ def check_quantization(method: Optional[str], device: str, dtype: str, load_form
             if (major, minor) < (8, 9):
                 raise ValueError(f"--quantization fp8 needs a GPU with FP8 tensor cores (compute capability "
                                  f">= 8.9); this one is {major}.{minor}")
-    elif device != "cuda" and method == "fp8":
+    elif device != "cuda" and method == "fp8" and not emulate_on_cpu():
         # torch._scaled_mm runs on the CPU but ~1000x slower than bf16 (docs/benchmarks/weight-quant.md): refuse it.
         raise ValueError("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); "
                          "on the CPU use int8, int4 or (GGUF models) gguf")
@@ -93,6 +98,7 @@ def quantize_model(model: nn.Module, method: str, dtype: torch.dtype, group_size
         quantize_experts = getattr(module, "quantize_experts", None)  # MoE layers (kvserve.layers.moe)
         if callable(quantize_experts) and quantize_experts(method):
             n += 1
+    attach_fp8_norms(model)
     return n
 
 
@@ -111,6 +117,9 @@ def _cat_shards(shards: list, dev: torch.device, dtype: torch.dtype, bias) -> Op
     if all(isinstance(s, Fp8Weight) for s in shards):
         w = Fp8Weight(torch.cat([s.q for s in shards]), torch.cat([s.scale for s in shards]))
         return QuantizedLinear.from_fp8(w, bias, dev, dtype)
+    if all(isinstance(s, Fp8BlockWeight) for s in shards):
+        w = Fp8BlockWeight(torch.cat([s.q for s in shards]), torch.cat([s.scale for s in shards]))
+        return QuantizedLinear.from_fp8_block(w, bias, dev, dtype)
     if all(isinstance(s, tuple) for s in shards):  # INT8: (q int8 [N, K], scale float32 [N])
         return QuantizedLinear.from_int8(torch.cat([s[0] for s in shards]), torch.cat([s[1] for s in shards]),
                                          bias, dev, dtype)
@@ -122,7 +131,7 @@ def apply_prequantized(model: nn.Module, quant: dict, dtype: torch.dtype) -> int
     """Swap each decoder projection whose HF shards are all pre-quantized in one format for a ``QuantizedLinear``.
 
     ``quant``: HF weight name (``model.layers.0.self_attn.q_proj.weight``) -> ``Int4Weight``,
-    ``Fp8Weight`` or INT8 ``(q, scale)``. q/k/v and gate/up shards are concatenated along the
+    ``Fp8Weight``, ``Fp8BlockWeight`` or INT8 ``(q, scale)``. q/k/v and gate/up shards are concatenated along the
     output rows, as the dense packing does. Projections with a missing shard or mixed formats keep
     their dense weight. Returns the number of layers swapped.
     """
@@ -138,6 +147,7 @@ def apply_prequantized(model: nn.Module, quant: dict, dtype: torch.dtype) -> int
         if new is not None:
             setattr(parent, attr, new)
             n_done += 1
+    attach_fp8_norms(model)
     return n_done
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers.quantization import fp8_w8a8
+
 FP8_MAX = 448.0  # float8_e4m3fn
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -215,7 +217,8 @@ class PackedInt8:
 
 
 class PackedFp8:
-    """Per-channel FP8 weights; activations quantized per token at run time (dynamic), ``torch._scaled_mm``.
+    """Per-channel FP8 weights; activations quantized per token at run time (dynamic), ``torch._scaled_mm``
+    on CUDA (float32 emulation on the CPU; ``fp8_w8a8``), the weight-only GEMV for ``M <= W8A8_MIN_M``.
 
     ``_scaled_mm`` wants K and N multiples of 16: padded here.
     """
@@ -233,14 +236,26 @@ class PackedFp8:
             self.w_rows, self.scale_rows = self.qt.t().view(torch.uint8), self.scale.reshape(-1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.triton and x.shape[0] <= _gemv().MAX_M:
+        """``x [M, K]`` -> ``[M, N]`` in x's dtype: weight-only GEMV for small M on CUDA, else W8A8 (fp8_w8a8)."""
+        if self.triton and x.shape[0] <= fp8_w8a8.W8A8_MIN_M:
             return _gemv().wgemv(x, _gemv().FMT_FP8, self.w_rows, self.scale_rows, None, self.n)
         if self.k_pad != self.k:
             x = F.pad(x, (0, self.k_pad - self.k))
-        xs = x.abs().amax(1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
-        xq = (x / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.qt, scale_a=xs, scale_b=self.scale, out_dtype=x.dtype,
-                             use_fast_accum=x.is_cuda)
+        xq, xs = fp8_w8a8.quantize_act(x)
+        return self._scaled_mm(xq, xs, x.dtype)
+
+    def matmul_fp8(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Already-quantized activations (``fp8_w8a8.Fp8Act``): ``xq`` float8_e4m3fn ``[M, K]``, ``xs`` ``[M, 1]``."""
+        if self.k_pad != self.k:
+            xq = F.pad(xq.view(torch.uint8), (0, self.k_pad - self.k)).view(torch.float8_e4m3fn)
+        return self._scaled_mm(xq, xs, out_dtype)
+
+    def _scaled_mm(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if xq.is_cuda:
+            y = torch._scaled_mm(xq, self.qt, scale_a=xs, scale_b=self.scale, out_dtype=out_dtype,
+                                 use_fast_accum=True)
+        else:  # no FP8 GEMM on the CPU: the same numerics in float32
+            y = fp8_w8a8.matmul_emulated(xq, xs, self.qt.t(), self.scale, out_dtype)
         return y[:, : self.n] if self.n_pad != self.n else y
 
     def tensors(self) -> list[torch.Tensor]:

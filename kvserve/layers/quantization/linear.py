@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.distributed import tp_all_reduce
+from kvserve.layers.quantization.fp8_w8a8 import Fp8Act, Fp8BlockWeight, PackedFp8Block
 from kvserve.layers.quantization.kernels import (
     Fp8Weight,
     Int4Weight,
@@ -34,7 +35,8 @@ class QuantizedLinear(nn.Module):
 
     Build with ``from_dense`` (quantize at load time) or ``from_int4`` / ``from_int8`` / ``from_fp8``
     (pre-quantized: GGUF, compressed-tensors).
-    ``forward``: ``x`` ``[..., in_features]`` in the model dtype -> ``[..., out_features]``.
+    ``forward``: ``x`` ``[..., in_features]`` in the model dtype -> ``[..., out_features]``, or (FP8 weights
+    per channel) an ``Fp8Act`` ``[M, in_features]`` already quantized per token -> ``[M, out_features]``.
     """
 
     def __init__(self, method: str, packed, in_features: int, out_features: int,
@@ -86,7 +88,23 @@ class QuantizedLinear(nn.Module):
         n, k = w.q.shape
         return cls("fp8", PackedFp8(w.q, w.scale, device, dtype), k, n, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def from_fp8_block(cls, w: Fp8BlockWeight, bias: Optional[torch.Tensor], device: torch.device,
+                       dtype: torch.dtype) -> "QuantizedLinear":
+        n, k = w.q.shape
+        return cls("fp8_block", PackedFp8Block(w.q, w.scale, device, dtype), k, n, bias)
+
+    @property
+    def accepts_fp8_input(self) -> bool:
+        """True when ``forward`` takes an ``Fp8Act`` (per-token FP8 activations): channel-scaled FP8 weights."""
+        return isinstance(self.packed, PackedFp8)
+
+    def forward(self, x) -> torch.Tensor:
+        if isinstance(x, Fp8Act):  # quantized by the norm before this layer (fp8_w8a8.attach_fp8_norms)
+            y = self.packed.matmul_fp8(x.q, x.scale, x.dtype)
+            if self.tp_reduce:
+                y = tp_all_reduce(y)
+            return y + self.bias if self.bias is not None else y
         shape = x.shape
         y = self.packed.matmul(x.reshape(-1, shape[-1]))
         if self.tp_reduce:
