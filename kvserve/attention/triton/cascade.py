@@ -49,10 +49,12 @@ import triton.language as tl
 from kvserve.attention.forward_context import AttentionMetadata, to_device
 from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.kv_rotation import rotate as rotate_rows
+from kvserve.attention.metadata import AttentionMetadataBuilder
 from kvserve.attention.triton.decode import _num_sms, choose_num_splits, decode_attention
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
                                                load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
                                                scaled_scores, use_fast_cvt)
+from kvserve.core.kv_cache_spec import KVCacheGroup
 
 _LOG2E = 1.4426950408889634
 
@@ -386,3 +388,107 @@ def cascade_decode_attention(
         HAS_SINKS=sinks is not None, num_warps=4 if d >= 128 else 2,
     )
     return out
+
+
+# ---- the metadata builder ------------------------------------------------------------------
+class CascadeMetadataBuilder(AttentionMetadataBuilder):
+    """The Triton backend's builder: the base metadata plus, per eligible KV cache group, the
+    step's ``CascadePlan`` (``plan_cascade`` over the group's block table; None: plain decode).
+
+    A group is eligible when the backend has cascade attention on (``TritonBackend``'s
+    ``enable_cascade_attention``) and it is a full-attention group (not bounded, not a sliding
+    window, not MLA). CUDA graphs: decode graphs (``q = 1``) are captured with a plan in static
+    buffers padded to ``max_items(batch)`` items and replayed with each step's plan (a step
+    without groups replays it with no items: every request decodes its whole sequence as a
+    suffix, one merge launch more per layer than the plain graph).
+    """
+
+    metadata_cls = CascadeAttentionMetadata
+
+    def __init__(self, layers: list, groups: list[KVCacheGroup], input_batch, model, device: torch.device,
+                 dtype: torch.dtype, max_num_seqs: int) -> None:
+        super().__init__(layers, groups, input_batch, model, device, dtype, max_num_seqs)
+        backend = layers[0].impl if layers else None
+        enabled = backend is not None and getattr(backend, "cascade_enabled", lambda _d: False)(device)
+        #: group id -> requests per prefix-kernel item, for the groups that plan
+        self.cascade_per_item: dict[int, int] = {}
+        if enabled:
+            for gi, g in enumerate(groups):
+                spec = g.spec
+                if (self.bounded_specs[gi] is not None or getattr(spec, "sliding_window", None)
+                        or spec.format.latent):
+                    continue
+                ls = [layer for layer in layers if layer.kv_cache_group_id == gi]
+                if ls:
+                    self.cascade_per_item[gi] = min(rows_per_item(layer.num_heads, layer.num_kv_heads) for layer in ls)
+
+    def build(self, inp, pad_to: int | None = None) -> list[AttentionMetadata]:
+        metas = super().build(inp, pad_to)
+        for gi, per_item in self.cascade_per_item.items():
+            host = plan_cascade(inp.block_tables[gi], inp.seq_lens, inp.num_decodes, self.block_size, per_item)
+            if host is not None:
+                metas[gi].cascade = plan_to_device(host, per_item, self.device)
+        return metas
+
+    def prepare_for_capture(self, max_num_seqs: int, query_lens: list[int], max_blocks_per_group: list[int],
+                            max_model_len: int) -> None:
+        """The base buffers, and per planning group the plan's: ``prefix_lens``,
+        ``suffix_seq_lens``, ``members [N]``, ``suffix_block_tables [N, width]`` and the items
+        ``[max_items(N)]``."""
+        super().prepare_for_capture(max_num_seqs, query_lens, max_blocks_per_group, max_model_len)
+        n, dev = max_num_seqs, self.device
+        self._cascade_static = {}
+        for gi, per_item in self.cascade_per_item.items():
+            i32 = dict(dtype=torch.int32, device=dev)
+            m = max_items(n, per_item)
+            self._cascade_static[gi] = dict(
+                prefix_lens=torch.zeros(n, **i32), suffix_seq_lens=torch.ones(n, **i32),
+                suffix_block_tables=torch.zeros((n, max_blocks_per_group[gi]), **i32),
+                members=torch.zeros(n, **i32), item_first=torch.zeros(m, **i32), item_count=torch.zeros(m, **i32))
+
+    def capture_metadata(self, bs: int, q: int) -> list[AttentionMetadata]:
+        metas = super().capture_metadata(bs, q)
+        if q != 1:
+            return metas
+        length = self._static["max_model_len"]
+        for gi, per_item in self.cascade_per_item.items():
+            st = self._cascade_static[gi]
+            m = max_items(bs, per_item)
+            metas[gi].cascade = CascadePlan(
+                prefix_lens=st["prefix_lens"][:bs], suffix_block_tables=st["suffix_block_tables"][:bs],
+                suffix_seq_lens=st["suffix_seq_lens"][:bs], members=st["members"][:bs],
+                item_first=st["item_first"][:m], item_count=st["item_count"][:m], rows_per_item=per_item,
+                max_prefix_len=length, max_suffix_len=length)
+        return metas
+
+    def prepare_for_replay(self, inp, bs: int, q: int, dst: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
+        pairs = super().prepare_for_replay(inp, bs, q, dst)
+        if q != 1:
+            return pairs
+        r = len(inp.query_lens)
+        for gi, per_item in self.cascade_per_item.items():
+            st = self._cascade_static[gi]
+            bt = inp.block_tables[gi]
+            w = bt.shape[1]
+            m = max_items(bs, per_item)
+            host = plan_cascade(bt, inp.seq_lens, r, self.block_size, per_item)
+            prefix = np.zeros(bs, dtype=np.int64)
+            seq = np.full(bs, q, dtype=np.int64)  # padding rows: as the base metadata's
+            table = np.zeros((bs, w), dtype=np.int64)
+            first = np.zeros(m, dtype=np.int64)
+            count = np.zeros(m, dtype=np.int64)
+            if host is None:
+                seq[:r] = inp.seq_lens
+                table[:r] = bt
+                members = np.zeros(1, dtype=np.int64)
+            else:
+                prefix[:r] = host["prefix_lens"]
+                seq[:r] = host["suffix_seq_lens"]
+                table[:r] = host["suffix_block_tables"]
+                k = len(host["item_first"])
+                first[:k], count[:k] = host["item_first"], host["item_count"]
+                members = host["members"].astype(np.int64)
+            pairs += [(st["prefix_lens"][:bs], prefix), (st["suffix_seq_lens"][:bs], seq),
+                      (st["suffix_block_tables"][:bs, :w], table), (st["members"][:len(members)], members),
+                      (st["item_first"][:m], first), (st["item_count"][:m], count)]
+        return pairs
