@@ -120,9 +120,10 @@ def kernel(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def w3(a: argparse.Namespace) -> dict:
-    """Prefix caching on with cascade on, then off, then prefix caching off: one process each."""
-    res = {}
+def w3(a: argparse.Namespace, rec: dict) -> dict:
+    """Prefix caching on with cascade on, then off, then prefix caching off: one process each
+    (the figures are printed and saved as each arrives, in case the part's time runs out)."""
+    res = rec["w3"] = {}
     runs = [("cascade_on", "on", True), ("cascade_off", "on", False), ("caching_off", "off", None)]
     for key, caching, casc in runs:
         path = os.path.join(a.out, f"w3_{key}.json")
@@ -137,20 +138,25 @@ def w3(a: argparse.Namespace) -> dict:
         if rc != 0:
             print(f"w3 {key}: rc={rc}", flush=True)
             continue
-        rec = json.loads(open(path).readline())
-        res[key] = rec[f"caching_{caching}"]
-        print(f"w3 {key}: wall {res[key]['wall_s']} s, mean TTFT {res[key]['mean_ttft_s']} s "
-              f"(process {time.perf_counter() - t0:.0f} s)", flush=True)
+        res[key] = json.loads(open(path).readline())[f"caching_{caching}"]
+        print(f"| w3 {key.replace('_', ' ')} | wall {res[key]['wall_s']} s | mean TTFT {res[key]['mean_ttft_s']} s | "
+              f"process {time.perf_counter() - t0:.0f} s |", flush=True)
+        if key == "cascade_off" and "cascade_on" in res:
+            res["cascade_gain"] = round(res["cascade_off"]["wall_s"] / res["cascade_on"]["wall_s"], 3)
+            print(f"| w3 cascade on vs off (caching on) | {res['cascade_gain']}x |", flush=True)
+        _save(a, rec)
     off = res.get("caching_off", {}).get("wall_s")
     for key in ("cascade_on", "cascade_off"):
         if key in res and off:
             res[f"speedup_{key}"] = round(off / res[key]["wall_s"], 3)
             print(f"| w3 caching on/off, {key.replace('_', ' ')} | {off} s / {res[key]['wall_s']} s | "
                   f"{res[f'speedup_{key}']}x (target 4x) |", flush=True)
-    if "cascade_on" in res and "cascade_off" in res:
-        res["cascade_gain"] = round(res["cascade_off"]["wall_s"] / res["cascade_on"]["wall_s"], 3)
-        print(f"| w3 cascade on vs off | {res['cascade_gain']}x |", flush=True)
     return res
+
+
+def _save(a: argparse.Namespace, rec: dict) -> None:
+    with open(os.path.join(a.out, "cascade.json"), "w") as f:
+        json.dump(rec, f, indent=1)
 
 
 def main() -> None:
@@ -169,10 +175,10 @@ def main() -> None:
     parts = a.parts.split(",")
     if "kernel" in parts:
         rec["kernel"] = kernel(a)
+        _save(a, rec)
     if "w3" in parts:
-        rec["w3"] = w3(a)
-    with open(os.path.join(a.out, "cascade.json"), "w") as f:
-        json.dump(rec, f, indent=1)
+        w3(a, rec)
+    _save(a, rec)
 
 
 if __name__ == "__main__":

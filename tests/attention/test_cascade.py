@@ -85,20 +85,20 @@ def test_plan_groups_runs_of_shared_blocks():
     assert plan_cascade(bt, lens, 1, BS, per_item=2, min_shared_blocks=2) is None
 
 
-CASES = [  # (groups, loners, q dtype, kv dtype)
-    ([(3, [1, 5, 9])], [6], torch.float32, "float32"),
-    ([(3, [1, 5, 9, 2, 7]), (2, [3, 4]), (4, [4, 4])], [6, 2], torch.float32, "float32"),
-    ([(2, [2, 6]), (3, [5, 1, 3])], [3], torch.bfloat16, "bfloat16"),
-    ([(2, [2, 6, 4])], [3], torch.float16, "float16"),
-    ([(2, [2, 6]), (3, [5, 1])], [3], torch.float32, "fp8_e4m3"),
-    ([(2, [2, 6]), (3, [5, 1])], [3], torch.float32, "int8"),
-    ([(2, [2, 6]), (3, [5, 1])], [3], torch.float32, "int4"),
-    ([(3, [2, 6, 5])], [3], torch.bfloat16, "int2"),
+CASES = [  # (groups, loners, q dtype, kv dtype, (prefix splits, suffix splits))
+    ([(3, [1, 5, 9])], [6], torch.float32, "float32", (1, 1)),
+    ([(3, [1, 5, 9, 2, 7]), (2, [3, 4]), (4, [4, 4])], [6, 2], torch.float32, "float32", (2, 3)),
+    ([(2, [2, 6]), (3, [5, 1, 3])], [3], torch.bfloat16, "bfloat16", (2, 2)),
+    ([(2, [2, 6, 4])], [3], torch.float16, "float16", (1, 2)),
+    ([(2, [2, 6]), (3, [5, 1])], [3], torch.float32, "fp8_e4m3", (2, 1)),
+    ([(2, [2, 6]), (3, [5, 1])], [3], torch.float32, "int8", (1, 2)),
+    ([(2, [2, 6]), (3, [5, 1])], [3], torch.float32, "int4", (2, 2)),
+    ([(3, [2, 6, 5])], [3], torch.bfloat16, "int2", (1, 1)),
 ]
 
 
-@pytest.mark.parametrize("groups,loners,qdt,kv_name", CASES, ids=[c[3] + f"-{len(c[0])}g" for c in CASES])
-def test_cascade_equals_per_request_decode(groups, loners, qdt, kv_name):
+@pytest.mark.parametrize("groups,loners,qdt,kv_name,splits", CASES, ids=[c[3] + f"-{len(c[0])}g" for c in CASES])
+def test_cascade_equals_per_request_decode(groups, loners, qdt, kv_name, splits):
     gen = torch.Generator().manual_seed(len(groups) * 7 + len(kv_name))
     heads, hkv, d = 4, 2, 32
     bt, lens, prefix, num_blocks = _tables(groups, loners, gen)
@@ -119,13 +119,12 @@ def test_cascade_equals_per_request_decode(groups, loners, qdt, kv_name):
     plan = plan_to_device(host, 2, torch.device(DEV))
     scale = d ** -0.5
     want = decode_attention(q, cache, bt_t, sl, qsl, r, int(lens.max()), scale, num_splits=1, kv_format=fmt)
-    for p, s in ((1, 1), (2, 3)):
-        got = torch.full_like(q, float("nan"))
-        cascade_decode_attention(q, cache, bt_t, plan, qsl, r, scale, got, kv_format=fmt, prefix_splits=p,
-                                 suffix_splits=s)
-        tol = 2e-5 if qdt == torch.float32 else 2e-2
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    if qdt == torch.float32:  # and the reference backend reading the same bytes
+    got = torch.full_like(q, float("nan"))  # every decode row must be written
+    cascade_decode_attention(q, cache, bt_t, plan, qsl, r, scale, got, kv_format=fmt, prefix_splits=splits[0],
+                             suffix_splits=splits[1])
+    tol = 2e-5 if qdt == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if kv_name in ("float32", "int4"):  # and the reference backend reading the same bytes
         meta = AttentionMetadata(
             slot_mapping=torch.full((r,), -1, dtype=torch.int64, device=DEV), block_tables=bt_t, query_start_loc=qsl,
             seq_lens=sl, query_lens_cpu=[1] * r, seq_lens_cpu=lens.tolist(), max_query_len=1,
