@@ -14,6 +14,7 @@ import torch
 from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_format import kv_format_for, view_of
 from kvserve.attention.kv_quant import quantize_pages
+from kvserve.attention.kv_rotation import rotation_matrix
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.attention.triton import decode_attention
 from kvserve.attention.triton.cascade import cascade_decode_attention, plan_cascade, plan_to_device
@@ -133,18 +134,24 @@ def test_cascade_equals_per_request_decode(groups, loners, qdt, kv_name, splits)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_cascade_with_sinks_matches_decode():
+def test_cascade_with_rotation_and_sinks_matches_decode():
+    """int4 with the in-kernel rotation (the decode kernel rotates q and its states back; the
+    prefix kernel gets q R from torch) and learned sinks (added in the merge)."""
     gen = torch.Generator().manual_seed(3)
-    heads, hkv, d = 4, 2, 16
+    heads, hkv, d = 4, 2, 32
     bt, lens, _, num_blocks = _tables([(3, [2, 5, 1])], [4], gen)
     r = len(lens)
-    cache = torch.randn(2, num_blocks, BS, hkv, d, generator=gen).to(DEV)
+    fmt = kv_format_for("int4", d)
+    cache = quantize_pages(torch.randn(2, num_blocks, BS, hkv, d, generator=gen), get_kv_format("int4")).to(DEV)
     q = torch.randn(r, heads, d, generator=gen).to(DEV)
     sinks = torch.randn(heads, generator=gen).to(DEV)
+    rot = rotation_matrix(d, DEV)
     bt_t = torch.from_numpy(bt).to(torch.int32).to(DEV)
     sl = torch.from_numpy(lens).to(torch.int32).to(DEV)
     qsl = torch.arange(r + 1, dtype=torch.int32, device=DEV)
     plan = plan_to_device(plan_cascade(bt, lens, r, BS, per_item=4, min_shared_blocks=2), 4, torch.device(DEV))
-    want = decode_attention(q, cache, bt_t, sl, qsl, r, int(lens.max()), 0.25, num_splits=2, sinks=sinks)
-    got = cascade_decode_attention(q, cache, bt_t, plan, qsl, r, 0.25, torch.empty_like(q), sinks=sinks)
+    want = decode_attention(q, cache, bt_t, sl, qsl, r, int(lens.max()), 0.25, num_splits=2, sinks=sinks,
+                            rotate=True, kv_format=fmt)
+    got = cascade_decode_attention(q, cache, bt_t, plan, qsl, r, 0.25, torch.empty_like(q), kv_format=fmt,
+                                   rotate=True, kv_rotation=rot, sinks=sinks, prefix_splits=2, suffix_splits=1)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
