@@ -116,7 +116,6 @@ def kernel(a: argparse.Namespace) -> list[dict]:
         print(f"| kernel {name} | per-request {us_a:.1f} us ({row['per_request_effective_gbps']} GB/s eff.) | "
               f"cascade {us_b:.1f} us ({row['cascade_effective_gbps']} GB/s eff., "
               f"{row['cascade_distinct_gbps']} GB/s distinct) | {row['speedup']}x | diff {diff:.2e} |", flush=True)
-        del cache
     return rows
 
 
