@@ -25,6 +25,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+T_START = time.perf_counter()
 
 
 def _timed(fn, iters: int, cuda: bool) -> float:
@@ -136,6 +137,7 @@ def w3(a: argparse.Namespace, rec: dict) -> dict:
     (the figures are printed and saved as each arrives, in case the part's time runs out)."""
     res = rec["w3"] = {}
     runs = [("cascade_on", "on", True), ("cascade_off", "on", False), ("caching_off", "off", None)]
+    last = 0.0
     for key, caching, casc in runs:
         path = os.path.join(a.out, f"w3_{key}.json")
         cmd = [sys.executable, os.path.join(HERE, "workloads.py"), "--workload", "w3", "--prefix-caching", caching,
@@ -145,7 +147,12 @@ def w3(a: argparse.Namespace, rec: dict) -> dict:
         if a.cpu_smoke:
             cmd += ["--tiny"]
         t0 = time.perf_counter()
+        if a.deadline and t0 - T_START + last > a.deadline:  # it would not finish: leave the time to the next part
+            print(f"w3 {key}: skipped ({t0 - T_START:.0f} s gone, the last run took {last:.0f} s, deadline "
+                  f"{a.deadline} s)", flush=True)
+            continue
         rc = subprocess.run(cmd, stdout=sys.stderr).returncode
+        last = time.perf_counter() - t0
         if rc != 0:
             print(f"w3 {key}: rc={rc}", flush=True)
             continue
@@ -174,6 +181,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for cascade.json and the W3 records")
     ap.add_argument("--parts", default="kernel,w3", help="comma-separated: kernel, w3")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start: skip a W3 run that would end past it (the last run's time)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -170,7 +170,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
-    cascade) py $B/gpu_cascade.py --out "$d" ;;
+    cascade) py $B/gpu_cascade.py --out "$d" --deadline $(( ${LIMIT:-100} - 5 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
