@@ -157,7 +157,7 @@ def test_cascade_with_rotation_and_sinks_matches_decode():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_graph_buffers_replay_the_eager_plan():
+def test_graph_buffers_replay_the_eager_plan(monkeypatch):
     """The CUDA-graph hooks on the CPU: the plan a replay copies into the static buffers (padded
     to a larger captured batch) gives the same attention as the eager plan and the plain decode
     kernel; a step without groups replays with no items."""
@@ -166,6 +166,10 @@ def test_graph_buffers_replay_the_eager_plan():
     from kvserve.attention.triton.cascade import CascadeMetadataBuilder
     from kvserve.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup
 
+    from kvserve.attention.triton import cascade
+
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 2 * BS)  # the tiny tables share 2-3 blocks
+    monkeypatch.setattr(cascade, "GRAPH_MIN_BATCH", 8)
     gen = torch.Generator().manual_seed(5)
     heads, hkv, d = 4, 2, 16
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=hkv, head_size=d, dtype="float32", compute_dtype="float32")
@@ -176,6 +180,7 @@ def test_graph_buffers_replay_the_eager_plan():
     assert builder.cascade_per_item == {0: 32}
     width, n = 6, 8
     builder.prepare_for_capture(n, [1], [width], 64)
+    assert builder.capture_metadata(4, 1)[0].cascade is None  # graphs below GRAPH_MIN_BATCH never plan
     bt, lens, prefix, num_blocks = _tables([(2, [1, 3]), (3, [2, 4, 1])], [2], gen)
     bt = np.pad(bt, ((0, 0), (0, width - bt.shape[1])))
     r, bs = len(lens), 8
@@ -185,9 +190,8 @@ def test_graph_buffers_replay_the_eager_plan():
         b = bt if shared else np.where(np.arange(width)[None, :] < 3, bt + 100 * np.arange(r)[:, None], bt)
         inp = SimpleNamespace(query_lens=np.ones(r, dtype=np.int64), seq_lens=lens, ctx_lens=lens - 1,
                               block_tables=[b], slot_mappings=[np.full(r, -1)], num_decodes=r)
-        with monkey_min_shared(2 * BS):
-            pairs = builder.prepare_for_replay(inp, bs, 1, np.arange(r))
-            meta = builder.capture_metadata(bs, 1)[0]
+        pairs = builder.prepare_for_replay(inp, bs, 1, np.arange(r))
+        meta = builder.capture_metadata(bs, 1)[0]
         for static, values in pairs:
             static.copy_(torch.from_numpy(np.ascontiguousarray(values)).view(static.shape))
         plan = meta.cascade
@@ -200,19 +204,3 @@ def test_graph_buffers_replay_the_eager_plan():
         got = cascade_decode_attention(q, cache, meta.block_tables, plan, qsl, bs, 0.25, torch.empty_like(q))
         torch.testing.assert_close(got[:r], want[:r], atol=2e-5, rtol=2e-5)
 
-
-class monkey_min_shared:
-    """``MIN_SHARED_TOKENS`` set for a block (the tiny tables share 2-3 blocks)."""
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-
-    def __enter__(self):
-        from kvserve.attention.triton import cascade
-
-        self.old, cascade.MIN_SHARED_TOKENS = cascade.MIN_SHARED_TOKENS, self.tokens
-
-    def __exit__(self, *exc):
-        from kvserve.attention.triton import cascade
-
-        cascade.MIN_SHARED_TOKENS = self.old

@@ -44,6 +44,7 @@ def _greedy_hf(model, ids, n):
 def test_shared_system_prompt_same_tokens_with_cascade_on_and_off(tiny, monkeypatch):
     path, hf = tiny
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 2 * BS)  # tiny prompts: 2 shared blocks qualify
+    monkeypatch.setattr(cascade, "GRAPH_MIN_BATCH", 1)  # on CUDA: the small decode graphs plan too
     calls = []
     real = triton_backend.cascade_decode_attention
 

@@ -66,6 +66,9 @@ MIN_SHARED_TOKENS = 256
 MAX_GROUPS = 8
 #: query rows per prefix-kernel program (requests x query heads per KV head)
 ROWS_PER_PROGRAM = 64
+#: decode graphs of fewer requests are captured without cascade (a step of the graph's size
+#: without groups pays the empty prefix launch and the merge: not worth it for small batches)
+GRAPH_MIN_BATCH = 16
 
 
 @dataclass
@@ -397,10 +400,11 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder):
 
     A group is eligible when the backend has cascade attention on (``TritonBackend``'s
     ``enable_cascade_attention``) and it is a full-attention group (not bounded, not a sliding
-    window, not MLA). CUDA graphs: decode graphs (``q = 1``) are captured with a plan in static
-    buffers padded to ``max_items(batch)`` items and replayed with each step's plan (a step
-    without groups replays it with no items: every request decodes its whole sequence as a
-    suffix, one merge launch more per layer than the plain graph).
+    window, not MLA). CUDA graphs: decode graphs (``q = 1``) of at least ``GRAPH_MIN_BATCH``
+    requests are captured with a plan in static buffers padded to ``max_items(batch)`` items and
+    replayed with each step's plan (a step without groups replays it with no items: every
+    request decodes its whole sequence as a suffix, an empty launch and a merge launch more per
+    layer than the plain graph); smaller decode graphs never use cascade.
     """
 
     metadata_cls = CascadeAttentionMetadata
@@ -448,7 +452,7 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder):
 
     def capture_metadata(self, bs: int, q: int) -> list[AttentionMetadata]:
         metas = super().capture_metadata(bs, q)
-        if q != 1:
+        if q != 1 or bs < GRAPH_MIN_BATCH:
             return metas
         length = self._static["max_model_len"]
         for gi, per_item in self.cascade_per_item.items():
@@ -463,7 +467,7 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder):
 
     def prepare_for_replay(self, inp, bs: int, q: int, dst: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray]]:
         pairs = super().prepare_for_replay(inp, bs, q, dst)
-        if q != 1:
+        if q != 1 or bs < GRAPH_MIN_BATCH:
             return pairs
         r = len(inp.query_lens)
         for gi, per_item in self.cascade_per_item.items():
