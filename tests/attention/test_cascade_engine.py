@@ -19,8 +19,8 @@ BS = 4
 def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=1,
                       eos_token_id=2, tie_word_embeddings=False, num_hidden_layers=2,
                       architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
@@ -54,19 +54,24 @@ def test_shared_system_prompt_same_tokens_with_cascade_on_and_off(tiny, monkeypa
 
     monkeypatch.setattr(triton_backend, "cascade_decode_attention", counted)
     g = torch.Generator().manual_seed(1)
-    system = torch.randint(3, 256, (13,), generator=g).tolist()  # 3 full blocks + 1 token
+    system = torch.randint(3, 256, (9,), generator=g).tolist()  # 2 full blocks + 1 token
     prompts = [system + torch.randint(3, 256, (n,), generator=g).tolist() for n in (2, 5)]
-    prompts.append(torch.randint(3, 256, (6,), generator=g).tolist())  # no shared prefix
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outs = {}
-    for on in (True, False):
-        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", block_size=BS, max_num_seqs=8,
-                  max_model_len=48, disable_log_stats=True, kv_cache_memory="1MiB", attention_backend="triton",
-                  enable_cascade_attention=on, enable_prefix_caching=True)
-        llm.generate([system + [7]], SamplingParams(temperature=0, max_tokens=1))  # the system prompt cached
-        before = len(calls)
-        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        llm.shutdown()
-        assert (len(calls) > before) == on  # on: the shared requests' decode steps went through cascade
-    assert outs[True] == outs[False]
-    assert outs[True] == [_greedy_hf(hf, p, 4) for p in prompts]
+    prompts.append(torch.randint(3, 256, (4,), generator=g).tolist())  # no shared prefix
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kw = dict(model=path, skip_tokenizer_init=True, dtype="float32", block_size=BS, max_num_seqs=8, max_model_len=48,
+              disable_log_stats=True, kv_cache_memory="1MiB", attention_backend="triton", enable_prefix_caching=True)
+    llm = LLM(enable_cascade_attention=True, **kw)
+    builder = llm.llm_engine.engine_core.model_runner.attn_builder
+    llm.generate([system + [7]], SamplingParams(temperature=0, max_tokens=1))  # the system prompt cached
+    on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls  # the shared requests' decode steps went through cascade
+    n = len(calls)
+    builder.cascade_per_item = {}  # the same engine (and cached blocks) without cascade
+    off = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len(calls) == n
+    llm.shutdown()
+    assert on == off
+    assert on == [_greedy_hf(hf, p, 3) for p in prompts]
+    llm = LLM(enable_cascade_attention=False, **kw)  # the flag: no plan
+    assert llm.llm_engine.engine_core.model_runner.attn_builder.cascade_per_item == {}
+    llm.shutdown()
