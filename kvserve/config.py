@@ -365,6 +365,10 @@ class AttentionConfig:
     attention_backend: Optional[str] = doc(None, "Attention backend: triton (default on CUDA), cpu (default "
                                                  "elsewhere: batched-matmul decode) or torch_ref (gather + SDPA; "
                                                  "the reference).")
+    enable_cascade_attention: Optional[bool] = doc(
+        None, "Cascade attention (triton backend): decode requests that share prefix blocks read them once per "
+              "step for the whole group (Hydragen, arXiv:2402.05099). Default: on with CUDA, off on the CPU "
+              "(the Triton interpreter).")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ mla-mtp:60:DeepSeek MTP speculation (deepseek_mtp), V3-shaped small config, dumm
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
 fp8:180:FP8 W8A8 GEMMs at the 8B projections (cut-over M), W4 with FP8 weights + FP8 KV vs TensorRT-LLM (gpu_fp8_gemm.py)
+cascade:100:cascade attention: kernel alone at the W3 shape vs per-request decode; W3 cascade on vs off, caching off (gpu_cascade.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -173,6 +174,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
     fp8) py $B/gpu_fp8_gemm.py --out "$d" --parts w4,gemm --deadline $(( ${LIMIT:-180} - 25 )) ;;
+    cascade) py $B/gpu_cascade.py --out "$d" --deadline $(( ${LIMIT:-100} - 5 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

@@ -46,6 +46,10 @@ class AttentionBackend(ABC):
     #: builds the step's metadata per KV cache group, with CUDA-graph capture / replay hooks
     metadata_builder_cls: type[AttentionMetadataBuilder] = AttentionMetadataBuilder
 
+    def configure(self, attention_config) -> None:
+        """Take the engine's ``AttentionConfig`` options (before the metadata builder is made).
+        Default: nothing to take."""
+
     def validate_spec(self, spec: KVCacheSpec) -> None:
         """Raise ValueError (listing the choices) if this backend cannot serve ``spec``. A latent
         (MLA) spec is served by ``kvserve/attention/mla.py`` beside any backend."""

@@ -94,6 +94,7 @@ class EngineArgs:
     preemption_mode: str = _from(SchedulerConfig, "preemption_mode")
     # AttentionConfig
     attention_backend: Optional[str] = _from(AttentionConfig, "attention_backend")
+    enable_cascade_attention: Optional[bool] = _from(AttentionConfig, "enable_cascade_attention")
     # ParallelConfig
     tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
     distributed_executor_backend: Optional[str] = _from(ParallelConfig, "distributed_executor_backend")
@@ -295,7 +296,8 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel),
-            attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu")),
+            attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu"),
+                                             self.enable_cascade_attention),
             device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),
             observability_config=ObservabilityConfig(self.disable_log_stats, self.log_stats_interval),
             speculative_config=spec_config,

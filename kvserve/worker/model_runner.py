@@ -60,6 +60,7 @@ class ModelRunner:
         self.dtype = torch_dtype(mc.dtype)
         self.block_size = config.cache_config.block_size
         self.backend = get_attn_backend(config.attention_backend)
+        self.backend.configure(config.attention_config)
         apply_cpu_threads(config.device_config.cpu_threads)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.device)

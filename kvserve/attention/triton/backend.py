@@ -20,6 +20,7 @@ from kvserve.attention.kv_format import KVCacheFormat, KVCacheView
 from kvserve.attention.kv_quant import aligned_for_vector_loads
 from kvserve.attention.kv_residual import residual_shape, store_residual
 from kvserve.attention.kv_rotation import rotate as rotate_rows
+from kvserve.attention.triton.cascade import CascadeMetadataBuilder, cascade_decode_attention
 from kvserve.attention.triton.decode import decode_attention
 from kvserve.attention.triton.kv_store import store_kv
 from kvserve.attention.triton.prefill import prefill_attention
@@ -53,9 +54,23 @@ class TritonBackend(AttentionBackend):
     cuda_graph_safe = True
     supports_attention_sinks = True  # HAS_SINKS in the decode, reduce and prefill kernels
     fuses_kv_rotation = True  # every head size it runs is a power of two: R = H_D / sqrt(D)
+    #: plans cascade attention for decode requests sharing prefix blocks (``cascade.py``)
+    metadata_builder_cls = CascadeMetadataBuilder
 
-    def __init__(self, decode_num_splits: int | None = None) -> None:
+    def __init__(self, decode_num_splits: int | None = None,
+                 enable_cascade_attention: bool | None = None) -> None:
         self.decode_num_splits = decode_num_splits
+        #: None: on with CUDA, off on the CPU (``AttentionConfig.enable_cascade_attention``)
+        self.enable_cascade_attention = enable_cascade_attention
+
+    def configure(self, attention_config) -> None:
+        """Take ``enable_cascade_attention`` from the engine's ``AttentionConfig``."""
+        self.enable_cascade_attention = getattr(attention_config, "enable_cascade_attention", None)
+
+    def cascade_enabled(self, device: torch.device) -> bool:
+        """Whether the metadata builder plans cascade attention on ``device``."""
+        on = self.enable_cascade_attention
+        return device.type == "cuda" if on is None else bool(on)
 
     def validate_spec(self, spec: KVCacheSpec) -> None:
         """As the base class; also warns (once per shape) when a quantized cache's code rows
@@ -185,7 +200,11 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_reqs = meta.seq_lens.shape[0]
         nd = meta.num_decodes
-        if nd > 0:
+        plan = getattr(meta, "cascade", None)
+        if nd > 0 and plan is not None and sliding_window is None:  # shared prefixes read once per group
+            cascade_decode_attention(query, kv_cache, meta.block_tables, plan, meta.query_start_loc, nd, scale, out,
+                                     kv_format=fmt, rotate=rotate, kv_rotation=kv_rotation, sinks=sinks, **res)
+        elif nd > 0:
             decode_attention(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 nd, meta.max_seq_len, scale, sliding_window, out=out,

@@ -349,6 +349,7 @@ def decode_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -384,6 +385,11 @@ def decode_attention(
         sinks: ``[num_heads]`` learned attention sinks (gpt-oss): one extra logit per head in the
             softmax denominator, no value (one split: the running max / sum start from it; several:
             the reduce kernel adds it).
+        partials: ``(part_out [num_decodes, num_heads, S, D], part_lse [num_decodes, num_heads, S])``
+            float32 contiguous: stage 1 writes each of its ``S`` splits' normalised output and
+            log-sum-exp (base 2; -inf for an empty split) there, ``out`` is not written and
+            stage 2 is skipped: the caller merges them with other partial states (cascade
+            attention, ``kvserve/attention/triton/cascade.py``; sinks are then its to add).
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -411,7 +417,10 @@ def decode_attention(
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
-    if num_splits > 1:
+    if partials is not None:
+        part_out, part_lse = partials
+        num_splits = part_out.shape[2]
+    elif num_splits > 1:
         part_out = torch.empty((num_decodes, num_heads, num_splits, d), dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32,
@@ -431,7 +440,7 @@ def decode_attention(
         *res_t, *res_s,
         query if sinks is None else sinks,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1 and partials is None,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
@@ -440,7 +449,7 @@ def decode_attention(
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and partials is None:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_out, part_lse, out, query_start_loc, num_splits,
             out.stride(0), out.stride(1), out.stride(2), query if sinks is None else sinks,
