@@ -31,6 +31,6 @@ fi
 # The device tool brings back at most 8 files: one archive of everything, and the summaries.
 if [ -z "${KEEP_DIRS:-}" ]; then
   (cd "$OUT" && { for f in lane*.txt all.txt; do [ -f "$f" ] && sed -n '/^part /,$p' "$f"; done; } > summary.txt
-   tar czf results.tgz --exclude=results.tgz --exclude=summary.txt ./* && \
-   find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name summary.txt -exec rm -rf {} +)
+   tmp=$(mktemp -d) && tar czf "$tmp/results.tgz" --exclude=./summary.txt . && \
+   find . -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + && mv "$tmp/results.tgz" .)
 fi

@@ -111,7 +111,7 @@ def _greedy(path: str, cache: bool = False) -> tuple[list[list[int]], torch.nn.M
     if cache and path in _GREEDY:
         return _GREEDY[path]
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=64, cpu_threads=1,
-              disable_log_stats=True, num_gpu_blocks_override=16)
+              disable_log_stats=True, num_gpu_blocks_override=16, device="cpu")  # CPU rules also on a GPU host
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
     res = [o.outputs[0].token_ids for o in outs], llm.llm_engine.engine_core.model_runner.model
     if cache:
