@@ -153,9 +153,10 @@ def install_seams(llm) -> SeamTimer:
 
 
 @contextmanager
-def skip_prefill(runner):
+def skip_prefill(runner, all_steps: bool = False):
     """Steps that carry prefill tokens skip the model (zeros out; KV blocks are allocated but
-    not written): a long-context batch starts without its prompts' forward passes."""
+    not written): a long-context batch starts without its prompts' forward passes. With
+    ``all_steps`` decode steps skip it too (the host seams alone, CPU only)."""
     model = runner.model
     fwd = model.forward
     own = "forward" in vars(model)  # e.g. a SeamTimer wrapper, put back after
@@ -163,7 +164,7 @@ def skip_prefill(runner):
     pw = runner.piecewise_runner
 
     def forward(input_ids, positions):
-        if input_ids.shape[0] > runner.config.scheduler_config.max_num_seqs:
+        if all_steps or input_ids.shape[0] > runner.config.scheduler_config.max_num_seqs:
             h = hidden or fwd(input_ids[:1], positions[:1]).shape[-1]
             return torch.zeros(input_ids.shape[0], h, dtype=runner.dtype, device=input_ids.device)
         return fwd(input_ids, positions)
@@ -359,6 +360,22 @@ def print_kernels(label: str, k: dict, roof: dict) -> None:
         print(f"    {t['ms_per_step']:8.3f} ms  [{t['class']}] {t['name'][:100]}")
 
 
+def print_summary(res: dict) -> None:
+    """One Markdown row per batch (the GPU run's headline)."""
+    cols = ["gemm", "attention", "norm/act/rope", "sampling", "other kernels", "host gaps (GPU idle)"]
+    print("\n| batch | context | running | ms/step | host ms (wall) | host ms (CPU) | "
+          + " | ".join(cols) + " | roofline ms (bytes, FLOPs) |")
+    print("|" + "---|" * (7 + len(cols)))
+    for e in res["results"]:
+        if "host" not in e:
+            print(f"| {e['batch']} | - | - | {e.get('skipped', '')} |" + " |" * (3 + len(cols)))
+            continue
+        h, k, r = e["host"], e.get("kernels", {}).get("ms_per_step", {}), e.get("roofline")
+        roof = f"{r['bytes_ms']}, {r['flops_ms']}" if r else "-"
+        print(f"| {e['batch']} | {e['context']} | {e['max_running']} | {h['step_ms']} | {h['host_ms']} | "
+              f"{h['host_cpu_ms']} | " + " | ".join(str(k.get(c, "-")) for c in cols) + f" | {roof} |")
+
+
 # ---- driver ------------------------------------------------------------------------------
 
 def make_llm(device: str, shape: dict, max_num_seqs: int, max_model_len: int, a) -> object:
@@ -393,8 +410,7 @@ def run(a) -> dict:
     eng = llm.llm_engine
     runner = eng.engine_core.model_runner
     timer = install_seams(llm)
-    kv_tokens = runner.kv_cache_config.num_blocks * runner.block_size if hasattr(
-        runner.kv_cache_config, "num_blocks") else None
+    kv_tokens = min(g.num_blocks for g in runner.kv_cache_config.groups) * runner.block_size
     res = dict(device=device, shape="llama-3.1-8b" if shape is LLAMA31_8B else "tiny-llama", context=a.context,
                steps=a.steps, async_scheduling=eng.config.async_scheduling, kv_cache_dtype=a.kv_cache_dtype,
                kv_tokens=kv_tokens, torch=torch.__version__, results=[])
@@ -404,7 +420,7 @@ def run(a) -> dict:
     for b in batches:
         ctx = a.context
         if kv_tokens:  # shorten the context where the KV cache cannot hold b x context
-            fit = int(kv_tokens * 0.95) // b - a.steps * 3 - runner.block_size
+            fit = int(kv_tokens * 0.95) // b - out_len - runner.block_size
             if fit < 64:
                 print(f"batch {b}: the KV cache ({kv_tokens} tokens) does not hold it; skipped")
                 res["results"].append(dict(batch=b, skipped=f"KV cache holds {kv_tokens} tokens"))
@@ -413,7 +429,11 @@ def run(a) -> dict:
         timer.enabled = False
         ids = fill_batch(llm, b, ctx, out_len=out_len, seed=b)
         timer.enabled = True
-        host = host_profile(llm, timer, a.steps)
+        if a.skip_forward:
+            with skip_prefill(runner, all_steps=True):
+                host = host_profile(llm, timer, a.steps)
+        else:
+            host = host_profile(llm, timer, a.steps)
         label = f"batch {b} x {ctx} ({device})"
         print_host(label, host)
         entry = dict(batch=b, context=ctx, max_running=host["running"], host=host)
@@ -442,12 +462,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--no-async", action="store_true", help="async scheduling off")
+    ap.add_argument("--skip-forward", action="store_true",
+                    help="CPU: decode steps skip the model too (zeros out): the host seams alone, quickly")
     ap.add_argument("--out", default=None, help="directory for step_profile.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks that the script runs")
     a = ap.parse_args(argv)
     if a.cpu_smoke:
         a.batch, a.context, a.steps, a.profile_steps = [8, 16], 40, 3, 2
     res = run(a)
+    print_summary(res)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "step_profile.json"), "w") as f:

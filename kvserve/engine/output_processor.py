@@ -97,7 +97,10 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # n = 1: read every step for every request
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
 
 
 class OutputProcessor:
