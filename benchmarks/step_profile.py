@@ -306,14 +306,29 @@ def kernel_table(trace_path: str, steps: int) -> dict:
                 top_kernels=[{"name": n, "ms_per_step": round(v * us, 3), "class": classify(n)} for n, v in top])
 
 
+def _check_kernel_table() -> None:
+    """The smoke run's check of the trace arithmetic on a made-up trace (2 steps, 10 us idle)."""
+    ev = [dict(cat="kernel", name="nvjet_tst_128x256_gemm", ts=0, dur=30),
+          dict(cat="kernel", name="_paged_decode_kernel", ts=20, dur=20),  # overlaps the GEMM by 10
+          dict(cat="kernel", name="at::native::reduce_kernel<ArgMaxOps>", ts=50, dur=10),
+          dict(cat="cpu_op", name="aten::mm", ts=0, dur=100)]
+    path = os.path.join(tempfile.mkdtemp(prefix="step-profile-"), "t.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": ev}, f)
+    t = kernel_table(path, 2)
+    assert t["ms_per_step"] == {"gemm": 0.015, "attention": 0.01, "sampling": 0.005,
+                                "host gaps (GPU idle)": 0.005}, t
+    assert t["gpu_span_ms_per_step"] == 0.03 and t["gpu_busy_ms_per_step"] == 0.025, t
+
+
 def roofline(runner, batch: int, ctx: float) -> dict:
     """Bytes and FLOPs of one decode step of ``batch`` requests at mean context ``ctx``."""
     model = runner.model
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    emb_bytes = sum(p.numel() * p.element_size() for p in emb.parameters()) if emb is not None else 0
-    n_params = sum(p.numel() for p in model.parameters()) - (sum(p.numel() for p in emb.parameters()) if emb else 0)
-    weight_bytes = params - emb_bytes  # decode gathers only the batch's embedding rows
+    # Decode gathers only the batch's embedding rows: the input embedding is left out (unless tied).
+    read = [p for name, p in model.named_parameters()
+            if not (name.endswith("embed_tokens.weight") and getattr(model, "lm_head", None) is not None)]
+    weight_bytes = sum(p.numel() * p.element_size() for p in read)
+    n_params = sum(p.numel() for p in read)
     kv_bytes = int(runner.kv_cache_config.bytes_per_token * batch * ctx)
     hf = runner.config.model_config.hf_config
     head_dim = getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads)
@@ -330,12 +345,14 @@ def device_profile(llm, steps: int, out_dir: str, label: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.llm_engine
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = eng.engine_core.model_runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.step()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) / steps * 1e3
     path = os.path.join(out_dir, f"trace-{label}.json")
     prof.export_chrome_trace(path)
@@ -403,9 +420,11 @@ def run(a) -> dict:
     shape = TINY if device == "cpu" else LLAMA31_8B
     batches = sorted(a.batch)
     budget = a.max_num_batched_tokens or 8192
-    # Early requests decode while later ones prefill: enough output tokens to still run after.
-    out_len = a.steps * 3 + 16 + max(batches) * a.context // budget + 16
-    max_len = a.context + out_len + 64
+
+    def out_len(b: int, ctx: int) -> int:  # early requests decode while later ones prefill: still running after
+        return a.steps * 3 + 16 + b * ctx // budget + 16
+
+    max_len = a.context + out_len(max(batches), a.context) + 64
     llm = make_llm(device, shape, max(batches), max_len, a)
     eng = llm.llm_engine
     runner = eng.engine_core.model_runner
@@ -420,14 +439,15 @@ def run(a) -> dict:
     for b in batches:
         ctx = a.context
         if kv_tokens:  # shorten the context where the KV cache cannot hold b x context
-            fit = int(kv_tokens * 0.95) // b - out_len - runner.block_size
+            per_req = int(kv_tokens * 0.95) // b
+            fit = per_req - out_len(b, min(a.context, per_req)) - runner.block_size
             if fit < 64:
                 print(f"batch {b}: the KV cache ({kv_tokens} tokens) does not hold it; skipped")
                 res["results"].append(dict(batch=b, skipped=f"KV cache holds {kv_tokens} tokens"))
                 continue
             ctx = min(ctx, fit)
         timer.enabled = False
-        ids = fill_batch(llm, b, ctx, out_len=out_len, seed=b)
+        ids = fill_batch(llm, b, ctx, out_len=out_len(b, ctx), seed=b)
         timer.enabled = True
         if a.skip_forward:
             with skip_prefill(runner, all_steps=True):
@@ -437,7 +457,7 @@ def run(a) -> dict:
         label = f"batch {b} x {ctx} ({device})"
         print_host(label, host)
         entry = dict(batch=b, context=ctx, max_running=host["running"], host=host)
-        if device == "cuda":
+        if device == "cuda" or a.cpu_smoke:  # the smoke run walks this path too (no kernels on the CPU)
             timer.enabled = False
             k = device_profile(llm, a.profile_steps, a.out or tempfile.gettempdir(), f"b{b}")
             roof = roofline(runner, host["running"], ctx + a.steps * 1.5)
@@ -469,6 +489,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.cpu_smoke:
         a.batch, a.context, a.steps, a.profile_steps = [8, 16], 40, 3, 2
+        _check_kernel_table()
     res = run(a)
     print_summary(res)
     if a.out:

@@ -226,15 +226,18 @@ class InputBatch:
                     bt.num_blocks[row] = keep
         self.num_computed[rows] = nc
         tables = self.block_tables
-        for i, new_ids in enumerate(cached.new_block_ids):
-            if new_ids is not None:
-                row = int(rows[i])
-                for bt, b in zip(tables, new_ids):
-                    if b:
-                        bt.append(row, b)
-        for rid, toks in zip(ids, cached.new_token_ids):
-            if toks:
-                self.append_tokens(rid, toks)
+        nb = cached.new_block_ids
+        if nb.count(None) != len(nb):  # C-speed checks first: most decode steps allocate few blocks
+            for i, new_ids in enumerate(nb):
+                if new_ids is not None:
+                    row = int(rows[i])
+                    for bt, b in zip(tables, new_ids):
+                        if b:
+                            bt.append(row, b)
+        if any(cached.new_token_ids):
+            for rid, toks in zip(ids, cached.new_token_ids):
+                if toks:
+                    self.append_tokens(rid, toks)
 
     def _ensure_token_cols(self, num_tokens: int) -> None:
         """Widen the token rows to hold ``num_tokens`` tokens (+ drafts); only bounded-KV requests
