@@ -160,13 +160,12 @@ def skip_prefill(runner, all_steps: bool = False):
     model = runner.model
     fwd = model.forward
     own = "forward" in vars(model)  # e.g. a SeamTimer wrapper, put back after
-    hidden = model.config.hidden_size if hasattr(model, "config") else None
+    hidden = runner.config.model_config.hf_config.hidden_size
     pw = runner.piecewise_runner
 
     def forward(input_ids, positions):
         if all_steps or input_ids.shape[0] > runner.config.scheduler_config.max_num_seqs:
-            h = hidden or fwd(input_ids[:1], positions[:1]).shape[-1]
-            return torch.zeros(input_ids.shape[0], h, dtype=runner.dtype, device=input_ids.device)
+            return torch.zeros(input_ids.shape[0], hidden, dtype=runner.dtype, device=input_ids.device)
         return fwd(input_ids, positions)
 
     model.forward = forward
