@@ -98,3 +98,19 @@ def test_greedy_with_extras_takes_the_general_path():
     from kvserve.sample.sampler import Sampler
 
     assert torch.equal(Sampler().sample(logits, md), logits.argmax(-1))
+
+
+def test_top_k_top_p_without_the_full_sort_equals_the_sorted_path():
+    from kvserve.sample.sampler import apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    V = 300
+    logits = torch.randn(64, V, generator=g) * 3
+    top_k = torch.randint(1, 40, (64,), generator=g)
+    top_p = torch.rand(64, generator=g).clamp_min(0.05)
+    top_p[::7] = 1.0  # top-k alone in some rows
+    fast = apply_top_k_top_p(logits, top_k, top_p, max_top_k=int(top_k.max()))
+    full = apply_top_k_top_p(logits, top_k, top_p, max_top_k=V)  # a row without top-k: the full sort
+    assert torch.equal(fast, full)
+    kept = torch.isfinite(fast).sum(-1)
+    assert (kept >= 1).all() and (kept <= top_k).all() and (kept[::7] == top_k[::7]).all()
