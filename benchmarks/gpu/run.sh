@@ -65,7 +65,7 @@ moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2,
 mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
-step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape: host ms per seam, kernel table vs roofline (step_profile.py)
+step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host ms per seam, kernel table vs roofline (step_profile.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -170,8 +170,9 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
-    step-profile) py $B/step_profile.py --device cuda --batch 512 1024 --context 2048 --steps 20 --profile-steps 4 \
-      --out "$d" ;;
+    step-profile)  # FP8 KV: 512 x 2K does not fit a bf16 KV cache beside the weights (128 GiB)
+      py $B/step_profile.py --device cuda --batch 512 1024 --context 2048 --steps 20 --profile-steps 4 \
+        --kv-cache-dtype fp8_e4m3 --out "$d" ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
