@@ -353,6 +353,7 @@ def device_profile(llm, steps: int, out_dir: str, label: str) -> dict:
             eng.step()
         sync()
         wall = (time.perf_counter() - t0) / steps * 1e3
+    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"trace-{label}.json")
     prof.export_chrome_trace(path)
     res = kernel_table(path, steps)
