@@ -68,6 +68,7 @@ soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requ
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
 fp8:180:FP8 W8A8 GEMMs at the 8B projections (cut-over M), W4 with FP8 weights + FP8 KV vs TensorRT-LLM (gpu_fp8_gemm.py)
 cascade:100:cascade attention: kernel alone at the W3 shape vs per-request decode; W3 cascade on vs off, caching off (gpu_cascade.py)
+step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host ms per seam, kernel table vs roofline (step_profile.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -175,6 +176,9 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
     fp8) py $B/gpu_fp8_gemm.py --out "$d" --parts w4,gemm --deadline $(( ${LIMIT:-180} - 25 )) ;;
     cascade) py $B/gpu_cascade.py --out "$d" --deadline $(( ${LIMIT:-100} - 5 )) ;;
+    step-profile)  # FP8 KV: 512 x 2K does not fit a bf16 KV cache beside the weights (128 GiB)
+      py $B/step_profile.py --device cuda --batch 512 1024 --context 2048 --steps 20 --profile-steps 4 \
+        --kv-cache-dtype fp8_e4m3 --out "$d" ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

@@ -97,7 +97,10 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # n = 1: read every step for every request
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
 
 
 class OutputProcessor:
@@ -143,31 +146,34 @@ class OutputProcessor:
         """
         touched: dict[str, ParentState] = {}
         stopped: list[str] = []
+        child_to_parent = self.child_to_parent
         for req in updated:
-            entry = self.child_to_parent.get(req.request_id)
+            entry = child_to_parent.get(req.request_id)
             if entry is None:
                 continue
             parent, seq = entry
             touched[parent.request_id] = parent
             sp = req.sampling_params
-            if sp.stop or detokenize_all or req.is_finished:
-                text = self._decode(seq)
-                if sp.stop:
-                    # A stop string may straddle tokens: search the new tail plus overlap.
-                    start = max(0, len(seq.text) - max(len(s) for s in sp.stop) + 1)
-                    best = None
-                    for s in sp.stop:
-                        j = text.find(s, start)
-                        if j >= 0 and (best is None or j < best[0]):
-                            best = (j, s)
-                    if best is not None:
-                        text = text[: best[0]]
-                        seq.stop_reason = best[1]
-                        seq.finish_reason = "stop"
-                        if not req.is_finished:
-                            stopped.append(req.request_id)
-                seq.text = text
-            if req.is_finished and seq.finish_reason is None:
+            finished = req.finish_reason is not None  # RequestState.is_finished, read once (hot)
+            if not (sp.stop or detokenize_all or finished):
+                continue
+            text = self._decode(seq)
+            if sp.stop:
+                # A stop string may straddle tokens: search the new tail plus overlap.
+                start = max(0, len(seq.text) - max(len(s) for s in sp.stop) + 1)
+                best = None
+                for s in sp.stop:
+                    j = text.find(s, start)
+                    if j >= 0 and (best is None or j < best[0]):
+                        best = (j, s)
+                if best is not None:
+                    text = text[: best[0]]
+                    seq.stop_reason = best[1]
+                    seq.finish_reason = "stop"
+                    if not req.is_finished:
+                        stopped.append(req.request_id)
+            seq.text = text
+            if finished and seq.finish_reason is None:
                 seq.finish_reason = req.finish_reason
                 seq.stop_reason = req.stop_reason
         return list(touched.values()), stopped

@@ -115,6 +115,12 @@ def get_generator(request: "SamplingRequest", device: torch.device) -> torch.Gen
     return g
 
 
+def _plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy with nothing else to build: no penalties, min_tokens or logprobs."""
+    return (sp.temperature < GREEDY_EPS and sp.logprobs is None and not sp.min_tokens
+            and sp.repetition_penalty == 1.0 and not sp.frequency_penalty and not sp.presence_penalty)
+
+
 def build_sampling_metadata(
     requests: list["SamplingRequest"], vocab_size: int, device: torch.device | str
 ) -> SamplingMetadata:
@@ -128,6 +134,8 @@ def build_sampling_metadata(
     V = vocab_size
     B = len(requests)
     params = [r.sampling_params for r in requests]
+    if all(map(_plain_greedy, params)):  # the common large batch: one pass, nothing to build
+        return SamplingMetadata(batch_size=B, vocab_size=V, all_greedy=True, all_random=B == 0)
     greedy = [sp.temperature < GREEDY_EPS for sp in params]
     rand_rows = [i for i in range(B) if not greedy[i]]
     md = SamplingMetadata(

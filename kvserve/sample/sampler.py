@@ -99,7 +99,8 @@ def apply_top_k_top_p(
             probability whose mass is ``>= top_p``; the top token is always kept and
             ``top_p == 1`` keeps everything.
         max_top_k: host int ``>= top_k.max()``; lets top-k alone use ``topk`` instead of a
-            full sort (ties at the k-th value are then all kept).
+            full sort (ties at the k-th value are then all kept), and top-k with top-p sort
+            only the top ``max_top_k`` when it is below ``V`` (every row has a top-k).
     """
     if top_k is None and top_p is None:
         return logits
@@ -107,9 +108,22 @@ def apply_top_k_top_p(
     if top_p is None:
         # Top-k only: threshold at each row's k-th largest logit (ties at it are kept).
         return _apply_top_k_only(logits, top_k, V if max_top_k is None else max_top_k)
+    if top_k is not None and max_top_k is not None and max_top_k < V:
+        # Every row has a top-k: the nucleus lies within the top k_max, so topk(k_max) replaces
+        # the full-vocabulary sort (same result up to the order of exactly tied logits).
+        sorted_logits, sorted_idx = logits.topk(max(1, max_top_k), dim=-1)
+        return _top_p_over_sorted(logits, sorted_logits, sorted_idx, top_k, top_p)
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    return _top_p_over_sorted(logits, sorted_logits, sorted_idx, top_k, top_p)
+
+
+def _top_p_over_sorted(logits: Tensor, sorted_logits: Tensor, sorted_idx: Tensor, top_k: Tensor | None,
+                       top_p: Tensor) -> Tensor:
+    """Top-k then top-p on descending ``sorted_logits`` ``[R, W]`` (``W <= V``, indices into
+    ``logits`` in ``sorted_idx``); entries of ``logits`` not among them come out ``-inf``."""
+    W = sorted_logits.shape[-1]
     if top_k is not None:
-        pos = torch.arange(V, device=logits.device)
+        pos = torch.arange(W, device=logits.device)
         sorted_logits = sorted_logits.masked_fill(pos.unsqueeze(0) >= top_k.unsqueeze(1), _NEG_INF)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumulative sum
@@ -117,7 +131,8 @@ def apply_top_k_top_p(
     drop = mass_before >= threshold.unsqueeze(1)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    out = torch.empty_like(logits) if W == logits.shape[-1] else torch.full_like(logits, _NEG_INF)
+    return out.scatter_(1, sorted_idx, sorted_logits)
 
 
 def _apply_top_k_only(logits: Tensor, top_k: Tensor, k_max: int) -> Tensor:

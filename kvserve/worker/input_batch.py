@@ -151,6 +151,8 @@ class InputBatch:
         self.num_computed = np.zeros(n, dtype=np.int64)  # the scheduler's count, before this step
         self.block_tables = [BlockTable(n, mb) for mb in max_blocks_per_group]
         self.states: dict[str, CachedRequestState] = {}
+        # Requests that asked for prompt logprobs (the runner looks at these only, not every row).
+        self.prompt_logprobs_reqs: set[str] = set()
         self._free_rows = list(range(n - 1, -1, -1))
 
     @property
@@ -180,6 +182,8 @@ class InputBatch:
         st = CachedRequestState(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                                 new.sampling_params, new.eos_token_id, row)
         self.states[new.req_id] = st
+        if new.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs_reqs.add(new.req_id)
         p, o = len(st.prompt_token_ids), len(st.output_token_ids)
         self._ensure_token_cols(p + o)
         self.token_ids[row, :p] = st.prompt_token_ids
@@ -195,6 +199,7 @@ class InputBatch:
         st = self.states.pop(req_id, None)
         if st is not None:
             self._free_rows.append(st.row)
+            self.prompt_logprobs_reqs.discard(req_id)
 
     def update_cached(self, cached: CachedRequestData) -> None:
         """Append new block ids and set ``num_computed_tokens`` for running requests.
@@ -203,26 +208,36 @@ class InputBatch:
         request holds ``ceil(num_computed_tokens / block_size)`` blocks per group, so rows
         are cut to that first (blocks freed after rejected draft tokens) and then extended.
         """
+        ids = cached.req_ids
+        if not ids:
+            return
         bs = self.block_size
         states = self.states
-        for rid, new_ids, nc, toks in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                                          cached.new_token_ids):
-            st = states.get(rid)
-            if st is None:
-                raise RuntimeError(f"step names request {rid!r} that this worker does not hold")
-            row = st.row
-            if nc != self.num_computed[row]:
-                keep = -(-nc // bs)
-                for bt in self.block_tables:
-                    if bt.num_blocks[row] > keep:
-                        bt.num_blocks[row] = keep
-                self.num_computed[row] = nc
-            if new_ids is not None:
-                for bt, ids in zip(self.block_tables, new_ids):
-                    if ids:
-                        bt.append(row, ids)
-            if toks:
-                self.append_tokens(rid, toks)
+        try:
+            rows = np.fromiter((states[r].row for r in ids), dtype=np.int64, count=len(ids))
+        except KeyError as e:
+            raise RuntimeError(f"step names request {e.args[0]!r} that this worker does not hold") from None
+        nc = np.asarray(cached.num_computed_tokens, dtype=np.int64)
+        # Over the batch at once; the per-request work below touches only rows that changed.
+        for i in np.flatnonzero(nc != self.num_computed[rows]).tolist():
+            row, keep = int(rows[i]), -(-int(nc[i]) // bs)
+            for bt in self.block_tables:
+                if bt.num_blocks[row] > keep:
+                    bt.num_blocks[row] = keep
+        self.num_computed[rows] = nc
+        tables = self.block_tables
+        nb = cached.new_block_ids
+        if nb.count(None) != len(nb):  # C-speed checks first: most decode steps allocate few blocks
+            for i, new_ids in enumerate(nb):
+                if new_ids is not None:
+                    row = int(rows[i])
+                    for bt, b in zip(tables, new_ids):
+                        if b:
+                            bt.append(row, b)
+        if any(cached.new_token_ids):
+            for rid, toks in zip(ids, cached.new_token_ids):
+                if toks:
+                    self.append_tokens(rid, toks)
 
     def _ensure_token_cols(self, num_tokens: int) -> None:
         """Widen the token rows to hold ``num_tokens`` tokens (+ drafts); only bounded-KV requests
@@ -261,6 +276,24 @@ class InputBatch:
         self.token_ids[row, n:n + k] = tokens[:k]
         self.num_tokens[row] = n + k
         st.output_token_ids.extend(tokens)
+
+    def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
+        """One sampled token per request (``req_ids[i]`` gets ``tokens[i]``): ``append_tokens``
+        over the batch at once (requests gone are skipped)."""
+        states = self.states
+        sts = [states.get(r) for r in req_ids]
+        if None in sts:
+            keep = [i for i, st in enumerate(sts) if st is not None]
+            sts, tokens = [sts[i] for i in keep], [tokens[i] for i in keep]
+        if not sts:
+            return
+        rows = np.fromiter((st.row for st in sts), dtype=np.int64, count=len(sts))
+        n = self.num_tokens[rows]
+        self._ensure_token_cols(int(n.max()) + 1)
+        self.token_ids[rows, n] = tokens
+        self.num_tokens[rows] = n + 1
+        for st, tok in zip(sts, tokens):
+            st.output_token_ids.append(tok)
 
     # ---- building a step -------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:

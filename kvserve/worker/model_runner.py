@@ -333,21 +333,23 @@ class ModelRunner:
         states = self.input_batch.states
         prompt_lps = self._prompt_logprobs(inp, hidden, row_start)
         ends = row_start + inp.query_lens - 1
-        plain = [i for i in np.flatnonzero(inp.samples) if not inp.num_drafts[i]]
-        spec = [i for i in np.flatnonzero(inp.samples) if inp.num_drafts[i]]
-        if not plain and not spec:
+        # Over the batch with numpy: no per-request Python on the plain (no draft) rows.
+        plain = np.flatnonzero(inp.samples & (inp.num_drafts == 0))
+        spec = np.flatnonzero(inp.samples & (inp.num_drafts != 0)).tolist()
+        if not len(plain) and not spec:
             self._last_rows = {}
             return AsyncModelRunnerOutput([], None, None, None, None, self, prompt_lps)
-        rows = [int(ends[i]) for i in plain]
-        for i in spec:
-            k = int(inp.num_drafts[i])
-            rows.extend(range(int(ends[i]) - k, int(ends[i]) + 1))
-        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+        rows = ends[plain]
+        if spec:
+            rows = np.concatenate([rows] + [np.arange(int(ends[i]) - int(inp.num_drafts[i]), int(ends[i]) + 1)
+                                            for i in spec])
+        if len(rows) == hidden.shape[0] and (rows == np.arange(len(rows))).all():
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[to_device(np.asarray(rows), self.device)])
-        plain_ids = [inp.req_ids[i] for i in plain]
-        if grammar is not None and plain:
+            logits = self.model.compute_logits(hidden[to_device(rows, self.device)])
+        req_ids = inp.req_ids
+        plain_ids = [req_ids[i] for i in plain.tolist()]
+        if grammar is not None and plain_ids:
             row_of, bitmask = grammar
             pairs = [(j, row_of[r]) for j, r in enumerate(plain_ids) if r in row_of]
             if pairs:
@@ -364,7 +366,7 @@ class ModelRunner:
         sampled, packed, md = self.sampler.launch(logits, reqs)
         (packed,), event = copy_to_host([packed])
         self._last_sampled = sampled
-        self._last_rows = {r: j for j, r in enumerate(plain_ids)}
+        self._last_rows = dict(zip(plain_ids, range(len(plain_ids))))
         return AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self, prompt_lps)
 
     def _prompt_logprobs(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> dict:
@@ -372,13 +374,16 @@ class ModelRunner:
         request ``(start position, [{token_id: (logprob, rank)}, ...])`` for the prompt tokens
         after those positions (the prompt token first, then the top ``prompt_logprobs``).
         Reads back to the host (these steps do not overlap the next one)."""
-        states = self.input_batch.states
+        batch = self.input_batch
+        if not batch.prompt_logprobs_reqs:
+            return {}
+        states = batch.states
         out = {}
         for i, rid in enumerate(inp.req_ids):
+            if rid not in batch.prompt_logprobs_reqs:
+                continue
             st = states[rid]
             k = st.sampling_params.prompt_logprobs
-            if k is None:
-                continue
             start = int(inp.seq_lens[i] - inp.query_lens[i])
             m = min(int(inp.query_lens[i]), len(st.prompt_token_ids) - 1 - start)
             if m <= 0:

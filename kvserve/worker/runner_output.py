@@ -63,13 +63,17 @@ class AsyncModelRunnerOutput:
             self._event.synchronize()
         runner = self._runner
         batch = runner.input_batch
+        multi: list[str] = []  # requests that got several tokens (verified drafts)
         if self._md is not None:
             s = runner.sampler.unpack(self._packed.tolist(), self._md)
             ids, lps = s.sampled_token_ids, s.logprobs
-            for rid, tok, lp in zip(self.req_ids, ids, lps):
-                out.sampled_token_ids[rid] = [tok]
-                if lp is not None:
-                    out.logprobs[rid] = [lp]
+            plain = self.req_ids
+            out.sampled_token_ids.update(zip(plain, [[t] for t in ids[:len(plain)]]))
+            if self._md.logprobs_idx is not None:
+                for rid, lp in zip(plain, lps):
+                    if lp is not None:
+                        out.logprobs[rid] = [lp]
+            batch.append_sampled(plain, ids[:len(plain)])
             if self._spec is not None:
                 rids, drafts, saved, vocab = self._spec
                 pos = len(self.req_ids)
@@ -77,13 +81,14 @@ class AsyncModelRunnerOutput:
                 for rid, d in zip(rids, drafts):
                     toks = verify(d, ids[pos:pos + len(d) + 1])
                     out.sampled_token_ids[rid] = toks
+                    multi.append(rid)
                     if lps[pos] is not None:
                         out.logprobs[rid] = lps[pos:pos + len(toks)]
                     if rid in saved:
                         replay_generator(states[rid].generator, saved[rid], len(toks), vocab)
                     pos += len(d) + 1
-        for rid, toks in out.sampled_token_ids.items():
-            batch.append_tokens(rid, toks)
+        for rid in multi:
+            batch.append_tokens(rid, out.sampled_token_ids[rid])
         load = getattr(runner, "expert_load", None)
         if load is not None and not self.poll:
             out.moe_expert_tokens = load.maybe_read()

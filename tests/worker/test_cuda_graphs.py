@@ -17,6 +17,14 @@ def test_capture_sizes_cover_every_batch():
     assert capture_sizes(3) == [1, 2, 3]
 
 
+def test_capture_sizes_sparser_at_large_batch():
+    sizes = capture_sizes(1024)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 1024 and len(sizes) <= 70
+    assert set(range(8, 257, 8)) <= set(sizes)  # every multiple of 8 up to 256, as before
+    for r in range(257, 1025):  # padding above 256 wastes at most ~6% of the batch
+        assert next(s for s in sizes if s >= r) - r < 0.06 * r + 1
+
+
 def test_piecewise_sizes_cover_every_token_count():
     sizes = piecewise_sizes(8192)
     assert sizes[0] == 16 and sizes[-1] == 8192 and sizes == sorted(set(sizes))

@@ -244,18 +244,27 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         new_blocks: dict[str, object] = {}
         preempted = False
 
+        # The loop runs once per running request every step: plain locals, no property calls.
+        max_model_len = cfg.max_model_len
+        bounded, k_max = self._bounded, self._k_max
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_pending_tokens and self._reaches_limit(req):
-                i += 1  # its pending token is its last: nothing left to compute
-                continue
-            n = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget,
-                    self._max_len(req) - req.num_computed_tokens)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            pending = req.num_pending_tokens
+            num_tokens = len(req.all_token_ids)
+            max_len = self._max_len(req) if bounded else max_model_len
+            if pending:  # its pending token may be its last (``_reaches_limit``): nothing left to compute
+                mt = req.sampling_params.max_tokens
+                if (mt is not None and len(req.output_token_ids) + pending >= mt) or num_tokens + pending >= max_len:
+                    i += 1
+                    continue
+            c = req.num_computed_tokens
+            n = min(num_tokens + pending - c, budget, max_len - c)
             if n <= 0:
                 i += 1
                 continue
-            k = self._num_drafts(req, n, budget)
+            k = self._num_drafts(req, n, budget) if k_max else 0
             # allocate_slots changes nothing when blocks are short: retry with the drafts dropped,
             # then preempting the worst request (this one last) until it fits.
             while (blocks := self.kv.allocate_slots(req, n + k)) is None:
@@ -286,15 +295,17 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         nst = out.num_scheduled_tokens
         num_prompt = 0
         grammar_reqs: list[Request] = []
+        c_ids, c_blocks, c_computed, c_tokens = (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                                 cached.new_token_ids)
         for j, (req, n, k) in enumerate(scheduled):
             rid = req.request_id
             c = req.num_computed_tokens
             if j < num_cached:
-                cached.req_ids.append(rid)
+                c_ids.append(rid)
                 blocks = new_blocks[rid]
-                cached.new_block_ids.append(tuple([b.block_id for b in g] for g in blocks) if any(blocks) else None)
-                cached.num_computed_tokens.append(c)
-                cached.new_token_ids.append([])
+                c_blocks.append(tuple([b.block_id for b in g] for g in blocks) if any(blocks) else None)
+                c_computed.append(c)
+                c_tokens.append([])
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, req.eos_token_id,
@@ -304,11 +315,12 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
                 out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:k]
                 self.num_drafts += 1
                 self.num_draft_tokens += k
-            req.spec_token_ids = []
-            if c < req.num_prompt_tokens or n > 1:
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            if n > 1 or c < len(req.prompt_token_ids):
                 num_prompt += n
             req.num_computed_tokens = c + n + k
-            if c + n == req.num_tokens + req.num_pending_tokens:  # reaches the end: samples
+            if c + n == len(req.all_token_ids) + req.num_pending_tokens:  # reaches the end: samples
                 if req.structured_output is not None:
                     grammar_reqs.append(req)
                 req.num_pending_tokens += 1

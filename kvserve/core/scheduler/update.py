@@ -66,27 +66,33 @@ class OutputUpdateMixin:
         for rid, mass in output.kv_block_mass.items():
             if rid in self.requests:
                 self.kv.observe_block_mass(rid, mass)
+        requests = self.requests
+        running_status, preempted_status = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        check_stop = self._check_stop
+        draft_ids = output.draft_token_ids
         for rid, toks in output.sampled_token_ids.items():
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue  # finished or aborted since: a token computed past the end is dropped
-            if req.status == RequestStatus.RUNNING:
+            if req.status == running_status:
                 req.num_pending_tokens -= 1
-                drafts = spec.get(rid)
-                if drafts:
-                    self._roll_back_drafts(req, len(drafts), len(toks) - 1)
-            elif req.status != RequestStatus.PREEMPTED:
+                if spec:
+                    drafts = spec.get(rid)
+                    if drafts:
+                        self._roll_back_drafts(req, len(drafts), len(toks) - 1)
+            elif req.status != preempted_status:
                 continue
             # A request preempted after this step was scheduled keeps the token: its KV was
             # valid, and the recompute then includes it.
             if req.first_token_time is None:
                 req.first_token_time = now
-            lps = all_lps.get(rid)
+            lps = all_lps.get(rid) if all_lps else None
             status = None
             so = req.structured_output
             for j, tok in enumerate(toks):
-                req.append_output_token(tok)
-                status = self._check_stop(req, tok)
+                req.output_token_ids.append(tok)  # Request.append_output_token, inlined (hot)
+                req.all_token_ids.append(tok)
+                status = check_stop(req, tok)
                 if so is not None and status is None and (not so.accept(tok) or so.is_terminated):
                     status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                 if status is not None:
@@ -98,8 +104,8 @@ class OutputUpdateMixin:
                 else:
                     self.waiting.remove(req)
                 self._finish(req, status)
-            elif req.status == RequestStatus.RUNNING:
-                drafts = output.draft_token_ids.get(rid)
+            elif draft_ids and req.status == running_status:
+                drafts = draft_ids.get(rid)
                 if drafts:
                     req.spec_token_ids = list(drafts)
             updated.append((req, toks, lps[: len(toks)] if lps is not None else None))
@@ -165,9 +171,10 @@ class OutputUpdateMixin:
 
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
-        n_out = req.num_output_tokens
+        n_out = len(req.output_token_ids)
         # Length first, as vLLM does: a stop token that is also the last allowed one reads "length".
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or req.num_tokens >= self._max_len(req):
+        max_len = self._max_len(req) if self._bounded else self.config.max_model_len
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or len(req.all_token_ids) >= max_len:
             return RequestStatus.FINISHED_LENGTH
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and tok == req.eos_token_id:
