@@ -65,6 +65,8 @@ moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2,
 mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
+dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96 QPS (gpu_data_parallel.py)
+ray-tp:60:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -169,6 +171,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
+    dp) py $B/gpu_data_parallel.py --out "$d" --deadline $(( ${LIMIT:-150} - 12 )) ;;
+    ray-tp) py $B/gpu_ray_tp.py --out "$d" --site "$SITE" --wheels "$ROOT/.whl_ray" ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
