@@ -32,14 +32,17 @@ def run_size(n: int, out: str, rates: str, duration: float, deadline: float, smo
     d = os.path.join(out, f"dp{n}")
     os.makedirs(d, exist_ok=True)
     env = dict(os.environ, OUT=d, SWEEP_RATES=rates, SWEEP_DURATION=str(duration), SWEEP_MIN_PROMPTS="8",
-               SWEEP_DEADLINE_S=str(int(deadline + 25)),  # the sweep script keeps 30 s for its stop SWEEP_PORT=str(port), SWEEP_SKIP_WHEELS="1",
+               SWEEP_PORT=str(port), SWEEP_SKIP_WHEELS="1",
+               SWEEP_DEADLINE_S=str(int(deadline + 25)),  # the sweep script keeps 30 s for its stop
                SWEEP_WARMUP_PROMPTS="4" if smoke else "32",
                SERVE_EXTRA_ARGS=f"--data-parallel-size {n} " + os.environ.get("SERVE_EXTRA_ARGS", ""))
     if smoke:
         env.update(SWEEP_CONFIG="tiny", SWEEP_INPUT_LEN="4:40", SWEEP_OUTPUT_LEN="4:16")
     t0 = time.time()
-    rc = subprocess.call(["bash", os.path.join(HERE, "gpu_serve_sweep.sh")], env=env,
-                         timeout=deadline + 30)
+    try:
+        rc = subprocess.call(["bash", os.path.join(HERE, "gpu_serve_sweep.sh")], env=env, timeout=deadline + 30)
+    except subprocess.TimeoutExpired:
+        rc = 124
     path = os.path.join(d, "serve_sweep.json")
     res = {"data_parallel_size": n, "exit_status": rc, "wall_s": round(time.time() - t0, 1), "runs": []}
     if os.path.exists(path):
@@ -63,8 +66,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8011)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny config on the CPU (plumbing check)")
     a = ap.parse_args()
-    if a.cpu_smoke:
-        a.rates, a.duration = "2,4", 3.0
+    if a.cpu_smoke:  # a busy CPU starts servers slowly: room for that
+        a.rates, a.duration, a.deadline = "2,4", 3.0, max(a.deadline, 900.0)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     sizes = [int(s) for s in a.sizes.split(",")]
