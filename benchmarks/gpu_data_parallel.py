@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,9 +40,16 @@ def run_size(n: int, out: str, rates: str, duration: float, deadline: float, smo
     if smoke:
         env.update(SWEEP_CONFIG="tiny", SWEEP_INPUT_LEN="4:40", SWEEP_OUTPUT_LEN="4:16")
     t0 = time.time()
+    p = subprocess.Popen(["bash", os.path.join(HERE, "gpu_serve_sweep.sh")], env=env, start_new_session=True)
     try:
-        rc = subprocess.call(["bash", os.path.join(HERE, "gpu_serve_sweep.sh")], env=env, timeout=deadline + 30)
-    except subprocess.TimeoutExpired:
+        rc = p.wait(timeout=deadline + 30)
+    except subprocess.TimeoutExpired:  # the whole group: the script's trap stops its server, then SIGKILL
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
         rc = 124
     path = os.path.join(d, "serve_sweep.json")
     res = {"data_parallel_size": n, "exit_status": rc, "wall_s": round(time.time() - t0, 1), "runs": []}
