@@ -40,12 +40,15 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def ensure_ray(site: str, wheels: str) -> tuple[bool, str]:
     """Import ray, installing it from ``wheels`` into ``site`` first if needed; (ok, how)."""
+    os.makedirs(site, exist_ok=True)
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     try:
         import ray  # noqa: F401
         return True, "installed"
     except ImportError:
         pass
-    os.makedirs(site, exist_ok=True)
     how = []
     trim = os.path.join(wheels, "ray_trim.tar.xz")
     if os.path.exists(trim):
@@ -59,9 +62,6 @@ def ensure_ray(site: str, wheels: str) -> tuple[bool, str]:
         how.append(f"{len(whls)} wheels (pip rc {rc})")
     if not how:
         return False, f"no Ray: not installed and nothing in {wheels}/"
-    if site not in sys.path:
-        sys.path.insert(0, site)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
     importlib.invalidate_caches()
     try:
         import ray  # noqa: F401

@@ -17,7 +17,8 @@ mkdir -p .whl_ray "$DL/site"
 # Dependencies of ray's core that torch / transformers do not already bring.
 "${PIP[@]}" -d .whl_ray click msgpack protobuf jsonschema jsonschema-specifications referencing rpds-py attrs
 # pip keeps the executables' mode bits (gcs_server, raylet) and writes bin/ray
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$DL/site" "$DL"/ray-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --python-version 3.12 --only-binary=:all: \
+    --platform manylinux2014_x86_64 --target "$DL/site" "$DL"/ray-*.whl
 rm -rf "$DL/site/ray/jars" "$DL/site/ray/dashboard/client/build"
 find "$DL/site" -name '*.js.map' -delete
 tar -C "$DL/site" -cf - . | xz -6 -T2 > .whl_ray/ray_trim.tar.xz
