@@ -70,10 +70,10 @@ def ensure_ray(site: str, wheels: str) -> tuple[bool, str]:
     return True, ", ".join(how)
 
 
-def ray_cli(site: str) -> list[str]:
-    """The ``ray`` command (its console script, or the module behind it)."""
-    exe = os.path.join(site, "bin", "ray")
-    return [exe] if os.path.exists(exe) else [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+def ray_cli() -> list[str]:
+    """The ``ray`` command, run by this Python (a console script's shebang names the machine that
+    packed it)."""
+    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
 
 
 def run_backend(model: str, backend: str, prompts: list[list[int]], max_tokens: int, smoke: bool,
@@ -142,7 +142,7 @@ def main() -> int:
     status = 3
     if ok_ray:
         env = dict(os.environ)
-        cmd = ray_cli(a.site) + ["start", "--head", "--num-gpus", "0" if a.cpu_smoke else "2",
+        cmd = ray_cli() + ["start", "--head", "--num-gpus", "0" if a.cpu_smoke else "2",
                                  "--num-cpus", "4" if a.cpu_smoke else "8", "--include-dashboard=false",
                                  "--disable-usage-stats", "--port", "6389"]
         t1 = time.perf_counter()
@@ -168,7 +168,7 @@ def main() -> int:
                 print(f"ray run failed: {exc!r}")
                 status = 1
             finally:
-                subprocess.run(ray_cli(a.site) + ["stop", "--force"], env=env, capture_output=True, timeout=60)
+                subprocess.run(ray_cli() + ["stop", "--force"], env=env, capture_output=True, timeout=60)
     with open(os.path.join(a.out, "ray_tp.json"), "w") as f:
         json.dump(res, f, indent=2)
         f.write("\n")

@@ -19,7 +19,7 @@ mkdir -p .whl_ray "$DL/site"
 # pip keeps the executables' mode bits (gcs_server, raylet) and writes bin/ray
 python3 -m pip install -q --no-index --no-deps --no-compile --python-version 3.12 --only-binary=:all: \
     --platform manylinux2014_x86_64 --target "$DL/site" "$DL"/ray-*.whl
-rm -rf "$DL/site/ray/jars" "$DL/site/ray/dashboard/client/build"
+rm -rf "$DL/site/ray/jars" "$DL/site/ray/dashboard/client/build" "$DL/site/bin"  # bin/: this machine's shebangs
 find "$DL/site" -name '*.js.map' -delete
 tar -C "$DL/site" -cf - . | xz -6 -T2 > .whl_ray/ray_trim.tar.xz
 echo "ray wheel: $(du -m "$DL"/ray-*.whl | cut -f1) MiB; trimmed tar.xz: $(du -m .whl_ray/ray_trim.tar.xz | cut -f1) MiB;" \
