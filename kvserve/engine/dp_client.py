@@ -100,7 +100,8 @@ class DPAsyncLLM:
     come from core 0 (the cores serve the same model).
 
     ``stat_logger``: a ``PrometheusStatLogger`` built with ``engine=0`` (each core then reports
-    through ``for_engine(i)``), or any ``StatLogger`` (shared by every core).
+    through ``for_engine(i)``; one built without is a ValueError), or a ``StatLogger`` without
+    ``for_engine`` (shared by every core).
     ``routing_policy``: a policy name of ``kvserve.router.policies`` (default ``cache_aware``)
     or a policy object (``choose(text, candidates, salt) -> Decision``).
     """
@@ -109,6 +110,9 @@ class DPAsyncLLM:
                  routing_policy: Any = "cache_aware", **client_kwargs: Any) -> None:
         self.engine_args = engine_args
         self.data_parallel_size = int(engine_args.data_parallel_size)
+        if hasattr(stat_logger, "for_engine") and getattr(stat_logger, "engine", None) is None:
+            raise ValueError("data parallelism needs per-core metrics: build the PrometheusStatLogger with "
+                             "engine=0 (each core then reports through for_engine(i))")
         self.stat_logger = stat_logger or StatLogger()
         self.policy = make_policy(routing_policy) if isinstance(routing_policy, str) else routing_policy
         self.cores: list[AsyncLLM] = []
@@ -177,10 +181,7 @@ class DPAsyncLLM:
 
     def _core_logger(self, index: int) -> StatLogger:
         for_engine = getattr(self.stat_logger, "for_engine", None)
-        inner = self.stat_logger
-        if for_engine is not None and getattr(self.stat_logger, "engine", None) is not None:
-            inner = for_engine(index)
-        return _CoreStats(self, index, inner)
+        return _CoreStats(self, index, for_engine(index) if for_engine is not None else self.stat_logger)
 
     async def _watch(self) -> None:
         while not self._closing and self._errored is None:

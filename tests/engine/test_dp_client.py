@@ -201,6 +201,12 @@ def test_flag_and_refusals(model_dir):
         _args(model_dir, 0).create_engine_config()
     with pytest.raises(ValueError, match="kv_events"):
         DPAsyncLLM(_args(model_dir, 2), routing_policy="kv_events")
+    from kvserve.metrics.prometheus import PrometheusStatLogger
+
+    with pytest.raises(ValueError, match="engine=0"):
+        DPAsyncLLM(_args(model_dir, 2), PrometheusStatLogger("m"))
+    with pytest.raises(ValueError, match="for_engine needs a logger built with engine=0"):
+        PrometheusStatLogger("m").for_engine(1)
     args = _args(model_dir, 2)
     args.kv_events_config = '{"enable_kv_cache_events": true, "publisher": "null"}'
     with pytest.raises(ValueError, match="--kv-events-config is not supported with data_parallel_size 2"):
