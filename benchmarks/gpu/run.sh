@@ -19,6 +19,7 @@
 # Other settings: KVSERVE_COMMIT (recorded in the JSON when git metadata is absent or stale),
 # GPU_TESTS (the test paths of part tests-cuda). Wheels in .whl/ and NIXL in .whl_nixl/ (as
 # the device README says) are installed into /tmp/site first when present.
+# Part ray-tp unpacks Ray from .whl_ray/ (bash benchmarks/gpu/ray_bundle.sh: ~31 MiB, carried as .whl_ray).
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
