@@ -199,6 +199,11 @@ class ParallelConfig:
         False, "Mixture-of-experts models: split the experts whole over the tensor-parallel ranks (each rank "
                "holds experts / tensor_parallel_size of them) instead of splitting every expert's intermediate "
                "dimension; attention stays tensor parallel. Ignored (logged) for a dense model.")
+    data_parallel_size: int = doc(
+        1, "Data-parallel engine cores behind one API server (kvserve serve): each a full copy of the model "
+           "with its own KV cache and scheduler, on its own tensor_parallel_size GPUs; requests are placed by "
+           "the router's cache-aware policy. For replicas on several machines use kvserve launch --replicas.",
+        aliases=["-dp"])
 
     @property
     def world_size(self) -> int:

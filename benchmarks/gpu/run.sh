@@ -19,6 +19,7 @@
 # Other settings: KVSERVE_COMMIT (recorded in the JSON when git metadata is absent or stale),
 # GPU_TESTS (the test paths of part tests-cuda). Wheels in .whl/ and NIXL in .whl_nixl/ (as
 # the device README says) are installed into /tmp/site first when present.
+# Part ray-tp unpacks Ray from .whl_ray/ (bash benchmarks/gpu/ray_bundle.sh: ~31 MiB, carried as .whl_ray).
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
@@ -69,6 +70,8 @@ engine-release:420:three engines in one process after a W1-like load: free GPU m
 fp8:180:FP8 W8A8 GEMMs at the 8B projections (cut-over M), W4 with FP8 weights + FP8 KV vs TensorRT-LLM (gpu_fp8_gemm.py)
 cascade:100:cascade attention: kernel alone at the W3 shape vs per-request decode; W3 cascade on vs off, caching off (gpu_cascade.py)
 step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host ms per seam, kernel table vs roofline (step_profile.py)
+dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96 QPS (gpu_data_parallel.py)
+ray-tp:60:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -179,6 +182,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     step-profile)  # FP8 KV: 512 x 2K does not fit a bf16 KV cache beside the weights (128 GiB)
       py $B/step_profile.py --device cuda --batch 512 1024 --context 2048 --steps 20 --profile-steps 4 \
         --kv-cache-dtype fp8_e4m3 --out "$d" ;;
+    dp) py $B/gpu_data_parallel.py --out "$d" --deadline $(( ${LIMIT:-150} - 12 )) ;;
+    ray-tp) py $B/gpu_ray_tp.py --out "$d" --site "$SITE" --wheels "$ROOT/.whl_ray" ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

@@ -99,6 +99,7 @@ class EngineArgs:
     tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
     distributed_executor_backend: Optional[str] = _from(ParallelConfig, "distributed_executor_backend")
     enable_expert_parallel: bool = _from(ParallelConfig, "enable_expert_parallel")
+    data_parallel_size: int = _from(ParallelConfig, "data_parallel_size")
     # JSON-valued configs (vLLM's flags)
     speculative_config: Optional[str] = _arg(
         None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
@@ -219,6 +220,8 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         tp = self.tensor_parallel_size
         check_tensor_parallel(hf_config, tp, device, self.enable_expert_parallel)
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
         if executor not in ("uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be uni, mp or ray, got {executor!r}")
@@ -295,7 +298,8 @@ class EngineArgs:
         )
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
-            parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel,
+                                           data_parallel_size=self.data_parallel_size),
             attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu"),
                                              self.enable_cascade_attention),
             device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),

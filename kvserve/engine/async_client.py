@@ -89,12 +89,13 @@ class AsyncLLM:
 
     def __init__(self, engine_args: EngineArgs, stat_logger: Optional[StatLogger] = None, *,
                  engine_stall_timeout: Optional[float] = None,
-                 max_request_duration: Optional[float] = None) -> None:
+                 max_request_duration: Optional[float] = None, core_env: Optional[dict] = None) -> None:
         for name, v in (("engine_stall_timeout", engine_stall_timeout),
                         ("max_request_duration", max_request_duration)):
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0 seconds (or None: off), got {v}")
         self.engine_args = engine_args
+        self.core_env = dict(core_env or {})  # environment of the core process (a data-parallel core's GPUs)
         self.engine_stall_timeout = engine_stall_timeout
         self.max_request_duration = max_request_duration
         #: ``time.monotonic()`` of the last message from the core (any kind).
@@ -132,9 +133,13 @@ class AsyncLLM:
         ``kwargs``: ``engine_stall_timeout`` / ``max_request_duration`` (seconds, None: off).
 
         Raises:
-            ValueError / FileNotFoundError: bad flags or model (from the core or the frontend).
+            ValueError / FileNotFoundError: bad flags or model (from the core or the frontend);
+                ``data_parallel_size`` > 1 (that is ``DPAsyncLLM``).
             EngineDeadError: the core process died during start-up or did not get ready in time.
         """
+        if getattr(engine_args, "data_parallel_size", 1) > 1:
+            raise ValueError("AsyncLLM runs one engine core; for data_parallel_size > 1 use "
+                             "kvserve.engine.dp_client.DPAsyncLLM (kvserve serve --data-parallel-size)")
         self = cls(engine_args, stat_logger, **kwargs)
         await self._start(startup_timeout)
         return self
@@ -167,7 +172,10 @@ class AsyncLLM:
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(target=run_engine_core, args=(config, in_addr, out_addr),
                                name="kvserve-engine-core", daemon=True)
-        self.proc.start()
+        from kvserve.engine.core_env import environ_set
+
+        with environ_set(self.core_env):  # spawn copies os.environ when it starts the child
+            self.proc.start()
         tok_task = None
         tok_s = [0.0]
         t_start = time.perf_counter()

@@ -35,6 +35,9 @@ class LLM:
         unknown = set(engine_args) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        if (engine_args.get("data_parallel_size") or 1) > 1:
+            raise ValueError("LLM(...) runs one engine core: serve data_parallel_size > 1 with `kvserve serve "
+                             "--data-parallel-size N` (one API server, N engine cores), or run one LLM per GPU")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
 
     def get_tokenizer(self):

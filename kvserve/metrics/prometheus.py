@@ -2,6 +2,11 @@
 
 Every metric carries the label ``model_name``. Each ``PrometheusStatLogger`` owns its own
 ``CollectorRegistry`` (never the global one), so several servers can live in one process.
+With data parallelism (``--data-parallel-size N``) the server builds it with ``engine=0`` and
+each engine core reports through ``for_engine(i)``: every engine-side series then also carries
+``engine="<i>"`` (vLLM's label; sum over it for the server's totals), while the API server's
+own gauges below stay one series. With one engine there is no ``engine`` label (the series
+are exactly those of earlier releases).
 
 Exposed families (counters get the ``_total`` suffix in the text format):
 
@@ -74,26 +79,42 @@ _XFER_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 
 class PrometheusStatLogger(StatLogger):
-    """Feeds the metrics from ``AsyncLLM``'s hooks. ``render()`` gives the exposition text."""
+    """Feeds the metrics from ``AsyncLLM``'s hooks. ``render()`` gives the exposition text.
+
+    ``engine``: None (one engine core, no ``engine`` label) or 0 (data parallel: this object is
+    engine core 0's logger; ``for_engine(i)`` gives core i's). ``attach_frontend`` applies to
+    the object built by the caller, not to ``for_engine`` views.
+    """
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None, *,
+                 engine: Optional[int] = None, _families: Optional[dict] = None) -> None:
+        view = _families is not None  # another engine's view of an existing logger's families
         own = registry is None
         self.registry = registry if registry is not None else CollectorRegistry()
-        if own:
+        if own and not view:
             ProcessCollector(registry=self.registry)
-        r, lab = self.registry, ["model_name"]
-        self.model_name = model_name
+        self.model_name, self.engine = model_name, engine
+        # With data parallelism every engine-side series carries ``engine="<index>"`` (vLLM's label).
+        lab = ["model_name"] + (["engine"] if engine is not None else [])
+        self._lv = [model_name] + ([str(engine)] if engine is not None else [])
+        self._families = fams = _families if view else {}
+        r = self.registry
+
+        def family(cls: Any, name: str, doc: str, extra: tuple = (), **kw: Any) -> Any:
+            if name not in fams:
+                fams[name] = cls(f"kvserve:{name}", doc, lab + list(extra), registry=r, **kw)
+            return fams[name]
 
         def hist(name: str, doc: str, buckets: list[float]) -> Any:
-            return Histogram(f"kvserve:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+            return family(Histogram, name, doc, buckets=buckets).labels(*self._lv)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"kvserve:{name}", doc, lab, registry=r).labels(model_name)
+            return family(Gauge, name, doc).labels(*self._lv)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(f"kvserve:{name}", doc, lab, registry=r).labels(model_name)
+            return family(Counter, name, doc).labels(*self._lv)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token, seconds.", _TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between tokens of one completion, seconds.",
@@ -113,20 +134,20 @@ class PrometheusStatLogger(StatLogger):
         self.request_tpot = hist("request_time_per_output_token_seconds", "Per finished completion: (e2e - "
                                  "TTFT) / (output tokens - 1), seconds.", _TPOT_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of prefilled requests, cached ones included.")
-        self.prompt_by_source = Counter("kvserve:prompt_tokens_by_source", "Prompt tokens by source: "
-                                        "local_compute | local_cache_hit.", ["model_name", "source"], registry=r)
+        self.prompt_by_source = family(Counter, "prompt_tokens_by_source", "Prompt tokens by source: "
+                                        "local_compute | local_cache_hit.", ("source",))
         self.prompt_cached = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
         self.prompt_computed = counter("prompt_tokens_computed", "Prompt tokens computed by the steps "
                                                                  "(recompute after preemption included).")
         self.gen_tokens = counter("generation_tokens", "Tokens generated.")
-        self.success = Counter("kvserve:request_success", "Completions finished, by finish reason.",
-                               ["model_name", "finished_reason"], registry=r)
+        self.success = family(Counter, "request_success", "Completions finished, by finish reason.",
+                              ("finished_reason",))
         self.spec_drafts = counter("spec_decode_num_drafts", "Request steps that verified draft tokens.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.spec_accepted_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos",
+        self.spec_accepted_per_pos = family(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted at each draft position (0-based).",
-                                             ["model_name", "position"], registry=r)
+                                             ("position",))
         self._last = {"q": 0, "h": 0, "p": 0, "rh": 0, "sd": 0, "sdt": 0, "sa": 0, "rc": 0}
         self._last_per_pos: list[int] = []
         self.recomputed = counter("num_recomputed_tokens", "Tokens computed again for preempted requests.")
@@ -134,10 +155,10 @@ class PrometheusStatLogger(StatLogger):
                                                            "(--kv-eviction-policy streaming|h2o).")
         self.evicted_tokens = counter("kv_evicted_tokens", "Token slots freed by bounded-KV eviction.")
         self._last.update(eb=0, et=0)
-        tl = ["model_name", "tier"]
-        self.tier_hits = Counter("kvserve:kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier.", tl, registry=r)
-        self.tier_stored = Counter("kvserve:kv_tier_stored_blocks", "KV blocks written to a tier.", tl, registry=r)
-        self.tier_loaded = Counter("kvserve:kv_tier_loaded_blocks", "KV blocks loaded from a tier.", tl, registry=r)
+        tl = ("tier",)
+        self.tier_hits = family(Counter, "kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier.", tl)
+        self.tier_stored = family(Counter, "kv_tier_stored_blocks", "KV blocks written to a tier.", tl)
+        self.tier_loaded = family(Counter, "kv_tier_loaded_blocks", "KV blocks loaded from a tier.", tl)
         self.tier_bytes_stored = counter("kv_tier_cpu_stored_bytes", "Bytes written to the CPU tier.")
         self.tier_bytes_loaded = counter("kv_tier_cpu_loaded_bytes", "Bytes loaded from the CPU tier.")
         self.tier_usage = gauge("kv_tier_cpu_usage_perc", "Fraction of CPU tier blocks holding KV (0..1).")
@@ -158,14 +179,18 @@ class PrometheusStatLogger(StatLogger):
                                                                    "AllBlocksCleared) published on the ZMQ socket.")
         self.kv_events_dropped = counter("kv_events_dropped", "KV cache events dropped (publisher queue full).")
         self._last.update(kep=0, ked=0)
-        self.admitted = gauge("num_requests_admitted", "Engine sequences admitted by the API server, "
-                                                       "not finished yet.")
-        self.frontend_unfinished = gauge("frontend_unfinished_requests",
-                                         "Requests the engine client still waits on.")
-        self.rejected = counter("num_requests_rejected", "Requests rejected with 429 (queue full).")
+        if not view:  # the API server's own series: one per server, no engine label
+            fe = {"model_name": model_name}
+            self.admitted = Gauge("kvserve:num_requests_admitted", "Engine sequences admitted by the API server, "
+                                  "not finished yet.", list(fe), registry=r).labels(**fe)
+            self.frontend_unfinished = Gauge("kvserve:frontend_unfinished_requests", "Requests the engine client "
+                                             "still waits on.", list(fe), registry=r).labels(**fe)
+            self.rejected = Counter("kvserve:num_requests_rejected", "Requests rejected with 429 (queue full).",
+                                    list(fe), registry=r).labels(**fe)
         self._rejected_seen = 0
-        self.moe_expert_tokens = Counter("kvserve:moe_expert_tokens", "MoE: tokens routed to each expert, summed "
-                                         "over the MoE layers.", ["model_name", "expert"], registry=r)
+        self._views: dict[int, PrometheusStatLogger] = {} if engine is None else {engine: self}
+        self.moe_expert_tokens = family(Counter, "moe_expert_tokens", "MoE: tokens routed to each expert, summed "
+                                         "over the MoE layers.", ("expert",))
         self.moe_imbalance = gauge("moe_expert_load_imbalance", "MoE: max / mean tokens per expert since the "
                                                                 "previous update (1.0: balanced).")
         self._moe_last: list[int] = []
@@ -178,8 +203,30 @@ class PrometheusStatLogger(StatLogger):
                   "num_gpu_blocks": str(num_blocks), "kv_cache_dtype": str(cc.kv_cache_dtype),
                   "tensor_parallel_size": str(pc.tensor_parallel_size),
                   "distributed_executor_backend": str(pc.distributed_executor_backend or "uni")}
-        Gauge("kvserve:engine_config_info", "Engine layout (labels); num_gpu_blocks is per rank.",
-              list(labels), registry=self.registry).labels(**labels).set(1)
+        if self.engine is not None:
+            labels.update(engine=str(self.engine),
+                          data_parallel_size=str(getattr(pc, "data_parallel_size", 1)))
+        if "engine_config_info" not in self._families:
+            self._families["engine_config_info"] = Gauge(
+                "kvserve:engine_config_info", "Engine layout (labels); num_gpu_blocks is per rank.",
+                list(labels), registry=self.registry)
+        self._families["engine_config_info"].labels(**labels).set(1)
+
+    def for_engine(self, index: int) -> "PrometheusStatLogger":
+        """The logger of data-parallel engine core ``index``: the same registry and metric
+        families, series labelled ``engine="<index>"``, its own counter baselines (each core
+        reports its own cumulative stats). Needs a logger built with ``engine=0``.
+
+        Raises:
+            ValueError: this logger has no engine label (built with ``engine=None``).
+        """
+        if self.engine is None:
+            raise ValueError("for_engine needs a logger built with engine=0 (data-parallel series)")
+        if index not in self._views:
+            self._views[index] = PrometheusStatLogger(self.model_name, self.registry, engine=index,
+                                                      _families=self._families)
+            self._views[index]._views = self._views
+        return self._views[index]
 
     def attach_frontend(self, admitted, rejected, unfinished) -> None:
         """Callables read at every ``render()``: admitted sequences, rejections so far, and
@@ -208,7 +255,7 @@ class PrometheusStatLogger(StatLogger):
             self._last_per_pos += [0] * (len(per_pos) - len(self._last_per_pos))
         for j, v in enumerate(per_pos):
             if v > self._last_per_pos[j]:
-                self.spec_accepted_per_pos.labels(self.model_name, str(j)).inc(v - self._last_per_pos[j])
+                self.spec_accepted_per_pos.labels(*self._lv, str(j)).inc(v - self._last_per_pos[j])
                 self._last_per_pos[j] = v
         self._inc_cumulative("rc", self.recomputed, getattr(stats, "num_recomputed_tokens", 0))
         self._inc_cumulative("eb", self.evicted_blocks, getattr(stats, "num_evicted_blocks", 0))
@@ -221,13 +268,13 @@ class PrometheusStatLogger(StatLogger):
         if tier and "kv_transfer_bytes" in tier:
             self._on_transfer_stats(tier)
         elif tier:
-            m = self.model_name
-            for key, c in (("hit_tokens", self.tier_hits.labels(m, "cpu")),
-                           ("disk_hit_tokens", self.tier_hits.labels(m, "disk")),
-                           ("blocks_stored", self.tier_stored.labels(m, "cpu")),
-                           ("disk_blocks_stored", self.tier_stored.labels(m, "disk")),
-                           ("blocks_loaded", self.tier_loaded.labels(m, "cpu")),
-                           ("disk_blocks_loaded", self.tier_loaded.labels(m, "disk")),
+            lv = self._lv
+            for key, c in (("hit_tokens", self.tier_hits.labels(*lv, "cpu")),
+                           ("disk_hit_tokens", self.tier_hits.labels(*lv, "disk")),
+                           ("blocks_stored", self.tier_stored.labels(*lv, "cpu")),
+                           ("disk_blocks_stored", self.tier_stored.labels(*lv, "disk")),
+                           ("blocks_loaded", self.tier_loaded.labels(*lv, "cpu")),
+                           ("disk_blocks_loaded", self.tier_loaded.labels(*lv, "disk")),
                            ("bytes_stored", self.tier_bytes_stored), ("bytes_loaded", self.tier_bytes_loaded),
                            ("queries", self.tier_queries)):
                 delta = tier.get(key, 0) - self._tier_last.get(key, 0)
@@ -248,7 +295,7 @@ class PrometheusStatLogger(StatLogger):
         delta = [max(c - p, 0) for c, p in zip(counts, last)]
         for e, d in enumerate(delta):
             if d:
-                self.moe_expert_tokens.labels(self.model_name, str(e)).inc(d)
+                self.moe_expert_tokens.labels(*self._lv, str(e)).inc(d)
         if sum(delta):
             self.moe_imbalance.set(max(delta) * len(delta) / sum(delta))
         self._moe_last = [max(c, p) for c, p in zip(counts, last)]
@@ -281,8 +328,8 @@ class PrometheusStatLogger(StatLogger):
         cached = min(max(num_cached_tokens, 0), num_prompt_tokens)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.prompt_cached.inc(cached)
-        self.prompt_by_source.labels(self.model_name, "local_cache_hit").inc(cached)
-        self.prompt_by_source.labels(self.model_name, "local_compute").inc(num_prompt_tokens - cached)
+        self.prompt_by_source.labels(*self._lv, "local_cache_hit").inc(cached)
+        self.prompt_by_source.labels(*self._lv, "local_compute").inc(num_prompt_tokens - cached)
 
     def on_finished(self, finish_reason: str, e2e_s: float, queue_s: Optional[float],
                     num_prompt_tokens: int, num_generation_tokens: int, ttft_s: Optional[float] = None) -> None:
@@ -291,7 +338,7 @@ class PrometheusStatLogger(StatLogger):
             self.request_tpot.observe(max(e2e_s - ttft_s, 0.0) / (num_generation_tokens - 1))
         if queue_s is not None:
             self.queue.observe(max(queue_s, 0.0))
-        self.success.labels(self.model_name, finish_reason).inc()
+        self.success.labels(*self._lv, finish_reason).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

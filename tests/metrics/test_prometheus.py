@@ -83,3 +83,32 @@ def test_prompt_tokens_count_cached_ones_and_tpot():
     assert _value(t, "kvserve:time_per_output_token_seconds_sum") == 0.02
     assert abs(_value(t, "kvserve:request_time_per_output_token_seconds_sum") - 0.1) < 1e-9
     assert 'kvserve:request_time_per_output_token_seconds_bucket{le="0.1",model_name="m"} 1.0' in t
+
+
+def test_per_engine_series_for_data_parallel():
+    """engine=0 + for_engine(i): one registry, every engine-side series per core, own baselines."""
+    from types import SimpleNamespace
+
+    m = PrometheusStatLogger("m", engine=0)
+    e1 = m.for_engine(1)
+    assert m.for_engine(0) is m and m.for_engine(1) is e1 and e1.registry is m.registry
+    m.on_step(SchedulerStatsMsg(3, 2, 0.25, 1, 100, 40), 50, 3)
+    e1.on_step(SchedulerStatsMsg(1, 0, 0.5, 0, 30, 10), 20, 1)  # its own cumulative baseline
+    m.on_finished("stop", 1.0, None, 10, 5)
+    e1.on_finished("stop", 1.0, None, 10, 5)
+    e1.on_finished("length", 1.0, None, 10, 5)
+    m.attach_frontend(lambda: 4, lambda: 0, lambda: 2)
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, distributed_executor_backend=None,
+                                                          data_parallel_size=2),
+                          cache_config=SimpleNamespace(block_size=16, kv_cache_dtype="bfloat16"))
+    m.set_engine_info(cfg, 100)
+    e1.set_engine_info(cfg, 100)
+    t = m.render().decode()
+    assert 'kvserve:num_requests_running{engine="0",model_name="m"} 3.0' in t
+    assert 'kvserve:num_requests_running{engine="1",model_name="m"} 1.0' in t
+    assert 'kvserve:prefix_cache_queries_total{engine="0",model_name="m"} 100.0' in t
+    assert 'kvserve:prefix_cache_queries_total{engine="1",model_name="m"} 30.0' in t
+    assert 'kvserve:request_success_total{engine="1",finished_reason="length",model_name="m"} 1.0' in t
+    assert 'kvserve:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in t
+    assert 'kvserve:num_requests_admitted{model_name="m"} 4.0' in t  # the server's own: no engine label
+    assert t.count("kvserve:engine_config_info{") == 2 and 'data_parallel_size="2",' in t

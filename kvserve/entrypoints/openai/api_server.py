@@ -209,7 +209,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
     if default_max_tokens is not None and default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {default_max_tokens}")
     state.tokenizer_pool = pool = TokenizerPool(engine.tokenizer, engine.max_model_len, max_tokenize_concurrency)
-    max_num_seqs = getattr(engine.engine_args, "max_num_seqs", 256) or 256
+    max_num_seqs = (getattr(engine.engine_args, "max_num_seqs", 256) or 256) * getattr(engine, "data_parallel_size", 1)
     if max_waiting_requests is None:
         max_waiting_requests = 4 * max_num_seqs
     state.admission = admission = Admission(max_num_seqs, max_waiting_requests)
@@ -444,15 +444,20 @@ async def serve_async(ns: argparse.Namespace) -> int:
     allowed_hosts = parse_allowed_hosts(getattr(ns, "allowed_hosts", None))
     if allowed_hosts is None:
         allowed_hosts = default_allowed_hosts(api_key, ns.host)
-    stat_logger = PrometheusStatLogger(names[0])
+    dp = int(getattr(ns, "data_parallel_size", 1) or 1)
+    stat_logger = PrometheusStatLogger(names[0], engine=0 if dp > 1 else None)  # engine="i" series with DP
     check_parsers_and_generation_config(ns)  # before the (slow) engine start
     engine_args = EngineArgs(**EngineArgs.from_cli_args(ns))
     stall = getattr(ns, "engine_stall_timeout", None)
     duration = getattr(ns, "max_request_duration", None)
-    engine = await AsyncLLM.from_engine_args(engine_args, stat_logger,
-                                             engine_stall_timeout=stall if stall and stall > 0 else None,
-                                             max_request_duration=duration if duration and duration > 0 else None)
-    stat_logger.set_engine_info(engine.config, engine.num_blocks)
+    client: Any = AsyncLLM
+    if dp > 1:  # N engine cores behind this server
+        from kvserve.engine.dp_client import DPAsyncLLM as client
+    engine = await client.from_engine_args(engine_args, stat_logger,
+                                           engine_stall_timeout=stall if stall and stall > 0 else None,
+                                           max_request_duration=duration if duration and duration > 0 else None)
+    for i, core in enumerate(getattr(engine, "cores", None) or [engine]):
+        (stat_logger.for_engine(i) if dp > 1 else stat_logger).set_engine_info(engine.config, core.num_blocks)
     from kvserve.entrypoints.openai.generation_config import load_generation_defaults
 
     gen_defaults = load_generation_defaults(getattr(ns, "generation_config", "auto"), engine.model_path)
