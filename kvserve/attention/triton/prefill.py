@@ -17,6 +17,15 @@ where ``kv_hi`` is one past its last token's position and ``kv_lo`` is 0 or the 
 start of its first token; keys at or past ``seq_len`` are never loaded. Without a window,
 the ``BLOCK_N`` steps wholly below the tile's first position run without masks (as the
 FlashAttention-2 Triton tutorial's off-diagonal stage); only the diagonal steps are masked.
+Q tiles are launched last-first (the last tiles of a causal prompt see the most keys).
+
+The chunk's own keys from its K/V rows (constexpr ``NEW_KV``; no window, no residual): keys at
+positions ``>= ctx`` are read from the step's contiguous ``new_key`` / ``new_value`` rows in the
+query dtype (no block table; for a quantized cache no codes and no scales: exact), with the
+causal mask on the diagonal steps only; then the cached prefix ``[0, ctx)`` from the pages with
+no causal mask (only ``kv_hi = ctx`` bounds its last step). The softmax scale (and a quantized
+path's per-row query factor) is folded into the running maximum and one FMA per score
+(``_softmax_step``).
 
 Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexpr
 ``HAS_RESIDUAL``): a row at ``p`` reads cache keys below ``p // B * B`` only, then one extra masked
@@ -41,6 +50,25 @@ from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, 
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _softmax_step(s, row_scale, m_i, l_i, ROW_VEC: tl.constexpr):
+    """Online-softmax update for the logits ``row_scale * s`` (log2 units; ``s [M, N]`` fp32 with
+    masked entries ``-inf``; ``row_scale > 0``, a scalar or ``[M]`` if ``ROW_VEC``). The scale is
+    folded into the row maximum and the exponent's one FMA (as the FlashAttention-2 Triton
+    tutorial), not a separate multiply of the tile. Returns ``(p, alpha, m_new, l_new)``."""
+    if ROW_VEC:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
+        p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * row_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
 
 
 @triton.jit
@@ -71,7 +99,17 @@ def _attend_block(
         vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
     else:
         ks, kz, vs, vz = q_scale, q_scale, q_scale, q_scale
-    qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # log2 units
+    # per-key scales (8-bit formats) on the columns; the row factor folded into the softmax step
+    ROW_VEC: tl.constexpr = KV_FMT > 0 and KV_FMT <= 3
+    if KV_FMT >= 4:  # asymmetric codes: the minimum's term too (kv_load.scaled_scores), in log2 units
+        qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)
+        row_scale = 1.0
+    elif ROW_VEC:
+        qk = tl.dot(q, k, input_precision=DOT_PREC) * ks[None, :]
+        row_scale = q_scale
+    else:
+        qk = tl.dot(q, k, input_precision=DOT_PREC)
+        row_scale = q_scale
     if MASKED:
         if RESIDUAL:
             valid = n_mask[None, :] & (pos[None, :] < q_lim[:, None])
@@ -80,11 +118,7 @@ def _attend_block(
         if USE_WINDOW:
             valid = valid & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(valid, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
     # [BLOCK_N, D]
     v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
     acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
@@ -115,14 +149,10 @@ def _attend_new(
     k = k.to(in_dtype)
     if WIDEN:
         k = k.to(tl.float32)
-    qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # log2 units
+    qk = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         qk = tl.where(n_mask[None, :] & (j[None, :] <= tok[:, None]), qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(qk, qk_scale, m_i, l_i, False)  # log2 units
     if MASKED:
         v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
     else:
