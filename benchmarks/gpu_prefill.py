@@ -191,7 +191,7 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=a.device)
         row = p.fmt.row_elems * p.cache.element_size() if p.fmt is not None else p.d * p.cache.element_size()
         nbytes = 2 * s * p.hkv * row
-        for splits in (None, 8, 16, 64):
+        for splits in (None, 16, 64):
             ms = _time_ms(lambda: decode_attention(q1, p.cache, p.bt, lens, qsl, 1, s, p.d ** -0.5, out=o1,
                                                    num_splits=splits, kv_format=p.fmt), a.reps * 5, cuda)
             _record(out_dir, dict(part="decode", ctx=s, kv_dtype=kv, num_splits=splits or "default",

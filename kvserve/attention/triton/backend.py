@@ -113,8 +113,11 @@ class TritonBackend(AttentionBackend):
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
                 decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
                                  kv_format=fmt, sinks=kv.sinks, **res)
+            chunk = {}  # the variant that reads the chunk's own K/V (the one _attend runs)
+            if not res and kv.rotation is None and (fmt.kernel_code or kv_cache.dtype == dtype):
+                chunk = dict(new_key=new, new_value=new)
             prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, kv_format=fmt, sinks=kv.sinks,
-                              **res)
+                              **res, **chunk)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv: KVCacheView,
                  slot_mapping: torch.Tensor) -> None:
@@ -194,7 +197,8 @@ class TritonBackend(AttentionBackend):
             )
         if num_reqs > nd:
             q_p, out_p = (rotate_rows(query, kv_rotation), torch.empty_like(out)) if rotate else (query, out)
-            if chunk_kv and not res and kv_rotation is None and (fmt.kernel_code or kv_cache.dtype == query.dtype):
+            if (chunk_kv and not res and kv_rotation is None and key.dtype == value.dtype == query.dtype
+                    and (fmt.kernel_code or kv_cache.dtype == query.dtype)):
                 res = dict(new_key=key, new_value=value)  # the chunk's own keys from its K/V rows (prefill.py)
             prefill_attention(
                 q_p, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
