@@ -12,6 +12,8 @@
   TFLOP/s of the causal FLOPs ``4 * S^2 * H * d / 2``, against ``peak``. The 4K records check the
   output against SDPA (``max_err``). Also the decode kernel at batch 1 x 32K per KV dtype (GB/s of
   the K/V bytes it reads vs 4.8 TB/s, HBM3e) with the default split count and two others.
+  With ``--old-kernel PATH`` (an older tree's ``kvserve/attention/triton/prefill.py``) the same
+  calls through it too (``old``; at 128K it replaces ``pages``).
 - ``sweep``: tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the prefill kernel at
   32K whole, bf16 and fp8 (``SWEEP``): the figures that choose ``prefill._config``.
 - ``w5``: ``benchmarks/workloads.py --workload w5`` for bf16 and fp8_e4m3 KV, each in its own
@@ -107,12 +109,14 @@ class Prompt:
         slots = self.bt[0, pos // bs].long() * bs + pos % bs
         store_kv(self.k, self.v, self.cache, slots, kv_format=self.fmt)
 
-    def run(self, chunk_kv: bool, chunk: int | None, out, **cfg) -> None:
-        """The prompt through the prefill kernel: one call, or ``chunk``-token calls over the prefix."""
+    def run(self, chunk_kv: bool, chunk: int | None, out, kernel=None, **cfg) -> None:
+        """The prompt through the prefill kernel (``kernel``: another ``prefill_attention``, e.g.
+        an older tree's): one call, or ``chunk``-token calls over the prefix."""
         import torch
 
         from kvserve.attention.triton import prefill_attention
 
+        prefill_attention = kernel or prefill_attention
         step = chunk or self.s
         for c in range(0, self.s, step):
             n = min(step, self.s - c)
@@ -146,12 +150,24 @@ def _sdpa_err(p: Prompt, out, exact: bool) -> float:
     return (out.float() - ref).abs().max().item()
 
 
+def load_old_kernel(path: str):
+    """``prefill_attention`` of an older ``prefill.py`` (its kvserve imports resolve to this tree)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvserve_old_prefill", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.prefill_attention
+
+
 def kernel_part(a, out_dir: str, peak: float) -> None:
     import torch
 
     from kvserve.attention.triton import decode_attention
 
     cuda = a.device == "cuda"
+    old = load_old_kernel(a.old_kernel) if a.old_kernel else None
+    modes = (["old"] if old else []) + ["pages", "chunk_kv"]
     for s in a.sizes:
         for kv in a.kv_dtypes:
             try:
@@ -161,18 +177,21 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
                 continue
             out = torch.empty_like(p.q)
             flops = 4 * s * s * p.h * p.d / 2
-            for mode in ("pages", "chunk_kv"):
+            for mode in modes:
                 for pattern, chunk in (("whole", None), ("chunked", CHUNK if s > CHUNK else None)):
                     if (pattern == "chunked" and chunk is None) or (mode, pattern) == ("pages", "whole") and s > 32768:
                         continue  # 128K: the engine's pattern (chunked) both ways, whole only as it runs now
+                    if mode == "pages" and old and s > 32768:
+                        continue  # the old kernel stands for it
                     try:
-                        ms = _time_ms(lambda: p.run(mode == "chunk_kv", chunk, out), a.reps, cuda)
+                        ms = _time_ms(lambda: p.run(mode == "chunk_kv", chunk, out, old if mode == "old" else None),
+                                      1 if s > 32768 else a.reps, cuda)
                         rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, ms=round(ms, 3),
                                    tflops=round(flops / (ms * 1e-3) / 1e12, 1))
                         if peak:
                             rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
                         exact = mode == "chunk_kv" and (pattern == "whole" or p.fmt is None)
-                        if s <= 4096 and (mode == "pages" or exact):  # chunked fp8 chunk_kv: mixed keys
+                        if s <= 4096 and (mode != "chunk_kv" or exact):  # chunked fp8 chunk_kv: mixed keys
                             rec["max_err"] = _sdpa_err(p, out, exact)
                     except Exception as e:  # noqa: BLE001
                         rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, error=repr(e))
@@ -253,6 +272,8 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
     ap.add_argument("--sizes", default="4096,32768,131072", help="kernel part: prompt lengths")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--old-kernel", default=None, metavar="PREFILL_PY",
+                    help="kernel part: also time this older prefill.py (mode 'old')")
     ap.add_argument("--budget", type=float, default=1e9, help="sweep: stop starting configs after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     a = ap.parse_args()
