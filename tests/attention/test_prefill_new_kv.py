@@ -31,22 +31,23 @@ if not CUDA:
 REQS = [(0, 19), (21, 10), (5, 3), (7, 1)]
 
 
-def _batch(name, q_dtype, h, hkv, d, bs, seed):
+def _batch(name, q_dtype, h, hkv, d, bs, seed, reqs=REQS, num_decodes=0):
     gen = torch.Generator().manual_seed(seed)
-    bt, _, num_blocks = random_block_tables(REQS, bs, gen)
+    bt, _, num_blocks = random_block_tables(reqs, bs, gen)
     fmt = get_kv_format(name)
     x = torch.randn(2, num_blocks, bs, hkv, d, generator=gen)
     cache = quantize_pages(x, fmt) if fmt.quantized else x.to(getattr(torch, name))
     slots, qsl = [], [0]
-    for i, (c, n) in enumerate(REQS):
+    for i, (c, n) in enumerate(reqs):
         slots += [int(bt[i, p // bs]) * bs + p % bs for p in range(c, c + n)]
         qsl.append(qsl[-1] + n)
-    qlens, slens = [n for _, n in REQS], [c + n for c, n in REQS]
+    qlens, slens = [n for _, n in reqs], [c + n for c, n in reqs]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV), block_tables=bt.to(DEV),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
         seq_lens=torch.tensor(slens, dtype=torch.int32, device=DEV),
-        query_lens_cpu=qlens, seq_lens_cpu=slens, max_query_len=max(qlens), max_seq_len=max(slens), num_decodes=0)
+        query_lens_cpu=qlens, seq_lens_cpu=slens, max_query_len=max(qlens), max_seq_len=max(slens),
+        num_decodes=num_decodes)
     t = sum(qlens)
     q, k, v = (torch.randn(t, n, d, generator=gen).to(q_dtype).to(DEV) for n in (h, hkv, hkv))
     if not fmt.quantized and not CUDA:  # the interpreter truncates fp32 -> bf16: keep K/V exact in the cache dtype
@@ -55,12 +56,15 @@ def _batch(name, q_dtype, h, hkv, d, bs, seed):
 
 
 def _reference(q, k, v, cache, meta, name, d, scale):
-    """torch_ref over a float32 copy of the cache whose new slots hold the chunk's K/V as computed."""
+    """torch_ref over a float32 copy of the cache whose new slots of the prefill requests (after
+    the ``meta.num_decodes`` decodes, which read their own key from the cache) hold the chunk's
+    K/V as computed."""
     fmt = get_kv_format(name)
     ref = dequantize_pages(cache, d, torch.float32, fmt) if fmt.quantized else cache.float()
     ref = ref.clone()
     flat = ref.flatten(1, 2)
-    flat[:, meta.slot_mapping] = torch.stack([k.float(), v.float()])
+    r0 = int(meta.query_start_loc[meta.num_decodes])
+    flat[:, meta.slot_mapping[r0:]] = torch.stack([k[r0:].float(), v[r0:].float()])
     no_store = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
     return TorchRefBackend().forward(q.float(), k.float(), v.float(), view_of(ref), no_store, scale)
 
@@ -97,10 +101,12 @@ def test_prefill_new_kv_bad_shape_raises():
 
 
 def test_backend_fp8_prefill_uses_the_chunk_kv():
-    """TritonBackend on an fp8 cache: the prefill rows equal the chunk-exact reference (and the
-    cache holds the quantized new rows, as torch_ref's store writes them)."""
+    """TritonBackend on an fp8 cache, decodes then prefill chunks in one batch: the prefill rows
+    equal the chunk-exact reference, the decode rows read the cache (and the cache holds the
+    quantized new rows, as the store kernel writes them)."""
     d = 16
-    meta, cache, q, k, v, fmt = _batch("fp8_e4m3", torch.float32, 4, 2, d, 4, seed=5)
+    meta, cache, q, k, v, fmt = _batch("fp8_e4m3", torch.float32, 4, 2, d, 4, seed=5,
+                                       reqs=[(9, 1), (3, 1), (0, 19), (21, 10)], num_decodes=2)
     c_ref = cache.clone()
     out = TritonBackend().forward(q, k, v, view_of(cache, "fp8_e4m3", d), meta, d ** -0.5)
     store_kv(k, v, c_ref, meta.slot_mapping, kv_format=kv_format_for("fp8_e4m3", d))
