@@ -211,11 +211,14 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
         row = p.fmt.row_elems * p.cache.element_size() if p.fmt is not None else p.d * p.cache.element_size()
         nbytes = 2 * s * p.hkv * row
         for splits in (None, 16, 64):
-            ms = _time_ms(lambda: decode_attention(q1, p.cache, p.bt, lens, qsl, 1, s, p.d ** -0.5, out=o1,
-                                                   num_splits=splits, kv_format=p.fmt), a.reps * 5, cuda)
-            _record(out_dir, dict(part="decode", ctx=s, kv_dtype=kv, num_splits=splits or "default",
-                                  us=round(ms * 1e3, 2), gb_per_s=round(nbytes / (ms * 1e-3) / 1e9, 1),
-                                  frac_of_hbm=round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 3)))
+            try:
+                ms = _time_ms(lambda: decode_attention(q1, p.cache, p.bt, lens, qsl, 1, s, p.d ** -0.5, out=o1,
+                                                       num_splits=splits, kv_format=p.fmt), a.reps * 5, cuda)
+                rec = dict(us=round(ms * 1e3, 2), gb_per_s=round(nbytes / (ms * 1e-3) / 1e9, 1),
+                           frac_of_hbm=round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 3))
+            except Exception as e:  # noqa: BLE001 - one split count's failure must not stop the part
+                rec = dict(error=repr(e)[:300])
+            _record(out_dir, dict(part="decode", ctx=s, kv_dtype=kv, num_splits=splits or "default", **rec))
         del p
 
 
@@ -292,18 +295,20 @@ def main() -> None:
         global CHUNK
         CHUNK = 16
     os.makedirs(a.out, exist_ok=True)
-    parts = a.parts.split(",")
     peak = 0.0
-    if "peak" in parts:
-        peak = matmul_peak(a.device, 8192 if a.device == "cuda" else 64)
-        _record(a.out, dict(part="peak", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-                            torch=torch.__version__, bf16_matmul_tflops=round(peak, 1)))
-    if "kernel" in parts:
-        kernel_part(a, a.out, peak)
-    if "sweep" in parts:
-        sweep_part(a, a.out, peak)
-    if "w5" in parts:
-        w5_part(a, a.out)
+    for part in a.parts.split(","):  # in the order given
+        if part == "peak":
+            peak = matmul_peak(a.device, 8192 if a.device == "cuda" else 64)
+            _record(a.out, dict(part="peak", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                                torch=torch.__version__, bf16_matmul_tflops=round(peak, 1)))
+        elif part == "kernel":
+            kernel_part(a, a.out, peak)
+        elif part == "sweep":
+            sweep_part(a, a.out, peak)
+        elif part == "w5":
+            w5_part(a, a.out)
+        else:
+            raise SystemExit(f"unknown part {part!r} (peak, kernel, sweep, w5)")
     print("| part | seq | kv | mode | ms | TFLOP/s | of peak |")
     print("|--|--|--|--|--|--|--|")
     for line in open(os.path.join(a.out, "prefill.json")):

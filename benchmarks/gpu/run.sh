@@ -170,11 +170,11 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
-    prefill)  # sweep last: the figures that matter first if the limit cuts the part
+    prefill)  # W5 (the TTFT targets) first, the sweep last: what matters most if the limit cuts the part
       local old=/tmp/prefill_old.py  # the kernel before the chunk-K/V path: KVSERVE_BASELINE's, or from git
       if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/prefill.py" $old
       else git show "${PREFILL_BASELINE_COMMIT:-c18d643}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
-      py $B/gpu_prefill.py --out "$d" --parts peak,kernel,w5 --reps 2 ${old:+--old-kernel $old}
+      py $B/gpu_prefill.py --out "$d" --parts peak,w5,kernel --reps 2 ${old:+--old-kernel $old}
       py $B/gpu_prefill.py --out "$d" --parts sweep --reps 2 --budget $(( ${LIMIT:-150} - SECONDS - 15 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
