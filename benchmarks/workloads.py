@@ -14,6 +14,9 @@
   (512 requests) and 128/128 (2,048 requests) of random ids, ignore_eos, greedy, ``max_num_seqs``
   512; each ISL/OSL in a child process of its own (``--isl-osl`` runs one here). Figure: output
   tok/s beside TensorRT-LLM's FP8 figures on one H200 (17,744 / 27,911).
+- ``w5`` long prompts: Llama-3.1-8B shape, batch 1, a 32,768- and a 130,944-token prompt (random
+  ids) + 128 output tokens each, greedy, one engine (max_model_len 131,072). Figures per prompt:
+  TTFT (s) and ms per output token.
 
 Only kvserve's public API is used (``LLM``, ``SamplingParams``, ``RequestOutput.metrics``; W2 also
 ``LLM.llm_engine``'s ``add_request`` / ``step`` / ``abort_request``, as vLLM's ``LLMEngine`` has them), with
@@ -21,7 +24,7 @@ Only kvserve's public API is used (``LLM``, ``SamplingParams``, ``RequestOutput.
 older checkout: ``PYTHONPATH=<other checkout> python3 benchmarks/workloads.py --workload w1``.
 
 Usage (repo root):
-    PYTHONPATH=. python3 benchmarks/workloads.py --workload w1|w2|w3|w4 [--kv-cache-dtype fp8_e4m3]
+    PYTHONPATH=. python3 benchmarks/workloads.py --workload w1|w2|w3|w4|w5 [--kv-cache-dtype fp8_e4m3]
         [--engine-arg quantization=fp8 ...] [--out FILE.json]
     python3 benchmarks/workloads.py --workload w1 --tiny   # tiny random model on the CPU, < 1 min
 Prints one JSON line (device, torch/triton versions, commit, command, figures); --out writes it too.
@@ -58,7 +61,10 @@ LLAMA31_8B = dict(
 _TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 SHAPES = {"w1": QWEN3_06B, "w2": LLAMA31_8B, "w3": QWEN3_06B}
+TINY_SIZES["w5"] = dict(prompt_lens=[96, 700], output_len=8, vocab=2000)
+SIZES["w5"] = dict(prompt_lens=[32768, 130944], output_len=128, vocab=10000)
 SHAPES["w4"] = LLAMA31_8B
+SHAPES["w5"] = LLAMA31_8B
 
 # Workload sizes: the canonical ones, and the --tiny ones (CPU check of the script, no figure).
 SIZES = {
@@ -85,6 +91,8 @@ W4_TINY_SIZES = {"1000/1000": dict(requests=8, isl=40, osl=24, vocab=2000, trtll
                  "128/128": dict(requests=16, isl=16, osl=16, vocab=2000, trtllm=27911)}
 ENGINE["w4"] = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=8192,
                     gpu_memory_utilization=0.9)
+# 131,072 tokens of bf16 KV at the 8B shape are 16 GiB; the default 8,192-token chunks
+ENGINE["w5"] = dict(dtype="bfloat16", max_model_len=131072, max_num_seqs=4, kv_cache_memory="20GiB")
 TINY_ENGINE = dict(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory="64MiB")
 
 
@@ -262,6 +270,31 @@ def w3(a: argparse.Namespace) -> dict:
                 ttft_ratio=round(on["mean_ttft_s"] / off["mean_ttft_s"], 3))
 
 
+def w5(a: argparse.Namespace) -> dict:
+    """Long prompts at batch 1: each prompt length alone, TTFT (s, arrival to first token) and
+    ms per output token after it (first to last token), one engine for all lengths (a
+    1,024-token warm-up request first)."""
+    import numpy as np
+
+    from kvserve import SamplingParams
+
+    s = (TINY_SIZES if a.tiny else SIZES)["w5"]
+    rng = np.random.default_rng(0)
+    llm, args = make_llm("w5", a)
+    warm = min(1024, s["prompt_lens"][0])
+    llm.generate([rng.integers(0, s["vocab"], warm).tolist()], SamplingParams(max_tokens=4), use_tqdm=False)
+    res = {}
+    for n in s["prompt_lens"]:
+        sp = SamplingParams(temperature=0, max_tokens=s["output_len"], ignore_eos=True)
+        _sync()
+        o = llm.generate([rng.integers(0, s["vocab"], n).tolist()], sp, use_tqdm=False)[0]
+        m, k = o.metrics, len(o.outputs[0].token_ids)
+        res[str(n)] = dict(ttft_s=round(m.first_token_time - m.arrival_time, 3),
+                           ms_per_token=round((m.finished_time - m.first_token_time) / max(k - 1, 1) * 1e3, 3),
+                           output_tokens=k)
+    return dict(prompts=res, output_len=s["output_len"], engine_args=args)
+
+
 def w4_one(a: argparse.Namespace) -> dict:
     """One ISL/OSL of W4 in this process: output tokens per wall second of all requests at once."""
     import numpy as np
@@ -314,7 +347,7 @@ def _engine_arg(text: str) -> tuple[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", required=True, choices=("w1", "w2", "w3", "w4"))
+    ap.add_argument("--workload", required=True, choices=("w1", "w2", "w3", "w4", "w5"))
     ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8_e4m3, int8, int4 (default: the engine's)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="any other LLM(...) argument, VALUE as JSON where it parses (repeatable)")
@@ -339,7 +372,7 @@ def main() -> None:
     elif a.workload == "w4":
         figures = w4(a)
     else:
-        figures = {"w1": w1, "w2": w2, "w3": w3}[a.workload](a)
+        figures = {"w1": w1, "w2": w2, "w3": w3, "w5": w5}[a.workload](a)
     rec = dict(workload=a.workload.upper() + (" (tiny)" if a.tiny else ""), kv_cache_dtype=a.kv_cache_dtype,
                **figures, **environment(), date=time.strftime("%Y-%m-%d", time.gmtime()))
     line = json.dumps(rec)

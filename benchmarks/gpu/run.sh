@@ -72,6 +72,7 @@ cascade:100:cascade attention: kernel alone at the W3 shape vs per-request decod
 step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host ms per seam, kernel table vs roofline (step_profile.py)
 dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96 QPS (gpu_data_parallel.py)
 ray-tp:60:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
+prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -184,6 +185,12 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         --kv-cache-dtype fp8_e4m3 --out "$d" ;;
     dp) py $B/gpu_data_parallel.py --out "$d" --deadline $(( ${LIMIT:-150} - 12 )) ;;
     ray-tp) py $B/gpu_ray_tp.py --out "$d" --site "$SITE" --wheels "$ROOT/.whl_ray" ;;
+    prefill)  # W5 (the TTFT targets) first, the sweep last: what matters most if the limit cuts the part
+      local old=/tmp/prefill_old.py  # the kernel before the chunk-K/V path: KVSERVE_BASELINE's, or from git
+      if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/prefill.py" $old
+      else git show "${PREFILL_BASELINE_COMMIT:-c18d643}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
+      py $B/gpu_prefill.py --out "$d" --parts peak,w5,kernel --reps 2 ${old:+--old-kernel $old}
+      py $B/gpu_prefill.py --out "$d" --parts sweep --reps 2 --budget $(( ${LIMIT:-150} - SECONDS - 15 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

@@ -128,8 +128,11 @@ class TritonBackend(AttentionBackend):
             for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
                 decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
                                  kv_format=fmt, sinks=kv.sinks, **res)
+            chunk = {}  # the variant that reads the chunk's own K/V (the one _attend runs)
+            if not res and kv.rotation is None and (fmt.kernel_code or kv_cache.dtype == dtype):
+                chunk = dict(new_key=new, new_value=new)
             prefill_attention(q, kv_cache, bt, lens, qsl, 0, 1, 1, 1.0, window, kv_format=fmt, sinks=kv.sinks,
-                              **res)
+                              **res, **chunk)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv: KVCacheView,
                  slot_mapping: torch.Tensor) -> None:
@@ -171,7 +174,7 @@ class TritonBackend(AttentionBackend):
             q, k = rotate_rows(query, r), rotate_rows(key, r)
             v = value if folded else rotate_rows(value, r)
             out = self._attend(q, k, v, kv.cache, kv.format, meta, scale, sliding_window, None, False, kv_residual,
-                               kv.sinks)
+                               kv.sinks, chunk_kv=False)
             return out if folded else rotate_rows(out, r.T)
         return self._attend(query, key, value, kv.cache, kv.format, meta, scale, sliding_window, r, folded,
                             kv_residual, kv.sinks)
@@ -179,7 +182,8 @@ class TritonBackend(AttentionBackend):
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 fmt: KVCacheFormat, meta: AttentionMetadata, scale: float, sliding_window: int | None,
                 kv_rotation: torch.Tensor | None, values_rotated: bool,
-                kv_residual: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                kv_residual: torch.Tensor | None, sinks: torch.Tensor | None = None,
+                chunk_kv: bool = True) -> torch.Tensor:
         rotate = kv_rotation is not None
         res, k_out, v_out, early = {}, None, None, {}
         if kv_residual is not None:  # the new rows as the cache holds them: the store kernel's if it rotates
@@ -212,6 +216,9 @@ class TritonBackend(AttentionBackend):
             )
         if num_reqs > nd:
             q_p, out_p = (rotate_rows(query, kv_rotation), torch.empty_like(out)) if rotate else (query, out)
+            if (chunk_kv and not res and kv_rotation is None and key.dtype == value.dtype == query.dtype
+                    and (fmt.kernel_code or kv_cache.dtype == query.dtype)):
+                res = dict(new_key=key, new_value=value)  # the chunk's own keys from its K/V rows (prefill.py)
             prefill_attention(
                 q_p, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p, kv_format=fmt, sinks=sinks,

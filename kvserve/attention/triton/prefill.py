@@ -17,6 +17,15 @@ where ``kv_hi`` is one past its last token's position and ``kv_lo`` is 0 or the 
 start of its first token; keys at or past ``seq_len`` are never loaded. Without a window,
 the ``BLOCK_N`` steps wholly below the tile's first position run without masks (as the
 FlashAttention-2 Triton tutorial's off-diagonal stage); only the diagonal steps are masked.
+Q tiles are launched last-first (the last tiles of a causal prompt see the most keys).
+
+The chunk's own keys from its K/V rows (constexpr ``NEW_KV``; no window, no residual): keys at
+positions ``>= ctx`` are read from the step's contiguous ``new_key`` / ``new_value`` rows in the
+query dtype (no block table; for a quantized cache no codes and no scales: exact), with the
+causal mask on the diagonal steps only; then the cached prefix ``[0, ctx)`` from the pages with
+no causal mask (only ``kv_hi = ctx`` bounds its last step). The softmax scale (and a quantized
+path's per-row query factor) is folded into the running maximum and one FMA per score
+(``_softmax_step``).
 
 Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexpr
 ``HAS_RESIDUAL``): a row at ``p`` reads cache keys below ``p // B * B`` only, then one extra masked
@@ -41,6 +50,25 @@ from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, 
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _softmax_step(s, row_scale, m_i, l_i, ROW_VEC: tl.constexpr):
+    """Online-softmax update for the logits ``row_scale * s`` (log2 units; ``s [M, N]`` fp32 with
+    masked entries ``-inf``; ``row_scale > 0``, a scalar or ``[M]`` if ``ROW_VEC``). The scale is
+    folded into the row maximum and the exponent's one FMA (as the FlashAttention-2 Triton
+    tutorial), not a separate multiply of the tile. Returns ``(p, alpha, m_new, l_new)``."""
+    if ROW_VEC:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
+        p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * row_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
 
 
 @triton.jit
@@ -71,7 +99,17 @@ def _attend_block(
         vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
     else:
         ks, kz, vs, vz = q_scale, q_scale, q_scale, q_scale
-    qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # log2 units
+    # per-key scales (8-bit formats) on the columns; the row factor folded into the softmax step
+    ROW_VEC: tl.constexpr = KV_FMT > 0 and KV_FMT <= 3
+    if KV_FMT >= 4:  # asymmetric codes: the minimum's term too (kv_load.scaled_scores), in log2 units
+        qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)
+        row_scale = 1.0
+    elif ROW_VEC:
+        qk = tl.dot(q, k, input_precision=DOT_PREC) * ks[None, :]
+        row_scale = q_scale
+    else:
+        qk = tl.dot(q, k, input_precision=DOT_PREC)
+        row_scale = q_scale
     if MASKED:
         if RESIDUAL:
             valid = n_mask[None, :] & (pos[None, :] < q_lim[:, None])
@@ -80,14 +118,49 @@ def _attend_block(
         if USE_WINDOW:
             valid = valid & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(valid, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
     # [BLOCK_N, D]
     v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
     acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_new(
+    q, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt, stride_nvt, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    WIDEN: tl.constexpr, in_dtype: tl.constexpr,
+):
+    """One online-softmax step over the chunk's own keys ``j0 .. j0 + BLOCK_N - 1`` (0 = the
+    chunk's first new token), read from the contiguous new K/V rows ``nk_base + j * stride_nkt``
+    (no block table, never quantized). ``q [M, D]``: the query rows as computed (``in_dtype``,
+    float32 if ``WIDEN``), unscaled; ``tok [M]``: each row's token in the chunk. ``MASKED``: the
+    causal (``j <= tok``) and ``j < q_len`` masks, for the diagonal steps only."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    j = j0 + offs_n
+    rows_k = j.to(tl.int64) * stride_nkt
+    rows_v = j.to(tl.int64) * stride_nvt
+    if MASKED:
+        n_mask = j < q_len
+        k = tl.load(nk_base + rows_k[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+    else:
+        k = tl.load(nk_base + rows_k[None, :] + offs_d[:, None])
+    k = k.to(in_dtype)
+    if WIDEN:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, k, input_precision=DOT_PREC)
+    if MASKED:
+        qk = tl.where(n_mask[None, :] & (j[None, :] <= tok[:, None]), qk, float("-inf"))
+    p, alpha, m_new, l_i = _softmax_step(qk, qk_scale, m_i, l_i, False)  # log2 units
+    if MASKED:
+        v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :])
+    v = v.to(in_dtype)
+    if WIDEN:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -107,10 +180,11 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
-    tile = tl.program_id(1)
+    # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
     kvh = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + req)
@@ -128,6 +202,26 @@ def _prefill_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
+    live = t0 < q_len
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the head's sink logit (log2 units) starts the running max, adding 2^0 = 1 to the sum
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(row_mask, 1.0, 0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if NEW_KV:  # the chunk's own keys first, from its contiguous K/V rows in the query dtype
+        q_dtype: tl.constexpr = q_ptr.dtype.element_ty
+        q_new = q.to(tl.float32) if WIDEN else q
+        nk_base = new_k_ptr + q_start.to(tl.int64) * stride_nkt + kvh * stride_nkh
+        nv_base = new_v_ptr + q_start.to(tl.int64) * stride_nvt + kvh * stride_nvh
+        own_full = tl.where(live, (t0 // BLOCK_N) * BLOCK_N, 0)  # keys every row of the tile sees
+        own_hi = tl.where(live, tl.minimum(t0 + BLOCK_Q, q_len), 0)
+        for j0 in range(0, own_full, BLOCK_N):
+            acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
+                                        stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, WIDEN, q_dtype)
+        for j0 in range(own_full, own_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
+                                        stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, WIDEN, q_dtype)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
@@ -135,12 +229,15 @@ def _prefill_kernel(
     q_scale = q_scale * CODE_SCALE
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
         q = q.to(tl.float32)
+    if NEW_KV and CODE_SCALE != 1.0:  # the accumulator is kept in code units (times CODE_SCALE at the end)
+        acc = acc * (1.0 / CODE_SCALE)
 
     # Keys this tile can see: [kv_lo, kv_hi), empty when the tile is past q_len. Without a
     # window, keys below ctx + t0 (the tile's first position) are seen by every row: those
     # whole BLOCK_N steps skip the masks; the rest (diagonal / window) are masked.
-    live = t0 < q_len
     kv_hi = tl.where(live, tl.minimum(ctx + t0 + BLOCK_Q, seq_len), 0)
+    if NEW_KV:  # the cache holds only the prefix still to read: keys [0, ctx), no causal mask needed
+        kv_hi = tl.where(live, ctx, 0)
     if USE_WINDOW:  # from a multiple of BLOCK_N (kv_scale_index); the window mask hides the rest
         kv_min = tl.maximum(ctx + t0 - window + 1, 0)
         kv_lo = (kv_min // BLOCK_N) * BLOCK_N
@@ -149,6 +246,8 @@ def _prefill_kernel(
         kv_lo = seq_len * 0
         kv_min = kv_lo
         full_end = tl.where(live, ((ctx + t0) // BLOCK_N) * BLOCK_N, 0)
+        if NEW_KV:
+            full_end = (kv_hi // BLOCK_N) * BLOCK_N
     kv_hi_q = kv_hi  # end of the keys read from the cache
     q_lim = q_pos
     if HAS_RESIDUAL:  # cache keys stop at each row's own block; those blocks are read exact below
@@ -160,12 +259,6 @@ def _prefill_kernel(
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_ch
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if HAS_SINKS:  # the head's sink logit (log2 units) starts the running max, adding 2^0 = 1 to the sum
-        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        l_i = tl.where(row_mask, 1.0, 0.0)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n0 in range(kv_lo, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
@@ -194,6 +287,22 @@ def _prefill_kernel(
     o = acc * (CODE_SCALE / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def new_kv_args(new_key: torch.Tensor, new_value: torch.Tensor | None, query: torch.Tensor, hkv: int):
+    """The kernel's residual-slot arguments carrying the chunk's own K/V (``NEW_KV``): new K and V
+    in the new-row pointers and strides, ``query`` for the residual ones (never read).
+
+    Raises ValueError unless both are ``[num_tokens, num_kv_heads, D]`` of the query's dtype."""
+    want = (query.shape[0], hkv, query.shape[2])
+    for name, t in (("new_key", new_key), ("new_value", new_value)):
+        if t is None or tuple(t.shape) != want or t.dtype != query.dtype:
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise ValueError(f"{name} must be {list(want)} of {query.dtype} (the chunk's own K/V), got {got}")
+    new_key = new_key if new_key.stride(-1) == 1 else new_key.contiguous()
+    new_value = new_value if new_value.stride(-1) == 1 else new_value.contiguous()
+    return ((query, query, new_key, new_value, query),
+            (0, 0, 0, new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1)))
 
 
 def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool):
@@ -230,6 +339,8 @@ def prefill_attention(
     new_key: torch.Tensor | None = None,
     new_value: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -250,8 +361,14 @@ def prefill_attention(
             ``p`` reads cache keys below ``p // block_size * block_size`` and the rest of its
             block from the residual (keys below the request's cached length) or from the new
             rows (``new_key[query_start_loc[i] + j - ctx]``, in the cache's basis).
+            Without ``kv_residual`` (and without a sliding window), ``new_key`` / ``new_value``
+            ``[num_tokens, num_kv_heads, D]`` in the query dtype are the chunk's own K/V as
+            computed: keys at positions ``>= seq_len - q_len`` are read from them (contiguous
+            rows, no block table, never quantized) and only the cached prefix from the pages.
+            With a sliding window they are ignored (every key is read from the cache).
         sinks: ``[num_heads]`` learned attention sinks (gpt-oss), one extra logit per head in
             each row's softmax denominator (no value): the running max and sum start from it.
+        num_warps / num_stages: launch overrides (benchmark sweeps; default ``_config``).
 
     Returns ``out``. No host synchronisation.
     """
@@ -266,7 +383,7 @@ def prefill_attention(
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
-    bm, bn, num_warps, num_stages = _config(d, query.dtype, group, query.device.type != "cuda")
+    bm, bn, cfg_warps, cfg_stages = _config(d, query.dtype, group, query.device.type != "cuda")
     bm = block_m or bm
     bn = block_n or bn
     assert bm >= 16 and bn >= 16 and bm >= group
@@ -275,7 +392,11 @@ def prefill_attention(
     assert k_cache.stride() == v_cache.stride()
     window = sliding_window if sliding_window is not None else 0
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), hkv)
-    res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
+    new_kv = kv_residual is None and new_key is not None and sliding_window is None
+    if new_kv:
+        res_t, res_s = new_kv_args(new_key, new_value, query, hkv)
+    else:
+        res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -292,7 +413,7 @@ def prefill_attention(
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
-        HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv,
+        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out

@@ -1,0 +1,326 @@
+"""Long-prompt prefill on one GPU: the Triton prefill kernel alone, then W5 through the engine.
+
+- ``peak``: the measured bf16 matmul peak (8192^3 ``torch.matmul``, best of 10, TFLOP/s): the
+  denominator of every kernel figure.
+- ``kernel``: the prefill kernel alone at the Llama-3.1-8B attention shape (32 query heads,
+  8 KV heads, head dim 128, block size 16), batch 1, causal prompts of 4K / 32K / 128K tokens,
+  bf16 and fp8_e4m3 KV. Two ways of reading keys: ``pages`` (every key through the block table,
+  as the kernel did before the chunk's own keys came from its K/V rows) and ``chunk_kv`` (the
+  chunk's own keys from its contiguous K/V, only the cached prefix from the pages: what the
+  engine runs now); each as one whole-prompt call (``whole``) and as the engine's 8,192-token
+  chunks over the cached prefix (``chunked``: the sum of the chunk calls). ms (CUDA events) and
+  TFLOP/s of the causal FLOPs ``4 * S^2 * H * d / 2``, against ``peak``. The 4K records check the
+  output against SDPA (``max_err``). Also the decode kernel at batch 1 x 32K per KV dtype (GB/s of
+  the K/V bytes it reads vs 4.8 TB/s, HBM3e) with the default split count and two others.
+  With ``--old-kernel PATH`` (an older tree's ``kvserve/attention/triton/prefill.py``) the same
+  calls through it too (``old``; at 128K it replaces ``pages``).
+- ``sweep``: tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the prefill kernel at
+  32K whole, bf16 and fp8 (``SWEEP``): the figures that choose ``prefill._config``.
+- ``w5``: ``benchmarks/workloads.py --workload w5`` for bf16 and fp8_e4m3 KV, each in its own
+  process (32,768 and 130,944-token prompts + 128 output tokens: TTFT and ms/token).
+
+Usage (GPU machine, repo root):
+    PYTHONPATH=. python3 benchmarks/gpu_prefill.py --out $OUT/prefill --parts peak,kernel,sweep,w5
+    python3 benchmarks/gpu_prefill.py --cpu-smoke     # tiny shapes, interpreter kernels, CPU
+Appends one JSON record per figure to --out/prefill.json; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+H, HKV, D, BS = 32, 8, 128, 16
+CHUNK = 8192
+HBM_BYTES_PER_S = 4.8e12
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages); None: ``prefill._config``'s default
+SWEEP = [None, (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
+         (256, 64, 8, 2)]
+
+
+def _record(out_dir: str, rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+    with open(os.path.join(out_dir, "prefill.json"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _time_ms(fn, reps: int, cuda: bool) -> float:
+    """Best of ``reps`` runs of ``fn`` after one warm-up run (CUDA events on the GPU)."""
+    import torch
+
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+def matmul_peak(device: str, n: int) -> float:
+    """bf16 ``n x n x n`` matmul TFLOP/s (best of 10)."""
+    import torch
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    ms = _time_ms(lambda: torch.matmul(a, b), 10 if device == "cuda" else 2, device == "cuda")
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+class Prompt:
+    """One request's prompt of ``s`` tokens at the 8B attention shape: q / k / v rows and a paged
+    cache (bf16 or quantized) already holding every key, as after the store kernel."""
+
+    def __init__(self, s: int, kv_dtype: str, device: str, h: int = H, hkv: int = HKV, d: int = D, bs: int = BS):
+        import torch
+
+        from kvserve.attention.kv_format import kv_format_for
+        from kvserve.attention.triton import store_kv
+
+        dt = torch.bfloat16 if device == "cuda" else torch.float32
+        self.s, self.h, self.hkv, self.d, self.bs, self.device = s, h, hkv, d, bs, device
+        g = torch.Generator(device=device).manual_seed(0)
+        self.q = torch.randn(s, h, d, device=device, dtype=dt, generator=g)
+        self.k = torch.randn(s, hkv, d, device=device, dtype=dt, generator=g)
+        self.v = torch.randn(s, hkv, d, device=device, dtype=dt, generator=g)
+        nb = -(-s // bs)
+        self.fmt = kv_format_for(kv_dtype, d) if kv_dtype != "bfloat16" else None
+        if self.fmt is not None:
+            self.cache = torch.zeros(self.fmt.cache_shape(nb + 1, bs, hkv), device=device,
+                                     dtype=getattr(torch, self.fmt.desc.torch_dtype))
+        else:
+            self.cache = torch.zeros(2, nb + 1, bs, hkv, d, device=device, dtype=dt)
+        self.bt = (torch.randperm(nb, device=device, generator=g) + 1).to(torch.int32)[None, :]
+        pos = torch.arange(s, device=device)
+        slots = self.bt[0, pos // bs].long() * bs + pos % bs
+        store_kv(self.k, self.v, self.cache, slots, kv_format=self.fmt)
+
+    def run(self, chunk_kv: bool, chunk: int | None, out, kernel=None, **cfg) -> None:
+        """The prompt through the prefill kernel (``kernel``: another ``prefill_attention``, e.g.
+        an older tree's): one call, or ``chunk``-token calls over the prefix."""
+        import torch
+
+        from kvserve.attention.triton import prefill_attention
+
+        prefill_attention = kernel or prefill_attention
+        step = chunk or self.s
+        for c in range(0, self.s, step):
+            n = min(step, self.s - c)
+            sl = slice(c, c + n)
+            lens = torch.tensor([c + n], dtype=torch.int32, device=self.device)
+            qsl = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+            extra = dict(new_key=self.k[sl], new_value=self.v[sl]) if chunk_kv else {}
+            prefill_attention(self.q[sl], self.cache, self.bt, lens, qsl, 0, 1, n, self.d ** -0.5, out=out[sl],
+                              kv_format=self.fmt, **extra, **cfg)
+
+
+def _sdpa_err(p: Prompt, out, exact: bool) -> float:
+    """max |out - SDPA| over the prompt: fp32 SDPA of the K/V as computed (``exact``) or as
+    stored (dequantized for fp8)."""
+    import torch
+
+    from kvserve.attention.kv_quant import dequantize_pages
+
+    if exact:
+        k, v = p.k.float(), p.v.float()
+    else:
+        c = dequantize_pages(p.cache, p.d, torch.float32, p.fmt.desc) if p.fmt is not None else p.cache.float()
+        pos = torch.arange(p.s, device=p.device)
+        blocks = p.bt[0, pos // p.bs].long()
+        k, v = c[0, blocks, pos % p.bs], c[1, blocks, pos % p.bs]  # [s, hkv, d]
+    g = p.h // p.hkv
+    q = p.q.float().transpose(0, 1)
+    k = k.repeat_interleave(g, 1).transpose(0, 1)
+    v = v.repeat_interleave(g, 1).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+    return (out.float() - ref).abs().max().item()
+
+
+def load_old_kernel(path: str):
+    """``prefill_attention`` of an older ``prefill.py`` (its kvserve imports resolve to this tree)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvserve_old_prefill", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.prefill_attention
+
+
+def kernel_part(a, out_dir: str, peak: float) -> None:
+    import torch
+
+    from kvserve.attention.triton import decode_attention
+
+    cuda = a.device == "cuda"
+    old = load_old_kernel(a.old_kernel) if a.old_kernel else None
+    modes = (["old"] if old else []) + ["pages", "chunk_kv"]
+    for s in a.sizes:
+        for kv in a.kv_dtypes:
+            try:
+                p = Prompt(s, kv, a.device, *a.shape)
+            except Exception as e:  # noqa: BLE001 - one size's failure must not stop the rest
+                _record(out_dir, dict(part="kernel", seq=s, kv_dtype=kv, error=repr(e)))
+                continue
+            out = torch.empty_like(p.q)
+            flops = 4 * s * s * p.h * p.d / 2
+            for mode in modes:
+                for pattern, chunk in (("whole", None), ("chunked", CHUNK if s > CHUNK else None)):
+                    if (pattern == "chunked" and chunk is None) or (mode, pattern) == ("pages", "whole") and s > 32768:
+                        continue  # 128K: the engine's pattern (chunked) both ways, whole only as it runs now
+                    if mode == "pages" and old and s > 32768:
+                        continue  # the old kernel stands for it
+                    try:
+                        ms = _time_ms(lambda: p.run(mode == "chunk_kv", chunk, out, old if mode == "old" else None),
+                                      1 if s > 32768 else a.reps, cuda)
+                        rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, ms=round(ms, 3),
+                                   tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+                        if peak:
+                            rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
+                        exact = mode == "chunk_kv" and (pattern == "whole" or p.fmt is None)
+                        if s <= 4096 and (mode != "chunk_kv" or exact):  # chunked fp8 chunk_kv: mixed keys
+                            rec["max_err"] = _sdpa_err(p, out, exact)
+                    except Exception as e:  # noqa: BLE001
+                        rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, error=repr(e))
+                        traceback.print_exc()
+                    _record(out_dir, rec)
+            del p, out
+            if cuda:
+                torch.cuda.empty_cache()
+    # decode at batch 1 x the longest decode context: the K/V bytes it reads against HBM bandwidth
+    s = a.decode_ctx
+    for kv in a.kv_dtypes:
+        p = Prompt(s, kv, a.device, *a.shape)
+        q1 = p.q[-1:].contiguous()
+        o1 = torch.empty_like(q1)
+        lens = torch.tensor([s], dtype=torch.int32, device=a.device)
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=a.device)
+        row = p.fmt.row_elems * p.cache.element_size() if p.fmt is not None else p.d * p.cache.element_size()
+        nbytes = 2 * s * p.hkv * row
+        for splits in (None, 16, 64):
+            try:
+                ms = _time_ms(lambda: decode_attention(q1, p.cache, p.bt, lens, qsl, 1, s, p.d ** -0.5, out=o1,
+                                                       num_splits=splits, kv_format=p.fmt), a.reps * 5, cuda)
+                rec = dict(us=round(ms * 1e3, 2), gb_per_s=round(nbytes / (ms * 1e-3) / 1e9, 1),
+                           frac_of_hbm=round(nbytes / (ms * 1e-3) / HBM_BYTES_PER_S, 3))
+            except Exception as e:  # noqa: BLE001 - one split count's failure must not stop the part
+                rec = dict(error=repr(e)[:300])
+            _record(out_dir, dict(part="decode", ctx=s, kv_dtype=kv, num_splits=splits or "default", **rec))
+        del p
+
+
+def sweep_part(a, out_dir: str, peak: float) -> None:
+    import torch
+
+    cuda = a.device == "cuda"
+    s = a.sweep_seq
+    for kv in a.kv_dtypes:
+        p = Prompt(s, kv, a.device, *a.shape)
+        out = torch.empty_like(p.q)
+        flops = 4 * s * s * p.h * p.d / 2
+        for cfg in SWEEP:
+            if time.time() - a.t0 > a.budget:
+                _record(out_dir, dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", skipped="budget"))
+                continue
+            kw = {} if cfg is None else dict(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+            if not cuda and cfg is not None:
+                kw.update(num_warps=1, num_stages=1)
+            try:
+                ms = _time_ms(lambda: p.run(True, None, out, **kw), a.reps, cuda)
+                rec = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", ms=round(ms, 3),
+                           tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+                if peak:
+                    rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a record
+                rec = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", error=repr(e)[:300])
+            _record(out_dir, rec)
+        del p, out
+
+
+def w5_part(a, out_dir: str) -> None:
+    """workloads.py --workload w5 per KV dtype, each in its own process."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for kv in a.kv_dtypes:
+        dst = os.path.join(out_dir, f"w5_{kv}.json")
+        cmd = [sys.executable, os.path.join(here, "workloads.py"), "--workload", "w5", "--out", dst]
+        if kv != "bfloat16":
+            cmd += ["--kv-cache-dtype", kv]
+        if a.device != "cuda":
+            cmd.append("--tiny")
+        t0 = time.time()
+        rc = subprocess.call(cmd)
+        rec = dict(part="w5", kv_dtype=kv, rc=rc, wall_s=round(time.time() - t0, 1))
+        if rc == 0 and os.path.exists(dst):
+            rec["prompts"] = json.loads(open(dst).readline())["prompts"]
+        _record(out_dir, rec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp/kvserve-prefill")
+    ap.add_argument("--parts", default="peak,kernel,sweep,w5")
+    ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3")
+    ap.add_argument("--sizes", default="4096,32768,131072", help="kernel part: prompt lengths")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--old-kernel", default=None, metavar="PREFILL_PY",
+                    help="kernel part: also time this older prefill.py (mode 'old')")
+    ap.add_argument("--budget", type=float, default=1e9, help="sweep: stop starting configs after this many seconds")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    a = ap.parse_args()
+    a.t0 = time.time()
+    if a.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    a.device = "cuda" if torch.cuda.is_available() and not a.cpu_smoke else "cpu"
+    a.kv_dtypes = a.kv_dtypes.split(",")
+    a.sizes = [int(x) for x in a.sizes.split(",")]
+    a.shape = (H, HKV, D, BS)
+    a.decode_ctx, a.sweep_seq = 32768, 32768
+    if a.device == "cpu":  # interpreter: tiny shapes, one rep
+        a.sizes, a.shape, a.decode_ctx, a.sweep_seq, a.reps = [40], (4, 2, 16, 4), 40, 24, 1
+        global CHUNK
+        CHUNK = 16
+    os.makedirs(a.out, exist_ok=True)
+    peak = 0.0
+    for part in a.parts.split(","):  # in the order given
+        if part == "peak":
+            peak = matmul_peak(a.device, 8192 if a.device == "cuda" else 64)
+            _record(a.out, dict(part="peak", device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+                                torch=torch.__version__, bf16_matmul_tflops=round(peak, 1)))
+        elif part == "kernel":
+            kernel_part(a, a.out, peak)
+        elif part == "sweep":
+            sweep_part(a, a.out, peak)
+        elif part == "w5":
+            w5_part(a, a.out)
+        else:
+            raise SystemExit(f"unknown part {part!r} (peak, kernel, sweep, w5)")
+    print("| part | seq | kv | mode | ms | TFLOP/s | of peak |")
+    print("|--|--|--|--|--|--|--|")
+    for line in open(os.path.join(a.out, "prefill.json")):
+        r = json.loads(line)
+        if r["part"] in ("kernel", "sweep"):
+            print(f"| {r['part']} | {r['seq']} | {r['kv_dtype']} | {r.get('mode', r.get('config'))} "
+                  f"{r.get('pattern', '')} | {r.get('ms', r.get('error', ''))} | {r.get('tflops', '')} | "
+                  f"{r.get('frac_of_peak', '')} |")
+        elif r["part"] == "w5":
+            for n, f in r.get("prompts", {}).items():
+                print(f"| w5 | {n} | {r['kv_dtype']} | TTFT {f['ttft_s']} s | {f['ms_per_token']} ms/token | | |")
+
+
+if __name__ == "__main__":
+    main()
