@@ -199,10 +199,15 @@ class ParallelConfig:
         False, "Mixture-of-experts models: split the experts whole over the tensor-parallel ranks (each rank "
                "holds experts / tensor_parallel_size of them) instead of splitting every expert's intermediate "
                "dimension; attention stays tensor parallel. Ignored (logged) for a dense model.")
+    pipeline_parallel_size: int = doc(
+        1, "Pipeline-parallel stages: the decoder layers split into this many consecutive ranges, one stage "
+           "each (the first holds the embedding, the last the final norm, LM head and sampling); hidden "
+           "states pass stage to stage. world size = pipeline x tensor parallel, ranks ordered tensor-"
+           "parallel first.", aliases=["-pp"])
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 #: Largest ``num_speculative_tokens`` accepted (each step computes ``1 + k`` tokens per request).
