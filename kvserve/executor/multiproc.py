@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import traceback
 from typing import Any, Optional
 
@@ -122,12 +123,18 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError(self.failed)
         msg = pickle.loads(self._out.recv())
         if msg[0] == "error":
+            # A rank's collective or send/recv fails when a peer was killed: name that rank
+            # (a rank that reported its own error exits with 0).
+            for _ in range(5):
+                if any(p.exitcode not in (None, 0) for p in self.procs):
+                    self._check_alive()
+                time.sleep(0.1)
             self.failed = f"worker {msg[1]} failed: {msg[2]}"
             raise _worker_error(msg[2], self.failed)
         return msg
 
     def _check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.is_alive()]
+        dead = sorted((p for p in self.procs if not p.is_alive()), key=lambda p: p.exitcode == 0)  # killed first
         if dead:
             self.failed = f"worker process {dead[0].name} died (exit code {dead[0].exitcode})"
             raise RuntimeError(self.failed)

@@ -200,6 +200,8 @@ class ModelRunner:
             group = self.kv_cache_config.groups[gid]
             fmt = format_of_spec(group.spec)
             for layer in group.layer_indices:
+                if layer not in self.kv_caches:  # a layer of another pipeline stage
+                    continue
                 # quantized pages keep codes and scales apart: the format copies both
                 fmt.copy_slots(self.kv_caches[layer], src_t, dst_t)
 
