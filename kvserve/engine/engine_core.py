@@ -81,6 +81,9 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     layout = "" if pc.world_size == 1 else (
         f" per rank; tensor_parallel_size={pc.tensor_parallel_size} ({pc.distributed_executor_backend} executor), "
         f"each rank holds its share of the KV heads")
+    if pc.pipeline_parallel_size > 1:
+        layout += (f"; pipeline_parallel_size={pc.pipeline_parallel_size}: each stage holds these blocks for its "
+                   f"own layers only (the count is the smallest over stages)")
     # What the format buys: tokens per byte relative to an unquantized cache in the model dtype.
     ref_bpt = sum(len(g.layer_indices) * g.spec.reference_bytes_per_token(mc.dtype) for g in kv_cfg.groups)
     ref_name = mc.dtype
