@@ -110,8 +110,13 @@ def test_pp2_real_model_equals_one_rank_with_preemption_and_a_killed_stage_fails
     try:
         ex = pp.llm_engine.engine_core.executor
         assert type(ex).__name__ == "MultiprocExecutor" and len(ex.procs) == 2
+        core = pp.llm_engine.engine_core
+        assert core.max_concurrent_batches == 2
+        queued, step = [], core._step_with_batch_queue
+        core._step_with_batch_queue = lambda: (step(), queued.append(len(core._batch_queue)))[0]
         outs = pp.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
+        assert max(queued) == 1  # a step returned the oldest of two micro-batches in flight
         assert sum(o.metrics.num_preemptions for o in outs) > 0
         os.kill(ex.procs[0].pid, signal.SIGKILL)  # the first stage: the last one waits on its recv
         t0 = time.monotonic()

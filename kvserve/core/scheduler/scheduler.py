@@ -112,6 +112,11 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         if connector is not None:
             connector.bind_scheduler(self.requests, kv_cache_manager)
         self.num_preemptions = 0
+        # Pipeline parallelism (EngineCore's batch queue): a request whose step is still in
+        # flight waits for its token (earlier stages need it), and a step takes at most
+        # ``max_batch_requests`` running requests, so several micro-batches share the stages.
+        self.skip_in_flight = False
+        self.max_batch_requests: Optional[int] = None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_recompute_queries = 0
@@ -247,6 +252,11 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self.skip_in_flight and req.num_pending_tokens:
+                i += 1  # its previous step is still in flight
+                continue
+            if self.max_batch_requests is not None and len(scheduled) >= self.max_batch_requests:
+                break
             if req.num_pending_tokens and self._reaches_limit(req):
                 i += 1  # its pending token is its last: nothing left to compute
                 continue
@@ -275,7 +285,8 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             budget -= n + k
             i += 1
         num_cached = len(scheduled)
-        if not preempted:  # admit none while this step had to preempt (memory is short)
+        cap = self.max_batch_requests
+        if not preempted and (cap is None or len(scheduled) < cap):  # none while this step preempted
             self._admit_waiting(budget, scheduled)
         return self._make_output(out, scheduled, num_cached, new_blocks)
 
