@@ -125,3 +125,27 @@ def test_pp2_real_model_equals_one_rank_with_preemption_and_a_killed_stage_fails
         assert time.monotonic() - t0 < 10
     finally:
         pp.shutdown()
+
+
+def test_scheduler_skips_requests_in_flight_and_splits_micro_batches():
+    from kvserve.config import SchedulerConfig
+    from kvserve.core.kv_cache_manager import KVCacheManager
+    from kvserve.core.scheduler import Scheduler
+    from kvserve.request import Request
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                  KVCacheManager.for_blocks(64, 4, True))
+    s.skip_in_flight, s.max_batch_requests = True, 2
+    for i in range(4):
+        s.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=float(i)))
+    first = s.schedule()  # admission is not capped: the four prefills run together
+    assert sorted(first.num_scheduled_tokens) == ["r0", "r1", "r2", "r3"]
+    assert s.schedule().is_empty  # every request in flight: nothing to run
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={f"r{i}": [7] for i in range(4)}))
+    a = s.schedule()  # decodes: at most two requests a micro-batch
+    assert a.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    b = s.schedule()  # the other two; r0 and r1 are in flight
+    assert b.num_scheduled_tokens == {"r2": 1, "r3": 1}
+    assert s.schedule().is_empty
+    s.update_from_output(a, ModelRunnerOutput(sampled_token_ids={"r0": [8], "r1": [8]}))
+    assert s.schedule().num_scheduled_tokens == {"r0": 1, "r1": 1}
