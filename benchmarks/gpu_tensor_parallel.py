@@ -127,26 +127,55 @@ SMOKE = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
 
 
+def decode_rate(llm, prompt_len: int, out_len: int, batch: int) -> tuple[float, float]:
+    """``(ms per token of one request, output tok/s)`` while ``batch`` requests decode, from
+    token counts over wall time: under pipeline parallelism an engine step returns one
+    micro-batch (or nothing while the queue fills), so step intervals are not token times."""
+    from kvserve import SamplingParams
+
+    eng = llm.llm_engine
+    sched = eng.engine_core.scheduler
+    sp = SamplingParams(temperature=0, max_tokens=out_len * 4 + 64, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    ids = [eng.add_request(None, torch.randint(0, 10000, (prompt_len,), generator=g).tolist(), sp)
+           for _ in range(batch)]
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        eng.step()  # prefill
+    assert len(sched.running) == batch, (len(sched.running), batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    n0 = sum(r.num_output_tokens for r in sched.running)
+    t0 = time.perf_counter()
+    while sum(r.num_output_tokens for r in sched.running) - n0 < out_len * batch:
+        eng.step()
+    dt = time.perf_counter() - t0
+    n = sum(r.num_output_tokens for r in sched.running) - n0
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return dt / (n / batch) * 1e3, n / dt
+
+
 def pp_point(path: str, pp: int, tp: int, smoke: bool) -> dict:
     """One engine (this process): batch-1 ms/token and batch-64 decode tok/s at ``pp`` x ``tp``."""
     from kvserve import LLM
 
-    if smoke:  # decode_latency syncs the device between phases; there is none
-        torch.cuda.synchronize = lambda *a, **k: None
     t0 = time.perf_counter()
     llm = LLM(model=path, load_format="dummy", dtype="float32" if smoke else "bfloat16", skip_tokenizer_init=True,
               max_model_len=512 if smoke else 4096, pipeline_parallel_size=pp, tensor_parallel_size=tp,
               kv_cache_memory="16MiB" if smoke else "16GiB", device="cpu" if smoke else "cuda",
               disable_log_stats=True)
     startup = time.perf_counter() - t0
-    n1, n64, b = (8, 4, 8) if smoke else (64, 16, 64)
-    decode_latency(llm, 32, 4, 1)
-    ms = statistics.median(decode_latency(llm, 128 if not smoke else 16, n1, 1)[2:])
-    step = statistics.median(decode_latency(llm, 128 if not smoke else 16, n64, b)[2:])
+    n1, nb, b = (8, 4, 8) if smoke else (64, 16, 64)
+    plen = 16 if smoke else 128
+    decode_rate(llm, plen, 4, 1)  # warm-up (kernels, first-step costs)
+    ms1, _ = decode_rate(llm, plen, n1, 1)
+    msb, tps = decode_rate(llm, plen, nb, b)
     cfg = llm.llm_engine.config
-    out = dict(pp=pp, tp=tp, executor=cfg.parallel_config.distributed_executor_backend, batch1_ms_per_token=round(ms, 3),
-               batch=b, batch_ms_per_step=round(step, 3), batch_tok_per_s=round(b / step * 1e3, 1),
-               kv_blocks=cfg.cache_config.num_blocks, startup_s=round(startup, 1))
+    out = dict(pp=pp, tp=tp, executor=cfg.parallel_config.distributed_executor_backend,
+               batch1_ms_per_token=round(ms1, 3), batch=b, batch_ms_per_token=round(msb, 3),
+               batch_tok_per_s=round(tps, 1), kv_blocks=cfg.cache_config.num_blocks, startup_s=round(startup, 1))
     llm.shutdown()
     return out
 
