@@ -3,7 +3,8 @@
 One group per process (every rank of a model runs in its own process, as in vLLM and
 Megatron-LM, arXiv:1909.08053). Without ``init_distributed`` the size is 1 and the
 collectives are identities, so single-process engines never touch ``torch.distributed``.
-Backends: NCCL on CUDA, gloo on the CPU.
+Backends: NCCL on CUDA, gloo on the CPU. Under pipeline parallelism the world is stages of
+tensor-parallel groups, and neighbouring stages exchange hidden states with ``pp_send`` / ``pp_recv``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,6 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: to
     with forward_context(metas):
         out = model(input_ids, positions, intermediate)
     if rank < size - 1:
-        pp_send(list(out))
+        pp_send([t.to(dtype) for t in out])  # the receiver allocates ``dtype``
         return None
     return out
