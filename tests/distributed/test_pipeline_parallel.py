@@ -68,15 +68,13 @@ def test_token_relay_hands_sampled_tokens_to_earlier_stages_once():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A random 3-layer Llama (config only matters: start-up errors come before weights load)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    """A 3-layer Llama config alone: start-up errors come before any weights load."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      architectures=["LlamaForCausalLM"])
     path = tmp_path_factory.mktemp("tiny")
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128,
+                architectures=["LlamaForCausalLM"]).save_pretrained(path)
     return str(path)
 
 
