@@ -9,6 +9,10 @@ Measured, each printed as a JSON line and written to ``$OUT/tp_bench.json``:
 - Llama-3.1-70B shape, dummy bf16, TP=2: KV capacity, batch-1 ms/token next to its roofline
   (weight bytes per GPU / measured copy bandwidth), decode throughput at batch 64.
 Usage (repo root): OUT=<dir> python3 benchmarks/gpu_tensor_parallel.py [--skip-70b] [--skip-ray] [--skip-w1]
+
+``--pp`` measures pipeline parallelism instead (part ``pp``, ``$OUT/pp_bench.json``): the 8B shape at
+PP=2, TP=2 and TP=1, each engine in its own process: batch-1 ms/token and batch-64 tok/s.
+``--cpu-smoke`` runs that at a toy shape on the CPU (checks the script, no figures).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -118,6 +123,80 @@ def w1(path: str, tp: int) -> dict:
     return dict(tp=tp, w1_output_tok_per_s=round(n / wall, 1), wall_s=round(wall, 2))
 
 
+SMOKE = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
+
+
+def decode_rate(llm, prompt_len: int, out_len: int, batch: int) -> tuple[float, float]:
+    """``(ms per token of one request, output tok/s)`` while ``batch`` requests decode, from
+    token counts over wall time: under pipeline parallelism an engine step returns one
+    micro-batch (or nothing while the queue fills), so step intervals are not token times."""
+    from kvserve import SamplingParams
+
+    eng = llm.llm_engine
+    sched = eng.engine_core.scheduler
+    sp = SamplingParams(temperature=0, max_tokens=out_len * 4 + 64, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    ids = [eng.add_request(None, torch.randint(0, 10000, (prompt_len,), generator=g).tolist(), sp)
+           for _ in range(batch)]
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        eng.step()  # prefill
+    assert len(sched.running) == batch, (len(sched.running), batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    n0 = sum(r.num_output_tokens for r in sched.running)
+    t0 = time.perf_counter()
+    while sum(r.num_output_tokens for r in sched.running) - n0 < out_len * batch:
+        eng.step()
+    dt = time.perf_counter() - t0
+    n = sum(r.num_output_tokens for r in sched.running) - n0
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return dt / (n / batch) * 1e3, n / dt
+
+
+def pp_point(path: str, pp: int, tp: int, smoke: bool) -> dict:
+    """One engine (this process): batch-1 ms/token and batch-64 decode tok/s at ``pp`` x ``tp``."""
+    from kvserve import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=path, load_format="dummy", dtype="float32" if smoke else "bfloat16", skip_tokenizer_init=True,
+              max_model_len=512 if smoke else 4096, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+              kv_cache_memory="16MiB" if smoke else "16GiB", device="cpu" if smoke else "cuda",
+              disable_log_stats=True)
+    startup = time.perf_counter() - t0
+    n1, nb, b = (8, 4, 8) if smoke else (64, 16, 64)
+    plen = 16 if smoke else 128
+    decode_rate(llm, plen, 4, 1)  # warm-up (kernels, first-step costs)
+    ms1, _ = decode_rate(llm, plen, n1, 1)
+    msb, tps = decode_rate(llm, plen, nb, b)
+    cfg = llm.llm_engine.config
+    out = dict(pp=pp, tp=tp, executor=cfg.parallel_config.distributed_executor_backend,
+               batch1_ms_per_token=round(ms1, 3), batch=b, batch_ms_per_token=round(msb, 3),
+               batch_tok_per_s=round(tps, 1), kv_blocks=cfg.cache_config.num_blocks, startup_s=round(startup, 1))
+    llm.shutdown()
+    return out
+
+
+def pp_main(a) -> None:
+    """PP=2 vs TP=2 vs TP=1, each in a child process (one engine per process, GPUs released between)."""
+    e = {"device": "cpu-smoke"} if a.cpu_smoke else env()
+    path = _config_dir(a.tmp, "smoke" if a.cpu_smoke else "llama-3.1-8b", SMOKE if a.cpu_smoke else LLAMA31_8B,
+                       "LlamaConfig")
+    recs = []
+    for pp, tp in ((2, 1), (1, 2), (1, 1)):
+        cmd = [sys.executable, __file__, "--one", f"{pp},{tp},{path}"] + (["--cpu-smoke"] if a.cpu_smoke else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.point_timeout)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        rec = json.loads(lines[-1]) if r.returncode == 0 and lines else \
+            dict(pp=pp, tp=tp, error=(r.stderr or r.stdout)[-2000:])
+        recs.append({"name": "8b_pp" if not a.cpu_smoke else "smoke_pp", **rec, **e})
+        json.dump(recs, open(os.path.join(a.out, "pp_bench.json"), "w"), indent=1)
+        print(json.dumps({k: v for k, v in recs[-1].items() if k not in e}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -125,8 +204,19 @@ def main() -> None:
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-ray", action="store_true")
     ap.add_argument("--skip-w1", action="store_true", help="No W1-style throughput rows (a shorter call).")
+    ap.add_argument("--pp", action="store_true", help="Pipeline parallel only: 8B shape PP=2 vs TP=2 vs TP=1.")
+    ap.add_argument("--cpu-smoke", action="store_true", help="--pp at a toy shape on the CPU (checks the script).")
+    ap.add_argument("--point-timeout", type=float, default=200, help="Seconds per --pp engine process.")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # "pp,tp,path": one --pp engine, printed as JSON
     a = ap.parse_args()
     os.makedirs(a.tmp, exist_ok=True)
+    if a.one:
+        pp, tp, path = a.one.split(",", 2)
+        print(json.dumps(pp_point(path, int(pp), int(tp), a.cpu_smoke)), flush=True)
+        return
+    if a.pp or a.cpu_smoke:
+        os.makedirs(a.out, exist_ok=True)
+        return pp_main(a)
     e, recs = env(), []
 
     def emit(name: str, r: dict) -> None:

@@ -204,10 +204,15 @@ class ParallelConfig:
            "with its own KV cache and scheduler, on its own tensor_parallel_size GPUs; requests are placed by "
            "the router's cache-aware policy. For replicas on several machines use kvserve launch --replicas.",
         aliases=["-dp"])
+    pipeline_parallel_size: int = doc(
+        1, "Pipeline-parallel stages: the decoder layers split into this many consecutive ranges, one stage "
+           "each (the first holds the embedding, the last the final norm, LM head and sampling); hidden "
+           "states pass stage to stage. world size = pipeline x tensor parallel, ranks ordered tensor-"
+           "parallel first.", aliases=["-pp"])
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 #: Largest ``num_speculative_tokens`` accepted (each step computes ``1 + k`` tokens per request).

@@ -58,6 +58,7 @@ structured:360:structured outputs: bitmask on CUDA, constrained requests in a ba
 pd-transfer:200:P/D KV transfer on one GPU, tcp and NIXL: GB/s and TTFT vs recompute (pd_transfer.py)
 serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
+pp:120:two GPUs: pipeline parallel 2 vs tensor parallel 2 vs one GPU, 8B shape, batch 1 and 64 (gpu_tensor_parallel.py --pp)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
 pd4:590:four GPUs (nvidia-h200-x4): P/D 1+3 and 2+2 vs 4 colocated replicas (pd_goodput.py)
 moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..4096 vs weight-read roofline (gpu_moe.py)
@@ -161,6 +162,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       for t in tcp nixl; do UCX_PROTO_INFO=y py $B/pd_transfer.py --transport $t --out "$d"; done ;;
     serve-sweep) OUT=$d SWEEP_SKIP_WHEELS=1 PYTHONPATH=$SITE:$SRC bash $B/gpu_serve_sweep.sh ;;
     tp) py $B/gpu_tensor_parallel.py --out "$d" ;;
+    pp) py $B/gpu_tensor_parallel.py --pp --out "$d" --point-timeout 38 ;;
     pd4)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-590} - 30 )) --modes pd-1x3,pd-2x2,colocated-4 \

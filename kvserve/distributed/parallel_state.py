@@ -3,7 +3,8 @@
 One group per process (every rank of a model runs in its own process, as in vLLM and
 Megatron-LM, arXiv:1909.08053). Without ``init_distributed`` the size is 1 and the
 collectives are identities, so single-process engines never touch ``torch.distributed``.
-Backends: NCCL on CUDA, gloo on the CPU.
+Backends: NCCL on CUDA, gloo on the CPU. Under pipeline parallelism the world is stages of
+tensor-parallel groups, and neighbouring stages exchange hidden states with ``pp_send`` / ``pp_recv``.
 """
 
 from __future__ import annotations
@@ -14,26 +15,47 @@ import torch.distributed as dist
 _RANK = 0
 _SIZE = 1
 _EXPERT_PARALLEL = False
+# Pipeline parallelism: this process's stage, the stage count, and its tensor-parallel group
+# (None: the whole world, i.e. one stage).
+_PP_RANK = 0
+_PP_SIZE = 1
+_TP_GROUP = None
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
+                     pipeline_parallel_size: int = 1) -> None:
     """Join the tensor-parallel group (``init_method`` e.g. ``tcp://127.0.0.1:29500``).
 
-    Raises RuntimeError when the rendezvous fails (``torch.distributed`` times out).
+    With ``pipeline_parallel_size`` P > 1 the world of ``world_size`` ranks is P stages of
+    ``world_size / P`` tensor-parallel ranks, ordered tensor-parallel first (vLLM's layout:
+    global rank = stage * tp_size + tp_rank); each stage gets its own tensor-parallel group.
+
+    Raises RuntimeError when the rendezvous fails (``torch.distributed`` times out), ValueError
+    when P does not divide ``world_size``.
     """
-    global _RANK, _SIZE
+    global _RANK, _SIZE, _PP_RANK, _PP_SIZE, _TP_GROUP
+    if world_size % pipeline_parallel_size:
+        raise ValueError(f"pipeline_parallel_size {pipeline_parallel_size} must divide world size {world_size}")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-    _RANK, _SIZE = rank, world_size
+    tp = world_size // pipeline_parallel_size
+    _RANK, _SIZE = rank % tp, tp
+    _PP_RANK, _PP_SIZE, _TP_GROUP = rank // tp, pipeline_parallel_size, None
+    if pipeline_parallel_size > 1 and tp > 1:
+        for stage in range(pipeline_parallel_size):  # every rank creates every group, in order
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+            if stage == _PP_RANK:
+                _TP_GROUP = group
 
 
 def destroy_distributed() -> None:
     """Leave the group (idempotent)."""
-    global _RANK, _SIZE, _EXPERT_PARALLEL
+    global _RANK, _SIZE, _EXPERT_PARALLEL, _PP_RANK, _PP_SIZE, _TP_GROUP
     _EXPERT_PARALLEL = False
     if dist.is_initialized():
         dist.destroy_process_group()
     _RANK, _SIZE = 0, 1
+    _PP_RANK, _PP_SIZE, _TP_GROUP = 0, 1, None
 
 
 def set_expert_parallel(enabled: bool) -> None:
@@ -59,7 +81,7 @@ def get_tp_size() -> int:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place; returns ``x``."""
     if _SIZE > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -68,8 +90,36 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _SIZE == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_SIZE)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0 without pipeline parallelism)."""
+    return _PP_RANK
+
+
+def get_pp_size() -> int:
+    return _PP_SIZE
+
+
+def pp_send(tensors: list[torch.Tensor]) -> None:
+    """Send ``tensors`` to the same tensor-parallel rank of the next stage (blocking until
+    handed to the backend; the receiver knows their shapes and dtypes)."""
+    dst = (_PP_RANK + 1) * _SIZE + _RANK
+    for t in tensors:
+        dist.send(t.contiguous(), dst)
+
+
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Receive one tensor per shape from the same tensor-parallel rank of the previous stage."""
+    src = (_PP_RANK - 1) * _SIZE + _RANK
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src)
+        out.append(t)
+    return out
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:

@@ -100,6 +100,7 @@ class EngineArgs:
     distributed_executor_backend: Optional[str] = _from(ParallelConfig, "distributed_executor_backend")
     enable_expert_parallel: bool = _from(ParallelConfig, "enable_expert_parallel")
     data_parallel_size: int = _from(ParallelConfig, "data_parallel_size")
+    pipeline_parallel_size: int = _from(ParallelConfig, "pipeline_parallel_size")
     # JSON-valued configs (vLLM's flags)
     speculative_config: Optional[str] = _arg(
         None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
@@ -222,11 +223,15 @@ class EngineArgs:
         check_tensor_parallel(hf_config, tp, device, self.enable_expert_parallel)
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        executor = self.distributed_executor_backend or ("uni" if tp == 1 else "mp")
+        pp = self.pipeline_parallel_size
+        check_pipeline_parallel_args(self, hf_config, device, quantization)
+        executor = self.distributed_executor_backend or ("uni" if tp * pp == 1 else "mp")
         if executor not in ("uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be uni, mp or ray, got {executor!r}")
         if executor == "uni" and tp > 1:
             raise ValueError("tensor_parallel_size > 1 needs one process per rank: use the mp or ray executor")
+        if executor == "uni" and pp > 1:
+            raise ValueError("pipeline_parallel_size > 1 needs one process per rank: use the mp or ray executor")
         if self.kv_offloading_size is not None and not float(self.kv_offloading_size) > 0:
             raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -266,6 +271,8 @@ class EngineArgs:
                                                                     "deepseek_mtp")
         if spec_config is not None and (not spec_config.dynamic or stateful):
             async_sched = False  # drafts of step N are needed to schedule step N+1
+        if pp > 1:
+            async_sched = False  # earlier stages get step N's tokens with step N + 1 (TokenRelay)
         # Dynamic speculation with a stateless proposer (n-gram) keeps async scheduling: steps
         # overlap while the policy has it off (large batches), and run one at a time while it is
         # on (EngineCore._needs_host_tokens). Proposers with their own KV (draft model, EAGLE)
@@ -299,7 +306,7 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel,
-                                           data_parallel_size=self.data_parallel_size),
+                                           data_parallel_size=self.data_parallel_size, pipeline_parallel_size=pp),
             attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu"),
                                              self.enable_cascade_attention),
             device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),
@@ -373,6 +380,36 @@ def check_tensor_parallel(hf_config: Any, tp: int, device: str, enable_expert_pa
 
         if tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {tp} > {torch.cuda.device_count()} visible GPUs")
+
+
+def check_pipeline_parallel_args(args: "EngineArgs", hf_config: Any, device: str,
+                                 quantization: Optional[str] = None) -> None:
+    """Raise ValueError when ``args.pipeline_parallel_size`` cannot run: below 1, a model
+    without the layer-range hook, more stages than layers, too few GPUs, or a feature the
+    stages do not implement yet (speculative decoding, quantization, KV tiers or transfer)."""
+    pp = args.pipeline_parallel_size
+    if pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+    if pp == 1:
+        return
+    from kvserve.models.pipeline import check_pipeline_parallel
+    from kvserve.models.registry import get_model_class
+
+    check_pipeline_parallel(get_model_class(hf_config), hf_config, pp)
+    unsupported = [flag for flag, on in (("--speculative-config", args.speculative_config),
+                                         ("--quantization", quantization or args.quantization),
+                                         ("--kv-offloading-size", args.kv_offloading_size),
+                                         ("--kv-transfer-config", args.kv_transfer_config)) if on]
+    if unsupported:
+        raise ValueError(f"pipeline_parallel_size {pp}: {', '.join(unsupported)} not supported with "
+                         f"pipeline parallelism yet")
+    if device == "cuda":
+        import torch
+
+        world = pp * args.tensor_parallel_size
+        if world > torch.cuda.device_count():
+            raise ValueError(f"pipeline_parallel_size {pp} x tensor_parallel_size {args.tensor_parallel_size} "
+                             f"> {torch.cuda.device_count()} visible GPUs")
 
 
 ALLOW_LONG_ENV = "KVSERVE_ALLOW_LONG_MAX_MODEL_LEN"

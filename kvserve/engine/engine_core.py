@@ -8,6 +8,7 @@ that receive each step as data.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import weakref
@@ -81,6 +82,9 @@ def plan_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheConfig:
     layout = "" if pc.world_size == 1 else (
         f" per rank; tensor_parallel_size={pc.tensor_parallel_size} ({pc.distributed_executor_backend} executor), "
         f"each rank holds its share of the KV heads")
+    if pc.pipeline_parallel_size > 1:
+        layout += (f"; pipeline_parallel_size={pc.pipeline_parallel_size}: each stage holds these blocks for its "
+                   f"own layers only (the count is the smallest over stages)")
     # What the format buys: tokens per byte relative to an unquantized cache in the model dtype.
     ref_bpt = sum(len(g.layer_indices) * g.spec.reference_bytes_per_token(mc.dtype) for g in kv_cfg.groups)
     ref_name = mc.dtype
@@ -196,6 +200,13 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         # Async scheduling: the step launched last, whose tokens have not been read yet.
         self._in_flight: Optional[tuple[SchedulerOutput, object]] = None
+        # Pipeline parallelism: up to pipeline_parallel_size micro-batches in flight, oldest first
+        # (vLLM's batch queue); the scheduler skips requests whose step is in flight.
+        self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
+        self._batch_queue: Optional[collections.deque] = None
+        if self.max_concurrent_batches > 1:
+            self._batch_queue = collections.deque()
+            self.scheduler.skip_in_flight = True
         # MoE models: tokens routed per expert since start (summed over layers), as last read.
         self.moe_expert_tokens: Optional[list[int]] = None
 
@@ -237,7 +248,7 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batch_queue)
 
     def has_kv_transfers(self) -> bool:
         """Whether KV transfers between engines are under way (blocks lent to a consumer, or
@@ -323,6 +334,8 @@ class EngineCore:
         step N's token on the host first; while one is running, and while speculation is on
         (drafts follow step N's tokens), the engine runs steps one at a time.
         """
+        if self._batch_queue is not None:
+            return self._step_with_batch_queue()
         if not self.async_scheduling:
             sched = self.scheduler.schedule()
             if sched.is_empty:
@@ -347,6 +360,24 @@ class EngineCore:
         if polled is not None:
             res.outputs[:0] = polled.outputs
         return res
+
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: schedule and launch a micro-batch while fewer than
+        ``max_concurrent_batches`` are in flight (each takes at most its share of the running
+        requests, so the stages work on different micro-batches at once); return the oldest
+        one's outputs when the queue is full or nothing more can be scheduled."""
+        q, sch = self._batch_queue, self.scheduler
+        if len(q) < self.max_concurrent_batches:
+            sch.max_batch_requests = max(1, -(-len(sch.running) // self.max_concurrent_batches))
+            sched = sch.schedule()
+            if not sched.is_empty:
+                q.append((sched, self.executor.execute_model(sched)))
+                if len(q) < self.max_concurrent_batches:
+                    return EngineCoreOutputs()
+        if not q:
+            return EngineCoreOutputs()
+        sched, fut = q.popleft()
+        return self._update(sched, fut.get())
 
     def _needs_host_tokens(self) -> bool:
         if self.scheduler.wants_drafts():  # speculation on for the next step: drafts need step N

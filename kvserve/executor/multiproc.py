@@ -3,7 +3,8 @@
 The executor binds one zmq PUSH socket per worker (``ipc://`` on this host) and one PULL
 socket for replies. A message is a pickled tuple: ``("call", method, args)`` for set-up
 calls (every rank replies ``("result", rank, value)``), ``("step", SchedulerOutput)`` for a
-step (rank 0 replies ``("step", rank, ModelRunnerOutput)``), ``("shutdown",)``. A worker
+step (rank 0 replies ``("step", rank, ModelRunnerOutput)``; under pipeline parallelism the
+first rank of the last stage, ``kvserve.executor.pipeline``), ``("shutdown",)``. A worker
 launches step N+1 before it sends step N's result when N+1 is already queued, so async
 scheduling overlaps host and device work as it does in-process. A worker that fails
 replies ``("error", rank, text)`` and exits; a worker that dies is noticed within a second
@@ -18,6 +19,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import traceback
 from typing import Any, Optional
 
@@ -25,6 +27,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvserve.executor.abstract import Executor
+from kvserve.executor.pipeline import TokenRelay, merge_kv_cache_specs, output_rank, pipeline_kv_bytes
 
 logger = logging.getLogger("kvserve")
 
@@ -58,6 +61,9 @@ class MultiprocExecutor(Executor):
         from kvserve.engine.ipc_paths import make_ipc_paths
 
         self.world_size = config.parallel_config.world_size
+        self._pp = config.parallel_config.pipeline_parallel_size
+        self._out_rank = output_rank(config.parallel_config)
+        self._relay = TokenRelay() if self._pp > 1 else None
         self._ctx = zmq.Context()
         base = make_ipc_paths(self.world_size + 1)
         self._addrs = base
@@ -83,17 +89,20 @@ class MultiprocExecutor(Executor):
             raise
 
     # ---- messaging ---------------------------------------------------------------------
-    def _send_all(self, msg: tuple, block: bool = True) -> None:
-        """Send ``msg`` to every rank. A PUSH socket whose worker is gone blocks forever, so
+    def _send_all(self, msg: tuple, block: bool = True, early: Optional[tuple] = None) -> None:
+        """Send ``msg`` to every rank (``early``, when given, to the pipeline stages before the
+        last instead). A PUSH socket whose worker is gone blocks forever, so
         wait for it in slices and raise RuntimeError when a worker died (or drop the message
         when ``block`` is false)."""
         import zmq
 
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for s in self._in_socks:
+        early_data = pickle.dumps(early, protocol=pickle.HIGHEST_PROTOCOL) if early is not None else data
+        for r, s in enumerate(self._in_socks):
+            payload = early_data if r < self._out_rank else data
             while True:
                 try:
-                    s.send(data, flags=zmq.NOBLOCK, copy=False)
+                    s.send(payload, flags=zmq.NOBLOCK, copy=False)
                     break
                 except zmq.Again:
                     if not block:
@@ -114,12 +123,18 @@ class MultiprocExecutor(Executor):
                 raise RuntimeError(self.failed)
         msg = pickle.loads(self._out.recv())
         if msg[0] == "error":
+            # A rank's collective or send/recv fails when a peer was killed: name that rank
+            # (a rank that reported its own error exits with 0).
+            for _ in range(5):
+                if any(p.exitcode not in (None, 0) for p in self.procs):
+                    self._check_alive()
+                time.sleep(0.1)
             self.failed = f"worker {msg[1]} failed: {msg[2]}"
             raise _worker_error(msg[2], self.failed)
         return msg
 
     def _check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.is_alive()]
+        dead = sorted((p for p in self.procs if not p.is_alive()), key=lambda p: p.exitcode == 0)  # killed first
         if dead:
             self.failed = f"worker process {dead[0].name} died (exit code {dead[0].exitcode})"
             raise RuntimeError(self.failed)
@@ -146,20 +161,26 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"unexpected worker message {msg[0]!r} while waiting for a step")
         fut = self._pending.popleft()
         fut.result, fut.done = msg[2], True
+        if self._relay is not None:
+            self._relay.on_output(msg[2])
 
     # ---- Executor ----------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
-        return self._call("get_kv_cache_spec")[0]
+        return merge_kv_cache_specs(self._call("get_kv_cache_spec"))  # pipeline stages: their own layers
 
     def determine_available_memory(self) -> int:
-        return min(self._call("determine_available_memory"))
+        mem = self._call("determine_available_memory")
+        if self._pp == 1:
+            return min(mem)
+        return pipeline_kv_bytes(self._call("get_kv_cache_spec"), mem)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._call("initialize_kv_cache", kv_cache_config)
 
     def execute_model(self, sched: SchedulerOutput) -> _StepFuture:
         fut = _StepFuture(self)
-        self._send_all(("step", sched))
+        early = ("step", self._relay.for_earlier_stages(sched)) if self._relay is not None else None
+        self._send_all(("step", sched), early=early)
         self._pending.append(fut)
         return fut
 
@@ -280,11 +301,14 @@ def run_worker(rank: str, in_addr: str, out_addr: str) -> None:
         fail(exc)
         return _close(inp, out, ctx)
     send(("ready", rank))
+    from kvserve.executor.pipeline import output_rank
+
+    out_rank = output_rank(config.parallel_config)
     pending = None  # a launched step whose result is not sent yet
 
     def flush() -> None:
         result = pending.get()
-        if rank == 0:  # the other ranks finish their steps but send nothing back
+        if rank == out_rank:  # the other ranks finish their steps but send nothing back
             send(("step", rank, result))
 
     try:

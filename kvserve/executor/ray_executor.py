@@ -20,6 +20,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_spec import KVCacheConfig, KVCacheSpec
 from kvserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kvserve.executor.abstract import Executor
+from kvserve.executor.pipeline import TokenRelay, merge_kv_cache_specs, output_rank, pipeline_kv_bytes
 
 logger = logging.getLogger("kvserve")
 
@@ -36,6 +37,7 @@ class RayWorkerWrapper:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.worker = None
+        self.out_rank = 0
 
     def node_ip_and_free_port(self) -> tuple[str, int]:
         import ray
@@ -50,13 +52,14 @@ class RayWorkerWrapper:
 
         setup_logging()
         self.worker = Worker(config, self.rank, init_method)
+        self.out_rank = output_rank(config.parallel_config)
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
 
     def execute_model(self, sched: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         out = self.worker.execute_model(sched).get()
-        return out if self.rank == 0 else None
+        return out if self.rank == self.out_rank else None
 
 
 class _RayStep:
@@ -66,7 +69,10 @@ class _RayStep:
         self.executor, self.refs = executor, refs
 
     def get(self) -> ModelRunnerOutput:
-        return self.executor._wait(self.refs)[0]
+        out = self.executor._wait(self.refs)[self.executor._out_rank]
+        if self.executor._relay is not None:
+            self.executor._relay.on_output(out)
+        return out
 
 
 class RayExecutor(Executor):
@@ -81,6 +87,9 @@ class RayExecutor(Executor):
         except ImportError as e:
             raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install ray") from e
         self.world_size = config.parallel_config.world_size
+        self._pp = config.parallel_config.pipeline_parallel_size
+        self._out_rank = output_rank(config.parallel_config)
+        self._relay = TokenRelay() if self._pp > 1 else None
         self._started_ray = False
         if not ray.is_initialized():
             pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,10 +149,13 @@ class RayExecutor(Executor):
 
     # ---- Executor ----------------------------------------------------------------------
     def get_kv_cache_spec(self) -> dict[int, KVCacheSpec]:
-        return self._call("get_kv_cache_spec")[0]
+        return merge_kv_cache_specs(self._call("get_kv_cache_spec"))  # pipeline stages: their own layers
 
     def determine_available_memory(self) -> int:
-        return min(self._call("determine_available_memory"))
+        mem = self._call("determine_available_memory")
+        if self._pp == 1:
+            return min(mem)
+        return pipeline_kv_bytes(self._call("get_kv_cache_spec"), mem)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._call("initialize_kv_cache", kv_cache_config)
@@ -152,7 +164,11 @@ class RayExecutor(Executor):
         import ray
 
         ref = ray.put(sched)  # serialized once for every rank
-        refs = [a.execute_model.remote(ref) for a in self.actors]
+        early = ref
+        if self._relay is not None:  # pipeline stages before the last get the last one's tokens
+            e = self._relay.for_earlier_stages(sched)
+            early = ref if e is sched else ray.put(e)
+        refs = [a.execute_model.remote(early if r < self._out_rank else ref) for r, a in enumerate(self.actors)]
         return _RayStep(self, refs)
 
     def shutdown(self) -> None:

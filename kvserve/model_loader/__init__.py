@@ -145,6 +145,12 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     cls = get_model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, dtype, max_model_len=model_config.max_model_len)
+    from kvserve.distributed import get_pp_rank, get_pp_size
+
+    if get_pp_size() > 1:  # a pipeline stage allocates its own layers only
+        from kvserve.models.pipeline import apply_pipeline_stage
+
+        apply_pipeline_stage(model, get_pp_rank(), get_pp_size())
     model = model.to_empty(device=device)
     _rebuild_buffers(model)  # meta construction left non-persistent buffers empty
     fmt = model_config.load_format

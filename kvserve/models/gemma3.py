@@ -177,6 +177,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     context, an unsupported rope type).
     """
 
+    supports_pipeline_parallel = False  # its own forward / weight names: no layer-range hook yet
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         nn.Module.__init__(self)
         self.config = hf_config

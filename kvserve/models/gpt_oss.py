@@ -176,6 +176,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     window, an unsupported rope type, ``num_experts_per_tok`` above the experts).
     """
 
+    supports_pipeline_parallel = False  # its own forward / weight names: no layer-range hook yet
+
     supports_tensor_parallel = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:

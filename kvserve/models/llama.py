@@ -139,16 +139,34 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps).to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
+    #: The layers this pipeline stage runs (``kvserve.models.pipeline``; all of them by default).
+    start_layer: int = 0
+    end_layer: int | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """-> final-normed hidden ``[T, hidden]``; a pipeline stage before the last returns
+        ``(hidden, residual)`` instead, and a stage after the first starts from the previous
+        stage's ``intermediate`` pair (zeros when none is given: the memory profile)."""
+        if intermediate is not None:
+            x, residual = intermediate
+        elif self.embed_tokens is None:  # a later stage profiled on its own
+            x = torch.zeros(input_ids.shape[0], self.layers[self.start_layer].input_layernorm.weight.shape[0],
+                            dtype=self.layers[self.start_layer].input_layernorm.weight.dtype, device=input_ids.device)
+            residual = torch.zeros_like(x)
+        else:
+            x = self.embed_tokens(input_ids)
+            residual = None
         aux = self.aux_hidden_state_layers
         if aux:
             self.aux_hidden_states = {}
-        for i, layer in enumerate(self.layers):
+        end = len(self.layers) if self.end_layer is None else self.end_layer
+        for i in range(self.start_layer, end):
             if aux and i in aux:
                 self.aux_hidden_states[i] = x if residual is None else x + residual
-            x, residual = layer(positions, x, residual)
+            x, residual = self.layers[i](positions, x, residual)
+        if self.norm is None:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -177,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     supports_tensor_parallel = True  # parallel linear layers, vocab-parallel embedding and head
+    supports_pipeline_parallel = True  # LlamaModel's layer range (kvserve.models.pipeline)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         super().__init__()
@@ -189,12 +208,15 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None) -> torch.Tensor:
         """input_ids, positions: ``[T]`` int64 -> final-normed hidden ``[T, hidden]`` in the model dtype.
 
-        Must run inside ``kvserve.attention.forward_context.forward_context(...)``.
+        Must run inside ``kvserve.attention.forward_context.forward_context(...)``. Pipeline
+        stages: ``intermediate`` and the return value as ``LlamaModel.forward``.
         """
-        return self.model(input_ids, positions)
+        if intermediate is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> logits ``[N, vocab]`` float32."""
@@ -211,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
         """
+        from kvserve.models.pipeline import skip_other_stages
+
+        weights = skip_other_stages(self, weights)  # a pipeline stage loads its own layers only
         params = dict(self.named_parameters())
         owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in self.named_modules()
                   for pn, _ in m.named_parameters(recurse=False)}

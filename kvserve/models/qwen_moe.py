@@ -216,6 +216,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     model would run wrongly.
     """
 
+    supports_pipeline_parallel = False  # its own forward / weight names: no layer-range hook yet
     supports_tensor_parallel = True  # attention and dense MLPs as Llama; experts split I (or, EP, whole)
     #: MoE fields of ``check_moe_config._NEUTRAL`` this family implements.
     implemented_fields: tuple[str, ...] = ()

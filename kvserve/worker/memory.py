@@ -65,7 +65,8 @@ def _profile_gpu_kv_bytes(runner) -> int:
         with forward_context(meta):
             hidden = runner.model(ids, pos)
         n_logits = min(sc.max_num_seqs, t)
-        runner.model.compute_logits(hidden[:n_logits]).softmax(-1)
+        if not isinstance(hidden, tuple):  # a pipeline stage before the last has no LM head
+            runner.model.compute_logits(hidden[:n_logits]).softmax(-1)
         torch.cuda.synchronize()
         peak_act = torch.cuda.max_memory_allocated() - base
         del hidden

@@ -131,6 +131,8 @@ class ModelRunner:
         specs = self.get_kv_cache_spec()
         for g in kv_cache_config.groups:
             for layer in g.layer_indices:
+                if layer not in specs:  # a layer of another pipeline stage
+                    continue
                 self.kv_caches[layer] = self.backend.allocate_kv_cache(specs[layer], g.num_blocks, self.device)
         bind_kv_cache(self.model, self.kv_caches, kv_cache_config.layer_group(), specs)
         from kvserve.kv_connector import KVConnectorRole, make_kv_connector
@@ -199,6 +201,8 @@ class ModelRunner:
             group = self.kv_cache_config.groups[gid]
             fmt = format_of_spec(group.spec)
             for layer in group.layer_indices:
+                if layer not in self.kv_caches:  # a layer of another pipeline stage
+                    continue
                 # quantized pages keep codes and scales apart: the format copies both
                 fmt.copy_slots(self.kv_caches[layer], src_t, dst_t)
 
@@ -207,6 +211,9 @@ class ModelRunner:
         """On CUDA unless ``--enforce-eager`` or the backend can't be captured: whole-model graphs
         for decode-only steps and piecewise graphs, attention eager, for steps with prefill."""
         if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.cuda_graph_safe:
+            return
+        if self.config.parallel_config.pipeline_parallel_size > 1:
+            logger.info("pipeline parallel: stages run eagerly (no CUDA graphs around the send/recv)")
             return
         if self.proposer is not None and self.proposer.needs_eager_target:
             logger.info("EAGLE-3 reads the target's mid-layer states: CUDA graphs off")
@@ -301,6 +308,12 @@ class ModelRunner:
         metas = self.attn_builder.build(inp, pad_to=tp)
         if tp is not None:
             hidden = pw.run(input_ids, positions, metas)
+        elif self.config.parallel_config.pipeline_parallel_size > 1:
+            from kvserve.worker.pipeline_stage import stage_forward
+
+            hidden = stage_forward(self.model, input_ids, positions, metas, self.dtype)
+            if hidden is None:  # a stage before the last: the last one samples
+                return AsyncModelRunnerOutput([], None, None, None, None, self)
         else:
             with forward_context(metas):
                 hidden = self.model(input_ids, positions)

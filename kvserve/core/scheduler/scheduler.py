@@ -112,6 +112,11 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         if connector is not None:
             connector.bind_scheduler(self.requests, kv_cache_manager)
         self.num_preemptions = 0
+        # Pipeline parallelism (EngineCore's batch queue): a request whose step is still in
+        # flight waits for its token (earlier stages need it), and a step takes at most
+        # ``max_batch_requests`` running requests, so several micro-batches share the stages.
+        self.skip_in_flight = False
+        self.max_batch_requests: Optional[int] = None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_recompute_queries = 0
@@ -252,6 +257,11 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         while i < len(running) and budget > 0:
             req = running[i]
             pending = req.num_pending_tokens
+            if self.skip_in_flight and pending:
+                i += 1  # its previous step is still in flight
+                continue
+            if self.max_batch_requests is not None and len(scheduled) >= self.max_batch_requests:
+                break
             num_tokens = len(req.all_token_ids)
             max_len = self._max_len(req) if bounded else max_model_len
             if pending:  # its pending token may be its last (``_reaches_limit``): nothing left to compute
@@ -284,7 +294,8 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             budget -= n + k
             i += 1
         num_cached = len(scheduled)
-        if not preempted:  # admit none while this step had to preempt (memory is short)
+        cap = self.max_batch_requests
+        if not preempted and (cap is None or len(scheduled) < cap):  # none while this step preempted
             self._admit_waiting(budget, scheduled)
         return self._make_output(out, scheduled, num_cached, new_blocks)
 
