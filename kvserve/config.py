@@ -199,6 +199,10 @@ class ParallelConfig:
         False, "Mixture-of-experts models: split the experts whole over the tensor-parallel ranks (each rank "
                "holds experts / tensor_parallel_size of them) instead of splitting every expert's intermediate "
                "dimension; attention stays tensor parallel. Ignored (logged) for a dense model.")
+    disable_custom_all_reduce: bool = doc(
+        False, "Use NCCL for every tensor-parallel all-reduce instead of the custom peer-to-peer all-reduce "
+               "(one-shot / two-shot over NVLink, fused with the residual add and RMSNorm) that small and "
+               "medium messages take on CUDA when the GPUs can access each other.")
 
     @property
     def world_size(self) -> int:

@@ -3,10 +3,13 @@
 One group per process (every rank of a model runs in its own process, as in vLLM and
 Megatron-LM, arXiv:1909.08053). Without ``init_distributed`` the size is 1 and the
 collectives are identities, so single-process engines never touch ``torch.distributed``.
-Backends: NCCL on CUDA, gloo on the CPU.
+Backends: NCCL on CUDA, gloo on the CPU. On CUDA, small and medium all-reduces go through
+the custom peer-to-peer all-reduce (``kvserve.distributed.custom_all_reduce``) when it can run.
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,23 +17,39 @@ import torch.distributed as dist
 _RANK = 0
 _SIZE = 1
 _EXPERT_PARALLEL = False
+_CUSTOM_AR: Optional[Any] = None  # a custom_all_reduce.CustomAllReduce on CUDA when it can run
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str) -> None:
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
+                     custom_all_reduce: Optional[bool] = None) -> None:
     """Join the tensor-parallel group (``init_method`` e.g. ``tcp://127.0.0.1:29500``).
+
+    With the NCCL backend, also sets up the custom all-reduce unless ``custom_all_reduce`` is
+    False (``--disable-custom-all-reduce``) or ``KVSERVE_ALL_REDUCE=nccl``; when it cannot run
+    (no P2P, world size, symmetric memory) the reason is logged once and NCCL is used.
+    Call after ``torch.cuda.set_device``.
 
     Raises RuntimeError when the rendezvous fails (``torch.distributed`` times out).
     """
-    global _RANK, _SIZE
+    global _RANK, _SIZE, _CUSTOM_AR
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     _RANK, _SIZE = rank, world_size
+    if world_size > 1 and backend == "nccl" and _CUSTOM_AR is None:
+        from kvserve.distributed import custom_all_reduce as car
+
+        enabled = custom_all_reduce is not False and car.enabled_by_env()
+        _CUSTOM_AR = car.create(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()),
+                                world_size, enabled)
 
 
 def destroy_distributed() -> None:
     """Leave the group (idempotent)."""
-    global _RANK, _SIZE, _EXPERT_PARALLEL
+    global _RANK, _SIZE, _EXPERT_PARALLEL, _CUSTOM_AR
     _EXPERT_PARALLEL = False
+    if _CUSTOM_AR is not None:
+        _CUSTOM_AR.close()
+        _CUSTOM_AR = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _RANK, _SIZE = 0, 1
@@ -59,8 +78,33 @@ def get_tp_size() -> int:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place; returns ``x``."""
     if _SIZE > 1:
+        car = _CUSTOM_AR
+        algo = car.algorithm(x) if car is not None else None
+        if algo is not None:
+            return car.all_reduce(x, algo)
         dist.all_reduce(x)
     return x
+
+
+def get_custom_all_reduce() -> Optional[Any]:
+    """This rank's ``CustomAllReduce``, or None when all-reduces go to ``dist.all_reduce``."""
+    return _CUSTOM_AR
+
+
+def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: Any
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = sum_ranks(x) + residual``, returns ``(norm(s), s)``: a row-parallel layer's
+    partial output reduced, added to the residual stream and normalized.
+
+    x, residual: ``[T, D]`` in the model dtype; ``norm`` an ``RMSNorm`` (its ``weight`` and
+    ``variance_epsilon``). One kernel when the custom all-reduce takes this message one-shot;
+    otherwise ``norm(tp_all_reduce(x), residual)`` (NCCL/gloo, then the fused add + RMSNorm).
+    ``x`` may be overwritten.
+    """
+    car = _CUSTOM_AR
+    if _SIZE > 1 and car is not None and car.fusable(x, residual, norm.weight):
+        return car.all_reduce_add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+    return norm(tp_all_reduce(x), residual)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

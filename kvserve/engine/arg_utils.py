@@ -98,6 +98,7 @@ class EngineArgs:
     tensor_parallel_size: int = _from(ParallelConfig, "tensor_parallel_size")
     distributed_executor_backend: Optional[str] = _from(ParallelConfig, "distributed_executor_backend")
     enable_expert_parallel: bool = _from(ParallelConfig, "enable_expert_parallel")
+    disable_custom_all_reduce: bool = _from(ParallelConfig, "disable_custom_all_reduce")
     # JSON-valued configs (vLLM's flags)
     speculative_config: Optional[str] = _arg(
         None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
@@ -293,7 +294,8 @@ class EngineArgs:
         )
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
-            parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel,
+                                           disable_custom_all_reduce=self.disable_custom_all_reduce),
             attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu")),
             device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),
             observability_config=ObservabilityConfig(self.disable_log_stats, self.log_stats_interval),

@@ -42,7 +42,8 @@ class Worker:
 
             if config.device == "cpu":  # ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-            init_distributed(rank, world, distributed_init_method, "nccl" if config.device == "cuda" else "gloo")
+            init_distributed(rank, world, distributed_init_method, "nccl" if config.device == "cuda" else "gloo",
+                             custom_all_reduce=not getattr(config.parallel_config, "disable_custom_all_reduce", False))
         from kvserve.distributed import set_expert_parallel
 
         set_expert_parallel(getattr(config.parallel_config, "enable_expert_parallel", False))  # before the model
