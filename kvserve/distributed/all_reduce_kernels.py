@@ -70,7 +70,7 @@ def _one_shot_kernel(
     g = tl.num_programs(0)
     flag = tl.load(cnt_ptr + b) + 1
     region = (flag & 1) * REGION
-    own = tl.load(data_ptrs + rank).to(tl.pointer_type(DT))
+    own = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(DT)), 16)
     ar = tl.arange(0, BLOCK)
     nslices = tl.cdiv(n, BLOCK)
     for s in range(b, nslices, g):
@@ -83,7 +83,7 @@ def _one_shot_kernel(
         m = offs < n
         acc = tl.zeros([BLOCK], tl.float32)
         for r in tl.static_range(W):
-            p = tl.load(data_ptrs + r).to(tl.pointer_type(DT))
+            p = tl.multiple_of(tl.load(data_ptrs + r).to(tl.pointer_type(DT)), 16)
             acc += tl.load(p + region + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
         tl.store(out_ptr + offs, _round(acc, DT).to(DT), mask=m)
     tl.store(cnt_ptr + b, flag)
@@ -101,7 +101,7 @@ def _two_shot_kernel(
     flag = tl.load(cnt_ptr + b) + 1
     region = (flag & 1) * REGION
     out_region = 2 * REGION
-    own = tl.load(data_ptrs + rank).to(tl.pointer_type(DT))
+    own = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(DT)), 16)
     ar = tl.arange(0, BLOCK)
     nslices = tl.cdiv(chunk, BLOCK)
     for s in range(b, nslices, g):
@@ -117,11 +117,11 @@ def _two_shot_kernel(
         m = (inner < chunk) & (offs < n)
         acc = tl.zeros([BLOCK], tl.float32)
         for r in tl.static_range(W):
-            p = tl.load(data_ptrs + r).to(tl.pointer_type(DT))
+            p = tl.multiple_of(tl.load(data_ptrs + r).to(tl.pointer_type(DT)), 16)
             acc += tl.load(p + region + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
         v = _round(acc, DT).to(DT)
         for r in tl.static_range(W):
-            p = tl.load(data_ptrs + r).to(tl.pointer_type(DT))
+            p = tl.multiple_of(tl.load(data_ptrs + r).to(tl.pointer_type(DT)), 16)
             tl.store(p + out_region + offs, v, mask=m)
     _barrier(flag_ptrs, err_ptr, b, flag + 1, rank, W, MAX_SPIN_)
     for s in range(b, nslices, g):
@@ -145,7 +145,7 @@ def _one_shot_add_rms_norm_kernel(
     g = tl.num_programs(0)
     flag = tl.load(cnt_ptr + b) + 1
     region = (flag & 1) * REGION
-    own = tl.load(data_ptrs + rank).to(tl.pointer_type(DT))
+    own = tl.multiple_of(tl.load(data_ptrs + rank).to(tl.pointer_type(DT)), 16)
     cols = tl.arange(0, BLOCK_D)
     cm = cols < d
     for t in range(b, rows, g):
@@ -157,7 +157,7 @@ def _one_shot_add_rms_norm_kernel(
         offs = t * d + cols  # < max_bytes elements: int32 is enough
         acc = tl.zeros([BLOCK_D], tl.float32)
         for r in tl.static_range(W):
-            p = tl.load(data_ptrs + r).to(tl.pointer_type(DT))
+            p = tl.multiple_of(tl.load(data_ptrs + r).to(tl.pointer_type(DT)), 16)
             acc += tl.load(p + region + offs, mask=cm, other=0.0, volatile=True).to(tl.float32)
         res = tl.load(res_ptr + offs, mask=cm, other=0.0).to(tl.float32)
         x = _round(_round(acc, DT) + res, DT)

@@ -171,7 +171,7 @@ class CustomAllReduce:
                 x, x, self.data_ptrs, self.flag_ptrs, self.counters, self.err, n, self.rank,
                 REGION=region, W=self.world_size, BLOCK=block, DT=dt, MAX_SPIN_=K.MAX_SPIN, num_warps=num_warps)
         elif algo == "two_shot":
-            chunk = -(-n // self.world_size)
+            chunk = -(-n // (16 * self.world_size)) * 16  # 16-element chunks keep loads 16-byte aligned
             block = 1024 if chunk >= 1024 * K.MAX_BLOCKS else max(256, min(1024, _next_pow2(-(-chunk // 8))))
             grid = min(K.MAX_BLOCKS, -(-chunk // block))
             K._two_shot_kernel[(grid,)](
