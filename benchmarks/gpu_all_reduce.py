@@ -137,47 +137,61 @@ def _ar_rank(rank: int, world: int, port: int, smoke: bool, out_dir: str, q) -> 
             if rank == 0:
                 print("torch symm_mem ops unavailable:", repr(e), flush=True)
     dtype = torch.bfloat16 if cuda else torch.float32
-    for nbytes in SMOKE_SIZES if smoke else SIZES:
-        n = nbytes // (2 if dtype == torch.bfloat16 else 4)
+    sizes = SMOKE_SIZES if smoke else SIZES
+    srcs, refs = {}, {}
+    for nbytes in sizes:
         g = torch.Generator(device=dev).manual_seed(rank)
-        src = torch.randn(n, generator=g, device=dev).to(dtype)
-        x = src.clone()
-        ref = src.clone()
-        dist.all_reduce(ref)
-        impls = {"nccl": lambda: dist.all_reduce(x)}
-        if c is not None:
-            impls["custom_one_shot"] = lambda: c.all_reduce(x, "one_shot")
-            impls["custom_two_shot"] = lambda: c.all_reduce(x, "two_shot")
-        for name, op in torch_ops.items():
-            impls[name] = (lambda op=op: op(x))
-        for name, fn in impls.items():
+        srcs[nbytes] = torch.randn(nbytes // dtype.itemsize, generator=g, device=dev).to(dtype)
+        refs[nbytes] = srcs[nbytes].clone()
+        dist.all_reduce(refs[nbytes])
+    # Impl by impl (ours first, torch's ops last), so a failing one costs only its own rows.
+    impls = {"nccl": lambda x: dist.all_reduce(x)}
+    if c is not None:
+        impls["custom_one_shot"] = lambda x: c.all_reduce(x, "one_shot")
+        impls["custom_two_shot"] = lambda x: c.all_reduce(x, "two_shot")
+    impls.update(torch_ops)
+    for name, op in impls.items():
+        if name.startswith("torch") and c is not None:
+            for r in _fused_rows(c, dev):
+                rows.append(r)
+            _check_rows(c, rows)
+        for nbytes in sizes:
             row = dict(impl=name, bytes=nbytes)
+            x = srcs[nbytes].clone()
+            fn = (lambda op=op, x=x: op(x))
             try:
-                x.copy_(src)
                 res = fn()
                 res = x if res is None else res
                 if cuda:
                     torch.cuda.synchronize()
                 # fp32 single rounding vs NCCL: equal for 2 ranks (one add), close otherwise
-                row["max_abs_diff_vs_nccl"] = float((res.float() - ref.float()).abs().max())
+                row["max_abs_diff_vs_nccl"] = float((res.float() - refs[nbytes].float()).abs().max())
+                if c is not None and int(c.err.item()):
+                    row["error"] = "barrier timed out"
+                    rows.append(row)
+                    break
                 row["eager_us"] = round(_time_eager(fn, 20 if smoke else 200, cuda), 2)
                 if cuda:
                     row["graph_us"] = round(_time_graph(fn, 50, 10), 2)
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:300]
             rows.append(row)
-    if c is not None:
+    if c is not None and not torch_ops:
         for r in _fused_rows(c, dev):
             rows.append(r)
-        try:
-            c.check()
-            rows.append(dict(impl="custom_barrier_errors", value=0))
-        except RuntimeError as e:
-            rows.append(dict(impl="custom_barrier_errors", value=1, error=str(e)))
+        _check_rows(c, rows)
     if rank == 0:
         q.put(list(rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _check_rows(c, rows) -> None:
+    try:
+        c.check()
+        rows.append(dict(impl="custom_barrier_errors", value=0))
+    except RuntimeError as e:
+        rows.append(dict(impl="custom_barrier_errors", value=1, error=str(e)))
 
 
 def _fused_rows(c, dev) -> list[dict]:
@@ -291,8 +305,10 @@ def part_tp(out_dir: str, tmp: str, smoke: bool, deadline: float) -> None:
     t_end = time.monotonic() + deadline
     rows = []
     # Custom first: the figure the target is about; NCCL next; TP=1 last.
-    for tp, ar in ((2, "custom"), (2, "nccl"), (1, "custom")):
-        left = t_end - time.monotonic()
+    runs = ((2, "custom"), (2, "nccl"), (1, "custom"))
+    for i, (tp, ar) in enumerate(runs):
+        # Each later engine keeps ~35 s (an 8B start-up is ~25 s), so a hang costs one row.
+        left = t_end - time.monotonic() - 35 * (len(runs) - 1 - i)
         if left < 20:
             rows.append(dict(tp=tp, all_reduce=ar, skipped="deadline"))
             continue

@@ -12,13 +12,19 @@ The flag of a launch comes from a per-block counter in device memory (``cnt``, i
 ``[MAX_BLOCKS]``, local to each rank) that the kernel reads and advances itself: nothing is
 passed from the host per call, so a launch captured in a CUDA graph gets a fresh flag on
 every replay. Flags only grow, so a wait compares with ``>=`` (as a signed difference, which
-survives the int32 wrap). The input region is picked by the flag's parity: a rank writes a
-region again only after a later barrier, which every peer reaches only after it has finished
-reading that region (the argument is in docs/parallelism.md).
+survives the int32 wrap).
 
-Block ``b`` of every rank copies, and later reads, the same element ranges, so a per-block
-barrier orders exactly the writes and reads that touch each other. Each rank sums the ranks'
-values in rank order in float32 and rounds once, so all ranks get bit-identical results.
+Every launch uses the same ``GRID`` blocks whatever the message size (blocks without data
+still pass the barriers), so all block counters move in step and the flag's parity picks the
+input region consistently. Block ``b`` of every rank copies, and later reads, the same
+element ranges, so within a launch a per-block barrier orders exactly the writes and reads
+that touch each other. Across launches: when a rank starts launch K its launch K-1 has ended,
+so every block of it passed a barrier its peers signalled from launch K-1, so every peer has
+finished launch K-2; the only reads still running are launch K-1's, of the other input region
+(one-shot), or of the output region (two-shot, whose input reads ended before its second
+barrier), which launch K writes only after a barrier the peer signals from launch K.
+Each rank sums the ranks' values in rank order in float32 and rounds once, so all ranks get
+bit-identical results.
 
 A wait gives up after ``MAX_SPIN`` polls and sets ``err[0] = 1`` (the result is then wrong,
 but the process does not hang); ``CustomAllReduce.check()`` reads it.
@@ -34,8 +40,10 @@ import triton.language as tl
 
 from kvserve.layers.fused import _round
 
-#: Blocks a launch uses at most (the flag buffer has one row of slots per block).
+#: Rows of flag slots (the most blocks a launch may use).
 MAX_BLOCKS = 64
+#: Blocks of every launch.
+GRID = 48
 #: Polls of a flag before a wait gives up (a few seconds on a GPU).
 MAX_SPIN = 1 << 24
 

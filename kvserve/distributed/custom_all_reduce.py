@@ -116,6 +116,12 @@ class CustomAllReduce:
         self._k = K
         # 16-byte aligned regions; REGION is counted in elements of the call's dtype.
         self._region_bytes = (self.max_bytes + 15) // 16 * 16
+        set_backend = getattr(symm_mem, "set_backend", None)
+        if set_backend is not None:  # CUDA IPC-style peer mappings, not NVSHMEM (its heap, its NVLS)
+            try:
+                set_backend("CUDA")
+            except Exception as e:  # noqa: BLE001 - already chosen by an earlier allocation
+                logger.debug("symmetric memory backend not set: %s", e)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed before torch 2.8-ish, deprecated (a no-op) after
             with warnings.catch_warnings():
@@ -129,6 +135,7 @@ class CustomAllReduce:
         self.data_ptrs = torch.tensor(list(data_h.buffer_ptrs), dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(list(flag_h.buffer_ptrs), dtype=torch.int64, device=device)
         self._handles = (data_h, flag_h)  # keep the mappings alive
+        self.grid = K.GRID  # every launch, whatever its size: the block counters stay in step
         self.counters = torch.zeros(K.MAX_BLOCKS, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
@@ -165,16 +172,14 @@ class CustomAllReduce:
         region = self._region_bytes // x.element_size()
         num_warps = 4 if n * x.element_size() <= (64 << 10) else 8
         if algo == "one_shot":
-            block = 1024 if n >= 1024 * K.MAX_BLOCKS else max(256, min(1024, _next_pow2(-(-n // 8))))
-            grid = min(K.MAX_BLOCKS, -(-n // block))
-            K._one_shot_kernel[(grid,)](
+            block = max(256, min(1024, _next_pow2(-(-n // self.grid))))
+            K._one_shot_kernel[(self.grid,)](
                 x, x, self.data_ptrs, self.flag_ptrs, self.counters, self.err, n, self.rank,
                 REGION=region, W=self.world_size, BLOCK=block, DT=dt, MAX_SPIN_=K.MAX_SPIN, num_warps=num_warps)
         elif algo == "two_shot":
             chunk = -(-n // (16 * self.world_size)) * 16  # 16-element chunks keep loads 16-byte aligned
-            block = 1024 if chunk >= 1024 * K.MAX_BLOCKS else max(256, min(1024, _next_pow2(-(-chunk // 8))))
-            grid = min(K.MAX_BLOCKS, -(-chunk // block))
-            K._two_shot_kernel[(grid,)](
+            block = max(256, min(1024, _next_pow2(-(-chunk // self.grid))))
+            K._two_shot_kernel[(self.grid,)](
                 x, x, self.data_ptrs, self.flag_ptrs, self.counters, self.err, n, chunk, self.rank,
                 REGION=region, W=self.world_size, BLOCK=block, DT=dt, MAX_SPIN_=K.MAX_SPIN, num_warps=num_warps)
         else:
@@ -194,8 +199,7 @@ class CustomAllReduce:
         if rows == 0:
             return out, res_out
         block_d = _next_pow2(d)
-        grid = min(K.MAX_BLOCKS, rows)
-        K._one_shot_add_rms_norm_kernel[(grid,)](
+        K._one_shot_add_rms_norm_kernel[(self.grid,)](
             x, residual, weight, out, res_out, self.data_ptrs, self.flag_ptrs, self.counters, self.err,
             rows, d, eps, self.rank, REGION=self._region_bytes // x.element_size(), W=self.world_size,
             BLOCK_D=block_d, DT=_tl_dtype(x.dtype), MAX_SPIN_=K.MAX_SPIN, num_warps=max(1, min(16, block_d // 256)))
