@@ -44,8 +44,9 @@ from kvserve.layers.fused import _round
 MAX_BLOCKS = 64
 #: Blocks of every launch.
 GRID = 48
-#: Polls of a flag before a wait gives up (a few seconds on a GPU).
-MAX_SPIN = 1 << 24
+#: Polls of a flag before a wait gives up: tens of seconds on a GPU, longer than a peer's
+#: first-call Triton compile, so only a dead peer trips it.
+MAX_SPIN = 1 << 26
 
 
 @triton.jit

@@ -137,8 +137,8 @@ class LlamaDecoderLayer(nn.Module):
                       next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer from its normed input ``h`` to the next layer's normed input: both
         row-parallel all-reduces run fused with the residual add and RMSNorm after them
-        (``next_norm``: the next layer's ``input_layernorm`` or the final norm). Used under
-        tensor parallelism with the custom all-reduce; returns ``(normed, residual)``."""
+        (``next_norm``: the next layer's ``input_layernorm`` or the final norm); one kernel each
+        with the custom all-reduce. Used under tensor parallelism; returns ``(normed, residual)``."""
         a = self.self_attn.attend(positions, h)
         partial = _row_parallel_partial(self.self_attn.o_proj, a)
         if partial is None:
@@ -205,10 +205,15 @@ class LlamaModel(nn.Module):
     def _fuse_all_reduce(self) -> bool:
         """Layers chain through ``forward_fused`` (all-reduces fused with the norms) under tensor
         parallelism when every layer is a plain Llama layer. Without the custom all-reduce
-        (CPU, NCCL) the same path runs all-reduce, then the fused add + norm: the same ops."""
-        return (get_tp_size() > 1 and len(self.layers) > 0
+        (CPU, NCCL) the same path runs all-reduce, then the fused add + norm: the same ops.
+        Decided at the first forward (after any layer wrapping), then kept."""
+        fuse = self.__dict__.get("_fused_chain")
+        if fuse is None:
+            fuse = self._fused_chain = (
+                get_tp_size() > 1 and len(self.layers) > 0
                 and all(type(layer).forward is LlamaDecoderLayer.forward
                         and type(layer.self_attn).forward is LlamaAttention.forward for layer in self.layers))
+        return fuse
 
 
 def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
