@@ -168,6 +168,9 @@ class CustomAllReduce:
         if algo is None or n == 0:
             dist.all_reduce(x, group=self.group)
             return x
+        if n * x.element_size() > self._region_bytes or not x.is_contiguous():
+            raise ValueError(f"custom all-reduce: x must be contiguous and at most {self._region_bytes} bytes, "
+                             f"got {tuple(x.shape)} {x.dtype}")
         dt = _tl_dtype(x.dtype)
         region = self._region_bytes // x.element_size()
         num_warps = 4 if n * x.element_size() <= (64 << 10) else 8
