@@ -209,6 +209,10 @@ class ParallelConfig:
            "each (the first holds the embedding, the last the final norm, LM head and sampling); hidden "
            "states pass stage to stage. world size = pipeline x tensor parallel, ranks ordered tensor-"
            "parallel first.", aliases=["-pp"])
+    disable_custom_all_reduce: bool = doc(
+        False, "Use NCCL for every tensor-parallel all-reduce instead of the custom peer-to-peer all-reduce "
+               "(one-shot / two-shot over NVLink, fused with the residual add and RMSNorm) that small and "
+               "medium messages take on CUDA when the GPUs can access each other.")
 
     @property
     def world_size(self) -> int:

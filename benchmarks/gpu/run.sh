@@ -59,6 +59,8 @@ pd-transfer:200:P/D KV transfer on one GPU, tcp and NIXL: GB/s and TTFT vs recom
 serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
 pp:120:two GPUs: pipeline parallel 2 vs tensor parallel 2 vs one GPU, 8B shape, batch 1 and 64 (gpu_tensor_parallel.py --pp)
+allreduce:60:two GPUs: custom all-reduce one-shot/two-shot vs NCCL vs torch symm_mem, 8 KB..4 MB, eager and graph; fused AR+add+RMSNorm (gpu_all_reduce.py)
+tp-ar:150:two GPUs: 8B batch-1 ms/token TP=1 vs TP=2 custom all-reduce vs TP=2 NCCL, each in its own process (gpu_all_reduce.py)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
 pd4:590:four GPUs (nvidia-h200-x4): P/D 1+3 and 2+2 vs 4 colocated replicas (pd_goodput.py)
 moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..4096 vs weight-read roofline (gpu_moe.py)
@@ -163,6 +165,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     serve-sweep) OUT=$d SWEEP_SKIP_WHEELS=1 PYTHONPATH=$SITE:$SRC bash $B/gpu_serve_sweep.sh ;;
     tp) py $B/gpu_tensor_parallel.py --out "$d" ;;
     pp) py $B/gpu_tensor_parallel.py --pp --out "$d" --point-timeout 38 ;;
+    allreduce) py $B/gpu_all_reduce.py --part allreduce --out "$d" ;;
+    tp-ar) py $B/gpu_all_reduce.py --part tp --out "$d" --deadline $(( ${LIMIT:-150} - 8 )) ;;
     pd4)
       # shellcheck disable=SC2086
       UCX_PROTO_INFO=y py $B/pd_goodput.py --out "$d" --deadline $(( ${LIMIT:-590} - 30 )) --modes pd-1x3,pd-2x2,colocated-4 \

@@ -101,6 +101,7 @@ class EngineArgs:
     enable_expert_parallel: bool = _from(ParallelConfig, "enable_expert_parallel")
     data_parallel_size: int = _from(ParallelConfig, "data_parallel_size")
     pipeline_parallel_size: int = _from(ParallelConfig, "pipeline_parallel_size")
+    disable_custom_all_reduce: bool = _from(ParallelConfig, "disable_custom_all_reduce")
     # JSON-valued configs (vLLM's flags)
     speculative_config: Optional[str] = _arg(
         None, 'Speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.')
@@ -306,7 +307,8 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,
             parallel_config=ParallelConfig(self.tensor_parallel_size, executor, self.enable_expert_parallel,
-                                           data_parallel_size=self.data_parallel_size, pipeline_parallel_size=pp),
+                                           data_parallel_size=self.data_parallel_size, pipeline_parallel_size=pp,
+                                           disable_custom_all_reduce=self.disable_custom_all_reduce),
             attention_config=AttentionConfig(self.attention_backend or ("triton" if device == "cuda" else "cpu"),
                                              self.enable_cascade_attention),
             device_config=DeviceConfig(device, resolve_cpu_threads(self.cpu_threads)),

@@ -11,9 +11,10 @@ import re
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed import get_tp_size, kv_head_range
+from kvserve.distributed import get_tp_size, kv_head_range, tp_all_reduce_add_rms_norm
 from kvserve.layers.activation import SiluAndMul
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
@@ -75,13 +76,17 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Attention up to (not including) ``o_proj``: ``[T, hidden]`` -> ``[T, heads/tp * head_dim]``."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        return self.attn(q, k, v.contiguous())
 
 
 class LlamaMLP(nn.Module):
@@ -118,9 +123,53 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
+        partial = None
+        if get_tp_size() > 1 and type(self.self_attn).forward is LlamaAttention.forward:
+            # o_proj's all-reduce, the residual add and the norm in one pass (custom all-reduce).
+            a = self.self_attn.attend(positions, h)
+            partial = _row_parallel_partial(self.self_attn.o_proj, a)
+            if partial is None:
+                h = self.self_attn.o_proj(a)
+        else:
+            h = self.self_attn(positions, h)
+        if partial is not None:
+            h, residual = tp_all_reduce_add_rms_norm(partial, residual, self.post_attention_layernorm)
+        else:
+            h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor,
+                      next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its normed input ``h`` to the next layer's normed input: both
+        row-parallel all-reduces run fused with the residual add and RMSNorm after them
+        (``next_norm``: the next layer's ``input_layernorm`` or the final norm); one kernel each
+        with the custom all-reduce. Used under tensor parallelism; returns ``(normed, residual)``."""
+        a = self.self_attn.attend(positions, h)
+        partial = _row_parallel_partial(self.self_attn.o_proj, a)
+        if partial is None:
+            h, residual = self.post_attention_layernorm(self.self_attn.o_proj(a), residual)
+        else:
+            h, residual = tp_all_reduce_add_rms_norm(partial, residual, self.post_attention_layernorm)
+        partial = None
+        if type(self.mlp).forward is LlamaMLP.forward:
+            partial = _row_parallel_partial(self.mlp.down_proj, self.mlp.act(self.mlp.gate_up_proj(h)))
+        if partial is None:
+            return next_norm(self.mlp(h), residual)
+        return tp_all_reduce_add_rms_norm(partial, residual, next_norm)
+
+
+def _row_parallel_partial(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """This rank's un-reduced product of a bias-free row-parallel ``linear`` (plain or weight-
+    quantized), for a fused all-reduce; None for any other layer (LoRA wrappers, biases), which
+    then runs as itself."""
+    if type(linear).forward is RowParallelLinear.forward and linear.bias is None:
+        return F.linear(x, linear.weight)
+    from kvserve.layers.quantization.linear import QuantizedLinear
+
+    if (type(linear).forward is QuantizedLinear.forward and linear.tp_reduce and linear.bias is None
+            and x.dim() == 2):
+        return linear.packed.matmul(x)
+    return None
 
 
 class LlamaModel(nn.Module):
@@ -160,6 +209,12 @@ class LlamaModel(nn.Module):
         aux = self.aux_hidden_state_layers
         if aux:
             self.aux_hidden_states = {}
+        elif intermediate is None and self.start_layer == 0 and self.end_layer is None and self._fuse_all_reduce():
+            residual, h = x, self.layers[0].input_layernorm(x)
+            norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+            for layer, next_norm in zip(self.layers, norms):
+                h, residual = layer.forward_fused(positions, h, residual, next_norm)
+            return h
         end = len(self.layers) if self.end_layer is None else self.end_layer
         for i in range(self.start_layer, end):
             if aux and i in aux:
@@ -169,6 +224,19 @@ class LlamaModel(nn.Module):
             return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+    def _fuse_all_reduce(self) -> bool:
+        """Layers chain through ``forward_fused`` (all-reduces fused with the norms) under tensor
+        parallelism when every layer is a plain Llama layer. Without the custom all-reduce
+        (CPU, NCCL) the same path runs all-reduce, then the fused add + norm: the same ops.
+        Decided at the first forward (after any layer wrapping), then kept."""
+        fuse = self.__dict__.get("_fused_chain")
+        if fuse is None:
+            fuse = self._fused_chain = (
+                get_tp_size() > 1 and len(self.layers) > 0
+                and all(type(layer).forward is LlamaDecoderLayer.forward
+                        and type(layer.self_attn).forward is LlamaAttention.forward for layer in self.layers))
+        return fuse
 
 
 def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

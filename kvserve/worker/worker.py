@@ -43,7 +43,8 @@ class Worker:
             if config.device == "cpu":  # ranks share the cores
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
             init_distributed(rank, world, distributed_init_method, "nccl" if config.device == "cuda" else "gloo",
-                             pipeline_parallel_size=config.parallel_config.pipeline_parallel_size)
+                             pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
+                             custom_all_reduce=not config.parallel_config.disable_custom_all_reduce)
         from kvserve.distributed import set_expert_parallel
 
         set_expert_parallel(getattr(config.parallel_config, "enable_expert_parallel", False))  # before the model
