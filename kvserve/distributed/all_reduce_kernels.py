@@ -38,7 +38,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvserve.layers.fused import _round
+
+
+@triton.jit
+def _round(x, dt: tl.constexpr):
+    """Round float32 ``x`` to ``dt`` precision, staying float32 (as ``kvserve.layers.fused._round``:
+    the norm rounds where the unfused torch ops do; kept here because distributed sits below layers)."""
+    if dt == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    elif dt == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 #: Rows of flag slots (the most blocks a launch may use).
 MAX_BLOCKS = 64

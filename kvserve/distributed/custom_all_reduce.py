@@ -223,9 +223,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _tl_dtype(dtype: torch.dtype):
-    from kvserve.layers.fused import _TL_DTYPES
+    import triton.language as tl
 
-    return _TL_DTYPES[dtype]
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
 def create(group: dist.ProcessGroup, device: torch.device, world_size: int, enabled: bool = True
