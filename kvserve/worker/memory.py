@@ -1,7 +1,8 @@
 """How many bytes the KV cache gets: ``--kv-cache-memory``, the CPU default, or a GPU profile.
 
 On a GPU the largest step runs once over a throwaway cache to measure the activation
-peak; the budget is ``total x gpu_memory_utilization`` minus what is in use (weights), that
+peak (with the logits of every row the sampler may see: ``profile_logit_rows``); the budget
+is ``total x gpu_memory_utilization`` minus what is in use (weights), that
 peak, and what CUDA graphs will keep (an estimate measured on H100 shapes).
 """
 
@@ -64,7 +65,7 @@ def _profile_gpu_kv_bytes(runner) -> int:
         ids = torch.randint(0, 100, (sum(lens),), device=runner.device)
         with forward_context(meta):
             hidden = runner.model(ids, pos)
-        n_logits = min(sc.max_num_seqs, t)
+        n_logits = min(profile_logit_rows(cfg), t)
         if not isinstance(hidden, tuple):  # a pipeline stage before the last has no LM head
             runner.model.compute_logits(hidden[:n_logits]).softmax(-1)
         torch.cuda.synchronize()
@@ -87,6 +88,15 @@ def _profile_gpu_kv_bytes(runner) -> int:
         used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, res_bytes / 2**30, kv_bytes / 2**30,
     )
     return max(kv_bytes, 0)
+
+
+def profile_logit_rows(config) -> int:
+    """Rows of logits the largest step computes: one per running request, and with speculative
+    decoding one per verified position (1 + k per request). The profile computes (and softmaxes)
+    that many, so the sampler's float32 ``[rows, vocab]`` temporaries count in the activation peak."""
+    sc, spec = config.scheduler_config, config.speculative_config
+    k = spec.num_speculative_tokens if spec is not None else 0
+    return sc.max_num_seqs * (1 + k)
 
 
 def residual_bytes(runner) -> int:
