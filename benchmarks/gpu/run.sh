@@ -104,6 +104,26 @@ install_wheels() {  # the server's wheels (.whl/) and NIXL (.whl_nixl/) into $SI
 
 py() { PYTHONPATH=$SRC:$SITE${PYTHONPATH:+:$PYTHONPATH} python3 "$@"; }
 
+reap_gpu_leftovers() {  # after a part: kill processes still computing on this run's GPUs
+  # A server started in its own session (setsid) outlives its part's process group when the part
+  # is cut at its limit, and its memory would fail the next part. Parts run one at a time per
+  # run.sh, and each lanes.sh lane owns its GPU, so whatever still runs on these GPUs is stale.
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  local uuids pid uuid
+  uuids=$(nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>/dev/null | awk -F', ' -v vis="${CUDA_VISIBLE_DEVICES:-}" \
+    'BEGIN { n = split(vis, a, ",") } { if (n == 0) print $2; else for (i = 1; i <= n; i++) if (a[i] == $1) print $2 }')
+  [ -n "$uuids" ] || return 0
+  local killed
+  killed=$(nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader 2>/dev/null | while IFS=', ' read -r pid uuid; do
+    if [ -n "$pid" ] && echo "$uuids" | grep -qF "$uuid"; then
+      echo "killing a leftover GPU process: $pid $(ps -o cmd= -p "$pid" 2>/dev/null | cut -c1-100)"
+      kill -9 "$pid" 2>/dev/null
+    fi
+  done)
+  [ -n "$killed" ] && { echo "$killed"; sleep 3; }  # the driver frees their memory
+  return 0
+}
+
 workload() {  # workload <w1|w2|w3> <dir>: this tree (or KVSERVE_SRC), then KVSERVE_BASELINE if set
   local w=$1 d=$2
   # shellcheck disable=SC2086
@@ -247,6 +267,7 @@ for spec in "$@"; do
     ROOT='$ROOT' OUT='$OUT' SITE='$SITE' SRC='$SRC' B='$B' LIMIT='$limit'; run_part '$name' '$d'" \
     > "$d/console.txt" 2>&1
   rc=$?
+  reap_gpu_leftovers
   echo "rc=$rc in $(( $(date +%s) - s ))s"; tail -n 6 "$d/console.txt"
   SUMMARY+=("$name|$rc|$(( $(date +%s) - s ))")
 done
