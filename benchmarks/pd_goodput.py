@@ -325,7 +325,8 @@ def main() -> None:
                 n = int(rate * a.duration) + 1
                 before = {w["url"]: scrape(w["url"]) for w in workers}
                 r_before = scrape(dep.url)
-                save = os.path.join(a.out, f"bench_{mode}_r{rate:g}.json")
+                # per-request detail (every ITL) runs to MBs per rate: keep it out of the results
+                save = os.path.join(tmp, f"bench_{mode}_r{rate:g}.json")
                 res = bench(dep.url, data[rate], n, rate, a.burstiness, save, a.slo, 0, max(60.0, share))
                 after = {w["url"]: scrape(w["url"]) for w in workers}
                 r_after = scrape(dep.url)

@@ -28,9 +28,11 @@ if [ $# -gt 0 ]; then
   OUT=$OUT/all bash "$ROOT/benchmarks/gpu/run.sh" "$@" > "$OUT/all.txt" 2>&1
   echo "== all GPUs"; sed -n '/^part /,$p' "$OUT/all.txt"
 fi
-# The device tool brings back at most 8 files: one archive of everything, and the summaries.
+# The device tool brings back at most 8 files of at most 16 MiB: one archive of everything (in
+# 15 MiB pieces when bigger: cat results.tgz.part-* | tar xz), and the summaries.
 if [ -z "${KEEP_DIRS:-}" ]; then
   (cd "$OUT" && { for f in lane*.txt all.txt; do [ -f "$f" ] && sed -n '/^part /,$p' "$f"; done; } > summary.txt
    tmp=$(mktemp -d) && tar czf "$tmp/results.tgz" --exclude=./summary.txt . && \
-   find . -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + && mv "$tmp/results.tgz" .)
+   find . -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + && mv "$tmp/results.tgz" . && \
+   if [ "$(stat -c %s results.tgz)" -gt 15728640 ]; then split -b 15m results.tgz results.tgz.part- && rm results.tgz; fi)
 fi

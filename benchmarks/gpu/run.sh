@@ -240,6 +240,7 @@ else:
 print(f"  {w} {r.get('kv_cache_dtype') or ''} {fig}  [{str(r['commit'])[:10]}]")
 PY
       done ;;
+    pd|pd4) grep -h '^|' "$d/console.txt" 2>/dev/null | grep -v '^|--' | tail -n 16 | cut -c1-160 | sed 's/^/  /' ;;
     *) grep -h '^|' "$d/console.txt" 2>/dev/null | grep -v '^|--' | tail -n 8 | cut -c1-160 | sed 's/^/  /' ;;
   esac
 }
