@@ -281,10 +281,60 @@ def _one_decode(path: str, tp: int, smoke: bool) -> dict:
         stamps.append(time.perf_counter())
     steps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])][8:-1] or [0.0]
     cfg = eng.config
+    prof = _profile_decode(llm, prompt, 4 if smoke else 32) if os.environ.get("KVSERVE_TORCH_PROFILER_DIR") else None
     llm.shutdown()
     return dict(tp=tp, all_reduce=os.environ.get("KVSERVE_ALL_REDUCE", "custom") if tp > 1 else "-",
                 ms_per_token=round(statistics.median(steps), 3), startup_s=round(startup, 1),
-                executor=cfg.parallel_config.distributed_executor_backend, greedy_tokens=list(tokens))
+                executor=cfg.parallel_config.distributed_executor_backend, greedy_tokens=list(tokens),
+                **({"profile": prof} if prof else {}))
+
+
+#: kernel name pieces -> the bucket a decode step's device time is reported in (first match wins)
+KERNEL_BUCKETS = (
+    ("all-reduce", ("all_reduce", "allreduce", "nccl", "one_shot", "two_shot", "_ar_", "cross_device")),
+    ("attention", ("attn", "attention", "decode_kernel", "_fwd_", "paged")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitk", "matmul", "_mm_", "int4pack", "cublas")),
+    ("norm", ("norm",)),
+    ("rotary", ("rotary", "rope")),
+    ("sampling", ("argmax", "topk", "top_k", "softmax", "sample", "gumbel", "exponential")),
+    ("copies", ("copy", "memcpy", "memset", "cat", "fill", "index")),
+)
+
+
+def _bucket(name: str) -> str:
+    low = name.lower()
+    for b, keys in KERNEL_BUCKETS:
+        if any(k in low for k in keys):
+            return b
+    return "other"
+
+
+def _profile_decode(llm, prompt: list[int], steps: int) -> list[dict]:
+    """``steps`` batch-1 decode steps under torch.profiler on every rank: device ms per step by
+    bucket, the top kernels (``LLM.start_profile`` / ``stop_profile``)."""
+    from kvserve import SamplingParams
+
+    eng = llm.llm_engine
+    # Worker calls go between steps, none in flight: the profile spans the whole request, whose
+    # one-token prompt makes its first step as small as a decode step.
+    llm.start_profile()
+    eng.add_request(None, prompt[:1], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    n = steps
+    ranks = llm.stop_profile()
+    out = []
+    for r in ranks:
+        # aten:: / cuda runtime rows are host-side ops whose device time is their kernels' again
+        kern = [k for k in r["top"] if not k["name"].startswith(("aten::", "cuda", "Memcpy", "Memset"))
+                or k["name"].startswith(("Memcpy", "Memset"))]
+        by: dict[str, float] = {}
+        for k in kern:
+            by[_bucket(k["name"])] = by.get(_bucket(k["name"]), 0.0) + k["device_us"]
+        out.append(dict(rank=r["rank"], steps=n, wall_ms_per_step=round(r["wall_ms"] / max(n, 1), 3),
+                        device_ms_per_step={b: round(v / 1e3 / max(n, 1), 4) for b, v in sorted(by.items())},
+                        top=[dict(k, us_per_step=round(k["device_us"] / max(n, 1), 2)) for k in kern[:15]]))
+    return out
 
 
 def part_tp(out_dir: str, tmp: str, smoke: bool, deadline: float) -> None:
@@ -312,7 +362,8 @@ def part_tp(out_dir: str, tmp: str, smoke: bool, deadline: float) -> None:
             rows.append(dict(tp=tp, all_reduce=ar, skipped="deadline"))
             continue
         f = os.path.join(tmp, f"tp{tp}_{ar}.json")
-        env = dict(os.environ, KVSERVE_ALL_REDUCE=ar)
+        env = dict(os.environ, KVSERVE_ALL_REDUCE=ar,
+                   KVSERVE_TORCH_PROFILER_DIR=os.path.join(out_dir, f"profile_tp{tp}_{ar}"))
         cmd = [sys.executable, os.path.abspath(__file__), "--one-decode", path, "--tp", str(tp), "--json-out", f]
         if smoke:
             cmd.append("--cpu-smoke")
@@ -338,7 +389,10 @@ def part_tp(out_dir: str, tmp: str, smoke: bool, deadline: float) -> None:
             r["vs_tp1"] = round(r["ms_per_token"] / t1["ms_per_token"], 3) if t1["ms_per_token"] else None
     json.dump(dict(rows=rows, **summary, **_env(smoke)), open(os.path.join(out_dir, "tp_ar.json"), "w"), indent=1)
     for r in rows:
-        print(json.dumps({k: v for k, v in r.items() if k != "greedy_tokens"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("greedy_tokens", "profile")}), flush=True)
+        for pr in r.get("profile", []):
+            print(f"  TP={r['tp']} {r['all_reduce']} rank {pr['rank']}: device ms/step {pr['device_ms_per_step']}, "
+                  f"wall {pr['wall_ms_per_step']} ms/step", flush=True)
     print(json.dumps(summary))
     print("| config | ms/token | vs TP=1 | start-up s |")
     print("|---|---|---|---|")

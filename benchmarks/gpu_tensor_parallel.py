@@ -183,16 +183,21 @@ def pp_point(path: str, pp: int, tp: int, smoke: bool) -> dict:
 def pp_main(a) -> None:
     """PP=2 vs TP=2 vs TP=1, each in a child process (one engine per process, GPUs released between)."""
     e = {"device": "cpu-smoke"} if a.cpu_smoke else env()
-    path = _config_dir(a.tmp, "smoke" if a.cpu_smoke else "llama-3.1-8b", SMOKE if a.cpu_smoke else LLAMA31_8B,
-                       "LlamaConfig")
+    big = a.model == "70b"
+    shape = SMOKE if a.cpu_smoke else LLAMA31_70B if big else LLAMA31_8B
+    name = "smoke" if a.cpu_smoke else "llama-3.1-70b" if big else "llama-3.1-8b"
+    path = _config_dir(a.tmp, name, shape, "LlamaConfig")
     recs = []
-    for pp, tp in ((2, 1), (1, 2), (1, 1)):
+    # 70B's 141 GB of bf16 weights need both GPUs: PP=2 vs TP=2 only
+    for pp, tp in ((2, 1), (1, 2)) if big else ((2, 1), (1, 2), (1, 1)):
         cmd = [sys.executable, __file__, "--one", f"{pp},{tp},{path}"] + (["--cpu-smoke"] if a.cpu_smoke else [])
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.point_timeout)
         lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
         rec = json.loads(lines[-1]) if r.returncode == 0 and lines else \
             dict(pp=pp, tp=tp, error=(r.stderr or r.stdout)[-2000:])
-        recs.append({"name": "8b_pp" if not a.cpu_smoke else "smoke_pp", **rec, **e})
+        recs.append({"name": "smoke_pp" if a.cpu_smoke else f"{a.model}_pp", **rec, **e})
+        if big and "batch1_ms_per_token" in rec:  # next to the weight-read floor of one GPU's half
+            rec["floor_ms"] = recs[-1]["floor_ms"] = round(70.55e9 * 2 / 2 / 4.29e12 * 1e3, 3)
         json.dump(recs, open(os.path.join(a.out, "pp_bench.json"), "w"), indent=1)
         print(json.dumps({k: v for k, v in recs[-1].items() if k not in e}), flush=True)
 
@@ -205,6 +210,7 @@ def main() -> None:
     ap.add_argument("--skip-ray", action="store_true")
     ap.add_argument("--skip-w1", action="store_true", help="No W1-style throughput rows (a shorter call).")
     ap.add_argument("--pp", action="store_true", help="Pipeline parallel only: 8B shape PP=2 vs TP=2 vs TP=1.")
+    ap.add_argument("--model", choices=("8b", "70b"), default="8b", help="--pp: the Llama-3.1 shape.")
     ap.add_argument("--cpu-smoke", action="store_true", help="--pp at a toy shape on the CPU (checks the script).")
     ap.add_argument("--point-timeout", type=float, default=200, help="Seconds per --pp engine process.")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # "pp,tp,path": one --pp engine, printed as JSON

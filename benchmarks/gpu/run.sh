@@ -59,6 +59,7 @@ pd-transfer:200:P/D KV transfer on one GPU, tcp and NIXL: GB/s and TTFT vs recom
 serve-sweep:580:online serving sweep 1..64 QPS, 8B shape (gpu_serve_sweep.sh)
 tp:560:two GPUs: tensor parallelism TP=1 vs 2, 8B and 70B shapes (gpu_tensor_parallel.py)
 pp:120:two GPUs: pipeline parallel 2 vs tensor parallel 2 vs one GPU, 8B shape, batch 1 and 64 (gpu_tensor_parallel.py --pp)
+pp-70b:330:two GPUs: 70B shape, pipeline parallel 2 vs tensor parallel 2, batch 1 and 64, vs the weight-read floor (gpu_tensor_parallel.py --pp)
 allreduce:60:two GPUs: custom all-reduce one-shot/two-shot vs NCCL vs torch symm_mem, 8 KB..4 MB, eager and graph; fused AR+add+RMSNorm (gpu_all_reduce.py)
 tp-ar:150:two GPUs: 8B batch-1 ms/token TP=1 vs TP=2 custom all-reduce vs TP=2 NCCL, each in its own process (gpu_all_reduce.py)
 pd:580:two GPUs: 1 prefill + 1 decode worker vs 2 colocated replicas (pd_goodput.py)
@@ -185,6 +186,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     serve-sweep) OUT=$d SWEEP_SKIP_WHEELS=1 PYTHONPATH=$SITE:$SRC bash $B/gpu_serve_sweep.sh ;;
     tp) py $B/gpu_tensor_parallel.py --out "$d" ;;
     pp) py $B/gpu_tensor_parallel.py --pp --out "$d" --point-timeout 38 ;;
+    pp-70b) py $B/gpu_tensor_parallel.py --pp --model 70b --out "$d" --point-timeout $(( (${LIMIT:-330} - 10) / 2 )) ;;
     allreduce) py $B/gpu_all_reduce.py --part allreduce --out "$d" ;;
     tp-ar) py $B/gpu_all_reduce.py --part tp --out "$d" --deadline $(( ${LIMIT:-150} - 8 )) ;;
     pd4)

@@ -311,6 +311,15 @@ class EngineCore:
         """``{"published", "dropped"}`` KV events so far, or None when KV events are off."""
         return self.kv_event_publisher.stats() if self.kv_event_publisher is not None else None
 
+    def profile(self, is_start: bool = True) -> Optional[list[dict]]:
+        """Start (``is_start``) or stop ``torch.profiler`` on every worker, between steps. Stop
+        returns each rank's summary (``WorkerProfiler.stop``). RuntimeError without
+        ``KVSERVE_TORCH_PROFILER_DIR``."""
+        if is_start:
+            self.executor.collective_rpc("start_profile")
+            return None
+        return self.executor.collective_rpc("stop_profile")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block no request holds, in every KV cache group (an
         ``AllBlocksCleared`` event each). Returns False (and changes nothing) while requests hold blocks."""

@@ -48,6 +48,17 @@ class LLM:
         events ``AllBlocksCleared``). Returns False, changing nothing, while requests hold blocks."""
         return self.llm_engine.engine_core.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """Start ``torch.profiler`` on every worker (vLLM's ``LLM.start_profile``). Needs
+        ``KVSERVE_TORCH_PROFILER_DIR`` set before the engine starts; RuntimeError otherwise."""
+        self.llm_engine.engine_core.profile(True)
+
+    def stop_profile(self) -> list[dict]:
+        """Stop it: each rank writes ``rank{r}.pt.trace.json.gz`` and ``rank{r}_kernels.txt`` into
+        ``KVSERVE_TORCH_PROFILER_DIR``. Returns each rank's summary: ``wall_ms``, ``device_ms`` and the
+        ``top`` kernels by device time (``{"name", "device_us", "calls"}``)."""
+        return self.llm_engine.engine_core.profile(False)
+
     def shutdown(self) -> None:
         """Stop worker processes (``distributed_executor_backend="mp"``); idempotent."""
         self.llm_engine.shutdown()

@@ -49,5 +49,12 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> StepResult:
         """Launch one step."""
 
+    def collective_rpc(self, method: str, *args) -> list:
+        """Call ``Worker.<method>(*args)`` on every rank between steps; the results in rank order."""
+        call = getattr(self, "_call", None)
+        if call is None:
+            raise NotImplementedError(f"{type(self).__name__} has no worker calls")
+        return call(method, *args)
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""

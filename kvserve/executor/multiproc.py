@@ -31,6 +31,17 @@ from kvserve.executor.pipeline import TokenRelay, merge_kv_cache_specs, output_r
 
 logger = logging.getLogger("kvserve")
 
+#: Worker calls whose RuntimeError goes back to the caller instead of ending the worker.
+RECOVERABLE_CALLS = frozenset({"start_profile", "stop_profile"})
+
+
+class CallError:
+    """A recoverable worker call's error, sent back as its result."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 #: Seconds between liveness checks while waiting.
 POLL_S = 1.0
 #: Seconds a worker gets to load its model and report ready.
@@ -153,7 +164,11 @@ class MultiprocExecutor(Executor):
         if self._pending:
             raise RuntimeError("set-up call while steps are in flight")
         self._send_all(("call", method, args))
-        return self._gather("result")
+        res = self._gather("result")
+        err = next((r for r in res if isinstance(r, CallError)), None)
+        if err is not None:
+            raise RuntimeError(err.message)
+        return res
 
     def _receive_step(self) -> None:
         msg = self._recv()
@@ -331,7 +346,13 @@ def run_worker(rank: str, in_addr: str, out_addr: str) -> None:
                 if pending is not None:
                     flush()
                     pending = None
-                send(("result", rank, getattr(worker, msg[1])(*msg[2])))
+                try:
+                    res = getattr(worker, msg[1])(*msg[2])
+                except RuntimeError as exc:
+                    if msg[1] not in RECOVERABLE_CALLS:
+                        raise
+                    res = CallError(str(exc))  # the worker stays up: the caller gets the error
+                send(("result", rank, res))
             elif msg[0] == "shutdown":
                 worker.shutdown()
                 return

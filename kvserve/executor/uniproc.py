@@ -32,5 +32,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> StepResult:
         return self.worker.execute_model(sched)
 
+    def _call(self, method: str, *args) -> list:
+        return [getattr(self.worker, method)(*args)]
+
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -71,6 +71,20 @@ class Worker:
         """Launch a step; ``.get()`` on the result waits for its tokens."""
         return self.model_runner.execute_model_async(sched)
 
+    def start_profile(self) -> None:
+        """Start ``torch.profiler`` on this rank (``KVSERVE_TORCH_PROFILER_DIR``; RuntimeError without it)."""
+        from kvserve.worker.profiler import WorkerProfiler
+
+        if getattr(self, "_profiler", None) is None:
+            self._profiler = WorkerProfiler(self.rank)
+        self._profiler.start()
+
+    def stop_profile(self) -> dict:
+        """Stop it; writes the trace and kernel table, returns ``WorkerProfiler.stop``'s summary."""
+        if getattr(self, "_profiler", None) is None:
+            raise RuntimeError("the profiler is not running")
+        return self._profiler.stop()
+
     def shutdown(self) -> None:
         """Finish the KV connector's pending transfers (block files included) and stop its
         threads, then release the runner's tensors (``ModelRunner.release``); idempotent."""
