@@ -574,6 +574,13 @@ class AsyncLLM:
 
         self._send(ResetPrefixCache())
 
+    def profile(self, is_start: bool) -> None:
+        """Start or stop ``torch.profiler`` on the engine core's workers (between two steps; errors go
+        to the core's log). Raises EngineDeadError."""
+        from kvserve.engine.ipc import Profile
+
+        self._send(Profile(is_start))
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its completions); its ``generate`` ends with finish_reason "abort".
 

@@ -94,6 +94,14 @@ class EngineCoreProc:
         elif isinstance(msg, ipc.ResetPrefixCache):
             if not self.core.reset_prefix_cache():
                 logger.warning("reset_prefix_cache: requests hold KV blocks; nothing was reset")
+        elif isinstance(msg, ipc.Profile):
+            try:  # a profiler error (no KVSERVE_TORCH_PROFILER_DIR, steps in flight) is logged, not fatal
+                res = self.core.profile(msg.is_start)
+                if res is not None:
+                    logger.info("profile written to %s: %s", os.environ.get("KVSERVE_TORCH_PROFILER_DIR"),
+                                ", ".join(f"rank {r['rank']} {r['device_ms']} device ms" for r in res))
+            except RuntimeError as exc:
+                logger.error("%s_profile: %s", "start" if msg.is_start else "stop", exc)
 
     def _drain(self, block: bool) -> int:
         """Handle every queued input message; returns how many. Blocks up to IDLE_POLL_S if asked."""

@@ -160,6 +160,10 @@ class DPAsyncLLM:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             envs = [{"CUDA_VISIBLE_DEVICES": core_devices(i, world, visible, torch.cuda.device_count())}
                     for i in range(n)]
+        prof = os.environ.get("KVSERVE_TORCH_PROFILER_DIR")
+        if prof:  # each core's ranks write their traces into their own sub-directory
+            for i, e in enumerate(envs):
+                e["KVSERVE_TORCH_PROFILER_DIR"] = os.path.join(prof, f"dp{i}")
         # Each core: one engine; the summed stats line is logged here, not by each client.
         core_args = replace(args, data_parallel_size=1, disable_log_stats=True)
         loggers = [self._core_logger(i) for i in range(n)]
@@ -176,7 +180,8 @@ class DPAsyncLLM:
                 raise EngineDeadError(f"data-parallel engine core {i}: {exc}") from exc
             raise exc
         logger.info("data parallel: %d engine cores ready (pids %s%s)", n, [c.proc.pid for c in self.cores],
-                    "; GPUs " + " | ".join(e["CUDA_VISIBLE_DEVICES"] for e in envs) if envs[0] else "")
+                    "; GPUs " + " | ".join(e["CUDA_VISIBLE_DEVICES"] for e in envs)
+                    if "CUDA_VISIBLE_DEVICES" in envs[0] else "")
         self._watch_task = asyncio.create_task(self._watch(), name="kvserve-dp-watch")
 
     def _core_logger(self, index: int) -> StatLogger:
@@ -333,6 +338,12 @@ class DPAsyncLLM:
         self.check_alive()
         for c in self.cores:
             c.reset_prefix_cache()
+
+    def profile(self, is_start: bool) -> None:
+        """``AsyncLLM.profile`` on every core. Raises EngineDeadError."""
+        self.check_alive()
+        for c in self.cores:
+            c.profile(is_start)
 
     def num_unfinished(self) -> int:
         """Requests (parents) the cores' clients still wait on, summed."""

@@ -2,7 +2,7 @@
 
 Two one-way ZMQ PUSH/PULL channels over ``ipc://`` sockets that the frontend binds:
 
-* input  (frontend PUSH -> core PULL): ``AddRequest`` | ``AbortRequests`` | ``Shutdown`` | ``ResetPrefixCache``
+* input  (frontend PUSH -> core PULL): ``AddRequest`` | ``AbortRequests`` | ``Shutdown`` | ``ResetPrefixCache`` | ``Profile``
 * output (core PUSH -> frontend PULL): ``Ready`` | ``StartupFailed`` | ``StepOutputs`` | ``Heartbeat``
 
 Every reader of the output socket must accept ``Heartbeat`` (it carries no outputs: it only
@@ -57,7 +57,13 @@ class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
     """Forget the prefix cache's blocks no request holds (``EngineCore.reset_prefix_cache``)."""
 
 
-InputMessage = Union[AddRequest, AbortRequests, Shutdown, ResetPrefixCache]
+class Profile(msgspec.Struct, tag=True, array_like=True):
+    """Start (``is_start``) or stop ``torch.profiler`` on the workers (``EngineCore.profile``)."""
+
+    is_start: bool
+
+
+InputMessage = Union[AddRequest, AbortRequests, Shutdown, ResetPrefixCache, Profile]
 
 # ----------------------------------------------------------------------------- core -> frontend
 
@@ -180,7 +186,7 @@ def output_decoder() -> msgspec.msgpack.Decoder:
 
 
 __all__ = [
-    "AddRequest", "AbortRequests", "Shutdown", "ResetPrefixCache", "Ready", "StartupFailed", "EngineCoreOutput",
+    "AddRequest", "AbortRequests", "Shutdown", "ResetPrefixCache", "Profile", "Ready", "StartupFailed", "EngineCoreOutput",
     "SchedulerStatsMsg", "StepOutputs", "Heartbeat", "InputMessage", "OutputMessage", "params_to_dict",
     "params_from_dict", "make_ipc_paths", "cleanup_ipc_paths", "input_encoder", "input_decoder",
     "output_decoder",

@@ -347,6 +347,17 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: Optional
         engine.reset_prefix_cache()
         return Response(status_code=200)
 
+    if os.environ.get("KVSERVE_TORCH_PROFILER_DIR"):  # vLLM's routes, there only when profiling is on
+        @app.post("/start_profile")
+        async def start_profile():
+            engine.profile(True)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            engine.profile(False)
+            return Response(status_code=200)
+
     @app.post("/detokenize")
     async def detokenize(request: P.DetokenizeRequest):
         completion.check_model(request.model)
