@@ -70,6 +70,7 @@ moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2,
 mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
 mla-mtp:60:DeepSeek MTP speculation (deepseek_mtp), V3-shaped small config, dummy weights: batch-1 ms/token, k 0/1/2 (gpu_mla.py mtp)
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
+memory-stress:330:GPU memory under a feature matrix (max batch + prefixes, 32K FP8 KV, n-gram speculation, MoE): OOMs, peak vs --gpu-memory-utilization (gpu_memory_stress.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
 fp8:180:FP8 W8A8 GEMMs at the 8B projections (cut-over M), W4 with FP8 weights + FP8 KV vs TensorRT-LLM (gpu_fp8_gemm.py)
 cascade:100:cascade attention: kernel alone at the W3 shape vs per-request decode; W3 cascade on vs off, caching off (gpu_cascade.py)
@@ -204,8 +205,9 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     mla) py $B/gpu_mla.py --out "$d" --num-requests 64 --engine-timeout $(( ${LIMIT:-480} - 120 )) ;;
     mla-mtp) py $B/gpu_mla.py --out "$d" --parts mtp --mtp-ks 1,2 --mtp-deadline $(( ${LIMIT:-60} - 25 )) ;;
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
-      py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
+      py $B/load/soak_gpu.py --duration ${SOAK_S:-400} --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
+    memory-stress) py $B/gpu_memory_stress.py --out "$d" --seconds 25 --timeout $(( (${LIMIT:-330} - 10) / 4 )) ;;
     fp8) py $B/gpu_fp8_gemm.py --out "$d" --parts w4,gemm --deadline $(( ${LIMIT:-180} - 25 )) ;;
     cascade) py $B/gpu_cascade.py --out "$d" --deadline $(( ${LIMIT:-100} - 5 )) ;;
     step-profile)  # FP8 KV: 512 x 2K does not fit a bf16 KV cache beside the weights (128 GiB)
