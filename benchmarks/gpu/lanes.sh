@@ -7,7 +7,8 @@
 #
 # Usage (repo root, on the GPU machine):
 #   OUT=<dir> bash benchmarks/gpu/lanes.sh "PART[:S] PART..." "PART..." -- PART[:S] ...
-#   (one quoted list per GPU, in GPU order; the lists after `--` use every GPU)
+#   (one quoted list per GPU, in GPU order; a list starting "@2,3 " runs on those GPUs instead;
+#   the lists after `--` use every GPU)
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/kvserve-out}
@@ -17,13 +18,17 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do lanes+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 pids=()
 for i in "${!lanes[@]}"; do
+  spec=${lanes[$i]} gpus=$i
+  if [ "${spec:0:1}" = "@" ]; then  # "@2,3 PART ...": a lane of several GPUs (two-GPU parts side by side)
+    gpus=${spec%% *}; gpus=${gpus#@}; spec=${spec#* }
+  fi
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=$i SITE=/tmp/site_lane$i OUT=$OUT/lane$i \
-    bash "$ROOT/benchmarks/gpu/run.sh" ${lanes[$i]} > "$OUT/lane$i.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$gpus SITE=/tmp/site_lane$i OUT=$OUT/lane$i \
+    bash "$ROOT/benchmarks/gpu/run.sh" $spec > "$OUT/lane$i.txt" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
-for i in "${!lanes[@]}"; do echo "== lane $i (GPU $i)"; sed -n '/^part /,$p' "$OUT/lane$i.txt"; done
+for i in "${!lanes[@]}"; do echo "== lane $i"; sed -n '/^part /,$p' "$OUT/lane$i.txt"; done
 if [ $# -gt 0 ]; then
   OUT=$OUT/all bash "$ROOT/benchmarks/gpu/run.sh" "$@" > "$OUT/all.txt" 2>&1
   echo "== all GPUs"; sed -n '/^part /,$p' "$OUT/all.txt"
