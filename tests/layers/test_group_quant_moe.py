@@ -77,3 +77,23 @@ def test_expert_parallel_slice_and_layer():
         moe.set_group_quant_experts("awq", GroupQuantExperts(w13s, torch.device(DEV), torch.float32),
                                     GroupQuantExperts(_quant_experts(e, h, 2 * i, 4, 32, False, 6)[0],
                                                       torch.device(DEV), torch.float32))
+
+
+def test_kernel_bf16_within_rounding():
+    """bf16 activations (the interpreter computes the tiles in float32): within bf16 rounding of the float
+    reference over the same dequantized experts."""
+    e, h, i, t = 4, 64, 32, 5
+    w13s, d13 = _quant_experts(e, 2 * i, h, 4, 32, False, seed=11)
+    w2s, d2 = _quant_experts(e, h, i, 4, 32, True, seed=12)
+    q13 = GroupQuantExperts(w13s, torch.device(DEV), torch.bfloat16)
+    q2 = GroupQuantExperts(w2s, torch.device(DEV), torch.bfloat16)
+    assert q13.scales.dtype == torch.bfloat16  # min/max scales are not exact in float16: the activation dtype
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(t, h, generator=g).to(DEV, torch.bfloat16)
+    w, ids = select_experts(torch.randn(t, e, generator=g).to(DEV), 2, renormalize=True)
+    d13 = torch.stack([q13.dequantize(j) for j in range(e)])  # what the kernel multiplies by (bf16 scales)
+    d2 = torch.stack([q2.dequantize(j) for j in range(e)])
+    ref = fused_experts_torch(x.float(), d13, d2, w, ids)
+    got = fused_experts_w4a16(x, q13, q2, w, ids)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)

@@ -222,3 +222,25 @@ def test_bad_expert_tensors_are_start_up_errors(edit, match):
     edit(tensors)
     with pytest.raises(ValueError, match=match):
         _loaded_layer(q, tensors)
+
+
+def test_dummy_gptq_layout_packs_the_experts(hf_moe, tmp_path):
+    """``--load-format dummy --quantization gptq`` (benchmarks): the random experts quantized at load and
+    kept packed; the layer equals the torch loop over its dequantized experts."""
+    from kvserve.config import ModelConfig
+    from kvserve.model_loader import get_model, load_hf_config
+
+    hf_moe.config.save_pretrained(tmp_path)
+    cfg = load_hf_config(str(tmp_path), "dummy")
+    model = get_model(ModelConfig(model=str(tmp_path), tokenizer=None, dtype="float32", load_format="dummy",
+                                  max_model_len=64, seed=0, hf_config=cfg, quantization="gptq"), "cpu")
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert len(moes) == 2 and all(m.quant_method == "gptq" and m.w13_quant.zeros is None for m in moes)
+    q13, q2 = moes[0].w13_quant, moes[0].w2_quant
+    assert q13.shape == (4, 64, 64) and q2.shape == (4, 64, 32) and q13.bits == 4
+    g = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(3, 64, generator=g), torch.randn(3, 4, generator=g)
+    w, ids = moes[0].select(logits)
+    d13 = torch.stack([q13.dequantize(e) for e in range(4)])
+    d2 = torch.stack([q2.dequantize(e) for e in range(4)])
+    torch.testing.assert_close(moes[0](x, logits), fused_experts_torch(x, d13, d2, w, ids))
