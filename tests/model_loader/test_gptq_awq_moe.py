@@ -244,3 +244,30 @@ def test_dummy_gptq_layout_packs_the_experts(hf_moe, tmp_path):
     d13 = torch.stack([q13.dequantize(e) for e in range(4)])
     d2 = torch.stack([q2.dequantize(e) for e in range(4)])
     torch.testing.assert_close(moes[0](x, logits), fused_experts_torch(x, d13, d2, w, ids))
+
+
+def test_gptq_dynamic_exclusions_accepted_overrides_refused():
+    base = dict(quant_method="gptq", bits=4, group_size=128, sym=True)
+    GptqAwqConfig.from_dict(dict(base, dynamic={"-:.*mlp\\.gate$": {}}))  # excluded modules: stored dense
+    with pytest.raises(ValueError, match=r"dynamic overrides \['\+:.*down_proj'\] are not supported"):
+        GptqAwqConfig.from_dict(dict(base, dynamic={"+:.*down_proj": {"bits": 8}}))
+
+
+def test_quantized_shared_expert_stays_a_partial_sum_under_tensor_parallel(monkeypatch):
+    """Qwen2-MoE's shared expert under tensor parallelism: its (GPTQ) down_proj shard's product is returned
+    unreduced (the MoE block all-reduces the shared and routed partial sums once)."""
+    from kvserve.layers.quantization import QuantizedLinear
+    from kvserve.layers.quantization.group_quant import PackedGroupQuant, quantize_groupwise
+    from kvserve.models import qwen_moe
+
+    mlp = qwen_moe.SharedExpertMLP(32, 64, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(torch.randn(128, 32, generator=g) * 0.1)
+    w = quantize_groupwise(torch.randn(32, 64, generator=g) * 0.1, 4, 32, True)
+    mlp.down_proj = QuantizedLinear("gptq", PackedGroupQuant(w, torch.device("cpu"), torch.float32), 64, 32, None,
+                                    tp_reduce=True)
+    monkeypatch.setattr(qwen_moe, "get_tp_size", lambda: 2)  # no process group: an all-reduce here would fail
+    x = torch.randn(3, 32, generator=g)
+    h = mlp.act(mlp.gate_up_proj(x))
+    torch.testing.assert_close(mlp(x), h @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
