@@ -25,7 +25,8 @@ Mixture-of-experts layers (``FusedMoE``: Qwen2/3-MoE, Mixtral, DeepSeek): each e
 packed as ``GroupQuantExperts`` (gate and up rows stacked, as the dense ``w13``) and run by the fused
 W4A16 MoE kernel (``layers.moe.group_quant_experts``). Tensor parallel: gate/up take this rank's
 intermediate rows, down its intermediate input slice (whole groups, else a ValueError); expert
-parallel: whole experts. Experts with an activation order (unsorted ``g_idx``) are refused. Routers and
+parallel: whole experts. ``desc_act``: each expert's K sorted by group, its order kept for the kernel's
+activation gather (gate and up must share it, as GPTQ gives them). Routers and
 shared experts load as the checkpoint stores them (dense when excluded: ``modules_to_not_convert``,
 GPTQ ``dynamic`` ``-:`` rules). Unsupported bits / group
 sizes / formats and missing or mis-shaped tensors are start-up ValueErrors naming the tensor and shape.
@@ -375,11 +376,7 @@ class GptqAwqLoader:
                 note = f" on tensor-parallel rank {moe.tp_rank} of {moe.tp_size}"
             else:
                 d = Decoded(d.q[s:s + i], d.scale[s:s + i], d.zero[s:s + i] if d.zero is not None else None, d.g_idx)
-        w = _to_weight(d, self.cfg.bits, layer, note)
-        if w.perm is not None:
-            raise ValueError(f"{layer}.g_idx: an activation order (desc_act, unsorted g_idx) is not supported for "
-                             "MoE expert weights; use a checkpoint quantized with desc_act=false or static_groups")
-        return w
+        return _to_weight(d, self.cfg.bits, layer, note)
 
     def _apply_experts(self, prefix: str, moe: nn.Module, dtype: torch.dtype) -> int:
         """Pack one ``FusedMoE``'s quantized experts into ``GroupQuantExperts``; 0 when its experts are dense.
@@ -400,11 +397,15 @@ class GptqAwqLoader:
                     raise ValueError(f"{prefix}: expert {e} {shard} is not stored quantized like the layer's other "
                                      f"experts (expected its qweight of shape {qshape}, scales, qzeros)")
             gate, up, down = (self._expert_weight(moe, prefix, e, s) for s in ("w1", "w3", "w2"))
-            if gate.group_size != up.group_size:
-                raise ValueError(f"{prefix}: expert {e} gate and up projections have different group sizes")
+            same_perm = (gate.perm is None and up.perm is None) or (
+                gate.perm is not None and up.perm is not None and torch.equal(gate.perm, up.perm))
+            if gate.group_size != up.group_size or not same_perm:
+                raise ValueError(f"{self.experts[(prefix, e, 'w3')][0]} and {self.experts[(prefix, e, 'w1')][0]} "
+                                 "are fused into one gate/up GEMM but have different g_idx (activation orders or "
+                                 "group sizes)")
             zero = None if gate.zero is None and up.zero is None else torch.cat([gate.zeros(), up.zeros()])
             w13.append(GroupQuantWeight(torch.cat([gate.q, up.q]), torch.cat([gate.scale, up.scale]), zero,
-                                        self.cfg.bits, gate.group_size))
+                                        self.cfg.bits, gate.group_size, gate.perm))
             w2.append(down)
             for s in ("w1", "w3", "w2"):  # free the raw tensors as they are packed
                 self.experts.pop((prefix, e, s), None)

@@ -15,10 +15,17 @@ from kvserve.layers.quantization.group_quant import quantize_groupwise
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _quant_experts(e: int, n: int, k: int, bits: int, group: int, sym: bool, seed: int):
+def _quant_experts(e: int, n: int, k: int, bits: int, group: int, sym: bool, seed: int, perm: bool = False):
+    """``e`` random experts quantized; ``perm``: each with its own activation order (GPTQ desc_act: K sorted by
+    group at load). Returns the weights and the dense stack in the model's input order."""
     g = torch.Generator().manual_seed(seed)
-    ws = [quantize_groupwise(torch.randn(n, k, generator=g) * 0.2, bits, group, sym) for _ in range(e)]
-    return ws, torch.stack([w.dequantize() for w in ws])
+    ws = []
+    for _ in range(e):
+        w = quantize_groupwise(torch.randn(n, k, generator=g) * 0.2, bits, group, sym)
+        if perm:  # store columns in a random order: column j of the stored weight is input p[j]
+            w.perm = torch.randperm(k, generator=g)
+        ws.append(w)
+    return ws, torch.stack([w.dequantize_unpermuted() for w in ws])
 
 
 @pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (4, 32, False), (4, -1, False), (8, 64, False)])
@@ -28,18 +35,22 @@ def test_packed_experts_dequantize_exactly(bits, group, sym):
     assert q.shape == (3, 48, 64)
     for e in range(3):
         assert torch.equal(q.dequantize(e), dense[e])
-    assert (q.zeros is None) == sym
+    assert (q.zeros is None) == sym and q.perm is None
+    ws, dense = _quant_experts(3, 48, 64, bits, group, sym, seed=1, perm=True)
+    q = GroupQuantExperts(ws, torch.device("cpu"), torch.float32)
+    assert q.perm.shape == (3, 64) and all(torch.equal(q.dequantize(e), dense[e]) for e in range(3))
 
 
-@pytest.mark.parametrize("t,e,k,h,i,bits,group,sym,act", [
-    (1, 4, 2, 64, 32, 4, 32, True, "silu"),  # decode: one token
-    (9, 6, 2, 64, 48, 4, 32, False, "silu"),  # I = 48: w2 per channel, K tail masked (padded to the 128-row block)
-    (5, 4, 2, 128, 64, 4, -1, False, "swigluoai"),  # per channel, gpt-oss activation
-    (3, 4, 3, 64, 64, 8, 64, False, "silu"),  # 8 bits
+@pytest.mark.parametrize("t,e,k,h,i,bits,group,sym,act,perm", [
+    (1, 4, 2, 64, 32, 4, 32, True, "silu", False),  # decode: one token
+    (9, 6, 2, 64, 48, 4, 32, False, "silu", True),  # I = 48: w2 per channel, K tail masked; desc_act orders
+    (5, 4, 2, 128, 64, 4, -1, False, "swigluoai", False),  # per channel, gpt-oss activation
+    (3, 4, 3, 64, 64, 8, 64, False, "silu", False),  # 8 bits
 ])
-def test_kernel_matches_dequantized_reference(t, e, k, h, i, bits, group, sym, act):
-    w13s, d13 = _quant_experts(e, 2 * i, h, bits, group, sym, seed=t + e)
-    w2s, d2 = _quant_experts(e, h, i, bits, group if group != -1 and i % group == 0 else -1, sym, seed=t + e + 1)
+def test_kernel_matches_dequantized_reference(t, e, k, h, i, bits, group, sym, act, perm):
+    w13s, d13 = _quant_experts(e, 2 * i, h, bits, group, sym, seed=t + e, perm=perm)
+    w2s, d2 = _quant_experts(e, h, i, bits, group if group != -1 and i % group == 0 else -1, sym, seed=t + e + 1,
+                             perm=perm)
     q13 = GroupQuantExperts(w13s, torch.device(DEV), torch.float32)
     q2 = GroupQuantExperts(w2s, torch.device(DEV), torch.float32)
     g = torch.Generator().manual_seed(t)

@@ -27,7 +27,7 @@ from kvserve.model_loader.gptq_awq import GptqAwqConfig, GptqAwqLoader
 
 VARIANTS = {
     "gptq_g32_sym": dict(quant_method="gptq", bits=4, group_size=32, sym=True, desc_act=False),
-    "gptq_g32_asym": dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=False),
+    "gptq_g32_asym_desc_act": dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=True),
     "awq_g32": dict(quant_method="awq", bits=4, group_size=32, zero_point=True, version="gemm"),
 }
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -35,9 +35,12 @@ PROMPTS = [list(range(1, 13)), [5] * 20, list(range(60, 90))]
 TOKENS = 8
 
 
-def _pack(layer: str, w: torch.Tensor, q: dict, tensors: dict) -> torch.Tensor:
-    """Quantize ``w [N, K]`` into ``tensors`` under ``layer`` in ``q``'s format; returns the dequantized weight."""
-    qv, sc, z, gi = _quantize(w.float(), q, torch.arange(w.shape[1]))
+def _pack(layer: str, w: torch.Tensor, q: dict, tensors: dict, perm=None) -> torch.Tensor:
+    """Quantize ``w [N, K]`` into ``tensors`` under ``layer`` in ``q``'s format (``perm``: the activation order
+    with ``desc_act``); returns the dequantized weight."""
+    if perm is None:
+        perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0] + len(layer)))
+    qv, sc, z, gi = _quantize(w.float(), q, perm)
     bits = q["bits"]
     if q["quant_method"] == "gptq":
         stored = z - 1 if q.get("checkpoint_format", "gptq") == "gptq" else z  # v1: z - 1
@@ -56,8 +59,9 @@ def _expert_tensors(prefix: str, gate_up: torch.Tensor, down: torch.Tensor, q: d
     i = down.shape[2]
     dq_gu, dq_d = torch.empty_like(gate_up), torch.empty_like(down)
     for e in range(gate_up.shape[0]):
-        dq_gu[e, :i] = _pack(f"{prefix}.{e}.gate_proj", gate_up[e, :i], q, tensors)
-        dq_gu[e, i:] = _pack(f"{prefix}.{e}.up_proj", gate_up[e, i:], q, tensors)
+        perm = torch.randperm(gate_up.shape[2], generator=torch.Generator().manual_seed(e))  # gate and up share it
+        dq_gu[e, :i] = _pack(f"{prefix}.{e}.gate_proj", gate_up[e, :i], q, tensors, perm)
+        dq_gu[e, i:] = _pack(f"{prefix}.{e}.up_proj", gate_up[e, i:], q, tensors, perm)
         dq_d[e] = _pack(f"{prefix}.{e}.down_proj", down[e], q, tensors)
     return dq_gu, dq_d
 
@@ -68,10 +72,13 @@ def make_checkpoint(root: str, name: str, hf_model) -> tuple[str, nn.Module]:
     ref = copy.deepcopy(hf_model)
     sd = ref.state_dict()
     tensors = {}
+    perms = {}  # desc_act: projections reading the same input (q/k/v) share GPTQ's activation order
     for key, t in hf_model.state_dict().items():
         layer = key.rpartition(".")[0]
         if key.endswith(".weight") and layer.rpartition(".")[2] in ATTN:
-            sd[key].copy_(_pack(layer, t, q, tensors))
+            inp = layer.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+            perm = perms.setdefault(inp, torch.randperm(t.shape[1], generator=torch.Generator().manual_seed(len(perms))))
+            sd[key].copy_(_pack(layer, t, q, tensors, perm))
         elif key.endswith("mlp.experts.gate_up_proj"):
             prefix = key.rpartition(".")[0]
             dq_gu, dq_d = _expert_tensors(prefix, t, hf_model.state_dict()[f"{prefix}.down_proj"], q, tensors)
@@ -126,6 +133,7 @@ def test_greedy_equals_transformers_on_dequantized(hf_moe, tmp_path, name):
         assert len(moes) == 2 and all(isinstance(m.w13_quant, GroupQuantExperts) and m.w13.numel() == 0
                                       for m in moes)
         assert (moes[0].w13_quant.zeros is None) == VARIANTS[name].get("sym", False)
+        assert (moes[0].w13_quant.perm is not None) == VARIANTS[name].get("desc_act", False)  # gate/up: 2 groups
         sp = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
         assert got == [_hf_greedy(ref, p, TOKENS) for p in PROMPTS]
@@ -193,15 +201,21 @@ def test_tensor_parallel_slice_off_group_boundaries_is_an_error(monkeypatch):
         _loaded_layer(q, tensors, i=96)
 
 
-def test_expert_activation_order_is_refused():
-    """desc_act with an unsorted g_idx would need a per-expert activation gather: refused, naming the tensor."""
-    q = dict(quant_method="gptq", bits=4, group_size=32, sym=True, desc_act=True)
-    tensors, _, _ = _layer_checkpoint(q)
-    gi = torch.arange(I, dtype=torch.int32) % 2  # features alternate between groups 0 and 1
-    for e in range(E):
-        tensors[f"{PREFIX}.{e}.down_proj.g_idx"] = gi
-    with pytest.raises(ValueError, match=r"down_proj.g_idx: an activation order .* not supported for MoE expert"):
-        _loaded_layer(q, tensors)
+def test_expert_activation_orders(monkeypatch):
+    """desc_act: every expert's g_idx in its own order (gate and up sharing one): the layer equals the dense
+    dequantized one. Gate and up with different orders are refused."""
+    q = dict(quant_method="gptq", bits=4, group_size=32, sym=False, desc_act=True)
+    tensors, dq_gu, dq_d = _layer_checkpoint(q)
+    moe = _loaded_layer(q, tensors)
+    assert moe.w13_quant.perm is not None and moe.w2_quant.perm is not None
+    g = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(5, H, generator=g), torch.randn(5, E, generator=g)
+    w, ids = moe.select(logits)
+    torch.testing.assert_close(moe(x, logits), fused_experts_torch(x, dq_gu, dq_d, w, ids), rtol=1e-5, atol=1e-5)
+    bad = dict(tensors)
+    bad[f"{PREFIX}.1.up_proj.g_idx"] = torch.arange(H, dtype=torch.int32).flip(0) // 32
+    with pytest.raises(ValueError, match=r"experts.1.up_proj and .*experts.1.gate_proj are fused .* different g_idx"):
+        _loaded_layer(q, bad)
 
 
 @pytest.mark.parametrize("edit,match", [

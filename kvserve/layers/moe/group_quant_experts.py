@@ -4,14 +4,16 @@
 input features) in the layout of the dense W4A16 GEMM (``quantization.triton_w4a16.pack``), one slice per
 expert: ``qweight`` int32 ``[E, Kp / PACK, N]``, ``scales`` ``[E, Kp / G, N]`` (float16 when exact, as GPTQ
 and AWQ store them, else the activation dtype), ``zeros`` uint8 ``[E, Kp / G, N]`` (None: symmetric, ``z =
-2^(bits-1)``). Word row ``16 b + r`` of an expert holds, in field ``j``, ``q[k = KB b + 16 j + r, n]`` with
+2^(bits-1)``), ``perm`` int32 ``[E, K]`` or None (GPTQ ``desc_act``: each expert's K sorted by group at load;
+the kernel gathers the activations in that order). Word row ``16 b + r`` of an expert holds, in field ``j``, ``q[k = KB b + 16 j + r, n]`` with
 ``KB = 16 * PACK`` (128 rows for 4 bits), so one coalesced ``[16, BLOCK_N]`` int32 tile unpacks field by
 field into ``PACK`` contiguous 16-row K-slices.
 
 ``fused_experts_w4a16`` is ``triton_moe.fused_experts_triton`` with these weights: the same expert
 sort / pad (``moe_align_block_size``), grouped GEMMs and deterministic combine, and in the K loop each
 16-row slice of the expert's packed tile is unpacked, dequantized in registers (``(q - z) * s``, its
-group's scale and zero loaded once per group) and fed to ``tl.dot`` (the weight is read once, packed:
+group's scale and zero loaded once per group) and fed to ``tl.dot`` (with ``perm``, the matching
+activation columns gathered) (the weight is read once, packed:
 the dequantize-in-registers idea of Marlin, Frantar et al., arXiv:2408.11743). On the CPU the torch
 expert loop (``layer.fused_experts_torch``) reads ``GroupQuantExperts[e]``: that expert dequantized.
 """
@@ -32,8 +34,8 @@ GROUP_QUANT_METHODS = ("gptq", "awq")
 class GroupQuantExperts:
     """Packed group-quantized weights of ``E`` local experts, each ``[N, K]`` (module doc for the layout).
 
-    ``experts``: one ``GroupQuantWeight`` per local expert, all of the same shape, bits and group size and
-    without an activation permutation. ``dtype``: the activation dtype. Raises ValueError otherwise.
+    ``experts``: one ``GroupQuantWeight`` per local expert, all of the same shape, bits and group size (each
+    may carry its own ``perm``). ``dtype``: the activation dtype. Raises ValueError otherwise.
     """
 
     def __init__(self, experts: Sequence[GroupQuantWeight], device: torch.device, dtype: torch.dtype,
@@ -51,9 +53,6 @@ class GroupQuantExperts:
             if tuple(w.q.shape) != (self.n, self.k) or w.bits != self.bits or w.group_size != w0.group_size:
                 raise ValueError(f"{name}: expert {i} is {w.bits}-bit {tuple(w.q.shape)} group {w.group_size}, "
                                  f"expected {self.bits}-bit {(self.n, self.k)} group {w0.group_size} like expert 0")
-            if w.perm is not None:
-                raise ValueError(f"{name}: expert {i} has an activation order (desc_act with an unsorted g_idx); "
-                                 "quantized experts need sorted groups")
         kb = tw.block_rows(self.bits)
         kp = -(-self.k // kb) * kb
         g = kp if w0.group_size == self.k and self.k % kb else w0.group_size  # per channel: one group of Kp
@@ -73,6 +72,11 @@ class GroupQuantExperts:
         exact16 = bool(torch.equal(scales.half().float(), scales))
         self.scales = scales.to(torch.float16 if exact16 else dtype)
         self.zeros = zeros
+        self.perm = None  # int32 [E, K]: expert e's stored K order (desc_act), None when every expert is in order
+        if any(w.perm is not None for w in experts):
+            ident = torch.arange(self.k)
+            self.perm = torch.stack([(w.perm if w.perm is not None else ident).cpu().to(torch.int32)
+                                     for w in experts]).to(device)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -80,21 +84,27 @@ class GroupQuantExperts:
         return (self.qweight.shape[0], self.n, self.k)
 
     def dequantize(self, e: int) -> torch.Tensor:
-        """Expert ``e`` as float32 ``[N, K]``: ``(q - z) * s``."""
+        """Expert ``e`` as float32 ``[N, K]`` in the model's input order: ``(q - z) * s`` (``perm`` undone)."""
         from kvserve.layers.quantization import triton_w4a16 as tw
 
         q = tw.unpack(self.qweight[e], self.bits, self.kp).float()  # [N, Kp]
         s = self.scales[e].float().t().repeat_interleave(self.group_size, 1)
         z = (self.zeros[e].float().t().repeat_interleave(self.group_size, 1) if self.zeros is not None
              else float(1 << (self.bits - 1)))
-        return ((q - z) * s)[:, :self.k]
+        w = ((q - z) * s)[:, :self.k]
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm[e].long()] = w
+        return out
 
     def __getitem__(self, e: int) -> torch.Tensor:
         """Expert ``e`` dequantized in the activation dtype (the torch expert loop's ``w[e]``)."""
         return self.dequantize(e).to(self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return ([self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+                + ([self.perm] if self.perm is not None else []))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -117,12 +127,13 @@ if triton is not None:
         return (q * sc[None, :] - zs[None, :]).to(dt)
 
     @triton.jit
-    def _moe_w4a16_kernel(a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
+    def _moe_w4a16_kernel(a_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
                           post_pad_ptr, N, K, NW, numel, a_row_div, num_blocks_m, n_kblocks,
                           stride_am, stride_we, stride_se, stride_be, stride_om, alpha, limit,
                           GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
                           MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BITS: tl.constexpr,
-                          GROUP: tl.constexpr, ZP_INT: tl.constexpr, PPG: tl.constexpr, GPB: tl.constexpr,
+                          GROUP: tl.constexpr, ZP_INT: tl.constexpr, HAS_PERM: tl.constexpr, PPG: tl.constexpr,
+                          GPB: tl.constexpr,
                           WIDEN: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """``out[r, n] = act(a[r // a_row_div] @ W[e]^T ...)`` for the sorted rows ``r`` of one block, ``W[e]``
@@ -172,7 +183,12 @@ if triton is not None:
                         zs_up = sc_up * (1 << (BITS - 1))
                 for j in tl.static_range(gi * PPG, gi * PPG + PPG):
                     k0 = b * KB + j * 16
-                    if EVEN_K:
+                    if HAS_PERM:  # desc_act: this expert's K order, a gather of the activations
+                        k_ok = k0 + offs_r < K
+                        kk = tl.load(perm_ptr + e * K + k0 + offs_r, mask=k_ok, other=0)
+                        a = tl.load(a_ptr + a_rows[:, None] * stride_am + kk[None, :],
+                                    mask=row_ok[:, None] & k_ok[None, :], other=0)
+                    elif EVEN_K:
                         a = tl.load(a_base + k0, mask=row_ok[:, None], other=0)
                     else:
                         a = tl.load(a_base + k0, mask=row_ok[:, None] & (k0 + offs_r < K)[None, :], other=0)
@@ -229,12 +245,14 @@ def _launch(a, w: GroupQuantExperts, bias, out, topk_w, sorted_ids, expert_ids, 
     k = a.shape[1]
     dummy = w.scales
     _moe_w4a16_kernel[(num_blocks * triton.cdiv(n, bn),)](
-        a, w.qweight, w.scales, w.zeros if w.zeros is not None else dummy, bias if bias is not None else dummy,
+        a, w.qweight, w.scales, w.zeros if w.zeros is not None else dummy, w.perm if w.perm is not None else dummy,
+        bias if bias is not None else dummy,
         out, topk_w, sorted_ids, expert_ids, post_pad, n, k, w.n, numel, a_row_div, num_blocks,
         triton.cdiv(k, tw.block_rows(w.bits)), a.stride(0), w.qweight.stride(0), w.scales.stride(0),
         bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha),
         float(limit if limit is not None else 0.0), GATED=gated, ACT=act, HAS_LIMIT=limit is not None and gated, MUL_WEIGHT=mul_weight,
-        HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, ZP_INT=w.zeros is not None, PPG=ppg,
+        HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, ZP_INT=w.zeros is not None,
+        HAS_PERM=w.perm is not None, PPG=ppg,
         GPB=pack // ppg, WIDEN=widen, EVEN_K=k % tw.block_rows(w.bits) == 0,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group_m,
         num_warps=warps, num_stages=stages)
