@@ -77,7 +77,8 @@ def make_checkpoint(root: str, name: str, hf_model) -> tuple[str, nn.Module]:
         layer = key.rpartition(".")[0]
         if key.endswith(".weight") and layer.rpartition(".")[2] in ATTN:
             inp = layer.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-            perm = perms.setdefault(inp, torch.randperm(t.shape[1], generator=torch.Generator().manual_seed(len(perms))))
+            gen = torch.Generator().manual_seed(len(perms))
+            perm = perms.setdefault(inp, torch.randperm(t.shape[1], generator=gen))
             sd[key].copy_(_pack(layer, t, q, tensors, perm))
         elif key.endswith("mlp.experts.gate_up_proj"):
             prefix = key.rpartition(".")[0]

@@ -5,9 +5,9 @@ input features) in the layout of the dense W4A16 GEMM (``quantization.triton_w4a
 expert: ``qweight`` int32 ``[E, Kp / PACK, N]``, ``scales`` ``[E, Kp / G, N]`` (float16 when exact, as GPTQ
 and AWQ store them, else the activation dtype), ``zeros`` uint8 ``[E, Kp / G, N]`` (None: symmetric, ``z =
 2^(bits-1)``), ``perm`` int32 ``[E, K]`` or None (GPTQ ``desc_act``: each expert's K sorted by group at load;
-the kernel gathers the activations in that order). Word row ``16 b + r`` of an expert holds, in field ``j``, ``q[k = KB b + 16 j + r, n]`` with
-``KB = 16 * PACK`` (128 rows for 4 bits), so one coalesced ``[16, BLOCK_N]`` int32 tile unpacks field by
-field into ``PACK`` contiguous 16-row K-slices.
+the kernel gathers the activations in that order). Word row ``16 b + r`` of an expert holds, in field ``j``,
+``q[k = KB b + 16 j + r, n]`` with ``KB = 16 * PACK`` (128 rows for 4 bits), so one coalesced
+``[16, BLOCK_N]`` int32 tile unpacks field by field into ``PACK`` contiguous 16-row K-slices.
 
 ``fused_experts_w4a16`` is ``triton_moe.fused_experts_triton`` with these weights: the same expert
 sort / pad (``moe_align_block_size``), grouped GEMMs and deterministic combine, and in the K loop each
@@ -127,8 +127,8 @@ if triton is not None:
         return (q * sc[None, :] - zs[None, :]).to(dt)
 
     @triton.jit
-    def _moe_w4a16_kernel(a_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr,
-                          post_pad_ptr, N, K, NW, numel, a_row_div, num_blocks_m, n_kblocks,
+    def _moe_w4a16_kernel(a_ptr, w_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, topk_w_ptr, sorted_ptr,
+                          expert_ids_ptr, post_pad_ptr, N, K, NW, numel, a_row_div, num_blocks_m, n_kblocks,
                           stride_am, stride_we, stride_se, stride_be, stride_om, alpha, limit,
                           GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr,
                           MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BITS: tl.constexpr,
@@ -250,12 +250,11 @@ def _launch(a, w: GroupQuantExperts, bias, out, topk_w, sorted_ids, expert_ids, 
         out, topk_w, sorted_ids, expert_ids, post_pad, n, k, w.n, numel, a_row_div, num_blocks,
         triton.cdiv(k, tw.block_rows(w.bits)), a.stride(0), w.qweight.stride(0), w.scales.stride(0),
         bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha),
-        float(limit if limit is not None else 0.0), GATED=gated, ACT=act, HAS_LIMIT=limit is not None and gated, MUL_WEIGHT=mul_weight,
-        HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size, ZP_INT=w.zeros is not None,
-        HAS_PERM=w.perm is not None, PPG=ppg,
-        GPB=pack // ppg, WIDEN=widen, EVEN_K=k % tw.block_rows(w.bits) == 0,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group_m,
-        num_warps=warps, num_stages=stages)
+        float(limit if limit is not None else 0.0), GATED=gated, ACT=act, HAS_LIMIT=limit is not None and gated,
+        MUL_WEIGHT=mul_weight, HAS_BIAS=bias is not None, BITS=w.bits, GROUP=w.group_size,
+        ZP_INT=w.zeros is not None, HAS_PERM=w.perm is not None, PPG=ppg, GPB=pack // ppg, WIDEN=widen,
+        EVEN_K=k % tw.block_rows(w.bits) == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=bm, BLOCK_N=bn, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
 def fused_experts_w4a16(hidden: torch.Tensor, w13: GroupQuantExperts, w2: GroupQuantExperts,
@@ -278,7 +277,8 @@ def fused_experts_w4a16(hidden: torch.Tensor, w13: GroupQuantExperts, w2: GroupQ
     e_local, two_i, h13 = w13.shape
     i = two_i // 2
     if h13 != h or tuple(w2.shape) != (e_local, h, i):
-        raise ValueError(f"fused_experts_w4a16: w13 {w13.shape} and w2 {w2.shape} do not fit hidden {tuple(hidden.shape)}")
+        raise ValueError(f"fused_experts_w4a16: w13 {w13.shape} and w2 {w2.shape} do not fit hidden "
+                         f"{tuple(hidden.shape)}")
     k = topk_ids.shape[1]
     numel = t * k
     if hidden.stride(-1) != 1:
