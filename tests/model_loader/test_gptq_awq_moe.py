@@ -286,3 +286,29 @@ def test_quantized_shared_expert_stays_a_partial_sum_under_tensor_parallel(monke
     x = torch.randn(3, 32, generator=g)
     h = mlp.act(mlp.gate_up_proj(x))
     torch.testing.assert_close(mlp(x), h @ w.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_mixtral_expert_names():
+    """Mixtral's ``block_sparse_moe.experts.{e}.w1|w3|w2`` (AWQ) load into the model's ``mlp.experts``."""
+    q = VARIANTS["awq_g32"]
+    tensors, dq_gu, dq_d = _layer_checkpoint(q)
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    renamed = {}
+    for key, t in tensors.items():
+        layer, _, kind = key.rpartition(".")
+        prefix, _, proj = layer.rpartition(".")
+        renamed[f"{prefix.replace('.mlp.', '.block_sparse_moe.')}.{names[proj]}.{kind}"] = t
+    root = nn.Module()
+    root.hf_mlp_name = "block_sparse_moe"
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList([nn.Module()])
+    root.model.layers[0].mlp = nn.Module()
+    root.model.layers[0].mlp.experts = moe = FusedMoE(E, 2, H, I, dtype=torch.float32)
+    ga = GptqAwqLoader(root, GptqAwqConfig.from_dict(q))
+    assert sorted(dict(ga.filter(renamed.items()))) == sorted(
+        f"model.layers.0.block_sparse_moe.experts.{e}.{p}.weight" for e in range(E) for p in ("w1", "w3", "w2"))
+    assert ga.apply(root, torch.float32) == 1
+    g = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(4, H, generator=g), torch.randn(4, E, generator=g)
+    w, ids = moe.select(logits)
+    torch.testing.assert_close(moe(x, logits), fused_experts_torch(x, dq_gu, dq_d, w, ids), rtol=1e-5, atol=1e-5)
