@@ -18,12 +18,23 @@ AWQ ("gemm" version, 4 bits):
 ``GroupQuantWeight`` and repacked into the kernel layout (``PackedGroupQuant``: the Triton W4A16 GEMM on
 CUDA, int4pack on the CPU). ``desc_act``: K is sorted by group at load and the activations are gathered in
 that order at run time. Tensor parallelism: column-parallel layers take their output rows; row-parallel
-layers their input slice, which must hold whole groups (else a ValueError). Unsupported bits / group
+layers their input slice, which must hold whole groups (else a ValueError).
+
+Mixture-of-experts layers (``FusedMoE``: Qwen2/3-MoE, Mixtral, DeepSeek): each expert's projections
+(``...experts.{e}.gate_proj|up_proj|down_proj``, Mixtral's ``w1|w3|w2``) in the same formats are kept
+packed as ``GroupQuantExperts`` (gate and up rows stacked, as the dense ``w13``) and run by the fused
+W4A16 MoE kernel (``layers.moe.group_quant_experts``). Tensor parallel: gate/up take this rank's
+intermediate rows, down its intermediate input slice (whole groups, else a ValueError); expert
+parallel: whole experts. ``desc_act``: each expert's K sorted by group, its order kept for the kernel's
+activation gather (gate and up must share it, as GPTQ gives them). Routers and
+shared experts load as the checkpoint stores them (dense when excluded: ``modules_to_not_convert``,
+GPTQ ``dynamic`` ``-:`` rules). Unsupported bits / group
 sizes / formats and missing or mis-shaped tensors are start-up ValueErrors naming the tensor and shape.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
@@ -37,6 +48,9 @@ from kvserve.layers.quantization.group_quant import GROUP_SIZES, GroupQuantWeigh
 METHOD_ALIASES = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ WQLinear_GEMM: field i of a word holds column AWQ_ORDER[i]
 _TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+#: a per-expert projection of a checkpoint: (the experts' prefix, expert, projection)
+_EXPERT_LAYER_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_EXPERT_SHARD = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 
 @dataclass(frozen=True)
@@ -67,8 +81,10 @@ class GptqAwqConfig:
                                  "(gptq, gptq_v2)")
             if q.get("lm_head"):
                 raise ValueError("GPTQ quantization_config.lm_head=true (a quantized LM head) is not supported")
-            if q.get("dynamic"):
-                raise ValueError("GPTQ quantization_config.dynamic (per-module overrides) is not supported")
+            overrides = [k for k in (q.get("dynamic") or {}) if not str(k).startswith("-:")]
+            if overrides:  # "-:<regex>" only excludes modules, which the checkpoint then stores dense
+                raise ValueError(f"GPTQ quantization_config.dynamic overrides {overrides} are not supported "
+                                 "(only '-:' exclusions)")
             if str(q.get("pack_dtype", "int32")).replace("torch.", "") != "int32":
                 raise ValueError(f"GPTQ quantization_config.pack_dtype={q['pack_dtype']!r}: only int32 is supported")
             cfg = cls("gptq", bits, int(q.get("group_size", 128)), bool(q.get("sym", True)),
@@ -252,15 +268,44 @@ class GptqAwqLoader:
         self.layers = {f"{names[id(p)]}.{s}" for p, attr, _ in quantized_linears(model)
                        for s in PACKED_SHARDS.get(attr, (attr,))}
         self.decoded: dict[str, Decoded] = {}
+        from kvserve.layers.moe import FusedMoE
+
+        self.moes = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
+        self.hf_mlp = f".{getattr(model, 'hf_mlp_name', 'mlp')}."
+        #: (FusedMoE name, expert, shard w1/w3/w2) -> (checkpoint layer name, its raw tensors)
+        self.experts: dict[tuple[str, int, str], tuple[str, dict[str, torch.Tensor]]] = {}
+
+    def _expert_key(self, layer: str) -> Optional[tuple[str, int, str]]:
+        m = _EXPERT_LAYER_RE.match(layer)
+        if m is None:
+            return None
+        prefix = m.group(1).replace(self.hf_mlp, ".mlp.", 1)
+        if prefix not in self.moes:
+            return None
+        return prefix, int(m.group(2)), _EXPERT_SHARD[m.group(3)]
+
+    def _expert_shape(self, layer: str, t: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """``[N, K]`` of an expert projection from its ``qweight`` (decoded and checked in ``apply``)."""
+        qw = t.get("qweight")
+        if qw is None or qw.dim() != 2:
+            raise ValueError(f"malformed {self.cfg.method.upper()} checkpoint: tensor {layer}.qweight is "
+                             f"{'missing' if qw is None else f'of shape {tuple(qw.shape)}, not 2-D'}")
+        p = 32 // self.cfg.bits
+        return (qw.shape[1], qw.shape[0] * p) if self.cfg.method == "gptq" else (qw.shape[1] * p, qw.shape[0])
 
     def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         collected: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             layer, _, key = name.rpartition(".")
             if key in _TENSORS:
+                ek = self._expert_key(layer) if layer not in self.layers else None
+                if ek is not None:
+                    self.experts.setdefault(ek, (layer, {}))[1][key] = tensor
+                    continue
                 if layer not in self.layers:
                     raise ValueError(f"{self.cfg.method.upper()}: {name} is a quantized tensor of a layer that is not "
-                                     "a decoder projection (q/k/v/o, gate/up/down); only those load quantized")
+                                     "a decoder projection (q/k/v/o, gate/up/down) or an MoE expert's; only those "
+                                     "load quantized")
                 collected.setdefault(layer, {})[key] = tensor
             else:
                 yield name, tensor
@@ -268,6 +313,8 @@ class GptqAwqLoader:
             d = decode_layer(layer, self.cfg, t)
             self.decoded[layer] = d
             yield f"{layer}.weight", torch.zeros((), dtype=torch.float32).expand(*d.q.shape)
+        for layer, t in self.experts.values():  # placeholders: the model checks every expert is there
+            yield f"{layer}.weight", torch.zeros((), dtype=torch.float32).expand(*self._expert_shape(layer, t))
 
     @torch.no_grad()
     def apply(self, model: nn.Module, dtype: torch.dtype) -> int:
@@ -307,12 +354,71 @@ class GptqAwqLoader:
             setattr(parent, attr, ql)
             done += 1
         self.decoded.clear()  # free the unpacked copies
+        for prefix, moe in self.moes.items():
+            done += self._apply_experts(prefix, moe, dtype)
+        self.experts.clear()
         return done
+
+    def _expert_weight(self, moe: nn.Module, prefix: str, e: int, shard: str) -> GroupQuantWeight:
+        """One local expert's projection decoded, cut to this rank's slice (``GroupQuantWeight``)."""
+        layer, t = self.experts[(prefix, e, shard)]
+        d = decode_layer(layer, self.cfg, t)
+        i, full_i = moe.intermediate_local, moe.intermediate_size
+        want = (moe.hidden_size, full_i) if shard == "w2" else (full_i, moe.hidden_size)
+        if tuple(d.q.shape) != want:
+            raise ValueError(f"malformed {self.cfg.method.upper()} checkpoint: {layer} is {tuple(d.q.shape)} "
+                             f"(out, in features), expected {want}")
+        note = ""
+        if moe.ep_size == 1 and moe.tp_size > 1:
+            s = moe.tp_rank * i
+            if shard == "w2":
+                d = Decoded(d.q[:, s:s + i], d.scale, d.zero, d.g_idx[s:s + i])
+                note = f" on tensor-parallel rank {moe.tp_rank} of {moe.tp_size}"
+            else:
+                d = Decoded(d.q[s:s + i], d.scale[s:s + i], d.zero[s:s + i] if d.zero is not None else None, d.g_idx)
+        return _to_weight(d, self.cfg.bits, layer, note)
+
+    def _apply_experts(self, prefix: str, moe: nn.Module, dtype: torch.dtype) -> int:
+        """Pack one ``FusedMoE``'s quantized experts into ``GroupQuantExperts``; 0 when its experts are dense.
+        ValueError names a missing expert tensor (with the expected shape) or a mixed dense / quantized layer."""
+        from kvserve.layers.moe.group_quant_experts import GroupQuantExperts
+
+        have = {k for k in self.experts if k[0] == prefix}
+        if not have:
+            return 0
+        w13, w2 = [], []
+        for e in moe.local_experts:
+            for shard in ("w1", "w3", "w2"):
+                if (prefix, e, shard) not in have:
+                    i, h = moe.intermediate_size, moe.hidden_size
+                    n, k = (h, i) if shard == "w2" else (i, h)
+                    p = 32 // self.cfg.bits
+                    qshape = (k // p, n) if self.cfg.method == "gptq" else (k, n // p)
+                    raise ValueError(f"{prefix}: expert {e} {shard} is not stored quantized like the layer's other "
+                                     f"experts (expected its qweight of shape {qshape}, scales, qzeros)")
+            gate, up, down = (self._expert_weight(moe, prefix, e, s) for s in ("w1", "w3", "w2"))
+            same_perm = (gate.perm is None and up.perm is None) or (
+                gate.perm is not None and up.perm is not None and torch.equal(gate.perm, up.perm))
+            if gate.group_size != up.group_size or not same_perm:
+                raise ValueError(f"{self.experts[(prefix, e, 'w3')][0]} and {self.experts[(prefix, e, 'w1')][0]} "
+                                 "are fused into one gate/up GEMM but have different g_idx (activation orders or "
+                                 "group sizes)")
+            zero = None if gate.zero is None and up.zero is None else torch.cat([gate.zeros(), up.zeros()])
+            w13.append(GroupQuantWeight(torch.cat([gate.q, up.q]), torch.cat([gate.scale, up.scale]), zero,
+                                        self.cfg.bits, gate.group_size, gate.perm))
+            w2.append(down)
+            for s in ("w1", "w3", "w2"):  # free the raw tensors as they are packed
+                self.experts.pop((prefix, e, s), None)
+        dev = moe.w13.device
+        moe.set_group_quant_experts(self.cfg.method, GroupQuantExperts(w13, dev, dtype, f"{prefix}.w13"),
+                                    GroupQuantExperts(w2, dev, dtype, f"{prefix}.w2"))
+        return 1
 
 
 @torch.no_grad()
 def quantize_dummy(model: nn.Module, method: str, dtype: torch.dtype, hf_config: Any = None) -> int:
-    """Dummy weights in a GPTQ / AWQ layout: each projection's (random) dense weight quantized at load.
+    """Dummy weights in a GPTQ / AWQ layout: each projection's and MoE expert's (random) dense weight
+    quantized at load.
 
     Parameters come from ``hf_config``'s ``quantization_config`` when it is GPTQ/AWQ, else AWQ's
     (4 bits, group 128, zero points) / GPTQ's most common (4 bits, group 128, symmetric). For
@@ -336,5 +442,20 @@ def quantize_dummy(model: nn.Module, method: str, dtype: torch.dtype, hf_config:
         bias = linear.bias.detach() if linear.bias is not None else None
         setattr(parent, attr, QuantizedLinear(method, PackedGroupQuant(w, linear.weight.device, dtype), k,
                                               linear.out_features, bias, tp_reduce=row))
+        n += 1
+    from kvserve.layers.moe import FusedMoE
+    from kvserve.layers.moe.group_quant_experts import GroupQuantExperts
+
+    for name, moe in list(model.named_modules()):
+        if not isinstance(moe, FusedMoE) or moe.quant_method is not None:
+            continue
+        packed = []
+        for wname in ("w13", "w2"):
+            w = getattr(moe, wname).detach()
+            k = w.shape[2]
+            g = cfg.group_size if cfg.group_size != -1 and k % cfg.group_size == 0 else -1
+            packed.append(GroupQuantExperts([quantize_groupwise(w[e], cfg.bits, g, cfg.sym) for e in range(w.shape[0])],
+                                            w.device, dtype, f"{name}.{wname}"))
+        moe.set_group_quant_experts(method, *packed)
         n += 1
     return n

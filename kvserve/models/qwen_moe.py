@@ -123,6 +123,9 @@ class SharedExpertMLP(nn.Module):
         h = self.act(self.gate_up_proj(x))
         if get_tp_size() == 1:  # also a quantized down_proj (quantization runs with one rank)
             return self.down_proj(h)
+        packed = getattr(self.down_proj, "packed", None)  # a GPTQ / AWQ checkpoint's down_proj: unreduced product
+        if packed is not None:
+            return packed.matmul(h)
         return F.linear(h, self.down_proj.weight)
 
 

@@ -19,7 +19,9 @@ everywhere (the CPU runs it under ``TRITON_INTERPRET=1``), ``0`` the torch loop 
 
 Quantized experts (``--quantization fp8 | int8``, ``quantize_experts``): weight-only FP8 e4m3 /
 INT8 with float32 per-expert per-output-channel scales (``w13_scale [E_local, 2I]``,
-``w2_scale [E_local, H]``), dequantized in the kernel's K loop.
+``w2_scale [E_local, H]``), dequantized in the kernel's K loop. GPTQ / AWQ checkpoints
+(``set_group_quant_experts``): 4/8-bit group-quantized experts kept packed
+(``group_quant_experts.GroupQuantExperts``), run by the fused W4A16 MoE kernel on CUDA.
 
 Activations: ``silu`` (SwiGLU, ``silu(gate) * up``) and ``swigluoai`` (gpt-oss's clamped
 SwiGLU: ``gate.clamp(max=limit)``, ``up.clamp(-limit, limit)``, ``(up + 1) * gate *
@@ -180,7 +182,8 @@ class FusedMoE(nn.Module):
             self.w13_bias = self.w2_bias = None
         self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
                                                      requires_grad=False) if use_correction_bias else None)
-        self.quant_method: Optional[str] = None  # set by quantize_experts
+        self.quant_method: Optional[str] = None  # set by quantize_experts / set_group_quant_experts
+        self.w13_quant = self.w2_quant = None  # GroupQuantExperts (set_group_quant_experts)
         self.register_buffer("w13_scale", None, persistent=False)
         self.register_buffer("w2_scale", None, persistent=False)
 
@@ -249,6 +252,25 @@ class FusedMoE(nn.Module):
         self.quant_method = method
         return True
 
+    @torch.no_grad()
+    def set_group_quant_experts(self, method: str, w13, w2) -> None:
+        """Keep GPTQ / AWQ experts packed: ``w13`` / ``w2`` are ``GroupQuantExperts`` of shapes
+        ``(E_local, 2I_local, H)`` / ``(E_local, H, I_local)``; the dense ``w13`` / ``w2`` are freed.
+        Raises ValueError for another method or shape."""
+        from kvserve.layers.moe.group_quant_experts import GROUP_QUANT_METHODS
+
+        if method not in GROUP_QUANT_METHODS:
+            raise ValueError(f"group-quantized experts must be one of {GROUP_QUANT_METHODS}, got {method!r}")
+        e, i, h = self.num_local_experts, self.intermediate_local, self.hidden_size
+        for name, q, want in (("w13", w13, (e, 2 * i, h)), ("w2", w2, (e, h, i))):
+            if tuple(q.shape) != want:
+                raise ValueError(f"{name}: group-quantized experts of shape {tuple(q.shape)}, expected {want}")
+        dtype, dev = self.w13.dtype, self.w13.device
+        self.w13 = nn.Parameter(torch.empty(0, 2 * i, h, dtype=dtype, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, h, i, dtype=dtype, device=dev), requires_grad=False)
+        self.w13_quant, self.w2_quant = w13, w2
+        self.quant_method = method
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, H]``, router_logits ``[T, E]`` -> ``[T, H]`` (summed over the ranks when
         ``reduce_results``)."""
@@ -264,7 +286,15 @@ class FusedMoE(nn.Module):
         kw = dict(activation=self.activation, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
                   expert_start=self.expert_start, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
                   w13_scale=self.w13_scale, w2_scale=self.w2_scale)
-        if triton_path:
+        if self.w13_quant is not None:
+            kw.pop("w13_scale"), kw.pop("w2_scale")
+            if triton_path:
+                from kvserve.layers.moe.group_quant_experts import fused_experts_w4a16
+
+                out = fused_experts_w4a16(hidden, self.w13_quant, self.w2_quant, weights, ids, **kw)
+            else:  # the torch loop dequantizes each expert hit (GroupQuantExperts[e])
+                out = fused_experts_torch(hidden, self.w13_quant, self.w2_quant, weights, ids, **kw)
+        elif triton_path:
             from kvserve.layers.moe.triton_moe import fused_experts_triton  # triton imported on first use
 
             out = fused_experts_triton(hidden, self.w13, self.w2, weights, ids, **kw)
