@@ -49,7 +49,7 @@ weight-quant:240:quantized weights: linear kernels and W2 per format vs roofline
 int4-gemm:240:W4A16 GEMM alone at the 8B projections, M 1..256, vs bf16 and tinygemm, GB/s vs copy (gpu_w4a16.py)
 int4-w2:480:W2 batch-1 decode, 8B shape: bf16, fp8, int4, awq, gptq (dummy layouts), int4 on tinygemm (workloads.py)
 int4-offline:580:offline ISL/OSL 1000/1000, 8B shape, 256 requests: int4 vs bf16 vs fp8 (gpu_w4a16.py)
-int4-moe:90:GPTQ INT4 experts vs bf16, Qwen3-30B-A3B shape: fused MoE kernel T=1..256, batch-1 ms/token, batch-64 tok/s (gpu_int4_moe.py)
+int4-moe:140:GPTQ INT4 experts vs bf16, Qwen3-30B-A3B shape: fused MoE kernel T=1..256, batch-1 ms/token, batch-64 tok/s (gpu_int4_moe.py)
 spec:450:speculative decoding: verify-step cost, batch-1 speedups, W1-like load (gpu_spec.py)
 tiers:300:KV tiers at the 8B shape: bandwidth, multi-turn, zero reuse, swap, persistence (kv_tiers.py)
 hybrid:240:hybrid KV (sliding window): capacity, decode 2K vs 32K, window kernel (hybrid_kv.py)
