@@ -103,8 +103,9 @@ def test_cuda_draft_graphs_equal_eager(setup, request):
     mid-layer states from the graphs' static buffers); every graphed draft call equals the
     eager drafts from the same KV, and greedy outputs equal an eager engine without speculation."""
     model_kw, spec, prompts, max_tokens = request.getfixturevalue(setup)
+    model_kw = {k: v for k, v in model_kw.items() if k != "block_size"}  # the GPU default
     common = dict(model_kw, skip_tokenizer_init=True, dtype="float32", device="cuda", max_num_seqs=4,
-                  disable_log_stats=True, max_num_batched_tokens=64, gpu_memory_utilization=0.3)
+                  disable_log_stats=True, max_num_batched_tokens=64, kv_cache_memory="64MiB")
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(**common, enforce_eager=True).generate(prompts, sp, use_tqdm=False)]
     llm = LLM(**common, speculative_config=dict(spec, num_speculative_tokens=K, dynamic=False))
@@ -117,3 +118,39 @@ def test_cuda_draft_graphs_equal_eager(setup, request):
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert len(calls) >= 4
+
+
+def test_aux_hidden_states_static_buffers():
+    """What the target's graphs do for EAGLE-3: the kept mid-layer states are copied into
+    static buffers inside the captured forward and published back to the model after replay."""
+    from kvserve.worker.cuda_graphs import AuxHiddenStates
+
+    class Inner(torch.nn.Module):
+        aux_hidden_state_layers = (0, 2)
+
+        def forward(self, x):
+            self.aux_hidden_states = {0: x * 2, 2: x + 1}
+            return x
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+        def forward(self, x):
+            return self.model(x)
+
+    m = Outer()
+    aux = AuxHiddenStates(m, max_tokens=8)
+    x = torch.randn(8, 4)
+    m(x)
+    aux.allocate()  # the warm-up
+    assert set(aux.bufs) == {0, 2} and aux.bufs[0].shape == (8, 4)
+    y = torch.randn(5, 4)
+    m(y)
+    aux.store(5)  # inside the captured forward
+    m.model.aux_hidden_states = {}  # a replay runs no Python
+    aux.publish(5)
+    torch.testing.assert_close(m.model.aux_hidden_states[0], y * 2)
+    torch.testing.assert_close(m.model.aux_hidden_states[2], y + 1)
+    assert AuxHiddenStates(torch.nn.Linear(2, 2), 4).owner is None  # no kept states: nothing to do
