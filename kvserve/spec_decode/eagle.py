@@ -15,6 +15,8 @@ target never computed (prefix-cache hits) are absent from the head's context: it
 the first computed position (quality only; verification keeps outputs exact).
 
 Drafts are greedy point proposals, verified losslessly at any temperature (``rejection_sampler``).
+On CUDA the ``k`` draft steps of a decode step replay captured graphs (``draft_graphs.py``);
+the first draft after a prefill chunk runs eagerly.
 """
 
 from __future__ import annotations

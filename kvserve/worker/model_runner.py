@@ -218,7 +218,7 @@ class ModelRunner:
             logger.info("pipeline parallel: stages run eagerly (no CUDA graphs around the send/recv)")
             return
         if self.proposer is not None and self.proposer.needs_eager_target:
-            logger.info("EAGLE-3 reads the target's mid-layer states: CUDA graphs off")
+            logger.info("the proposer reads target states the CUDA graphs do not return: CUDA graphs off")
             return
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
 
