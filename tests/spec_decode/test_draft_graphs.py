@@ -49,7 +49,7 @@ def mtp_setup(tmp_path_factory):
     return dict(model=str(path), block_size=4, max_model_len=64), {"method": "deepseek_mtp"}, prompts, 24
 
 
-def _compare_both_ways(proposer, calls: list) -> None:
+def _compare_both_ways(proposer, calls: list, atol: float = 1e-5) -> None:
     """Wrap ``_draft``: a call the graphs serve runs eagerly and through the graphs from the
     same head KV; drafts and KV must agree (the graph's result is kept)."""
     kv = attention_layers(proposer.head)[0].kv.cache
@@ -64,7 +64,7 @@ def _compare_both_ways(proposer, calls: list) -> None:
         kv.copy_(before)
         got = graphs.run(proposer._block_tables(rows), ids, pos, hid, qlens, seq, k)
         assert (got == eager).all(), (got, eager)
-        torch.testing.assert_close(kv, kv_eager, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv, kv_eager, atol=atol, rtol=atol)
         calls.append((len(rows), max(qlens), k))
         return got
 
@@ -114,7 +114,8 @@ def test_cuda_draft_graphs_equal_eager(setup, request):
     assert runner.graph_runner is not None and proposer.draft_graphs is not None
     assert not proposer.draft_graphs.eager
     calls: list = []
-    _compare_both_ways(proposer, calls)
+    # MLA: the eager step 0 of uneven new pairs takes the expanded path, the graph the absorbed one
+    _compare_both_ways(proposer, calls, atol=1e-4)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert len(calls) >= 4
