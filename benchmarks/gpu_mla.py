@@ -22,6 +22,11 @@ Parts:
   against a plain decode step; ``break_even_tokens_per_step`` is the mean accepted length a
   real checkpoint needs for MTP to pay off at batch 1.
 
+- ``mtp-graphs`` (not in the default ``--parts``): the same V3-shaped config with
+  ``deepseek_mtp`` k = 4: the MTP layer's draft steps eager vs captured in CUDA graphs, ms per
+  call at batch 1 and 16 for k = 1..4, and engine ms/token with the draft graphs off vs on
+  (``draft_graph_cost.py``; about 60 s).
+
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT [--parts kernel,engine]
     PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT --parts mtp [--mtp-ks 1,2]   (about 60 s)
@@ -381,6 +386,36 @@ def mtp(tmp: str, device: str, smoke: bool, ks: list[int], num_layers: int, dead
         yield rec  # after the engine is gone: the next one starts from free memory
 
 
+def mtp_graphs(tmp: str, device: str, smoke: bool, num_layers: int) -> list[dict]:
+    """``deepseek_mtp`` k = 4 (2 in the smoke run): draft steps eager vs graphed, engine
+    ms/token with the draft graphs off vs on (``draft_graph_cost.measure``)."""
+    import gc
+
+    import torch
+
+    from draft_graph_cost import measure
+    from kvserve import LLM
+
+    cfg = TINY_MTP if smoke else dict(V3_MTP, num_hidden_layers=num_layers)
+    path = _config_dir(os.path.join(tmp, "v3-mtp" if not smoke else "tiny-mtp"), cfg)
+    kw = dict(model=path, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32",
+              skip_tokenizer_init=True, device=device, max_model_len=1024, max_num_seqs=16,
+              max_num_batched_tokens=1024, disable_log_stats=True,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2 if smoke else 4,
+                                  "dynamic": False})
+    if smoke:
+        kw.update(kv_cache_memory="16MiB", cpu_threads=1)
+    llm = LLM(**kw)
+    try:
+        return measure(llm, device, smoke, "mtp " + ("tiny" if smoke else f"V3-shaped {num_layers} layers"))
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -432,12 +467,23 @@ def main() -> None:
                 emit(r)
         except Exception as e:
             emit(dict(part="mtp", error=repr(e)[:400]))
+    if "mtp-graphs" in parts:
+        try:
+            for r in mtp_graphs(ns.tmp, device, ns.cpu_smoke, ns.mtp_layers):
+                emit(r)
+        except Exception as e:
+            emit(dict(part="mtp-graphs", error=repr(e)[:400]))
     print("\n| part | figure |\n|--|--|")
     for r in records:
         if r.get("error"):
             fig = "error: " + r["error"].strip().splitlines()[-1][:120] if r["error"].strip() else "error"
         elif r["part"] == "copy":
             fig = f"device copy {r['gb_s']} GB/s read"
+        elif r["part"] in ("draft_cost", "draft_engine"):
+            from draft_graph_cost import table
+
+            print(table([r])[0])
+            continue
         elif r["part"] == "mtp" and r["k"] == 0:
             fig = (f"{r['shape']} ({r['num_hidden_layers']} layers + 1 MTP): no speculation: batch-1 "
                    f"{r['batch1_ms_per_token']} ms/token")

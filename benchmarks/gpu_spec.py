@@ -14,6 +14,10 @@ Parts (``--parts``, comma-separated):
 * ``load``: W1-like under load (Qwen3-0.6B shape, 128 requests at once, prompts U[100,512],
   outputs U[64,256], greedy): no speculation (async scheduling), the oracle proposer (alpha
   0.7, k=4) with dynamic speculation off, and on (``dynamic_max_batch`` 32): output tok/s.
+* ``draft`` (not in the default ``--parts``): EAGLE-3 on a SmolLM2-135M-shaped target (dummy
+  weights, random head): the draft steps eager vs captured in CUDA graphs, ms per call at
+  batch 1 and 16 for k = 1..4, and engine ms/token with the draft graphs off vs on
+  (``draft_graph_cost.py``; about 40 s).
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 benchmarks/gpu_spec.py --out $OUT --parts verify,batch1,load
@@ -155,6 +159,37 @@ def _free(dev: str) -> None:
         torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------------------- draft graphs
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2,
+)
+
+
+def draft(tmp: str, dev: str, smoke: bool) -> list[dict]:
+    import transformers
+
+    from draft_graph_cost import measure
+    from kvserve.models.llama_eagle import save_random_eagle_head
+
+    cfg = dict(TINY, num_hidden_layers=6) if smoke else SMOLLM2_135M
+    path = _config_dir(tmp, "draft-target", cfg)
+    head = os.path.join(tmp, "draft-eagle3-head")
+    save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=True,
+                           draft_vocab_size=256 if smoke else 32000, seed=1, std=0.05)
+    llm = _llm(path, dev, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024,
+               kv_cache_memory="64MiB" if smoke else "4GiB", **(dict(cpu_threads=1) if smoke else {}),
+               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2 if smoke else 4,
+                                   "dynamic": False})
+    try:
+        return measure(llm, dev, smoke, "eagle3 smollm2-135m" if not smoke else "eagle3 tiny")
+    finally:
+        llm.shutdown()
+        del llm
+        _free(dev)
+
+
 # ------------------------------------------------------------------------------- batch 1
 def _make_oracle():
     from kvserve.spec_decode import Proposer
@@ -286,7 +321,7 @@ def main() -> None:
     records = []
     path = os.path.join(ns.out, "spec_bench.json")
     for part in ns.parts.split(","):
-        fn = {"verify": verify_cost, "batch1": batch1, "load": load}[part]
+        fn = {"verify": verify_cost, "batch1": batch1, "load": load, "draft": draft}[part]
         t0 = time.perf_counter()
         try:
             records += fn(ns.tmp, dev, ns.cpu_smoke)
@@ -301,7 +336,11 @@ def main() -> None:
                        "torch": torch.__version__, "records": records}, f, indent=1)
     print("\n| part | config | figure |\n|---|---|---|")
     for r in records:
-        if "error" in r:
+        if r.get("part") in ("draft_cost", "draft_engine") and "error" not in r:
+            from draft_graph_cost import table
+
+            print(table([r])[0])
+        elif "error" in r:
             print(f"| {r['part']} | error | {r['error'][:80]} |")
         elif r["part"] == "verify":
             print(f"| verify {r['shape']} | b={r['batch']} k={r['k']} | {r['ms_per_step']} ms ({r['cost_vs_decode']}x) |")

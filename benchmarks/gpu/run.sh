@@ -50,7 +50,7 @@ int4-gemm:240:W4A16 GEMM alone at the 8B projections, M 1..256, vs bf16 and tiny
 int4-w2:480:W2 batch-1 decode, 8B shape: bf16, fp8, int4, awq, gptq (dummy layouts), int4 on tinygemm (workloads.py)
 int4-offline:580:offline ISL/OSL 1000/1000, 8B shape, 256 requests: int4 vs bf16 vs fp8 (gpu_w4a16.py)
 int4-moe:140:GPTQ INT4 experts vs bf16, Qwen3-30B-A3B shape: fused MoE kernel T=1..256, batch-1 ms/token, batch-64 tok/s (gpu_int4_moe.py)
-spec:450:speculative decoding: verify-step cost, batch-1 speedups, W1-like load (gpu_spec.py)
+spec:510:speculative decoding: verify-step cost, batch-1 speedups, W1-like load, EAGLE-3 draft steps eager vs CUDA graphs (gpu_spec.py)
 tiers:300:KV tiers at the 8B shape: bandwidth, multi-turn, zero reuse, swap, persistence (kv_tiers.py)
 hybrid:240:hybrid KV (sliding window): capacity, decode 2K vs 32K, window kernel (hybrid_kv.py)
 gemma3:400:Gemma 3 270M shape: equality with transformers, throughput (gpu_gemma3.py)
@@ -69,7 +69,7 @@ moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..
 moe:420:MoE models, dummy weights: Qwen3-30B-A3B batch-1 decode + ISL/OSL 1000/1000, gpt-oss-20b (gpu_moe.py)
 moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
 mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
-mla-mtp:60:DeepSeek MTP speculation (deepseek_mtp), V3-shaped small config, dummy weights: batch-1 ms/token, k 0/1/2 (gpu_mla.py mtp)
+mla-mtp:130:DeepSeek MTP speculation (deepseek_mtp), V3-shaped small config, dummy weights: batch-1 ms/token, k 0/1/2; draft steps eager vs CUDA graphs (gpu_mla.py mtp, mtp-graphs)
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
 memory-stress:330:GPU memory under a feature matrix (max batch + prefixes, 32K FP8 KV, n-gram speculation, MoE): OOMs, peak vs --gpu-memory-utilization (gpu_memory_stress.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
@@ -167,7 +167,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         --out "$d/w2_int4_tinygemm.json" ;;
     int4-offline) py $B/gpu_w4a16.py --out "$d" --parts offline --formats int4,bf16,fp8 --offline-deadline 380 ;;
     int4-moe) py $B/gpu_int4_moe.py --out "$d" --deadline $(( ${LIMIT:-90} - 5 )) ;;
-    spec) for s in verify batch1 load; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;
+    spec) for s in ${SPEC_PARTS:-verify batch1 load draft}; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;
     tiers)
       local c="--gpu8b --tier-gib 24 --kv-cache-memory 16GiB"
       # shellcheck disable=SC2086
@@ -205,7 +205,9 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/gpu_moe.py --out "$d/sweep" --parts sweep --deadline $(( ${LIMIT:-120} / 4 )) ;;
     moe) py $B/gpu_moe.py --out "$d" --parts models --deadline $(( ${LIMIT:-420} - 20 )) ;;
     mla) py $B/gpu_mla.py --out "$d" --num-requests 64 --engine-timeout $(( ${LIMIT:-480} - 120 )) ;;
-    mla-mtp) py $B/gpu_mla.py --out "$d" --parts mtp --mtp-ks 1,2 --mtp-deadline $(( ${LIMIT:-60} - 25 )) ;;
+    mla-mtp)
+      py $B/gpu_mla.py --out "$d" --parts mtp --mtp-ks 1,2 --mtp-deadline $(( ${LIMIT:-130} - 95 ))
+      py $B/gpu_mla.py --out "$d/graphs" --parts mtp-graphs ;;
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration ${SOAK_S:-400} --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;

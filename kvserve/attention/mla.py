@@ -16,6 +16,10 @@ head ``h`` the keys and values are ``k_h = [W_UK_h c, k_pe]`` and ``v_h = W_UV_h
   row is read, never the expanded heads. On CUDA the attention over the rows is the Triton
   kernel of ``kvserve/attention/triton/mla_decode.py`` (split-K over the context); elsewhere
   the torch path here.
+- Verify steps (speculative decoding: every request ``q = 1 + k`` tokens, ``q <= 16``): on
+  CUDA each query row runs as its own absorbed decode over its causal prefix (block table
+  row repeated, seq len ``seq_len - q + 1 + j``), device work only, so the target's verify
+  graphs and the MTP layer's draft graphs can capture it (the expanded path reads host lengths).
 
 ``MLAAttentionImpl.forward`` is what ``kvserve.layers.mla.MLAAttention`` calls with its view
 and its group's metadata.
@@ -73,6 +77,30 @@ def mla_decode_torch(q_full: torch.Tensor, cache: torch.Tensor, block_tables: to
     return torch.einsum("bhs,bsl->bhl", p, rows[..., :kv_lora_rank])
 
 
+#: Longest query per request that verify steps run as per-token absorbed decodes (1 + k drafts).
+MAX_UNIFORM_QUERY_LEN = 16
+
+
+def uniform_query_len(meta: AttentionMetadata, num_tokens: int) -> int | None:
+    """``q`` when every request of ``meta`` has query length ``q`` (``1 < q <=
+    MAX_UNIFORM_QUERY_LEN``) over ``num_tokens = R * q`` rows, as in verify steps and the
+    (padded) decode graphs captured for them; None otherwise (host lists only, no sync)."""
+    q = meta.max_query_len
+    if meta.num_decodes or not 1 < q <= MAX_UNIFORM_QUERY_LEN or num_tokens != q * len(meta.query_lens_cpu):
+        return None
+    return q if all(x == q for x in meta.query_lens_cpu) else None
+
+
+def per_token_decode_inputs(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                            q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables ``[R, W]`` and seq lens ``[R]`` of ``R`` requests of ``q`` query tokens
+    -> per token ``[R * q, W]`` and ``[R * q]`` int32: token ``j`` of request ``i`` sees
+    ``seq_lens[i] - q + 1 + j`` keys (causal). Device ops only (CUDA-graph safe)."""
+    tables = block_tables.repeat_interleave(q, dim=0)
+    offs = torch.arange(q - 1, -1, -1, device=seq_lens.device, dtype=seq_lens.dtype).repeat(seq_lens.shape[0])
+    return tables, (seq_lens.repeat_interleave(q) - offs).clamp_min(1).to(torch.int32)
+
+
 class MLAAttentionImpl:
     """The attention of one MLA layer over its latent cache (see the module docstring).
 
@@ -115,6 +143,13 @@ class MLAAttentionImpl:
         w_uk, w_uv = absorbed_weights(kv_b_weight, h, nope, v_head_dim)
         nd = meta.num_decodes
         qsl = meta.query_lens_cpu
+        seq_lens, tables = meta.seq_lens, meta.block_tables
+        uq = uniform_query_len(meta, q_nope.shape[0]) if self.use_triton_decode else None
+        if uq is not None:
+            # Verify steps (1 + k tokens per request, CUDA graphs): every query row is an
+            # absorbed decode over its own causal prefix; nothing read from the host.
+            tables, seq_lens = per_token_decode_inputs(meta.block_tables, meta.seq_lens, uq)
+            nd, qsl = q_nope.shape[0], []
         if nd:
             # Absorbed decode: q_lat = W_UK^T q_nope, attention over the rows, out = W_UV o_lat.
             q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [B, H, L]
@@ -122,7 +157,7 @@ class MLAAttentionImpl:
             if self.use_triton_decode:
                 from kvserve.attention.triton.mla_decode import mla_decode
 
-                o_lat = mla_decode(q_full, kv.cache, meta.block_tables[:nd], meta.seq_lens[:nd], lora, scale,
+                o_lat = mla_decode(q_full, kv.cache, tables[:nd], seq_lens[:nd], lora, scale,
                                    max_seq_len=meta.max_seq_len, fp8=kv.format.quantized)
             else:
                 o_lat = mla_decode_torch(q_full, kv.cache, meta.block_tables, meta.seq_lens_cpu[:nd], lora, scale,

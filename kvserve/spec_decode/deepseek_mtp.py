@@ -75,6 +75,7 @@ class DeepseekMTPProposer(EagleProposer):
             head.load_weights(iterate_layer_weights(mc.model, head.layer_index))
         head.share_target(target)
         self.head, self.target = head.eval(), target
+        self.feature_size = target.config.hidden_size
         backend = self.head_backend = get_attn_backend(self.config.attention_backend)
         bind_attention(head, backend)
         layer = attention_layers(head)[0]
@@ -83,6 +84,14 @@ class DeepseekMTPProposer(EagleProposer):
         bind_kv_cache(head, {layer.layer_idx: cache}, specs={layer.layer_idx: spec})
         logger.info("DeepSeek MTP layer %d: %d latent KV blocks of %d tokens (%s)", head.layer_index,
                     self.num_blocks, self.block_size, spec.type_name)
+
+    def _graph_ready(self, rows) -> bool:
+        """The draft graphs never zero an embedding: a row whose first new pair sits at the
+        sequence's position 0 drafts eagerly (the first step after a prefill, which is eager anyway)."""
+        if any(st.base == 0 and st.n == 0 for _, st, *_rest in rows):
+            return False
+        self.head.first_position_rows = None
+        return True
 
     def _forward(self, rows, ids, pos: np.ndarray, hidden: torch.Tensor, qlens: list[int],
                  seq_lens: list[int]) -> torch.Tensor:

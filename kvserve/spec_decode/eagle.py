@@ -15,6 +15,8 @@ target never computed (prefix-cache hits) are absent from the head's context: it
 the first computed position (quality only; verification keeps outputs exact).
 
 Drafts are greedy point proposals, verified losslessly at any temperature (``rejection_sampler``).
+On CUDA the ``k`` draft steps of a decode step replay captured graphs (``draft_graphs.py``);
+the first draft after a prefill chunk runs eagerly.
 """
 
 from __future__ import annotations
@@ -88,12 +90,15 @@ class EagleProposer(Proposer):
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))  # block 0: padding reads it
         self.states: dict[str, _EagleState] = {}
         self.aux_layers: tuple[int, ...] = ()
+        self.feature_size = 0  # width of the target features the head reads (bind_target)
+        self.draft_graphs = None  # DraftGraphRunner (capture_cuda_graphs)
 
     # ---- set-up ---------------------------------------------------------------------------
     @property
     def needs_eager_target(self) -> bool:
-        """EAGLE-3 reads mid-model states the CUDA graphs do not return."""
-        return self.eagle3
+        """False: the target's decode / verify graphs copy EAGLE-3's mid-layer states into
+        static buffers (``kvserve.worker.cuda_graphs.AuxHiddenStates``), so it runs graphed."""
+        return False
 
     def bind_target(self, target) -> None:
         """Load the head for ``target`` (sharing its embedding, and for EAGLE-1/2 its lm_head),
@@ -111,6 +116,7 @@ class EagleProposer(Proposer):
             self.head.limit_draft_vocab(self.config.speculative_config.extra.get(
                 "draft_vocab_size", getattr(self.head.config, "draft_vocab_size", None)))
         self.target = target
+        self.feature_size = hf.hidden_size * (3 if self.eagle3 else 1)
         if self.eagle3:
             from kvserve.models.llama import LlamaModel
 
@@ -128,6 +134,25 @@ class EagleProposer(Proposer):
         bind_kv_cache(self.head, {0: backend.allocate_kv_cache(spec, self.num_blocks, self.device)}, specs={0: spec})
         logger.info("EAGLE%s head %s: %d KV blocks of %d tokens", "-3" if self.eagle3 else "", self.head_path,
                     self.num_blocks, self.block_size)
+
+    def capture_cuda_graphs(self, eager: bool = False) -> None:
+        """Capture the head's ``k`` draft steps per batch size (``draft_graphs.py``); ``eager``:
+        the CPU stand-in that runs the same static-buffer path without CUDA (tests)."""
+        from kvserve.spec_decode.draft_graphs import DraftGraphRunner
+
+        sc = self.config.scheduler_config
+        self.draft_graphs = DraftGraphRunner(self, sc.max_num_seqs, self.num_speculative_tokens, sc.max_model_len,
+                                             self.feature_size, eager=eager)
+        self.draft_graphs.capture()
+
+    def release_cuda_graphs(self) -> None:
+        if self.draft_graphs is not None:
+            self.draft_graphs.release()
+            self.draft_graphs = None
+
+    def _graph_ready(self, rows) -> bool:
+        """Whether these rows may draft through the graphs (a hook: MTP's first pair)."""
+        return True
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def remove_requests(self, req_ids) -> None:
@@ -212,17 +237,7 @@ class EagleProposer(Proposer):
         hid = torch.cat([st.pend[f - st.pend_start:f - st.pend_start + tot - st.n] for _, st, _, f, tot in rows])
         qlens = [tot - st.n for _, st, _, _, tot in rows]
         seq = [tot for *_, tot in rows]
-        feats = self._forward(rows, ids, pos, hid, qlens, seq)
-        last_rows = torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)
-        feats = feats[last_rows]
-        tok = self.head.greedy_tokens(feats)
-        drafts = [tok]
-        for j in range(1, k):
-            seq_j = [tot + j for *_, tot in rows]
-            p = np.asarray(seq_j, dtype=np.int64) - 1
-            feats = self._forward(rows, drafts[-1], p, feats, [1] * len(rows), seq_j)
-            drafts.append(self.head.greedy_tokens(feats))
-        d = torch.stack(drafts, dim=1).cpu().numpy()
+        d = self._draft(rows, ids, pos, hid, qlens, seq, k)
         for r, (i, st, toks, f, tot) in enumerate(rows):
             out[i] = d[r].tolist()
             st.n = tot
@@ -230,13 +245,41 @@ class EagleProposer(Proposer):
             st.pend, st.pend_start = st.pend[keep:], st.base + tot
         return out
 
+    def _draft(self, rows, ids: np.ndarray, pos: np.ndarray, hid: torch.Tensor, qlens: list[int],
+               seq: list[int], k: int) -> np.ndarray:
+        """``k`` greedy drafts ``[R, k]`` for ``rows`` after feeding their new pairs (``ids``,
+        local ``pos``, features ``hid``; ``qlens`` per row, ``seq``: pairs after feeding):
+        through the draft CUDA graphs when they fit, else eagerly."""
+        g = self.draft_graphs
+        if g is not None and g.can_run(len(rows), qlens, k) and self._graph_ready(rows):
+            return g.run(self._block_tables(rows), ids, pos, hid, qlens, seq, k)
+        return self._draft_eager(rows, ids, pos, hid, qlens, seq, k)
+
+    def _draft_eager(self, rows, ids: np.ndarray, pos: np.ndarray, hid: torch.Tensor, qlens: list[int],
+                     seq: list[int], k: int) -> np.ndarray:
+        feats = self._forward(rows, ids, pos, hid, qlens, seq)
+        last_rows = torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)
+        feats = feats[last_rows]
+        tok = self.head.greedy_tokens(feats)
+        drafts = [tok]
+        for j in range(1, k):
+            seq_j = [s + j for s in seq]
+            p = np.asarray(seq_j, dtype=np.int64) - 1
+            feats = self._forward(rows, drafts[-1], p, feats, [1] * len(rows), seq_j)
+            drafts.append(self.head.greedy_tokens(feats))
+        return torch.stack(drafts, dim=1).cpu().numpy()
+
+    def _block_tables(self, rows) -> np.ndarray:
+        bt = np.zeros((len(rows), self.max_blocks), dtype=np.int32)
+        for r, (_, st, *_rest) in enumerate(rows):
+            bt[r, : len(st.blocks)] = st.blocks
+        return bt
+
     def _forward(self, rows, ids, pos: np.ndarray, hidden: torch.Tensor, qlens: list[int],
                  seq_lens: list[int]) -> torch.Tensor:
         """One head forward over ``rows`` (local positions ``pos``); returns features ``[T, hidden]``."""
         dev, bs, R = self.device, self.block_size, len(rows)
-        bt = np.zeros((R, self.max_blocks), dtype=np.int32)
-        for r, (_, st, *_rest) in enumerate(rows):
-            bt[r, : len(st.blocks)] = st.blocks
+        bt = self._block_tables(rows)
         q = np.asarray(qlens, dtype=np.int64)
         qsl = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])

@@ -44,6 +44,14 @@ class Proposer(ABC):
         """Called once the target model is loaded (``target``: its ``nn.Module``), before the KV
         cache is sized: a proposer that shares the target's layers (EAGLE) builds itself here."""
 
+    def capture_cuda_graphs(self) -> None:
+        """Called by the model runner when it captures the target's CUDA graphs (CUDA, not
+        ``--enforce-eager``), after the KV cache is bound: a proposer that runs a model of its
+        own captures it here (EAGLE's draft steps)."""
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the graphs ``capture_cuda_graphs`` made (the runner's ``release``)."""
+
     def record_hidden_states(self, req_ids, starts, query_lens, hidden, row_start) -> None:
         """With ``uses_hidden_states``: one step's target hidden states. Request ``req_ids[i]``
         computed positions ``starts[i] .. starts[i] + query_lens[i] - 1`` in rows

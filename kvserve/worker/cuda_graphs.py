@@ -22,9 +22,46 @@ import torch
 from kvserve.attention.forward_context import AttentionMetadata, forward_context
 from kvserve.attention.metadata import AttentionMetadataBuilder, to_device
 
-__all__ = ["CUDAGraphRunner", "PiecewiseCUDAGraphRunner", "capture_sizes", "piecewise_sizes", "to_device"]
+__all__ = ["AuxHiddenStates", "CUDAGraphRunner", "PiecewiseCUDAGraphRunner", "capture_sizes", "piecewise_sizes", "to_device"]
 
 logger = logging.getLogger("kvserve")
+
+
+class AuxHiddenStates:
+    """Static buffers for the states a model keeps beside its output (``model.model.
+    aux_hidden_states``: the residual stream entering the layers an EAGLE-3 head reads).
+
+    Inside a graph those tensors live in the graph's pool at captured addresses; the graph
+    copies them into one static buffer per layer (``[max_tokens, width]``, allocated at the
+    warm-up, outside any graph) and ``publish`` points the model's dict at their first rows
+    after a replay, where ``EagleProposer.record_hidden_states`` reads them.
+    """
+
+    def __init__(self, model, max_tokens: int) -> None:
+        inner = getattr(model, "model", None)
+        self.owner = inner if getattr(inner, "aux_hidden_state_layers", ()) else None
+        self.max_tokens = max_tokens
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    def allocate(self) -> None:
+        """After an eager forward (the warm-up): a buffer per kept layer, as wide as its state."""
+        if self.owner is None:
+            return
+        for i, v in self.owner.aux_hidden_states.items():
+            b = self.bufs.get(i)
+            if b is None or b.shape[-1] != v.shape[-1] or b.dtype != v.dtype:
+                self.bufs[i] = torch.zeros((self.max_tokens, v.shape[-1]), dtype=v.dtype, device=v.device)
+
+    def store(self, t: int) -> None:
+        """Inside the captured forward of ``t`` tokens: copy the kept states into the buffers."""
+        if self.owner is not None:
+            for i, v in self.owner.aux_hidden_states.items():
+                self.bufs[i][:t].copy_(v)
+
+    def publish(self, t: int) -> None:
+        """After a replay of ``t`` rows: the model's ``aux_hidden_states`` are the buffers' rows."""
+        if self.owner is not None:
+            self.owner.aux_hidden_states = {i: b[:t] for i, b in self.bufs.items()}
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -87,6 +124,7 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_num_seqs)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.aux = AuxHiddenStates(model, t)
 
     def _meta(self, bs: int, q: int) -> list[AttentionMetadata]:
         return self.builder.capture_metadata(bs, q)
@@ -103,10 +141,12 @@ class CUDAGraphRunner:
                 t = bs * q
                 with forward_context(self._meta(bs, q)):
                     self.model(self.input_ids[:t], self.positions[:t])  # warm-up: compiles kernels
+                self.aux.allocate()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with forward_context(self._meta(bs, q)), torch.cuda.graph(graph, pool=self.pool):
                     out = self.model(self.input_ids[:t], self.positions[:t])
+                    self.aux.store(t)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(bs, q)] = (graph, out)
@@ -173,6 +213,7 @@ class CUDAGraphRunner:
             self.input_ids.index_copy_(0, tail[:k], pending[2].index_select(0, tail[k:]))
         graph, out = self.graphs[(bs, q)]
         graph.replay()
+        self.aux.publish(t)
         return out[:t], np.arange(r) * q
 
 
@@ -223,6 +264,7 @@ class PiecewiseCUDAGraphRunner:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
         self._pieces: list[torch.cuda.CUDAGraph] | None = None
+        self.aux = AuxHiddenStates(model, max_num_tokens)
 
     def _buf(self, name: str, like: torch.Tensor) -> torch.Tensor:
         b = self.bufs.get(name)
@@ -256,6 +298,9 @@ class PiecewiseCUDAGraphRunner:
             with forward_context(None):
                 out = self.model(self.input_ids[:t], self.positions[:t])
             self._buf("hidden", out)[:t].copy_(out)
+            if self._pieces is None:
+                self.aux.allocate()  # the warm-up
+            self.aux.store(t)
         finally:
             for layer in layers:
                 layer.split_hook = None
@@ -317,4 +362,5 @@ class PiecewiseCUDAGraphRunner:
                 graph.replay()
                 o.copy_(layer.forward(q, k, v))
             pieces[-1].replay()
+        self.aux.publish(t)
         return self.bufs["hidden"][:t]

@@ -132,6 +132,12 @@ def estimate_graph_bytes(runner, peak_act: int) -> int:
     per_row = 4 * hf.hidden_size + 2 * q + 2 * kv + 3 * hf.intermediate_size
     rows = sc.max_num_seqs * runner.max_query_len_decode
     decode = rows * per_row * itemsize * 2  # pool peak + outputs of every size
+    p = runner.proposer
+    if p is not None and p.uses_hidden_states:
+        # EAGLE / MTP: the target's mid-layer states in static buffers (EAGLE-3), the draft
+        # graphs' one layer over the same rows and their float32 draft logits.
+        aux = 3 * hf.hidden_size * (sc.max_num_batched_tokens + rows) * itemsize
+        decode += aux + rows * per_row * itemsize + 2 * sc.max_num_seqs * hf.vocab_size * 4
     # Measured on an H100 (Qwen3-0.6B and Llama-3.1-8B shapes, 8192 tokens): the piecewise
     # pool ends near 3x the eager activation peak, i.e. 2x beyond what is already reserved.
     return static + decode + 2 * peak_act + (64 << 20)  # plus graph objects, workspaces

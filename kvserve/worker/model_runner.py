@@ -172,6 +172,8 @@ class ModelRunner:
                 for graph in (g if isinstance(g, list) else [g[0]]):
                     graph.reset()
         self.graph_runner = self.piecewise_runner = None
+        if self.proposer is not None:
+            self.proposer.release_cuda_graphs()
         if self.model is not None:
             for layer in attention_layers(self.model):
                 layer.kv = None
@@ -216,13 +218,15 @@ class ModelRunner:
             logger.info("pipeline parallel: stages run eagerly (no CUDA graphs around the send/recv)")
             return
         if self.proposer is not None and self.proposer.needs_eager_target:
-            logger.info("EAGLE-3 reads the target's mid-layer states: CUDA graphs off")
+            logger.info("the proposer reads target states the CUDA graphs do not return: CUDA graphs off")
             return
         from kvserve.worker.cuda_graphs import CUDAGraphRunner, PiecewiseCUDAGraphRunner
 
         sc = self.config.scheduler_config
         self.piecewise_runner = PiecewiseCUDAGraphRunner(self.model, sc.max_num_batched_tokens, self.device)
         self.piecewise_runner.capture()
+        if self.proposer is not None:
+            self.proposer.capture_cuda_graphs()
         if not self.attn_builder.decode_graphs_supported:
             # e.g. bounded KV: attention reads per-step host plans, so it stays eager between
             # the graphed pieces, for decode steps too.

@@ -144,3 +144,34 @@ def test_fp8_latent_rows_and_kernel():
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
     exact = mla_decode_torch(q, plain, tables, seq_lens, L, 0.25)
     assert (ref - exact).abs().max() < 0.1
+
+
+def test_uniform_query_verify_rows_as_absorbed_decodes():
+    """A verify-shaped step (every request 3 query tokens) through the per-token absorbed
+    decode (Triton kernel; device lengths only, as CUDA graphs capture it) equals the
+    expanded causal path that reads the host lengths."""
+    from kvserve.attention.mla import per_token_decode_inputs, uniform_query_len
+
+    g = torch.Generator().manual_seed(2)
+    q, seq_lens = 3, [5, 11]
+    n = q * len(seq_lens)
+    w = torch.randn(H * (NOPE + V), L, generator=g) * 0.2
+    q_nope, q_pe = torch.randn(n, H, NOPE, generator=g), torch.randn(n, H, R, generator=g)
+    new_rows = torch.randn(n, L + R, generator=g)
+    outs = []
+    for triton in (False, True):
+        cache, tables = _paged(seq_lens)
+        slots = np.array([int(tables[i, p // BS]) * BS + p % BS for i, s in enumerate(seq_lens)
+                          for p in range(s - q, s)])
+        ql = np.full(2, q, dtype=np.int64)
+        dev = torch.device(DEV if triton else "cpu")
+        meta = metadata_from_arrays(ql, np.array(seq_lens), np.arange(0, n + 1, q), [tables.numpy()], [slots], 0,
+                                    dev)[0]
+        assert uniform_query_len(meta, n) == q and uniform_query_len(meta, n - 1) is None
+        view = KVCacheView.bind(cache.to(dev), format_of_spec(_spec()))
+        outs.append(MLAAttentionImpl(triton).forward(q_nope.to(dev), q_pe.to(dev), new_rows.to(dev), w.to(dev), view,
+                                                     meta, 0.3, V, torch.zeros(n, H * V, device=dev)).cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    bt, sl = per_token_decode_inputs(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32),
+                                     torch.tensor([5, 11], dtype=torch.int32), q)
+    assert sl.tolist() == [3, 4, 5, 9, 10, 11] and bt[:, 0].tolist() == [1, 1, 1, 3, 3, 3]
