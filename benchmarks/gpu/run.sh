@@ -67,6 +67,8 @@ moe-kernel:120:fused MoE kernel alone, Qwen3-30B-A3B / gpt-oss-20b layers, T=1..
 moe:420:MoE models, dummy weights: Qwen3-30B-A3B batch-1 decode + ISL/OSL 1000/1000, gpt-oss-20b (gpu_moe.py)
 moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
 mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
+mla-kernel:60:MLA decode kernel alone, b64 x 8K, 16/128 heads, bf16/FP8 latent: tile sweep, best GB/s vs copy (gpu_mla.py kernel)
+mla-tp2:150:two GPUs: DeepSeek-V2-Lite shape TP=2 vs TP=1, batch-1 ms/token and batch-64 tok/s, each in its own process (gpu_mla.py tp)
 mla-mtp:60:DeepSeek MTP speculation (deepseek_mtp), V3-shaped small config, dummy weights: batch-1 ms/token, k 0/1/2 (gpu_mla.py mtp)
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
@@ -200,6 +202,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/gpu_moe.py --out "$d/sweep" --parts sweep --deadline $(( ${LIMIT:-120} / 4 )) ;;
     moe) py $B/gpu_moe.py --out "$d" --parts models --deadline $(( ${LIMIT:-420} - 20 )) ;;
     mla) py $B/gpu_mla.py --out "$d" --num-requests 64 --engine-timeout $(( ${LIMIT:-480} - 120 )) ;;
+    mla-kernel) py $B/gpu_mla.py --out "$d" --parts kernel --kernel-budget $(( ${LIMIT:-60} - 20 )) ;;
+    mla-tp2) py $B/gpu_mla.py --out "$d" --parts tp --tp-deadline $(( ${LIMIT:-150} - 12 )) ;;
     mla-mtp) py $B/gpu_mla.py --out "$d" --parts mtp --mtp-ks 1,2 --mtp-deadline $(( ${LIMIT:-60} - 25 )) ;;
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration 400 --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
