@@ -202,7 +202,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/gpu_moe.py --out "$d/sweep" --parts sweep --deadline $(( ${LIMIT:-120} / 4 )) ;;
     moe) py $B/gpu_moe.py --out "$d" --parts models --deadline $(( ${LIMIT:-420} - 20 )) ;;
     mla) py $B/gpu_mla.py --out "$d" --num-requests 64 --engine-timeout $(( ${LIMIT:-480} - 120 )) ;;
-    mla-kernel) py $B/gpu_mla.py --out "$d" --parts kernel --kernel-budget $(( ${LIMIT:-60} - 20 )) ;;
+    mla-kernel) py $B/gpu_mla.py --out "$d" --parts kernel --kernel-budget $(( ${LIMIT:-60} - 15 )) ;;
     mla-tp2) py $B/gpu_mla.py --out "$d" --parts tp --tp-deadline $(( ${LIMIT:-150} - 12 )) ;;
     mla-mtp) py $B/gpu_mla.py --out "$d" --parts mtp --mtp-ks 1,2 --mtp-deadline $(( ${LIMIT:-60} - 25 )) ;;
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
