@@ -118,18 +118,25 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return nbytes / (ms * 1e-3)
 
 
-def _kernel_candidates(heads: int, smoke: bool) -> list[tuple]:
-    """Tiles to sweep, most promising first: ``(block_h, block_n, block_v, num_warps, num_stages,
-    swap, ctas_per_sm)``. The first is the table's current entry (added by the caller)."""
+def _kernel_candidates(heads: int, fp8: bool, smoke: bool) -> list[tuple]:
+    """Tiles to sweep after the table's entry, most promising first: ``(block_h, block_n, block_v,
+    num_warps, num_stages, swap, ctas_per_sm, f16)``; FP8 latent tries its fp16 products first."""
     if smoke:
-        return [(16, 16, 32, 4, 1, True, 1), (16, 16, 16, 4, 1, False, 1)]
-    if heads <= 16:
-        return [(16, 64, 512, 4, 2, True, 1), (16, 64, 512, 8, 2, True, 1), (16, 64, 512, 8, 3, False, 1),
-                (16, 32, 512, 4, 2, False, 2), (16, 64, 256, 4, 2, False, 2), (16, 128, 512, 8, 2, True, 1),
-                (16, 64, 512, 4, 3, True, 1), (16, 128, 512, 8, 1, False, 1)]
-    return [(64, 64, 256, 8, 2, False, 1), (64, 32, 512, 8, 2, False, 1), (64, 64, 512, 8, 1, False, 1),
-            (64, 64, 256, 4, 2, False, 2), (128, 64, 256, 8, 2, False, 1), (64, 64, 256, 8, 2, True, 1),
-            (128, 32, 128, 8, 2, False, 1), (32, 64, 512, 8, 2, True, 1)]
+        c = [(16, 16, 32, 4, 1, True, 1, False), (16, 16, 16, 4, 1, False, 1, False)]
+    elif heads <= 16:
+        c = [(16, 64, 512, 4, 2, True, 1, False), (16, 64, 512, 8, 2, True, 1, False),
+             (16, 64, 512, 8, 3, False, 1, False), (16, 32, 512, 4, 2, False, 2, False),
+             (16, 64, 256, 4, 2, False, 2, False), (16, 128, 512, 8, 2, True, 1, False),
+             (16, 64, 512, 4, 3, True, 1, False), (16, 128, 512, 8, 1, False, 1, False)]
+    else:
+        c = [(64, 64, 256, 8, 2, False, 1, False), (64, 32, 512, 8, 2, False, 1, False),
+             (64, 64, 512, 8, 1, False, 1, False), (64, 64, 256, 4, 2, False, 2, False),
+             (128, 64, 256, 8, 2, False, 1, False), (64, 64, 256, 8, 2, True, 1, False),
+             (128, 32, 128, 8, 2, False, 1, False), (32, 64, 512, 8, 2, True, 1, False)]
+    if fp8:  # the table's entry and the first two with fp16 products, then the rest
+        lead = [(16, 64, 512, 8, 2, False, 1, True) if heads <= 16 else (64, 64, 512, 8, 2, False, 1, True)]
+        c = lead + [x[:7] + (True,) for x in c[:2]] + c
+    return c
 
 
 def kernel(device: str, smoke: bool, budget_s: float = 50.0) -> Iterator[dict]:
@@ -177,7 +184,7 @@ def kernel(device: str, smoke: bool, budget_s: float = 50.0) -> Iterator[dict]:
         # each case gets an equal share of what is left of the budget
         now = time.perf_counter()
         case_end = now + (t_start + budget_s - now) / (len(cases) - i)
-        cands = [default] + [MLADecodeConfig(*c) for c in _kernel_candidates(heads, smoke)]
+        cands = [default] + [MLADecodeConfig(*c) for c in _kernel_candidates(heads, fp8, smoke)]
         for j, cfg in enumerate(cands):
             if j > 0 and time.perf_counter() > case_end:
                 sweep.append(dict(dataclasses.asdict(cfg), skipped="budget"))

@@ -19,9 +19,9 @@ the M dimension, which lets few heads use the wide MMA shapes). Split ``s`` of a
 ``n`` tokens covers ``[s * chunk, (s + 1) * chunk)``, ``chunk = ceil(n / num_splits)`` rounded
 up to ``BLOCK_N``; splits past the end write ``lse = -inf``.
 
-FP8 latent (``mla_fp8_e4m3``): the e4m3 codes are converted to the query's dtype in registers
-and the row's scale is applied to the scores and to ``p`` (``sum_n p_n s_n c_n``) rather than
-to the ``[BLOCK_N, L]`` tile.
+FP8 latent (``mla_fp8_e4m3``): the e4m3 codes are converted to the query's dtype (or to fp16,
+``f16``) in registers and the row's scale is applied to the scores and to ``p``
+(``sum_n p_n s_n c_n``) rather than to the ``[BLOCK_N, L]`` tile.
 
 Stage 2, ``_mla_decode_reduce_kernel``, grid ``(B, H)``: ``out = sum_s 2^(lse_s - m) o_s /
 sum_s 2^(lse_s - m)``, the splits in a fixed order (deterministic).
@@ -57,7 +57,10 @@ class MLADecodeConfig:
     block_h: heads per program (>= 16, the MMA's minimum); block_n: positions per step;
     block_v: output columns per program (``L`` or a power-of-two divisor of it); num_warps,
     num_stages: Triton's; swap: compute ``K q^T`` (positions as M); ctas_per_sm: the programs
-    an SM is expected to hold at once (sizes the split count).
+    an SM is expected to hold at once (sizes the split count); f16: FP8 latent only, convert
+    the e4m3 codes to fp16 (one instruction per pair) and run the products in fp16, the query
+    divided per head by ``max(1, amax / 2^14)`` to stay in fp16's range (its scale goes back
+    on the scores).
     """
 
     block_h: int
@@ -67,6 +70,7 @@ class MLADecodeConfig:
     num_stages: int = 2
     swap: bool = False
     ctas_per_sm: int = 1
+    f16: bool = False
 
 
 # (heads, latent) -> tiles, heads rounded up to 16 / 32 / 64 / 128; latent "bf16" (any 16-bit) or
@@ -111,7 +115,7 @@ def _mla_decode_split_kernel(
     num_heads, num_splits, stride_bt, block_size, qk_scale_log2,
     L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, NUM_CB: tl.constexpr, ROW: tl.constexpr, FP8: tl.constexpr,
-    SWAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    SWAP: tl.constexpr, F16: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hb = pid // NUM_CB
@@ -136,6 +140,16 @@ def _mla_decode_split_kernel(
         q_lat = tl.load(q_row[:, None] + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
         q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
         acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    if F16:  # FP8 rows as fp16 (one conversion instruction): the query divided into fp16's range
+        ax: tl.constexpr = 0 if SWAP else 1
+        qa = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), ax), tl.max(tl.abs(q_pe.to(tl.float32)), ax))
+        qs = tl.where(qa > 16384.0, qa / 16384.0, 1.0)  # [BLOCK_H]
+        if SWAP:
+            q_lat = (q_lat.to(tl.float32) / qs[None, :]).to(tl.float16)
+            q_pe = (q_pe.to(tl.float32) / qs[None, :]).to(tl.float16)
+        else:
+            q_lat = (q_lat.to(tl.float32) / qs[:, None]).to(tl.float16)
+            q_pe = (q_pe.to(tl.float32) / qs[:, None]).to(tl.float16)
 
     seq_len = tl.load(lens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -176,6 +190,8 @@ def _mla_decode_split_kernel(
                 qk = qk * sc_log2[:, None]
             else:
                 qk = qk * qk_scale_log2
+            if F16:
+                qk = qk * qs[None, :]
             qk = tl.where(nmask[:, None], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 0))
             alpha = tl.exp2(m_i - m_new)
@@ -189,6 +205,8 @@ def _mla_decode_split_kernel(
                 qk = qk * sc_log2[None, :]
             else:
                 qk = qk * qk_scale_log2
+            if F16:
+                qk = qk * qs[:, None]
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -315,6 +333,7 @@ def mla_decode(q_full: torch.Tensor, cache: torch.Tensor, block_tables: torch.Te
         q_full, cache, block_tables, seq_lens, part, lse, h, num_splits, block_tables.stride(0), bs,
         scale * _LOG2E, L=lora, R=rope, BLOCK_L=block_l, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_V=block_v, NUM_CB=ncb, ROW=cache.shape[-1], FP8=fp8, SWAP=cfg.swap,
+        F16=fp8 and cfg.f16,
         DOT_PREC="ieee" if q_full.dtype == torch.float32 else "tf32",
         num_warps=num_warps or cfg.num_warps, num_stages=cfg.num_stages)
     _mla_decode_reduce_kernel[(b, h)](part, lse, out, h, num_splits, L=lora, BLOCK_L=block_l, num_warps=4)
