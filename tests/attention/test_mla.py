@@ -116,7 +116,7 @@ def test_triton_mla_decode_matches_torch(num_splits):
 @pytest.mark.parametrize("heads,block_h,block_v,swap,num_splits,f16", [
     (1, 16, 32, False, 1, False),  # one head, padded to the MMA's 16
     (4, 16, 32, True, 3, True),  # K q^T orientation; FP8 rows as fp16
-    (17, 16, 16, False, 2, True),  # two head blocks x two column blocks
+    (17, 16, 16, False, 1, True),  # two head blocks x two column blocks
     (4, 16, 16, True, 5, False),  # swapped + column blocks; splits past the end of the shorter requests
 ])
 def test_triton_mla_decode_tiles(fp8, heads, block_h, block_v, swap, num_splits, f16):
