@@ -414,19 +414,25 @@ def tp_inner(path: str, tp: int, device: str, smoke: bool) -> dict:
 
 def tp_compare(tmp: str, device: str, smoke: bool, deadline: float) -> Iterator[dict]:
     """TP=2 then TP=1, each in its own process (a fresh CUDA context, GPUs released between),
-    within ``deadline`` seconds: TP=2 gets 55% of it."""
+    within ``deadline`` seconds: TP=2 gets 60% of it."""
     path = _config_dir(os.path.join(tmp, "v2-lite" if not smoke else "tiny"), TINY if smoke else V2_LITE)
     t_start = time.perf_counter()
-    for tp, share in ((2, 0.55), (1, 1.0)):
+    import signal
+
+    for tp, share in ((2, 0.6), (1, 1.0)):
         left = deadline - (time.perf_counter() - t_start)
         limit = max(5.0, left * share)
         cmd = [sys.executable, __file__, "--tp-inner", f"{tp},{path}"] + (["--cpu-smoke"] if smoke else [])
+        # its own session: a timeout ends the engine's workers too, before the next engine starts
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            p = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
-            lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+            out, err = p.communicate(timeout=limit)
+            lines = [x for x in out.splitlines() if x.startswith("{")]
             yield json.loads(lines[-1]) if p.returncode == 0 and lines else \
-                dict(part="tp", tp=tp, error=(p.stderr or p.stdout)[-1500:])
+                dict(part="tp", tp=tp, error=(err or out)[-1500:])
         except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
             yield dict(part="tp", tp=tp, error=f"timeout after {limit:.0f} s")
 
 
@@ -531,7 +537,8 @@ def main() -> None:
     ap.add_argument("--mtp-deadline", type=float, default=45.0, help="mtp part: start no engine after this (s)")
     ap.add_argument("--kernel-budget", type=float, default=45.0, help="kernel part: seconds for the tile sweep")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
-    ap.add_argument("--tp-deadline", type=float, default=140.0, help="tp part: seconds for TP=2 and TP=1")
+    ap.add_argument("--tp-deadline", type=float, default=None,
+                    help="tp part: seconds for TP=2 and TP=1 (default 140; 400 with --cpu-smoke)")
     ap.add_argument("--engine-inner", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tp-inner", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-out", default=None, help=argparse.SUPPRESS)
@@ -579,7 +586,7 @@ def main() -> None:
             emit(dict(part="mtp", error=repr(e)[:400]))
     if "tp" in parts:
         try:
-            for r in tp_compare(ns.tmp, device, ns.cpu_smoke, ns.tp_deadline):
+            for r in tp_compare(ns.tmp, device, ns.cpu_smoke, ns.tp_deadline or (400.0 if ns.cpu_smoke else 140.0)):
                 emit(r)
         except Exception as e:
             emit(dict(part="tp", error=repr(e)[:400]))
