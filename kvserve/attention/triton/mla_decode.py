@@ -141,13 +141,14 @@ def _mla_decode_split_kernel(
         q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
         acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
     if F16:  # FP8 rows as fp16 (one conversion instruction): the query divided into fp16's range
-        ax: tl.constexpr = 0 if SWAP else 1
-        qa = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), ax), tl.max(tl.abs(q_pe.to(tl.float32)), ax))
-        qs = tl.where(qa > 16384.0, qa / 16384.0, 1.0)  # [BLOCK_H]
         if SWAP:
+            qa = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), 0), tl.max(tl.abs(q_pe.to(tl.float32)), 0))
+            qs = tl.where(qa > 16384.0, qa / 16384.0, 1.0)  # [BLOCK_H]
             q_lat = (q_lat.to(tl.float32) / qs[None, :]).to(tl.float16)
             q_pe = (q_pe.to(tl.float32) / qs[None, :]).to(tl.float16)
         else:
+            qa = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+            qs = tl.where(qa > 16384.0, qa / 16384.0, 1.0)
             q_lat = (q_lat.to(tl.float32) / qs[:, None]).to(tl.float16)
             q_pe = (q_pe.to(tl.float32) / qs[:, None]).to(tl.float16)
 
