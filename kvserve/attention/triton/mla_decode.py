@@ -76,14 +76,14 @@ class MLADecodeConfig:
 # (heads, latent) -> tiles, heads rounded up to 16 / 32 / 64 / 128; latent "bf16" (any 16-bit) or
 # "fp8". From the H200 sweep (benchmarks/gpu_mla.py --parts kernel, batch 64 x 8K).
 MLA_DECODE_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
-    (16, "bf16"): MLADecodeConfig(16, 64, 512, 8, 2),
-    (32, "bf16"): MLADecodeConfig(32, 64, 512, 8, 2),
-    (64, "bf16"): MLADecodeConfig(64, 64, 512, 8, 2),
-    (128, "bf16"): MLADecodeConfig(64, 64, 512, 8, 2),
-    (16, "fp8"): MLADecodeConfig(16, 64, 512, 8, 2),
-    (32, "fp8"): MLADecodeConfig(32, 64, 512, 8, 2),
-    (64, "fp8"): MLADecodeConfig(64, 64, 512, 8, 2),
-    (128, "fp8"): MLADecodeConfig(64, 64, 512, 8, 2),
+    (16, "bf16"): MLADecodeConfig(16, 64, 512, 8, 3),  # 1,549 GB/s
+    (32, "bf16"): MLADecodeConfig(32, 64, 512, 8, 3),
+    (64, "bf16"): MLADecodeConfig(64, 64, 512, 8, 3),
+    (128, "bf16"): MLADecodeConfig(64, 64, 512, 8, 3),  # 813 GB/s (compute-bound: see docs/benchmarks/mla.md)
+    (16, "fp8"): MLADecodeConfig(16, 64, 512, 8, 3),
+    (32, "fp8"): MLADecodeConfig(32, 64, 512, 8, 3),
+    (64, "fp8"): MLADecodeConfig(64, 64, 512, 8, 3),
+    (128, "fp8"): MLADecodeConfig(64, 64, 512, 8, 3),  # 309 GB/s
 }
 
 
