@@ -73,8 +73,9 @@ class MLADecodeConfig:
     f16: bool = False
 
 
-# (heads, latent) -> tiles, heads rounded up to 16 / 32 / 64 / 128; latent "bf16" (any 16-bit) or
-# "fp8". From the H200 sweep (benchmarks/gpu_mla.py --parts kernel, batch 64 x 8K).
+# (heads per rank, latent) -> tiles, heads rounded up to 16 / 32 / 64 / 128; latent "bf16" (any
+# 16-bit) or "fp8". The best tiles of the last H200 sweep at batch 64 x 8K (figures: that sweep's
+# kernel); `benchmarks/gpu_mla.py --parts kernel` (part mla-kernel) records the next `best` per case.
 MLA_DECODE_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
     (16, "bf16"): MLADecodeConfig(16, 64, 512, 8, 3),  # 1,549 GB/s
     (32, "bf16"): MLADecodeConfig(32, 64, 512, 8, 3),
