@@ -3,10 +3,16 @@ DeepSeek-V2-Lite-shaped engine with dummy weights.
 
 Parts:
 - ``kernel``: the absorbed decode kernel (``kvserve/attention/triton/mla_decode.py``) at batch
-  64 x 8K context, bf16 latent rows of 512 + 64 values, for 128 heads (DeepSeek-V3) and 16
-  heads (V2-Lite): GB/s of latent read (``B * S * 576 * 2`` bytes per call) against a measured
-  device-to-device copy bandwidth (goal >= 75%), over a small sweep of tile shapes; checked
-  against the torch path first.
+  64 x 8K context, latent rows of 512 + 64 values (bf16, and FP8 e4m3 + scale), for 16 heads
+  (V2-Lite) and 128 heads (DeepSeek-V3): GB/s of latent read (``B * S * row bytes`` per call)
+  against a measured device-to-device copy (bytes read + written per second; goal >= 75%) and
+  TFLOP/s, over a sweep of tiles (the table's entry first, then ``_kernel_candidates``) and
+  split counts within ``--kernel-budget`` seconds; every tile is checked against the torch path
+  first. The best per case is recorded (``best``, ``best_num_splits``: the
+  ``MLA_DECODE_CONFIGS`` entry to keep).
+- ``tp`` (not in the default ``--parts``; two GPUs): the V2-Lite shape at tensor_parallel_size
+  2 then 1, each engine in its own process: batch-1 ms/token and batch-64 decode tok/s
+  (128-token prompts), within ``--tp-deadline`` seconds.
 - ``engine`` (its own subprocess): DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads,
   kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128, 64 routed + 2 shared experts, top-6,
   moe_intermediate 1408, first_k_dense_replace 1, vocab 102400) through ``kvserve.LLM``:
@@ -30,7 +36,9 @@ Parts:
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT [--parts kernel,engine]
     PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT --parts mtp [--mtp-ks 1,2]   (about 60 s)
-    PYTHONPATH=. python3 benchmarks/gpu_mla.py --cpu-smoke --out /tmp/mla [--parts kernel,engine,mtp]
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT --parts kernel --kernel-budget 40   (part mla-kernel)
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --out $OUT --parts tp --tp-deadline 138        (part mla-tp2)
+    PYTHONPATH=. python3 benchmarks/gpu_mla.py --cpu-smoke --out /tmp/mla [--parts kernel,engine,mtp,tp]
 Writes ``--out/mla.json`` and prints a table last.
 """
 
@@ -96,6 +104,15 @@ def _time_cuda(fn, iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def _time(fn, device: str, iters: int = 10) -> float:
+    """Milliseconds of ``fn``: CUDA events on the GPU, one wall-clock call on the CPU (smoke)."""
+    if device == "cuda":
+        return _time_cuda(fn, iters)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy, bytes read per second (a copy of N bytes reads N and writes N)."""
     import torch
@@ -106,27 +123,53 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return nbytes / (ms * 1e-3)
 
 
-def kernel(device: str, smoke: bool) -> list[dict]:
-    """The MLA decode kernel vs the torch path, then timed over tile shapes (GPU)."""
+def _kernel_candidates(heads: int, fp8: bool, smoke: bool) -> list[tuple]:
+    """Tiles to sweep after the table's entry, most promising first: ``(block_h, block_n, block_v,
+    num_warps, num_stages, swap, ctas_per_sm, f16)``. Each fits the H200's 227 KiB of shared
+    memory per block and compiles without (or with few) register spills for sm_90 (checked
+    offline with ptxas): 64 positions x 576 values per stage take 72 KiB, and separate column
+    blocks (``block_v < 512``) double the staged rows, so they are left out at these sizes."""
+    if smoke:
+        return [(16, 16, 32, 4, 1, True, 1, fp8), (16, 16, 16, 4, 1, False, 1, False)]
+    if heads <= 16 and not fp8:
+        return [(16, 32, 512, 4, 3, True, 3, False), (16, 64, 512, 4, 2, True, 1, False),
+                (16, 64, 512, 8, 2, True, 1, False), (16, 32, 512, 4, 2, False, 2, False),
+                (16, 64, 512, 8, 2, False, 1, False)]
+    if heads <= 16:
+        return [(16, 32, 512, 4, 3, True, 3, True), (16, 32, 512, 4, 3, True, 3, False),
+                (16, 64, 512, 8, 3, False, 1, True), (16, 64, 512, 8, 2, True, 1, True)]
+    if not fp8:
+        return [(64, 32, 512, 8, 2, False, 1, False), (32, 64, 512, 8, 2, True, 1, False),
+                (64, 64, 512, 8, 2, False, 1, False), (64, 32, 256, 8, 2, False, 1, False)]
+    return [(32, 32, 512, 8, 3, False, 2, True), (32, 64, 512, 8, 3, False, 1, False),
+            (16, 32, 512, 4, 3, True, 3, True), (64, 32, 512, 8, 3, False, 1, True)]
+
+
+def kernel(device: str, smoke: bool, budget_s: float = 50.0) -> Iterator[dict]:
+    """The MLA decode kernel vs the torch path, then timed over tile shapes and split counts
+    (GPU) within ``budget_s`` seconds (compiles included), the best recorded per case."""
+    import dataclasses
+
     import torch
 
+    from kvserve.attention.kv_format import kv_format_for
     from kvserve.attention.mla import mla_decode_torch
-    from kvserve.attention.triton.mla_decode import mla_decode
+    from kvserve.attention.triton.mla_decode import MLADecodeConfig, choose_num_splits, decode_config, mla_decode
 
+    t_start = time.perf_counter()
     lora, rope, bs = (512, 64, 16) if not smoke else (32, 8, 4)
     batch, ctx = (64, 8192) if not smoke else (2, 40)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    out = []
     copy_bps = copy_bandwidth() if device == "cuda" else None
-    if copy_bps:
-        out.append(dict(part="copy", gb_s=round(copy_bps / 1e9, 1)))
-    from kvserve.attention.kv_format import kv_format_for
-
-    cases = [(128, False), (16, False), (128, True)] if not smoke else [(4, False), (4, True)]
-    for heads, fp8 in cases:
+    if copy_bps:  # the goal's reference: bytes a device copy moves (read + write) per second
+        yield dict(part="copy", gb_s=round(copy_bps / 1e9, 1), copy_traffic_gb_s=round(2 * copy_bps / 1e9, 1))
+    cases = [(16, False), (128, False), (16, True), (128, True)] if not smoke else [(4, False), (4, True)]
+    shares = [0.35, 0.25, 0.25, 0.15][: len(cases)]  # of the budget: the memory-bound goal case first
+    for i, (heads, fp8) in enumerate(cases):
         g = torch.Generator(device="cpu").manual_seed(0)
         nblk = batch * (ctx // bs) + 1
-        cache = torch.randn(1, nblk, bs, 1, lora + rope, generator=g).to(dtype).to(device)
+        gd = torch.Generator(device=device).manual_seed(0)  # 0.6 GB: drawn where it lives
+        cache = torch.randn(1, nblk, bs, 1, lora + rope, generator=gd, device=device, dtype=dtype)
         fmt = kv_format_for("mla_fp8_e4m3", lora + rope) if fp8 else None
         if fp8:
             cache = fmt.encode(cache)
@@ -135,46 +178,69 @@ def kernel(device: str, smoke: bool) -> list[dict]:
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         q = (torch.randn(batch, heads, lora + rope, generator=g) * 0.1).to(dtype).to(device)
         scale = (128 + 64) ** -0.5
-        # correctness on a few requests first
         k = min(4, batch)
         ref = mla_decode_torch(q[:k], cache, tables, [ctx] * k, lora, scale, fmt)
-        got = mla_decode(q[:k], cache, tables[:k], lens[:k], lora, scale, ctx, fp8=fp8).float()
-        err = float((got - ref).abs().max())
+        default = decode_config(heads, fp8, torch.device(device))
         rec = dict(part="kernel", heads=heads, latent="fp8_e4m3" if fp8 else str(dtype).removeprefix("torch."),
-                   batch=batch, context=ctx, kv_lora_rank=lora, qk_rope=rope,
-                   max_abs_err_vs_torch=round(err, 5))
+                   batch=batch, context=ctx, kv_lora_rank=lora, qk_rope=rope, default=dataclasses.asdict(default))
         latent_bytes = batch * ctx * cache.shape[-1] * cache.element_size()
-        if device != "cuda":
-            out.append(rec)
-            continue
+        flops = batch * ctx * heads * 2 * (2 * lora + rope)  # q.k over L + R, p.v over L
+        rec.update(latent_bytes=latent_bytes, flops=flops)
+        sweep: list[dict] = []
         best = None
-        sweep = []
-        tiles = [(bh, bn, nw, None) for bh in (16, 32, 64) for bn in (32, 64, 128) for nw in (4, 8)]
-        for bh, bn, nw, ns in tiles + [(None, None, None, ns) for ns in (2, 4, 8, 16)]:
-            try:
-                ms = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, block_h=bh,
-                                                   block_n=bn, fp8=fp8, num_warps=nw, num_splits=ns))
-            except Exception as e:  # a tile that does not fit (shared memory / registers)
-                sweep.append(dict(block_h=bh, block_n=bn, num_warps=nw, num_splits=ns, error=repr(e)[:120]))
+        # each case gets an equal share of what is left of the budget
+        now = time.perf_counter()
+        case_end = now + (t_start + budget_s - now) * shares[i] / sum(shares[i:])
+        cands = [default] + [MLADecodeConfig(*c) for c in _kernel_candidates(heads, fp8, smoke)]
+        for j, cfg in enumerate(cands):
+            if j > 0 and time.perf_counter() > case_end:
+                sweep.append(dict(dataclasses.asdict(cfg), skipped="budget"))
                 continue
-            gbs = latent_bytes / (ms * 1e-3) / 1e9
-            sweep.append(dict(block_h=bh, block_n=bn, num_warps=nw, num_splits=ns, us=round(ms * 1e3, 1),
-                              gb_s=round(gbs, 1)))
-            if bh is not None and (best is None or ms < best[0]):
-                best = (ms, bh, bn)
-        ms_default = _time_cuda(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, fp8=fp8))
-        ms, bh, bn = best if best else (ms_default, None, None)
-        rec.update(us_default=round(ms_default * 1e3, 1),
-                   gb_s_default=round(latent_bytes / (ms_default * 1e-3) / 1e9, 1),
-                   us_best=round(ms * 1e3, 1), best_block_h=bh, best_block_n=bn,
-                   gb_s_best=round(latent_bytes / (ms * 1e-3) / 1e9, 1),
-                   latent_bytes=latent_bytes, sweep=sweep)
-        if copy_bps:
-            rec["fraction_of_copy_best"] = round(latent_bytes / (ms * 1e-3) / copy_bps, 3)
-            rec["fraction_of_copy_default"] = round(latent_bytes / (ms_default * 1e-3) / copy_bps, 3)
-        out.append(rec)
+            ent = dataclasses.asdict(cfg)
+            try:
+                got = mla_decode(q[:k], cache, tables[:k], lens[:k], lora, scale, ctx, fp8=fp8, config=cfg).float()
+                ent["max_abs_err_vs_torch"] = round(float((got - ref).abs().max()), 5)
+                if ent["max_abs_err_vs_torch"] > 2e-2:  # a wrong tile is not a fast one
+                    ent["error"] = "mismatch"
+                else:
+                    ms = _time(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, fp8=fp8, config=cfg),
+                               device)
+                    ent.update(us=round(ms * 1e3, 1), gb_s=round(latent_bytes / (ms * 1e-3) / 1e9, 1))
+                    if best is None or ms < best[0]:
+                        best = (ms, cfg, None)
+            except Exception as e:  # a tile that does not fit (shared memory / registers)
+                ent["error"] = repr(e)[:160]
+            sweep.append(ent)
+        rec["max_abs_err_vs_torch"] = max((e["max_abs_err_vs_torch"] for e in sweep if "max_abs_err_vs_torch" in e),
+                                          default=None)
+        if best is not None:  # split counts around the heuristic's, on the best tile (no recompile)
+            cfg = best[1]
+            hb = -(-heads // cfg.block_h) * (512 // cfg.block_v)
+            auto = choose_num_splits(batch, hb, ctx, q.device, cfg.block_n, cfg.ctas_per_sm)
+            rec["best_auto_num_splits"] = auto
+            for ns in sorted(({max(1, auto // 2), auto * 2} | ({2, 4, 8, 16} if not smoke else set())) - {auto}):
+                if time.perf_counter() > case_end + 3:
+                    break
+                ms = _time(lambda: mla_decode(q, cache, tables, lens, lora, scale, ctx, fp8=fp8, config=cfg,
+                                              num_splits=ns), device)
+                sweep.append(dict(dataclasses.asdict(cfg), num_splits=ns, us=round(ms * 1e3, 1),
+                                  gb_s=round(latent_bytes / (ms * 1e-3) / 1e9, 1)))
+                if ms < best[0]:
+                    best = (ms, cfg, ns)
+            ms_default = sweep[0]["us"] / 1e3 if "us" in sweep[0] else None
+            ms, cfg, ns = best
+            rec.update(us_default=round(ms_default * 1e3, 1) if ms_default else None,
+                       gb_s_default=round(latent_bytes / (ms_default * 1e-3) / 1e9, 1) if ms_default else None,
+                       us_best=round(ms * 1e3, 1), best=dataclasses.asdict(cfg), best_num_splits=ns,
+                       gb_s_best=round(latent_bytes / (ms * 1e-3) / 1e9, 1),
+                       tflops_best=round(flops / (ms * 1e-3) / 1e12, 1))
+            if copy_bps:
+                rec["fraction_of_copy_best"] = round(latent_bytes / (ms * 1e-3) / (2 * copy_bps), 3)
+                if ms_default:
+                    rec["fraction_of_copy_default"] = round(latent_bytes / (ms_default * 1e-3) / (2 * copy_bps), 3)
+        rec["sweep"] = sweep
+        yield rec
         cache = None  # free before the next case allocates
-    return out
 
 
 def _config_dir(tmp: str, cfg: dict) -> str:
@@ -295,6 +361,85 @@ def engine(tmp: str, device: str, smoke: bool, num_requests: int, timeout: float
         recs.append(dict(part="engine", enforce_eager=eager,
                          error=("timeout" if p is None else (p.stderr or "")[-600:])))
     return recs
+
+
+def _decode_rate(llm, prompt_len: int, out_len: int, batch: int, vocab: int) -> tuple[float, float]:
+    """``(ms per token of one request, output tok/s)`` while ``batch`` requests decode
+    (prefill first, then ``out_len`` tokens each, from token counts over wall time)."""
+    import torch
+
+    from kvserve import SamplingParams
+
+    eng = llm.llm_engine
+    sched = eng.engine_core.scheduler
+    sp = SamplingParams(temperature=0, max_tokens=out_len * 4 + 64, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    ids = [eng.add_request(None, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), sp)
+           for _ in range(batch)]
+    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+        eng.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    n0 = sum(r.num_output_tokens for r in sched.running)
+    t0 = time.perf_counter()
+    while sum(r.num_output_tokens for r in sched.running) - n0 < out_len * batch:
+        eng.step()
+    dt = time.perf_counter() - t0
+    n = sum(r.num_output_tokens for r in sched.running) - n0
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return dt / (n / batch) * 1e3, n / dt
+
+
+def tp_inner(path: str, tp: int, device: str, smoke: bool) -> dict:
+    """Runs in its own process: one engine at ``tp`` ranks; batch-1 ms/token and batch-64
+    decode tok/s (128-token prompts)."""
+    from kvserve import LLM
+
+    cfg = TINY if smoke else V2_LITE
+    t0 = time.perf_counter()
+    llm = LLM(model=path, load_format="dummy", dtype="float32" if smoke else "bfloat16", skip_tokenizer_init=True,
+              max_model_len=512 if smoke else 2048, tensor_parallel_size=tp, max_num_seqs=64,
+              kv_cache_memory="16MiB" if smoke else "16GiB", device=device, disable_log_stats=True,
+              **({"cpu_threads": 1} if smoke else {}))
+    startup = time.perf_counter() - t0
+    n1, nb, b = (4, 2, 4) if smoke else (64, 32, 64)
+    plen = 16 if smoke else 128
+    _decode_rate(llm, plen, 4, 1, cfg["vocab_size"])  # warm-up
+    ms1, _ = _decode_rate(llm, plen, n1, 1, cfg["vocab_size"])
+    msb, tps = _decode_rate(llm, plen, nb, b, cfg["vocab_size"])
+    rec = dict(part="tp", shape="DeepSeek-V2-Lite" if not smoke else "tiny", tp=tp, startup_s=round(startup, 1),
+               batch1_ms_per_token=round(ms1, 3), batch=b, batch_ms_per_token=round(msb, 3),
+               batch_tok_per_s=round(tps, 1), prompt_len=plen,
+               kv_describe=llm.llm_engine.engine_core.kv_cache_config.describe())
+    llm.shutdown()
+    return rec
+
+
+def tp_compare(tmp: str, device: str, smoke: bool, deadline: float) -> Iterator[dict]:
+    """TP=2 then TP=1, each in its own process (a fresh CUDA context, GPUs released between),
+    within ``deadline`` seconds: TP=2 gets 60% of it."""
+    path = _config_dir(os.path.join(tmp, "v2-lite" if not smoke else "tiny"), TINY if smoke else V2_LITE)
+    t_start = time.perf_counter()
+    import signal
+
+    for tp, share in ((2, 0.6), (1, 1.0)):
+        left = deadline - (time.perf_counter() - t_start)
+        limit = max(5.0, left * share)
+        cmd = [sys.executable, __file__, "--tp-inner", f"{tp},{path}"] + (["--cpu-smoke"] if smoke else [])
+        # its own session: a timeout ends the engine's workers too, before the next engine starts
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = p.communicate(timeout=limit)
+            lines = [x for x in out.splitlines() if x.startswith("{")]
+            yield json.loads(lines[-1]) if p.returncode == 0 and lines else \
+                dict(part="tp", tp=tp, error=(err or out)[-1500:])
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            yield dict(part="tp", tp=tp, error=f"timeout after {limit:.0f} s")
 
 
 def mtp(tmp: str, device: str, smoke: bool, ks: list[int], num_layers: int, deadline: float) -> Iterator[dict]:
@@ -426,14 +571,22 @@ def main() -> None:
     ap.add_argument("--mtp-ks", default="1,2", help="mtp part: num_speculative_tokens values (beside 0: off)")
     ap.add_argument("--mtp-layers", type=int, default=8, help="mtp part: decoder layers of the target")
     ap.add_argument("--mtp-deadline", type=float, default=45.0, help="mtp part: start no engine after this (s)")
+    ap.add_argument("--kernel-budget", type=float, default=45.0, help="kernel part: seconds for the tile sweep")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
+    ap.add_argument("--tp-deadline", type=float, default=None,
+                    help="tp part: seconds for TP=2 and TP=1 (default 140; 400 with --cpu-smoke)")
     ap.add_argument("--engine-inner", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tp-inner", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     device = "cpu" if ns.cpu_smoke else "cuda"
     if ns.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if ns.tp_inner:
+        tp, path = ns.tp_inner.split(",", 1)
+        print(json.dumps(tp_inner(path, int(tp), device, ns.cpu_smoke)), flush=True)
+        return
     if ns.engine_inner:
         engine_inner(ns.engine_inner, device, ns.cpu_smoke, ns.num_requests if not ns.cpu_smoke else 4, ns.eager,
                      ns.engine_out)
@@ -453,7 +606,7 @@ def main() -> None:
     parts = ns.parts.split(",")
     if "kernel" in parts:
         try:
-            for r in kernel(device, ns.cpu_smoke):
+            for r in kernel(device, ns.cpu_smoke, ns.kernel_budget):
                 emit(r)
         except Exception as e:
             emit(dict(part="kernel", error=repr(e)[:400]))
@@ -473,17 +626,26 @@ def main() -> None:
                 emit(r)
         except Exception as e:
             emit(dict(part="mtp-graphs", error=repr(e)[:400]))
+    if "tp" in parts:
+        try:
+            for r in tp_compare(ns.tmp, device, ns.cpu_smoke, ns.tp_deadline or (400.0 if ns.cpu_smoke else 140.0)):
+                emit(r)
+        except Exception as e:
+            emit(dict(part="tp", error=repr(e)[:400]))
     print("\n| part | figure |\n|--|--|")
     for r in records:
         if r.get("error"):
             fig = "error: " + r["error"].strip().splitlines()[-1][:120] if r["error"].strip() else "error"
         elif r["part"] == "copy":
-            fig = f"device copy {r['gb_s']} GB/s read"
+            fig = f"device copy {r['gb_s']} GB/s read, {r.get('copy_traffic_gb_s')} GB/s read + write"
         elif r["part"] in ("draft_cost", "draft_engine"):
             from draft_graph_cost import table
 
             print(table([r])[0])
             continue
+        elif r["part"] == "tp":
+            fig = (f"{r['shape']} TP={r['tp']}: batch-1 {r['batch1_ms_per_token']} ms/token, batch {r['batch']} "
+                   f"{r['batch_tok_per_s']} tok/s ({r['batch_ms_per_token']} ms/step), start-up {r['startup_s']} s")
         elif r["part"] == "mtp" and r["k"] == 0:
             fig = (f"{r['shape']} ({r['num_hidden_layers']} layers + 1 MTP): no speculation: batch-1 "
                    f"{r['batch1_ms_per_token']} ms/token")
@@ -495,7 +657,9 @@ def main() -> None:
                       if "break_even_tokens_per_step" in r else ""))
         elif r["part"] == "kernel":
             fig = (f"H={r['heads']} {r['latent']} b{r['batch']} x {r['context']}: err {r['max_abs_err_vs_torch']}"
-                   + (f", {r['us_best']} us, {r['gb_s_best']} GB/s ({r.get('fraction_of_copy_best')} of copy)"
+                   + (f", {r['us_best']} us, {r['gb_s_best']} GB/s ({r.get('fraction_of_copy_best')} of copy), "
+                      f"{r['tflops_best']} TFLOP/s; default {r.get('gb_s_default')} GB/s; best "
+                      + ",".join(f"{k}={v}" for k, v in r["best"].items()) + f",splits={r['best_num_splits']}"
                       if "us_best" in r else ""))
         else:
             fig = (f"{r['shape']}: batch-1 {r.get('batch1_ms_per_token')} ms/token; KV {r['kv_capacity_tokens']} tokens "

@@ -70,6 +70,8 @@ moe:420:MoE models, dummy weights: Qwen3-30B-A3B batch-1 decode + ISL/OSL 1000/1
 moe-ep:580:two GPUs: Mixtral-8x7B shape, tensor parallel 2 vs expert parallel 2, batch 1 and 64 (gpu_moe_parallel.py)
 mla:480:MLA: decode kernel GB/s vs copy (b64 x 8K, 128/16 heads); DeepSeek-V2-Lite shape engine (gpu_mla.py)
 mla-mtp:130:DeepSeek MTP speculation (deepseek_mtp), V3-shaped small config, dummy weights: batch-1 ms/token, k 0/1/2; draft steps eager vs CUDA graphs (gpu_mla.py mtp, mtp-graphs)
+mla-kernel:60:MLA decode kernel alone, b64 x 8K, 16/128 heads, bf16/FP8 latent: tile sweep, best GB/s vs copy (gpu_mla.py kernel)
+mla-tp2:150:two GPUs: DeepSeek-V2-Lite shape TP=2 vs TP=1, batch-1 ms/token and batch-64 tok/s, each in its own process (gpu_mla.py tp)
 soak:600:10-minute-class soak, 8B shape: fixed rate, aborts, hang-ups; lost requests, leaked blocks, drift (load/soak_gpu.py)
 memory-stress:330:GPU memory under a feature matrix (max batch + prefixes, 32K FP8 KV, n-gram speculation, MoE): OOMs, peak vs --gpu-memory-utilization (gpu_memory_stress.py)
 engine-release:420:three engines in one process after a W1-like load: free GPU memory after shutdown (gpu_engine_release.py)
@@ -208,6 +210,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     mla-mtp)
       py $B/gpu_mla.py --out "$d" --parts mtp --mtp-ks 1,2 --mtp-deadline $(( ${LIMIT:-130} - 95 ))
       py $B/gpu_mla.py --out "$d/graphs" --parts mtp-graphs ;;
+    mla-kernel) py $B/gpu_mla.py --out "$d" --parts kernel --kernel-budget $(( ${LIMIT:-60} - 15 )) ;;
+    mla-tp2) py $B/gpu_mla.py --out "$d" --parts tp --tp-deadline $(( ${LIMIT:-150} - 12 )) ;;
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration ${SOAK_S:-400} --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;

@@ -112,6 +112,59 @@ def test_triton_mla_decode_matches_torch(num_splits):
     torch.testing.assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads,block_h,block_v,swap,num_splits,f16", [
+    (1, 16, 32, False, 1, False),  # one head, padded to the MMA's 16
+    (4, 16, 32, True, 3, True),  # K q^T orientation; FP8 rows as fp16
+    (17, 16, 16, False, 1, True),  # two head blocks x two column blocks
+    (4, 16, 16, True, 5, False),  # swapped + column blocks; splits past the end of the shorter requests
+])
+def test_triton_mla_decode_tiles(fp8, heads, block_h, block_v, swap, num_splits, f16):
+    """Every tile variant of the split kernel against the torch path, bf16-as-fp32 and FP8
+    latent rows; block-table entries past each request's length are garbage ids that must
+    never be read."""
+    from kvserve.attention.triton.mla_decode import MLADecodeConfig, mla_decode
+
+    seq_lens = [1, 7, 13, 40]
+    cache, tables = _paged(seq_lens, num_blocks=40, seed=heads)
+    fmt = format_of_spec(_spec("mla_fp8_e4m3")) if fp8 else None
+    if fp8:
+        cache = fmt.encode(cache)
+    q = torch.randn(len(seq_lens), heads, L + R, generator=torch.Generator().manual_seed(5))
+    if f16:
+        q[0, 0] *= 1e5  # past fp16's range: the per-head divisor must keep it
+    ref = mla_decode_torch(q, cache, tables, seq_lens, L, 0.25, fmt)
+    holes = tables.clone()
+    for i, s in enumerate(seq_lens):
+        holes[i, -(-s // BS):] = 1 << 20  # out of the cache: a read would fault or differ
+    cfg = MLADecodeConfig(block_h=block_h, block_n=16, block_v=block_v, num_warps=4, num_stages=1, swap=swap, f16=f16)
+    got = mla_decode(q.to(DEV), cache.to(DEV), holes.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+                     L, 0.25, max(seq_lens), num_splits=num_splits, fp8=fp8, config=cfg)
+    tol = 2e-3 if fp8 and f16 else 1e-4  # fp16 query and p (f16 only applies to FP8 rows)
+    torch.testing.assert_close(got.cpu(), ref, atol=tol, rtol=tol)
+
+
+def test_mla_decode_splits_and_configs():
+    """Split count: full waves for the batch x programs, no split under min_chunk positions;
+    the table covers every (heads, dtype) it is asked for; a bad column block is refused."""
+    from kvserve.attention.triton.mla_decode import MLADecodeConfig, choose_num_splits, decode_config, mla_decode
+
+    cpu = torch.device("cpu")  # 4 "SMs"
+    assert choose_num_splits(64, 1, 8192, cpu) == 1  # 64 programs already fill 2 waves of 4
+    assert choose_num_splits(1, 1, 8192, cpu) == 8
+    assert choose_num_splits(1, 1, 300, cpu) == 2  # min_chunk 256
+    assert choose_num_splits(3, 1, 8192, cpu, ctas_per_sm=2) == 8  # 24 programs = 3 full waves of 8
+    assert choose_num_splits(5, 2, 10, cpu) == 1
+    for h in (1, 16, 20, 64, 128, 256):
+        for fp8 in (False, True):
+            assert decode_config(h, fp8, torch.device("cuda")).block_h >= 16
+    q = torch.zeros(1, 2, L + R)
+    cache, tables = _paged([4])
+    with pytest.raises(ValueError, match="block_v"):
+        mla_decode(q, cache, tables, torch.tensor([4], dtype=torch.int32), L, 0.25, 4,
+                   config=MLADecodeConfig(16, 16, block_v=24))
+
+
 def test_plan_kv_mla_rows():
     """DeepSeek-V2-Lite's shape: 576 latent values per token and layer vs 16 x (128 + 64 + 128) expanded."""
     from kvserve.core.kv_capacity import plan_kv_mla
