@@ -82,7 +82,9 @@ class EagleProposer(Proposer):
         self.head_path = sc.draft_model_path or sc.model
         self.head = None  # built in bind_target (needs the target's embedding / lm_head)
         sched = config.scheduler_config
-        per_req = -(-(sched.max_model_len + self.num_speculative_tokens) // self.block_size)
+        self.tree_topk = sc.speculative_eagle_topk  # > 1: tree drafts (kvserve/spec_decode/tree.py)
+        self.trees: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (tokens, parents)
+        per_req = -(-(sched.max_model_len + self.num_speculative_tokens * self.tree_topk) // self.block_size)
         self.num_blocks = int(sc.extra.get("eagle_num_blocks", per_req * min(sched.max_num_seqs, 32) + 1))
         self.max_blocks = per_req + 1
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))  # block 0: padding reads it
@@ -133,6 +135,7 @@ class EagleProposer(Proposer):
     def remove_requests(self, req_ids) -> None:
         for r in req_ids:
             st = self.states.pop(r, None)
+            self.trees.pop(r, None)
             if st is not None:
                 self.free_blocks.extend(st.blocks)
 
@@ -200,7 +203,7 @@ class EagleProposer(Proposer):
             if st.pend_start + len(st.pend) <= last or first > last:
                 continue  # features missing (or nothing new): no drafts this step
             total = last + 1 - st.base
-            if not self._ensure_blocks(st, total + k - 1):
+            if not self._ensure_blocks(st, total + (k - 1) * self.tree_topk):
                 self._drop_backlog(st)  # no room in the head's pool: no drafts this step
                 continue
             rows.append((i, st, toks, first, total))
@@ -215,6 +218,10 @@ class EagleProposer(Proposer):
         feats = self._forward(rows, ids, pos, hid, qlens, seq)
         last_rows = torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)
         feats = feats[last_rows]
+        if self.tree_topk > 1:  # EAGLE-2 tree drafts
+            from kvserve.spec_decode.tree import draft_tree
+
+            return draft_tree(self, requests, rows, feats, out)
         tok = self.head.greedy_tokens(feats)
         drafts = [tok]
         for j in range(1, k):
@@ -229,6 +236,24 @@ class EagleProposer(Proposer):
             keep = st.base + tot - st.pend_start  # drop fed features; keep any computed beyond
             st.pend, st.pend_start = st.pend[keep:], st.base + tot
         return out
+
+    def draft_tree(self, req_id: str, drafts: list[int]) -> list[int] | None:
+        t = self.trees.get(req_id)
+        if t is None or self.tree_topk == 1:
+            return None
+        if list(t[0][:len(drafts)]) != list(drafts):
+            raise RuntimeError(f"{req_id}: scheduled drafts are not the proposed tree's")
+        return t[1][:len(drafts)]
+
+    def tree_accepted(self, req_id: str, root_pos: int, rows: list[int]) -> None:
+        st = self.states.get(req_id)
+        if st is None or st.pend is None:
+            return
+        i0 = root_pos - st.pend_start
+        if i0 < 0 or i0 + max(rows) >= len(st.pend):
+            return
+        keep = torch.as_tensor([i0 + r for r in rows], device=st.pend.device)
+        st.pend = torch.cat([st.pend[:i0], st.pend.index_select(0, keep)])
 
     def _forward(self, rows, ids, pos: np.ndarray, hidden: torch.Tensor, qlens: list[int],
                  seq_lens: list[int]) -> torch.Tensor:

@@ -49,6 +49,16 @@ class Proposer(ABC):
         computed positions ``starts[i] .. starts[i] + query_lens[i] - 1`` in rows
         ``row_start[i] ..`` of ``hidden`` (``[num_tokens, hidden_size]``)."""
 
+    def draft_tree(self, req_id: str, drafts: list[int]) -> list[int] | None:
+        """Parent indices ``[len(drafts)]`` (-1: the root) when ``drafts`` (a prefix of this
+        proposer's last proposal for ``req_id``) form a tree (``kvserve/spec_decode/tree.py``);
+        None for a chain."""
+        return None
+
+    def tree_accepted(self, req_id: str, root_pos: int, rows: list[int]) -> None:
+        """After a tree's verification: the target states recorded for positions ``root_pos ..``
+        were in chunk-row order; the accepted ones are rows ``rows`` (root first), in order."""
+
     def remove_requests(self, req_ids) -> None:
         """Forget finished or preempted requests (free what the proposer holds for them)."""
 
