@@ -297,9 +297,9 @@ class SpeculativeConfig:
         if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= 16:
             raise ValueError(f"speculative_eagle_topk must be an integer in [1, 16], got {topk!r}")
         if topk > 1:
-            if cfg.method not in ("eagle", "eagle3"):
-                raise ValueError(f"speculative_eagle_topk > 1 (tree drafts) needs method eagle or eagle3, "
-                                 f"got {cfg.method!r}")
+            if topk * k > 64:
+                raise ValueError(f"speculative_eagle_topk * num_speculative_tokens must be <= 64 (the head's "
+                                 f"tree mask), got {topk} * {k}")
             if n is None:
                 n = min(topk * k + 1, 64)
             if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 64:

@@ -70,6 +70,7 @@ class EagleProposer(Proposer):
     """
 
     uses_hidden_states = True
+    supports_tree_drafts = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

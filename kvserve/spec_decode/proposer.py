@@ -19,12 +19,18 @@ class Proposer(ABC):
     Attributes:
         uses_hidden_states: the proposer drafts from the target's hidden states: the runner
             hands each step's to ``record_hidden_states`` (EAGLE).
+        supports_tree_drafts: the proposer drafts trees with ``speculative_eagle_topk > 1``.
     """
 
     uses_hidden_states: bool = False
+    #: drafts trees (``draft_tree``) when ``speculative_eagle_topk > 1``; others refuse it at start-up
+    supports_tree_drafts: bool = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.speculative_config.speculative_eagle_topk > 1 and not self.supports_tree_drafts:
+            raise ValueError(f"speculative_eagle_topk > 1 (tree drafts): method "
+                             f"{config.speculative_config.method!r} drafts chains only (use eagle or eagle3)")
         self.num_speculative_tokens = config.speculative_config.num_speculative_tokens
         # Drafts the scheduler takes now (dynamic speculation; 0 = off): proposing more is waste.
         self.num_drafts_allowed = self.num_speculative_tokens
