@@ -15,6 +15,7 @@ target never computed (prefix-cache hits) are absent from the head's context: it
 the first computed position (quality only; verification keeps outputs exact).
 
 Drafts are greedy point proposals, verified losslessly at any temperature (``rejection_sampler``).
+With ``speculative_eagle_topk > 1`` the head drafts trees instead (EAGLE-2; ``tree.py``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class EagleProposer(Proposer):
     ``eagle_num_blocks`` (KV blocks of the head's pool; default: ``min(max_num_seqs, 32)``
     requests of ``max_model_len`` tokens; a request that finds no room gets no drafts) and,
     for EAGLE-1/2, ``draft_vocab_size`` (draft among token ids below it; default: the head's
-    ``config.json`` value, else the whole vocabulary).
+    ``config.json`` value, else the whole vocabulary). ``speculative_eagle_topk`` /
+    ``speculative_num_draft_tokens`` (config fields): tree drafts (``kvserve/spec_decode/tree.py``).
 
     Raises ValueError at start-up for a head whose hidden / vocab size differ from the target's,
     an EAGLE-1 checkpoint given as eagle3 (or the reverse), tensor parallelism, or eagle3 on a

@@ -33,7 +33,7 @@ class Proposer(ABC):
                              f"{config.speculative_config.method!r} drafts chains only (use eagle or eagle3)")
         self.num_speculative_tokens = config.speculative_config.num_speculative_tokens
         # Drafts the scheduler takes now (dynamic speculation; 0 = off): proposing more is waste.
-        self.num_drafts_allowed = self.num_speculative_tokens
+        self.num_drafts_allowed = config.speculative_config.max_draft_tokens
 
     @property
     def k(self) -> int:

@@ -74,6 +74,7 @@ class ModelRunner:
         self.proposer = None  # set by the worker with speculative decoding
         spec_cfg = config.speculative_config
         self.max_query_len_decode = 1 + (spec_cfg.num_speculative_tokens if spec_cfg else 0)
+        self.tree_drafts = spec_cfg is not None and spec_cfg.speculative_eagle_topk > 1  # kvserve/spec_decode/tree.py
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.kv_cache_config: Optional[KVCacheConfig] = None
         self.input_batch: Optional[InputBatch] = None
@@ -281,7 +282,7 @@ class ModelRunner:
         if self.attn_builder.prepare(sched, inp):
             self._recapture_cuda_graphs()
         tree = None  # tree drafts: positions by depth, an ancestor mask (kvserve/spec_decode/tree.py)
-        if sched.scheduled_spec_decode_tokens and self.proposer is not None:
+        if self.tree_drafts and sched.scheduled_spec_decode_tokens and self.proposer is not None:
             from kvserve.spec_decode.tree import TreeVerification
 
             tree = TreeVerification.build(self.proposer, inp, sched.scheduled_spec_decode_tokens)

@@ -186,6 +186,7 @@ def test_eagle3_tree_greedy_lossless_prefix_preempted_no_leaks(tiny_target, tmp_
         outs = spec.generate(prompts, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
     assert any(len(set(p)) < len(p) for _, p in proposer.trees.values())  # siblings: real trees
+    assert max(len(t) for t, _ in proposer.trees.values()) == 8  # whole trees (cut only near max_tokens)
     st = spec.llm_engine.stats
     assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
     assert 0 < st.num_accepted_tokens <= st.num_draft_tokens
