@@ -134,13 +134,14 @@ def tree_cost(tmp: str, dev: str, smoke: bool) -> list[dict]:
     nb = runner.kv_cache_config.groups[0].num_blocks
     bsz = runner.block_size
     # (name, drafted nodes, tree?): chain k=4; trees of 8/16/32 nodes; chains as long as the trees
-    cases = [("chain", 4, False)] + [("tree", n, True) for n in (8, 16, 32)] + [("chain", n, False) for n in (8, 16, 32)]
+    cases = [("chain", 4, False)] + [("tree", n, True) for n in (8, 16, 32)] \
+        + [("chain", n, False) for n in (8, 16, 32)]
     out = []
     for b in batches:
         for name, n, is_tree in cases:
             q = n + 1
             t = b * q
-            parents = [(i + 1 - 1) // 4 - 1 for i in range(n)] if is_tree else [i - 1 for i in range(n)]
+            parents = [i // 4 - 1 for i in range(n)] if is_tree else [i - 1 for i in range(n)]  # 4 children each
             depth = torch.from_numpy(tree_depths(parents)).to(dev)
             ids = torch.randint(0, min(1000, cfg["vocab_size"]), (t,), device=dev)
             pos = (ctx + depth).repeat(b)
