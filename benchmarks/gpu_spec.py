@@ -11,6 +11,10 @@ Parts (``--parts``, comma-separated):
   (drafts the reference greedy continuation, each draft corrupted with probability 1 - alpha:
   acceptance set by construction since dummy weights make real acceptance meaningless) for
   (alpha, k) in {(0.6, 2), (0.9, 2), (0.9, 4)}; the n-gram proposer as measured on dummy weights.
+* ``tree``: tree verification cost at the 8B shape (dummy bf16 weights, 1k context, batch 1 and
+  16): one step verifying a tree of 8 / 16 / 32 nodes (EAGLE-2 shaped, 4 children per node; rotary
+  positions by depth, the ancestor mask in the prefill kernel) vs a chain of k = 4 and a chain of
+  as many tokens as the tree (no mask: what the mask itself costs), as a CUDA graph.
 * ``load``: W1-like under load (Qwen3-0.6B shape, 128 requests at once, prompts U[100,512],
   outputs U[64,256], greedy): no speculation (async scheduling), the oracle proposer (alpha
   0.7, k=4) with dynamic speculation off, and on (``dynamic_max_batch`` 32): output tok/s.
@@ -20,7 +24,7 @@ Parts (``--parts``, comma-separated):
   (``draft_graph_cost.py``; about 40 s).
 
 Usage (GPU machine, repo root):
-    PYTHONPATH=. python3 benchmarks/gpu_spec.py --out $OUT --parts verify,batch1,load
+    PYTHONPATH=. python3 benchmarks/gpu_spec.py --out $OUT --parts verify,batch1,load,tree
     PYTHONPATH=. python3 benchmarks/gpu_spec.py --cpu-smoke   # tiny shapes on the CPU
 Writes ``$OUT/spec_bench.json`` (one record per figure) and prints a table last.
 """
@@ -115,6 +119,63 @@ def verify_cost(tmp: str, dev: str, smoke: bool) -> list[dict]:
         base = out[-(kmax + 1)]["ms_per_step"]
         for r in out[-(kmax + 1):]:
             r["cost_vs_decode"] = round(r["ms_per_step"] / base, 3)
+    del llm, runner, model
+    _free(dev)
+    return out
+
+
+# ------------------------------------------------------------------------------- tree
+def tree_cost(tmp: str, dev: str, smoke: bool) -> list[dict]:
+    from kvserve.attention.forward_context import AttentionMetadata, forward_context
+    from kvserve.spec_decode.tree import tree_ancestor_bits, tree_depths
+
+    cfg = TINY if smoke else LLAMA31_8B
+    ctx, batches = (64, (1, 4)) if smoke else (1024, (1, 16))
+    llm = _llm(_config_dir(tmp, "tree", cfg), dev, enforce_eager=True, max_model_len=2048, max_num_seqs=64,
+               kv_cache_memory="64MiB" if smoke else "12GiB")
+    runner = llm.llm_engine.engine_core.model_runner
+    model = runner.model
+    nb = runner.kv_cache_config.groups[0].num_blocks
+    bsz = runner.block_size
+    # (name, drafted nodes, tree?): chain k=4; trees of 8/16/32 nodes; chains as long as the trees
+    cases = [("chain", 4, False)] + [("tree", n, True) for n in (8, 16, 32)] \
+        + [("chain", n, False) for n in (8, 16, 32)]
+    out = []
+    for b in batches:
+        for name, n, is_tree in cases:
+            q = n + 1
+            t = b * q
+            parents = [i // 4 - 1 for i in range(n)] if is_tree else [i - 1 for i in range(n)]  # 4 children each
+            depth = torch.from_numpy(tree_depths(parents)).to(dev)
+            ids = torch.randint(0, min(1000, cfg["vocab_size"]), (t,), device=dev)
+            pos = (ctx + depth).repeat(b)
+            idx = torch.arange(ctx, ctx + q, device=dev).repeat(b)  # sequence index: the slot
+            w = -(-2048 // bsz)
+            per = -(-(ctx + q) // bsz)
+            bt = (torch.arange(b * w, device=dev, dtype=torch.int32).view(b, w) % per
+                  + torch.arange(b, device=dev, dtype=torch.int32).unsqueeze(1) * per) % (nb - 1) + 1
+            rows = torch.arange(b, device=dev).repeat_interleave(q)
+            slots = bt[rows, idx // bsz].long() * bsz + idx % bsz
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=bt,
+                query_start_loc=torch.arange(0, t + 1, q, dtype=torch.int32, device=dev),
+                seq_lens=torch.full((b,), ctx + q, dtype=torch.int32, device=dev), query_lens_cpu=[q] * b,
+                seq_lens_cpu=[ctx + q] * b, max_query_len=q, max_seq_len=ctx + q, num_decodes=0)
+            if is_tree:
+                meta.tree_mask = torch.from_numpy(tree_ancestor_bits(parents)).to(dev).repeat(b)
+                meta.tree_start = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+
+            def step():
+                with forward_context([meta]):
+                    h = model(ids, pos)
+                return model.compute_logits(h).argmax(-1)
+
+            ms = _time(step, dev, 3 if smoke else 20)
+            out.append(dict(part="tree", shape="tiny" if smoke else "llama-3.1-8b", batch=b, kind=name, nodes=n,
+                            max_depth=int(depth.max()), ctx=ctx, ms_per_step=round(ms, 3)))
+        base = out[-len(cases)]["ms_per_step"]
+        for r in out[-len(cases):]:
+            r["cost_vs_chain_k4"] = round(r["ms_per_step"] / base, 3)
     del llm, runner, model
     _free(dev)
     return out
@@ -312,7 +373,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tmp", default="/tmp/kvserve-spec")
-    ap.add_argument("--parts", default="verify,batch1,load")
+    ap.add_argument("--parts", default="verify,batch1,load,tree")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (checks the script runs)")
     ns = ap.parse_args()
     dev = "cpu" if ns.cpu_smoke or not torch.cuda.is_available() else "cuda"
@@ -321,7 +382,7 @@ def main() -> None:
     records = []
     path = os.path.join(ns.out, "spec_bench.json")
     for part in ns.parts.split(","):
-        fn = {"verify": verify_cost, "batch1": batch1, "load": load, "draft": draft}[part]
+        fn = {"verify": verify_cost, "batch1": batch1, "load": load, "draft": draft, "tree": tree_cost}[part]
         t0 = time.perf_counter()
         try:
             records += fn(ns.tmp, dev, ns.cpu_smoke)
@@ -344,6 +405,9 @@ def main() -> None:
             print(f"| {r['part']} | error | {r['error'][:80]} |")
         elif r["part"] == "verify":
             print(f"| verify {r['shape']} | b={r['batch']} k={r['k']} | {r['ms_per_step']} ms ({r['cost_vs_decode']}x) |")
+        elif r["part"] == "tree":
+            print(f"| tree {r['shape']} | b={r['batch']} {r['kind']} n={r['nodes']} depth={r['max_depth']} | "
+                  f"{r['ms_per_step']} ms ({r['cost_vs_chain_k4']}x chain k=4) |")
         elif r["part"] == "batch1":
             s = r["spec"]
             name = "none" if s is None else f"{s['method']} k={s['num_speculative_tokens']}" + (

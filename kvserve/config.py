@@ -236,6 +236,9 @@ class SpeculativeConfig:
     ``dynamic_max_batch`` (batch size from which speculation turns off; default 32),
     ``dynamic_min_acceptance`` (acceptance rate below which k shrinks; default 0.3);
     other keys go to ``extra`` (e.g. the suffix method's ``suffix_decoding_*``, read by its proposer).
+    Tree drafts (eagle / eagle3; SGLang's names, EAGLE-2, arXiv:2406.16858): ``speculative_eagle_topk``
+    (children expanded per node and depth; default 1: chains) and ``speculative_num_draft_tokens``
+    (tree nodes verified per step, the root included, 2..64; default ``topk * k + 1``, capped at 64).
     """
 
     method: str = "ngram"  # a registered proposer (kvserve.spec_decode.PROPOSERS)
@@ -247,6 +250,8 @@ class SpeculativeConfig:
     dynamic_max_batch: int = 32  # running requests from which speculation turns off (hysteresis below)
     dynamic_min_acceptance: float = 0.3  # acceptance rate under which k shrinks
     extra: dict = field(default_factory=dict)  # proposer-specific keys
+    speculative_eagle_topk: int = 1  # tree drafts: children per expanded node (1: chains)
+    speculative_num_draft_tokens: Optional[int] = None  # tree drafts: nodes verified per step, root included
     draft_model_path: Optional[str] = resolved()  # ``model`` resolved to a file / directory
     draft_load_format: Optional[str] = resolved()
     draft_hf_config: Any = resolved()
@@ -264,7 +269,7 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {k!r}")
         known = {"method", "model", "prompt_lookup_min", "prompt_lookup_max", "dynamic", "dynamic_max_batch",
-                 "dynamic_min_acceptance"}
+                 "dynamic_min_acceptance", "speculative_eagle_topk", "speculative_num_draft_tokens"}
         cfg = cls(num_speculative_tokens=k, extra={x: d.pop(x) for x in list(d) if x not in known}, **d)
         if cfg.method in SPEC_METHODS_WITH_MODEL and not cfg.model:
             raise ValueError(f"speculative method {cfg.method!r} needs 'model' (a path)")
@@ -288,7 +293,30 @@ class SpeculativeConfig:
             raise ValueError(f"dynamic_max_batch must be an integer >= 1, got {cfg.dynamic_max_batch!r}")
         if not isinstance(cfg.dynamic_min_acceptance, (int, float)) or not 0 <= cfg.dynamic_min_acceptance < 1:
             raise ValueError(f"dynamic_min_acceptance must be in [0, 1), got {cfg.dynamic_min_acceptance!r}")
+        topk, n = cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
+        if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= 16:
+            raise ValueError(f"speculative_eagle_topk must be an integer in [1, 16], got {topk!r}")
+        if topk > 1:
+            if topk * k > 64:
+                raise ValueError(f"speculative_eagle_topk * num_speculative_tokens must be <= 64 (the head's "
+                                 f"tree mask), got {topk} * {k}")
+            if n is None:
+                n = min(topk * k + 1, 64)
+            if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= 64:
+                raise ValueError(f"speculative_num_draft_tokens must be an integer in [2, 64], got {n!r}")
+            cfg = replace(cfg, speculative_num_draft_tokens=n)
+        elif n is not None and n != k + 1:
+            raise ValueError(f"speculative_num_draft_tokens ({n}) with speculative_eagle_topk 1 (a chain) must be "
+                             f"num_speculative_tokens + 1 ({k + 1})")
         return cfg
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens a request verifies per step at most: the tree's nodes but the root with
+        tree drafts, else ``num_speculative_tokens``."""
+        if self.speculative_eagle_topk > 1:
+            return self.speculative_num_draft_tokens - 1
+        return self.num_speculative_tokens
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ int4-gemm:240:W4A16 GEMM alone at the 8B projections, M 1..256, vs bf16 and tiny
 int4-w2:480:W2 batch-1 decode, 8B shape: bf16, fp8, int4, awq, gptq (dummy layouts), int4 on tinygemm (workloads.py)
 int4-offline:580:offline ISL/OSL 1000/1000, 8B shape, 256 requests: int4 vs bf16 vs fp8 (gpu_w4a16.py)
 int4-moe:140:GPTQ INT4 experts vs bf16, Qwen3-30B-A3B shape: fused MoE kernel T=1..256, batch-1 ms/token, batch-64 tok/s (gpu_int4_moe.py)
-spec:510:speculative decoding: verify-step cost, batch-1 speedups, W1-like load, EAGLE-3 draft steps eager vs CUDA graphs (gpu_spec.py)
+spec:510:speculative decoding: verify-step cost, batch-1 speedups, W1-like load, EAGLE-3 draft steps eager vs CUDA graphs, tree verify cost (gpu_spec.py; SPEC_PARTS picks)
 tiers:300:KV tiers at the 8B shape: bandwidth, multi-turn, zero reuse, swap, persistence (kv_tiers.py)
 hybrid:240:hybrid KV (sliding window): capacity, decode 2K vs 32K, window kernel (hybrid_kv.py)
 gemma3:400:Gemma 3 270M shape: equality with transformers, throughput (gpu_gemma3.py)
@@ -169,7 +169,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         --out "$d/w2_int4_tinygemm.json" ;;
     int4-offline) py $B/gpu_w4a16.py --out "$d" --parts offline --formats int4,bf16,fp8 --offline-deadline 380 ;;
     int4-moe) py $B/gpu_int4_moe.py --out "$d" --deadline $(( ${LIMIT:-90} - 5 )) ;;
-    spec) for s in ${SPEC_PARTS:-verify batch1 load draft}; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;
+    spec) for s in ${SPEC_PARTS:-verify batch1 load draft tree}; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;
     tiers)
       local c="--gpu8b --tier-gib 24 --kv-cache-memory 16GiB"
       # shellcheck disable=SC2086

@@ -98,6 +98,11 @@ class AttentionMetadata:
     num_decodes: int
     residual: Optional[ResidualMetadata] = field(default=None, repr=False, compare=False)
     bounded: Optional[BoundedAttention] = field(default=None, repr=False, compare=False)
+    # Tree verification (``kvserve/spec_decode/tree.py``): int64 ``[num_tokens]`` ancestor bits per
+    # query row, bit ``j`` = key at position ``tree_start[i] + j``; keys from ``tree_start[i]`` on are
+    # seen only where the row's bit is set (-1: all, plain causal). ``tree_start``: int32 ``[num_reqs]``.
+    tree_mask: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    tree_start: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -69,6 +69,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
+def tree_visible(bits: torch.Tensor, tree_start: int, kpos: torch.Tensor) -> torch.Tensor:
+    """Bool ``[n, L]``: key positions ``kpos`` ``[1, L]`` each query row may see under its
+    ancestor bits ``bits`` int64 ``[n]`` (``AttentionMetadata.tree_mask``): keys below
+    ``tree_start`` or past bit 63 always, key ``tree_start + j`` where bit ``j`` is set."""
+    rel = kpos - tree_start
+    bit = (bits.to(kpos.device).unsqueeze(1) >> rel.clamp(0, 63)) & 1
+    return (rel < 0) | (rel > 63) | (bit != 0)
+
+
 def uses_residual(kv: KVCacheView, meta: AttentionMetadata) -> bool:
     """Whether this layer reads its own block exactly this step (``kv_residual.py``)."""
     return kv.residual is not None and meta.residual is not None
@@ -121,6 +130,8 @@ def prefill_attention(
         mask = kpos <= qpos  # [n, L]
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
+        if meta.tree_mask is not None:  # tree verification: keys from tree_start on by ancestor bits
+            mask &= tree_visible(meta.tree_mask[start:end], int(meta.tree_start[i]), kpos)
         if kv_residual is not None:
             out[start:end] = _attend_with_exact_block(
                 q, k, v, qpos, kpos, mask, kv_residual, meta, i, ctx, key[start:end], value[start:end],

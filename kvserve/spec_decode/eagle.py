@@ -17,6 +17,7 @@ the first computed position (quality only; verification keeps outputs exact).
 Drafts are greedy point proposals, verified losslessly at any temperature (``rejection_sampler``).
 On CUDA the ``k`` draft steps of a decode step replay captured graphs (``draft_graphs.py``);
 the first draft after a prefill chunk runs eagerly.
+With ``speculative_eagle_topk > 1`` the head drafts trees instead (EAGLE-2; ``tree.py``; eager).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class EagleProposer(Proposer):
     ``eagle_num_blocks`` (KV blocks of the head's pool; default: ``min(max_num_seqs, 32)``
     requests of ``max_model_len`` tokens; a request that finds no room gets no drafts) and,
     for EAGLE-1/2, ``draft_vocab_size`` (draft among token ids below it; default: the head's
-    ``config.json`` value, else the whole vocabulary).
+    ``config.json`` value, else the whole vocabulary). ``speculative_eagle_topk`` /
+    ``speculative_num_draft_tokens`` (config fields): tree drafts (``kvserve/spec_decode/tree.py``).
 
     Raises ValueError at start-up for a head whose hidden / vocab size differ from the target's,
     an EAGLE-1 checkpoint given as eagle3 (or the reverse), tensor parallelism, or eagle3 on a
@@ -72,6 +74,7 @@ class EagleProposer(Proposer):
     """
 
     uses_hidden_states = True
+    supports_tree_drafts = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -84,7 +87,9 @@ class EagleProposer(Proposer):
         self.head_path = sc.draft_model_path or sc.model
         self.head = None  # built in bind_target (needs the target's embedding / lm_head)
         sched = config.scheduler_config
-        per_req = -(-(sched.max_model_len + self.num_speculative_tokens) // self.block_size)
+        self.tree_topk = sc.speculative_eagle_topk  # > 1: tree drafts (kvserve/spec_decode/tree.py)
+        self.trees: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (tokens, parents)
+        per_req = -(-(sched.max_model_len + self.num_speculative_tokens * self.tree_topk) // self.block_size)
         self.num_blocks = int(sc.extra.get("eagle_num_blocks", per_req * min(sched.max_num_seqs, 32) + 1))
         self.max_blocks = per_req + 1
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))  # block 0: padding reads it
@@ -158,6 +163,7 @@ class EagleProposer(Proposer):
     def remove_requests(self, req_ids) -> None:
         for r in req_ids:
             st = self.states.pop(r, None)
+            self.trees.pop(r, None)
             if st is not None:
                 self.free_blocks.extend(st.blocks)
 
@@ -225,7 +231,7 @@ class EagleProposer(Proposer):
             if st.pend_start + len(st.pend) <= last or first > last:
                 continue  # features missing (or nothing new): no drafts this step
             total = last + 1 - st.base
-            if not self._ensure_blocks(st, total + k - 1):
+            if not self._ensure_blocks(st, total + (k - 1) * self.tree_topk):
                 self._drop_backlog(st)  # no room in the head's pool: no drafts this step
                 continue
             rows.append((i, st, toks, first, total))
@@ -237,6 +243,12 @@ class EagleProposer(Proposer):
         hid = torch.cat([st.pend[f - st.pend_start:f - st.pend_start + tot - st.n] for _, st, _, f, tot in rows])
         qlens = [tot - st.n for _, st, _, _, tot in rows]
         seq = [tot for *_, tot in rows]
+        if self.tree_topk > 1:  # EAGLE-2 tree drafts (eager)
+            from kvserve.spec_decode.tree import draft_tree
+
+            feats = self._forward(rows, ids, pos, hid, qlens, seq)
+            feats = feats[torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)]
+            return draft_tree(self, requests, rows, feats, out)
         d = self._draft(rows, ids, pos, hid, qlens, seq, k)
         for r, (i, st, toks, f, tot) in enumerate(rows):
             out[i] = d[r].tolist()
@@ -274,6 +286,24 @@ class EagleProposer(Proposer):
         for r, (_, st, *_rest) in enumerate(rows):
             bt[r, : len(st.blocks)] = st.blocks
         return bt
+
+    def draft_tree(self, req_id: str, drafts: list[int]) -> list[int] | None:
+        t = self.trees.get(req_id)
+        if t is None or self.tree_topk == 1:
+            return None
+        if list(t[0][:len(drafts)]) != list(drafts):
+            raise RuntimeError(f"{req_id}: scheduled drafts are not the proposed tree's")
+        return t[1][:len(drafts)]
+
+    def tree_accepted(self, req_id: str, root_pos: int, rows: list[int]) -> None:
+        st = self.states.get(req_id)
+        if st is None or st.pend is None:
+            return
+        i0 = root_pos - st.pend_start
+        if i0 < 0 or i0 + max(rows) >= len(st.pend):
+            return
+        keep = torch.as_tensor([i0 + r for r in rows], device=st.pend.device)
+        st.pend = torch.cat([st.pend[:i0], st.pend.index_select(0, keep)])
 
     def _forward(self, rows, ids, pos: np.ndarray, hidden: torch.Tensor, qlens: list[int],
                  seq_lens: list[int]) -> torch.Tensor:

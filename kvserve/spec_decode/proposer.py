@@ -19,15 +19,21 @@ class Proposer(ABC):
     Attributes:
         uses_hidden_states: the proposer drafts from the target's hidden states: the runner
             hands each step's to ``record_hidden_states`` (EAGLE).
+        supports_tree_drafts: the proposer drafts trees with ``speculative_eagle_topk > 1``.
     """
 
     uses_hidden_states: bool = False
+    #: drafts trees (``draft_tree``) when ``speculative_eagle_topk > 1``; others refuse it at start-up
+    supports_tree_drafts: bool = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.speculative_config.speculative_eagle_topk > 1 and not self.supports_tree_drafts:
+            raise ValueError(f"speculative_eagle_topk > 1 (tree drafts): method "
+                             f"{config.speculative_config.method!r} drafts chains only (use eagle or eagle3)")
         self.num_speculative_tokens = config.speculative_config.num_speculative_tokens
         # Drafts the scheduler takes now (dynamic speculation; 0 = off): proposing more is waste.
-        self.num_drafts_allowed = self.num_speculative_tokens
+        self.num_drafts_allowed = config.speculative_config.max_draft_tokens
 
     @property
     def k(self) -> int:
@@ -56,6 +62,16 @@ class Proposer(ABC):
         """With ``uses_hidden_states``: one step's target hidden states. Request ``req_ids[i]``
         computed positions ``starts[i] .. starts[i] + query_lens[i] - 1`` in rows
         ``row_start[i] ..`` of ``hidden`` (``[num_tokens, hidden_size]``)."""
+
+    def draft_tree(self, req_id: str, drafts: list[int]) -> list[int] | None:
+        """Parent indices ``[len(drafts)]`` (-1: the root) when ``drafts`` (a prefix of this
+        proposer's last proposal for ``req_id``) form a tree (``kvserve/spec_decode/tree.py``);
+        None for a chain."""
+        return None
+
+    def tree_accepted(self, req_id: str, root_pos: int, rows: list[int]) -> None:
+        """After a tree's verification: the target states recorded for positions ``root_pos ..``
+        were in chunk-row order; the accepted ones are rows ``rows`` (root first), in order."""
 
     def remove_requests(self, req_ids) -> None:
         """Forget finished or preempted requests (free what the proposer holds for them)."""

@@ -95,7 +95,7 @@ def profile_logit_rows(config) -> int:
     decoding one per verified position (1 + k per request). The profile computes (and softmaxes)
     that many, so the sampler's float32 ``[rows, vocab]`` temporaries count in the activation peak."""
     sc, spec = config.scheduler_config, config.speculative_config
-    k = spec.num_speculative_tokens if spec is not None else 0
+    k = spec.max_draft_tokens if spec is not None else 0
     return sc.max_num_seqs * (1 + k)
 
 

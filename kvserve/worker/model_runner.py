@@ -74,6 +74,7 @@ class ModelRunner:
         self.proposer = None  # set by the worker with speculative decoding
         spec_cfg = config.speculative_config
         self.max_query_len_decode = 1 + (spec_cfg.num_speculative_tokens if spec_cfg else 0)
+        self.tree_drafts = spec_cfg is not None and spec_cfg.speculative_eagle_topk > 1  # kvserve/spec_decode/tree.py
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.kv_cache_config: Optional[KVCacheConfig] = None
         self.input_batch: Optional[InputBatch] = None
@@ -284,6 +285,11 @@ class ModelRunner:
         inp = batch.prepare(sched)
         if self.attn_builder.prepare(sched, inp):
             self._recapture_cuda_graphs()
+        tree = None  # tree drafts: positions by depth, an ancestor mask (kvserve/spec_decode/tree.py)
+        if self.tree_drafts and sched.scheduled_spec_decode_tokens and self.proposer is not None:
+            from kvserve.spec_decode.tree import TreeVerification
+
+            tree = TreeVerification.build(self.proposer, inp, sched.scheduled_spec_decode_tokens)
         pending = None
         if len(inp.pending_idx):
             rows = self._last_rows
@@ -296,7 +302,7 @@ class ModelRunner:
         drafts = sched.scheduled_spec_decode_tokens
         grammar = (sched.structured_output_request_ids, sched.grammar_bitmask) \
             if sched.structured_output_request_ids else None
-        if gr is not None and gr.can_run(inp):
+        if gr is not None and tree is None and gr.can_run(inp):
             hidden, row_start = gr.run(inp, pending)
             self._record_hidden(inp, hidden, row_start)
             if conn is not None:
@@ -310,6 +316,8 @@ class ModelRunner:
         positions = to_device(inp.positions, self.device)
         tp = pw.padded_size(len(inp.token_ids)) if pw is not None else None
         metas = self.attn_builder.build(inp, pad_to=tp)
+        if tree is not None:
+            tree.attach(metas, self.device)
         if tp is not None:
             hidden = pw.run(input_ids, positions, metas)
         elif self.config.parallel_config.pipeline_parallel_size > 1:
@@ -325,7 +333,7 @@ class ModelRunner:
         self._record_hidden(inp, hidden, inp.query_start_loc[:num_reqs])
         if conn is not None:
             conn.start_save_kv()
-        res = self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar)
+        res = self._sample(inp, hidden, inp.query_start_loc[:num_reqs], drafts, grammar, tree)
         if mass:
             res.kv_block_mass = mass
         return res
@@ -337,7 +345,7 @@ class ModelRunner:
             p.record_hidden_states(inp.req_ids, inp.seq_lens - inp.query_lens, inp.query_lens, hidden, row_start)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
-                drafts: dict[str, list[int]], grammar=None) -> AsyncModelRunnerOutput:
+                drafts: dict[str, list[int]], grammar=None, tree=None) -> AsyncModelRunnerOutput:
         """Logits where requests sample (the last row; the last ``1 + k`` rows with drafts),
         one sampler launch over all of them, one copy to the host. ``grammar`` (the step's
         request id -> bitmask row, and the bitmask) masks constrained requests' logits first.
@@ -376,7 +384,11 @@ class ModelRunner:
         if spec:
             spec_ids = [inp.req_ids[i] for i in spec]
             spec_drafts = [drafts[r] for r in spec_ids]
-            reqs.extend(draft_positions([states[r] for r in spec_ids], spec_drafts, self.device))
+            if tree is None:
+                reqs.extend(draft_positions([states[r] for r in spec_ids], spec_drafts, self.device))
+            else:  # tree rows sample as if their own path were accepted
+                reqs.extend(tree.draft_positions([states[r] for r in spec_ids], spec_ids, spec_drafts, self.device,
+                                                 logits.shape[-1]))
             # Seeded requests replay their RNG once the accepted count is known.
             saved = {r: states[r].generator.get_state() for r in spec_ids if states[r].generator is not None}
             spec_out = (spec_ids, spec_drafts, saved, logits.shape[-1])
@@ -384,7 +396,9 @@ class ModelRunner:
         (packed,), event = copy_to_host([packed])
         self._last_sampled = sampled
         self._last_rows = dict(zip(plain_ids, range(len(plain_ids))))
-        return AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self, prompt_lps)
+        res = AsyncModelRunnerOutput(plain_ids, packed, md, spec_out, event, self, prompt_lps)
+        res.tree = tree
+        return res
 
     def _prompt_logprobs(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> dict:
         """For requests with ``prompt_logprobs`` computing prompt positions this step: per

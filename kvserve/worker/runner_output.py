@@ -46,6 +46,7 @@ class AsyncModelRunnerOutput:
         self._prompt_logprobs = prompt_logprobs or {}
         self.poll = False  # an empty step (nothing computed): it only polls the KV connector
         self.kv_block_mass: dict = {}  # h2o: ModelRunnerOutput.kv_block_mass of this step
+        self.tree = None  # the step's tree drafts (kvserve.spec_decode.tree.TreeVerification)
         self.req_ids = req_ids
         self._packed = packed
         self._md = md
@@ -78,17 +79,22 @@ class AsyncModelRunnerOutput:
                 rids, drafts, saved, vocab = self._spec
                 pos = len(self.req_ids)
                 states = batch.states
+                tree = self.tree
                 for rid, d in zip(rids, drafts):
-                    toks = verify(d, ids[pos:pos + len(d) + 1])
+                    walked = tree.accept(rid, ids[pos:pos + len(d) + 1]) if tree is not None else None
+                    toks = verify(d, ids[pos:pos + len(d) + 1]) if walked is None else walked[0]
                     out.sampled_token_ids[rid] = toks
                     multi.append(rid)
                     if lps[pos] is not None:
-                        out.logprobs[rid] = lps[pos:pos + len(toks)]
+                        out.logprobs[rid] = lps[pos:pos + len(toks)] if walked is None else \
+                            [lps[pos + r] for r in walked[1]]
                     if rid in saved:
                         replay_generator(states[rid].generator, saved[rid], len(toks), vocab)
                     pos += len(d) + 1
         for rid in multi:
             batch.append_tokens(rid, out.sampled_token_ids[rid])
+        if self.tree is not None:  # accepted nodes' K/V into consecutive slots, before the next step
+            self.tree.finish(runner)
         load = getattr(runner, "expert_load", None)
         if load is not None and not self.poll:
             out.moe_expert_tokens = load.maybe_read()

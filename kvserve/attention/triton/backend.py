@@ -222,7 +222,7 @@ class TritonBackend(AttentionBackend):
             prefill_attention(
                 q_p, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 nd, num_reqs - nd, meta.max_query_len, scale, sliding_window, out=out_p, kv_format=fmt, sinks=sinks,
-                **res,
+                tree_mask=meta.tree_mask, tree_start=meta.tree_start, **res,
             )
             if rotate:  # the prefill rows follow the decodes' (one row each)
                 out[nd:] = rotate_rows(out_p[nd:], kv_rotation.T)

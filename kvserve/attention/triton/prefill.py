@@ -32,6 +32,11 @@ Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constex
 pass over keys ``[first row's block start, last row's position]`` reads its own block's keys
 from the residual or the new rows (``kv_exact.attend_exact``).
 
+Tree verification (speculative decoding with tree drafts, ``kvserve/spec_decode/tree.py``;
+constexpr ``TREE``): each query row carries int64 ancestor bits; keys at positions ``>= tree_start``
+of its request are seen only where bit ``pos - tree_start`` is set (SpecInfer's tree attention,
+arXiv:2305.09781). Every step over those keys is masked; off, the path costs nothing.
+
 Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): each head's sink logit is one more
 term of its softmax denominator with no value, so the running max starts at the sink (in
 log2 units) and the running sum at 1 instead of ``-inf`` and 0.
@@ -50,6 +55,15 @@ from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, 
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tree_visible(pos, t_bits, t_start):
+    """``[M, N]``: keys ``pos [N]`` the rows see under their ancestor bits ``t_bits [M]`` (int64):
+    below ``t_start`` or past bit 63 always, else where bit ``pos - t_start`` is set."""
+    rel = pos[None, :] - t_start
+    bit = (t_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
+    return (rel < 0) | (rel > 63) | (bit != 0)
 
 
 @triton.jit
@@ -78,7 +92,7 @@ def _attend_block(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
-    RESIDUAL: tl.constexpr = False,
+    RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -117,6 +131,8 @@ def _attend_block(
             valid = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             valid = valid & (pos[None, :] > q_pos[:, None] - window)
+        if TREE:
+            valid = valid & _tree_visible(pos, t_bits, t_start)
         qk = tl.where(valid, qk, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
     # [BLOCK_N, D]
@@ -129,7 +145,7 @@ def _attend_block(
 def _attend_new(
     q, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt, stride_nvt, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    WIDEN: tl.constexpr, in_dtype: tl.constexpr,
+    WIDEN: tl.constexpr, in_dtype: tl.constexpr, TREE: tl.constexpr = False, t_bits=0, t_rel0=0,
 ):
     """One online-softmax step over the chunk's own keys ``j0 .. j0 + BLOCK_N - 1`` (0 = the
     chunk's first new token), read from the contiguous new K/V rows ``nk_base + j * stride_nkt``
@@ -151,7 +167,10 @@ def _attend_new(
         k = k.to(tl.float32)
     qk = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
-        qk = tl.where(n_mask[None, :] & (j[None, :] <= tok[:, None]), qk, float("-inf"))
+        valid = n_mask[None, :] & (j[None, :] <= tok[:, None])
+        if TREE:  # chunk key j sits at tree index j + t_rel0
+            valid = valid & _tree_visible(j, t_bits, -t_rel0)
+        qk = tl.where(valid, qk, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(qk, qk_scale, m_i, l_i, False)  # log2 units
     if MASKED:
         v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
@@ -175,12 +194,12 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
     stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-    sinks_ptr,
+    sinks_ptr, tree_mask_ptr, tree_start_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TREE: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -209,19 +228,27 @@ def _prefill_kernel(
         m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         l_i = tl.where(row_mask, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    t_bits = 0
+    t_start = 0
+    if TREE:  # ancestor bits per row; keys from t_start on are masked by them
+        t_bits = tl.load(tree_mask_ptr + q_rows, mask=row_mask, other=-1).to(tl.int64)
+        t_start = tl.load(tree_start_ptr + req)
     if NEW_KV:  # the chunk's own keys first, from its contiguous K/V rows in the query dtype
         q_dtype: tl.constexpr = q_ptr.dtype.element_ty
         q_new = q.to(tl.float32) if WIDEN else q
         nk_base = new_k_ptr + q_start.to(tl.int64) * stride_nkt + kvh * stride_nkh
         nv_base = new_v_ptr + q_start.to(tl.int64) * stride_nvt + kvh * stride_nvh
         own_full = tl.where(live, (t0 // BLOCK_N) * BLOCK_N, 0)  # keys every row of the tile sees
+        if TREE:  # no chunk key is seen by every row
+            own_full = 0
         own_hi = tl.where(live, tl.minimum(t0 + BLOCK_Q, q_len), 0)
         for j0 in range(0, own_full, BLOCK_N):
             acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
                                         stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, WIDEN, q_dtype)
         for j0 in range(own_full, own_hi, BLOCK_N):
             acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
-                                        stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, WIDEN, q_dtype)
+                                        stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, WIDEN, q_dtype,
+                                        TREE, t_bits, ctx - t_start)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
@@ -248,6 +275,8 @@ def _prefill_kernel(
         full_end = tl.where(live, ((ctx + t0) // BLOCK_N) * BLOCK_N, 0)
         if NEW_KV:
             full_end = (kv_hi // BLOCK_N) * BLOCK_N
+    if TREE:  # steps from the tree's first key on are masked
+        full_end = tl.minimum(full_end, (tl.maximum(t_start, 0) // BLOCK_N) * BLOCK_N)
     kv_hi_q = kv_hi  # end of the keys read from the cache
     q_lim = q_pos
     if HAS_RESIDUAL:  # cache keys stop at each row's own block; those blocks are read exact below
@@ -269,7 +298,7 @@ def _prefill_kernel(
             q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, HAS_RESIDUAL)
+            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start)
     if HAS_RESIDUAL:  # keys [own0, kv_hi) exact (kv_exact), against q reloaded in the compute dtype
         q_ex = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                        + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
@@ -341,6 +370,8 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tree_mask: torch.Tensor | None = None,
+    tree_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -369,6 +400,10 @@ def prefill_attention(
         sinks: ``[num_heads]`` learned attention sinks (gpt-oss), one extra logit per head in
             each row's softmax denominator (no value): the running max and sum start from it.
         num_warps / num_stages: launch overrides (benchmark sweeps; default ``_config``).
+        tree_mask / tree_start: tree verification (``AttentionMetadata.tree_mask``): int64
+            ``[num_tokens]`` ancestor bits per query row and int32 ``[R]`` the position of bit 0
+            per request; keys at or past ``tree_start`` are seen where the row's bit is set.
+            Not with a sliding window or exact own blocks (ValueError).
 
     Returns ``out``. No host synchronisation.
     """
@@ -393,6 +428,9 @@ def prefill_attention(
     window = sliding_window if sliding_window is not None else 0
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), hkv)
     new_kv = kv_residual is None and new_key is not None and sliding_window is None
+    tree = tree_mask is not None
+    if tree and (sliding_window is not None or kv_residual is not None or tree_start is None):
+        raise ValueError("tree_mask needs tree_start and no sliding window or exact own blocks")
     if new_kv:
         res_t, res_s = new_kv_args(new_key, new_value, query, hkv)
     else:
@@ -407,13 +445,14 @@ def prefill_attention(
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
         query if sinks is None else sinks,
+        tree_mask if tree else query, tree_start if tree else seq_lens,
         GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size,
         BLOCK_M=bm, BLOCK_Q=block_q, BLOCK_N=bn,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
-        HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv,
+        HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv, TREE=tree,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out

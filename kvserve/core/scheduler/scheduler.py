@@ -126,7 +126,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         sc = speculative_config
-        k_max = sc.num_speculative_tokens if sc is not None else 0
+        k_max = sc.max_draft_tokens if sc is not None else 0
         self.num_accepted_tokens_per_pos = [0] * k_max
         self.spec_policy = None
         if sc is not None and sc.dynamic:
