@@ -227,9 +227,11 @@ def ttt_loss(head: Eagle3TrainHead, aux: torch.Tensor, ids: torch.Tensor, tgt_h:
 def save_eagle3_head(head: Eagle3TrainHead, out: str, readme: str | None = None,
                      aux_layers: tuple[int, ...] | None = None) -> int:
     """Write ``out/config.json`` (the target's Llama config, one layer, ``draft_vocab_size``,
-    ``eagle_aux_hidden_state_layer_ids``, ``architectures: LlamaForCausalLMEagle3``), bf16
-    ``model.safetensors`` (int64 ``d2t``, bool ``t2d``) and ``README.md`` when given; returns
-    the safetensors size in bytes."""
+    ``eagle_aux_hidden_state_layer_ids``, ``architectures: LlamaForCausalLMEagle3``), the bf16
+    tensors (int64 ``d2t``, bool ``t2d``) in two safetensors files (``fc`` + ``midlayer``;
+    ``norm``, ``lm_head``, ``d2t``, ``t2d``: each stays under 16 MiB for the default model, the
+    largest file the GPU machine hands back) and ``README.md`` when given; returns the total
+    safetensors size in bytes."""
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
@@ -244,9 +246,14 @@ def save_eagle3_head(head: Eagle3TrainHead, out: str, readme: str | None = None,
         json.dump(d, f, indent=1, sort_keys=True)
     t = {n: (x if x.dtype in (torch.int64, torch.bool) else x.to(torch.bfloat16)).contiguous()
          for n, x in head.published().items()}
-    path = os.path.join(out, "model.safetensors")
-    save_file(t, path, metadata={"format": "pt", "layout": "eagle3"})
+    shards = [{n: x for n, x in t.items() if n.startswith(("fc.", "midlayer."))},
+              {n: x for n, x in t.items() if not n.startswith(("fc.", "midlayer."))}]
+    size = 0
+    for i, shard in enumerate(shards):
+        path = os.path.join(out, f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        save_file(shard, path, metadata={"format": "pt", "layout": "eagle3"})
+        size += os.path.getsize(path)
     if readme is not None:
         with open(os.path.join(out, "README.md"), "w") as f:
             f.write(readme)
-    return os.path.getsize(path)
+    return size

@@ -403,8 +403,11 @@ def main(argv: list[str] | None = None) -> dict:
                        seed=ns.seed, max_steps=ns.max_steps, seconds=ns.train_seconds,
                        batch_tokens=ns.batch_tokens or (65536 if cuda else 2048),
                        log=lambda m: print(m, flush=True), eval_samples=held_s)
-    cmd = "HF_HUB_OFFLINE=1 python -m kvserve.spec_decode.train_eagle3 " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    args = list(argv if argv is not None else sys.argv[1:])
+    if ns.model and "--model" in args:  # no machine path in the shipped command: the file's name
+        i = args.index("--model")
+        args[i + 1] = os.path.basename(ns.model)
+    cmd = "HF_HUB_OFFLINE=1 python -m kvserve.spec_decode.train_eagle3 " + " ".join(shlex.quote(a) for a in args)
     readme = README.format(model=os.path.basename(ns.model or "SmolLM2-135M-Instruct"), layers=list(aux_layers),
                            dv=ns.draft_vocab_size, mb=0.0, ttt=ns.ttt_steps, n=len(samples), tok=n_ans,
                            steps=info["steps"], secs=info["seconds"], device=ns.device, command=cmd,

@@ -150,3 +150,20 @@ def test_ttt_loss_masks_tokens_outside_the_draft_vocabulary(trained):
     with torch.no_grad():
         loss, acc, n = ttt_loss(head, aux, ids, h, top, mask, emb, lm[[tok]], t2d, steps=2)
     assert n == [0, 0] and float(loss) == 0.0
+
+
+def test_dynamic_policy_on_trained_head_is_lossless(trained):
+    """Batched with the goodput policy at a low compute bound (8 tokens per step: k shrinks
+    while 4 requests run and grows as they finish): outputs equal no speculation."""
+    llm = LLM(**trained["common"], speculative_config={
+        "method": "eagle3", "model": trained["head_dir"], "num_speculative_tokens": 3, "dynamic": True,
+        "dynamic_max_batched_tokens": 8, "dynamic_draft_cost": 0.1})
+    lens = [24, 8, 16, 12]
+    outs = llm.generate(trained["prompts"], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                            for n in lens], use_tqdm=False)
+    pol = llm.llm_engine.engine_core.scheduler.spec_policy
+    ks = [pol.peek(b) for b in (1, 4)]
+    st = llm.llm_engine.stats
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r, n in zip(trained["ref"], lens)]
+    assert st.num_drafts > 0 and ks[0] > ks[1] >= 1
