@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-steps", type=int, default=None, help="training budget (optimizer steps)")
     ap.add_argument("--ttt-steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per batch (default: 65536 "
+    ap.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per batch (default: 32768 "
                                                                    "on CUDA, 2048 on the CPU)")
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="generating batch (default 256 CUDA / 16 CPU)")
@@ -390,9 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     samples = extract_features(runner, seqs, aux_layers, 32768 if cuda else 4096)
     held_s = extract_features(runner, held, aux_layers, 32768 if cuda else 4096)
-    emb_w, lm_w, norm_w = (x.float() if not cuda else x for x in target_weights(target))
-    emb_w, lm_w = emb_w.clone(), lm_w.clone()
-    norm_w = norm_w.clone() if norm_w is not None else None
+    # copies: the engine (and its weights) goes away before training; float32 on the CPU
+    emb_w, lm_w, norm_w = (None if x is None else (x if cuda else x.float()).clone() for x in target_weights(target))
     llm.shutdown()
     del llm, runner, target
     if cuda:
@@ -401,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"features: {time.perf_counter() - t0:.0f} s", flush=True)
     head, info = train(samples, cfg, emb_w, lm_w, norm_w, ns.draft_vocab_size, steps=ns.ttt_steps, lr=ns.lr,
                        seed=ns.seed, max_steps=ns.max_steps, seconds=ns.train_seconds,
-                       batch_tokens=ns.batch_tokens or (65536 if cuda else 2048),
+                       batch_tokens=ns.batch_tokens or (32768 if cuda else 2048),
                        log=lambda m: print(m, flush=True), eval_samples=held_s)
     args = list(argv if argv is not None else sys.argv[1:])
     if ns.model and "--model" in args:  # no machine path in the shipped command: the file's name
