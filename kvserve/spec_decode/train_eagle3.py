@@ -276,7 +276,8 @@ def train(samples: list[Sample], cfg, emb_w: torch.Tensor, lm_w: torch.Tensor, n
         raise ValueError("train: give max_steps or seconds")
     dev = lm_w.device
     torch.manual_seed(seed)
-    draft_ids = draft_vocabulary(token_counts(samples, lm_w.shape[0]), draft_vocab_size)
+    counts = token_counts(samples, lm_w.shape[0])
+    draft_ids = draft_vocabulary(counts, draft_vocab_size)
     head = Eagle3TrainHead(cfg, draft_ids)
     head.init_from_target(lm_w.float().cpu(), None if norm_w is None else norm_w.float().cpu(), seed)
     head.to(dev)
@@ -322,8 +323,7 @@ def train(samples: list[Sample], cfg, emb_w: torch.Tensor, lm_w: torch.Tensor, n
                 last_loss=round(float(np.mean(losses[-10:])), 4) if losses else None,
                 train_step_agreement=[round(float(np.mean([a[j] for a in accs[-10:]])), 4) for j in range(steps)]
                 if accs else [], draft_vocab_size=draft_vocab_size,
-                draft_vocab_coverage=round(float(token_counts(samples, lm_w.shape[0])[draft_ids].sum()
-                                                 / max(token_counts(samples, lm_w.shape[0]).sum(), 1)), 4))
+                draft_vocab_coverage=round(float(counts[draft_ids].sum() / max(int(counts.sum()), 1)), 4))
     if eval_samples:
         info["held_out"] = evaluate(head, eval_samples, emb_w, lm_w, steps, batch_tokens)
         log(f"held-out: {info['held_out']}")
