@@ -57,6 +57,11 @@ class _MidLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def ttt_mask(n: int, steps: int, device=None) -> torch.Tensor:
     """The boolean attention mask ``[n, (steps) * n]`` of TTT step ``steps - 1`` over ``n``
     chains: True = attend. Key block 0 (step-0 keys) is causal; key block ``i >= 1`` (step
@@ -94,11 +99,13 @@ class Eagle3TrainHead(nn.Module):
         z = torch.cat([lay.input_layernorm(emb), lay.hidden_norm(x)], dim=-1)
         b, n, _ = z.shape
         q, k, v = a["q_proj"](z), a["k_proj"](z), a["v_proj"](z)
-        p = pos.repeat(b)
+        # the rotary caches of kvserve's RotaryEmbedding, applied out of place (its CUDA path
+        # rotates in place, which autograd cannot follow); neox layout, as the inference head
+        cos = self.rotary.cos_cache[pos].view(1, n, 1, lay.hd)
+        sin = self.rotary.sin_cache[pos].view(1, n, 1, lay.hd)
         dt = q.dtype
-        q, k = self.rotary(p, q.reshape(b * n, -1).float(), k.reshape(b * n, -1).float())
-        q = q.to(dt).view(b, n, lay.nh, lay.hd).transpose(1, 2)
-        k = k.to(dt).view(b, n, lay.nkv, lay.hd).transpose(1, 2)
+        q = _rope(q.view(b, n, lay.nh, lay.hd).float(), cos, sin).to(dt).transpose(1, 2)
+        k = _rope(k.view(b, n, lay.nkv, lay.hd).float(), cos, sin).to(dt).transpose(1, 2)
         v = v.view(b, n, lay.nkv, lay.hd).transpose(1, 2)
         return q, k, v
 
