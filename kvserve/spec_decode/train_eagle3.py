@@ -403,13 +403,18 @@ def main(argv: list[str] | None = None) -> dict:
                        batch_tokens=ns.batch_tokens or (32768 if cuda else 2048),
                        log=lambda m: print(m, flush=True), eval_samples=held_s)
     args = list(argv if argv is not None else sys.argv[1:])
-    if ns.model and "--model" in args:  # no machine path in the shipped command: the file's name
+    for flag in ("--model", "--out"):  # no machine path in the shipped command: the file's name
+        if flag in args[:-1]:
+            i = args.index(flag)
+            args[i + 1] = os.path.basename(args[i + 1].rstrip("/"))
+    if "--model" in args[:-1] and args[args.index("--model") + 1] == "SmolLM2-135M-Instruct.Q4_1.gguf":
         i = args.index("--model")
-        args[i + 1] = os.path.basename(ns.model)
+        del args[i:i + 2]  # the default model: the trainer's default
     cmd = "HF_HUB_OFFLINE=1 python -m kvserve.spec_decode.train_eagle3 " + " ".join(shlex.quote(a) for a in args)
     readme = README.format(model=os.path.basename(ns.model or "SmolLM2-135M-Instruct"), layers=list(aux_layers),
                            dv=ns.draft_vocab_size, mb=0.0, ttt=ns.ttt_steps, n=len(samples), tok=n_ans,
-                           steps=info["steps"], secs=info["seconds"], device=ns.device, command=cmd,
+                           steps=info["steps"], secs=info["seconds"], command=cmd,
+                           device=torch.cuda.get_device_name() if cuda else "the CPU",
                            agree=info.get("held_out", {}).get("step_agreement"))
     size = save_eagle3_head(head, ns.out, readme, aux_layers)
     readme = readme.replace(" 0.0 MB", f" {size / 1e6:.1f} MB")
