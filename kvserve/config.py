@@ -234,7 +234,10 @@ class SpeculativeConfig:
     draft_model and eagle*), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram sizes;
     defaults 2 and 5), ``dynamic`` (adapt k to batch size and acceptance; default true),
     ``dynamic_max_batch`` (batch size from which speculation turns off; default 32),
-    ``dynamic_min_acceptance`` (acceptance rate below which k shrinks; default 0.3);
+    ``dynamic_min_acceptance`` (acceptance rate below which k shrinks; default 0.3),
+    ``dynamic_max_batched_tokens`` (verified tokens per step, batch x (1 + k), from which a
+    step is compute-bound: k is chosen by expected tokens per unit cost; default 256),
+    ``dynamic_draft_cost`` (one draft step's cost relative to a decode step; default 0);
     other keys go to ``extra`` (e.g. the suffix method's ``suffix_decoding_*``, read by its proposer).
     Tree drafts (eagle / eagle3; SGLang's names, EAGLE-2, arXiv:2406.16858): ``speculative_eagle_topk``
     (children expanded per node and depth; default 1: chains) and ``speculative_num_draft_tokens``
@@ -249,6 +252,8 @@ class SpeculativeConfig:
     dynamic: bool = True  # adapt k (and on/off) to the batch size and the measured acceptance
     dynamic_max_batch: int = 32  # running requests from which speculation turns off (hysteresis below)
     dynamic_min_acceptance: float = 0.3  # acceptance rate under which k shrinks
+    dynamic_max_batched_tokens: int = 256  # batch x (1 + k) from which a step is compute-bound
+    dynamic_draft_cost: float = 0.0  # one draft step's cost / a decode step's (the goodput's k choice)
     extra: dict = field(default_factory=dict)  # proposer-specific keys
     speculative_eagle_topk: int = 1  # tree drafts: children per expanded node (1: chains)
     speculative_num_draft_tokens: Optional[int] = None  # tree drafts: nodes verified per step, root included
@@ -269,7 +274,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {k!r}")
         known = {"method", "model", "prompt_lookup_min", "prompt_lookup_max", "dynamic", "dynamic_max_batch",
-                 "dynamic_min_acceptance", "speculative_eagle_topk", "speculative_num_draft_tokens"}
+                 "dynamic_min_acceptance", "dynamic_max_batched_tokens", "dynamic_draft_cost",
+                 "speculative_eagle_topk", "speculative_num_draft_tokens"}
         cfg = cls(num_speculative_tokens=k, extra={x: d.pop(x) for x in list(d) if x not in known}, **d)
         if cfg.method in SPEC_METHODS_WITH_MODEL and not cfg.model:
             raise ValueError(f"speculative method {cfg.method!r} needs 'model' (a path)")
@@ -293,6 +299,12 @@ class SpeculativeConfig:
             raise ValueError(f"dynamic_max_batch must be an integer >= 1, got {cfg.dynamic_max_batch!r}")
         if not isinstance(cfg.dynamic_min_acceptance, (int, float)) or not 0 <= cfg.dynamic_min_acceptance < 1:
             raise ValueError(f"dynamic_min_acceptance must be in [0, 1), got {cfg.dynamic_min_acceptance!r}")
+        t = cfg.dynamic_max_batched_tokens
+        if not isinstance(t, int) or isinstance(t, bool) or t < 2:
+            raise ValueError(f"dynamic_max_batched_tokens must be an integer >= 2, got {t!r}")
+        c = cfg.dynamic_draft_cost
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 <= c <= 10:
+            raise ValueError(f"dynamic_draft_cost must be a number in [0, 10], got {c!r}")
         topk, n = cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
         if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= 16:
             raise ValueError(f"speculative_eagle_topk must be an integer in [1, 16], got {topk!r}")

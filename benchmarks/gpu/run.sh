@@ -80,6 +80,7 @@ cascade:100:cascade attention: kernel alone at the W3 shape vs per-request decod
 step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host ms per seam, kernel table vs roofline (step_profile.py)
 dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96 QPS (gpu_data_parallel.py)
 ray-tp:60:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
+eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
 "
 
@@ -229,6 +230,8 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       else git show "${PREFILL_BASELINE_COMMIT:-c18d643}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
       py $B/gpu_prefill.py --out "$d" --parts peak,w5,kernel --reps 2 ${old:+--old-kernel $old}
       py $B/gpu_prefill.py --out "$d" --parts sweep --reps 2 --budget $(( ${LIMIT:-150} - SECONDS - 15 )) ;;
+    eagle3-train)  # the head (~20 MB, two files) lies outside results.tgz: the tool brings back <= 16 MiB a file
+      py $B/gpu_eagle3_train.py --out "$d" --head-out "$OUT/eagle3-head" --deadline $(( ${LIMIT:-300} - 15 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

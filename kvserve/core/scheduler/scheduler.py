@@ -130,7 +130,9 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         self.num_accepted_tokens_per_pos = [0] * k_max
         self.spec_policy = None
         if sc is not None and sc.dynamic:
-            self.spec_policy = DynamicSpeculation(k_max, sc.dynamic_max_batch, sc.dynamic_min_acceptance)
+            self.spec_policy = DynamicSpeculation(k_max, sc.dynamic_max_batch, sc.dynamic_min_acceptance,
+                                                  max_batched_tokens=sc.dynamic_max_batched_tokens,
+                                                  draft_cost=sc.dynamic_draft_cost)
         self._k_max = self._k_cap = k_max  # configured / allowed this step: drafts per request
         # Requests the workers must drop before the next step (finished or aborted).
         self.finished_req_ids: set[str] = set()
