@@ -17,8 +17,8 @@ from kvserve.attention.triton import prefill_attention, store_kv
 from kvserve.attention.triton.prefill import PREFILL_CONFIGS, _config
 from tests.attention.test_prefill_new_kv import _batch, _reference
 
-# (cached, new): a whole prompt, chunks over prefixes of several pages (mid-page ends), one token
-REQS = [(0, 19), (37, 10), (5, 3), (50, 1)]
+# (cached, new): a whole prompt over two Q tiles, chunks over prefixes of several pages (mid-page ends)
+REQS = [(0, 11), (37, 5), (50, 1)]
 
 
 @pytest.mark.parametrize("name,q_dtype,bs,new_kv", [
