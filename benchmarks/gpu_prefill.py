@@ -13,7 +13,7 @@
   output against SDPA (``max_err``). Also the decode kernel at batch 1 x 32K per KV dtype (GB/s of
   the K/V bytes it reads vs 4.8 TB/s, HBM3e) with the default split count and two others.
   With ``--old-kernel PATH`` (an older tree's ``kvserve/attention/triton/prefill.py``) the same
-  calls through it too (``old``; at 128K it replaces ``pages``).
+  calls through it instead of ``pages`` (``old``; with the chunk's own K/V if it takes them).
 - ``sweep``: tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (``SWEEP``) x kernel paths
   (``SWEEP_PATHS``: page ids per key or per tile, FP8 Q K^T for e4m3) of the prefill kernel at
   ``--sweep-seqs`` (32K), bf16 and fp8, whole and in ``--sweep-chunk`` chunks over the cached
@@ -31,6 +31,7 @@ Appends one JSON record per figure to --out/prefill.json; prints a table last.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -46,6 +47,13 @@ SWEEP = [None, (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3
 #: kernel paths swept with each config (``prefill.PREFILL_PATHS``): per-key page ids (``{}``: the
 #: defaults), page ids once per tile, and for e4m3 caches the FP8 Q K^T dot (each one compile)
 SWEEP_PATHS = [{}, {"tile_pages": True}, {"tile_pages": True, "fp8_qk": True}]
+#: ``--sweep-set quick`` (run.sh's one call, about 30 s): per KV dtype the default config with each
+#: path, and the neighbours that decide the table's entry ((config, paths); None: the default)
+SWEEP_QUICK = {
+    "bfloat16": [(None, {}), (None, {"tile_pages": True}), ((128, 64, 8, 3), {})],
+    "fp8_e4m3": [(None, {}), (None, {"tile_pages": True}), (None, {"tile_pages": True, "fp8_qk": True}),
+                 ((128, 64, 8, 2), {}), ((128, 128, 8, 3), {})],
+}
 
 
 def _record(out_dir: str, rec: dict) -> None:
@@ -172,7 +180,9 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
 
     cuda = a.device == "cuda"
     old = load_old_kernel(a.old_kernel) if a.old_kernel else None
-    modes = (["old"] if old else []) + ["pages", "chunk_kv"]
+    # an old kernel stands in for "pages"; one that takes the chunk's own K/V runs with them
+    old_kv = old is not None and "new_key" in inspect.signature(old).parameters
+    modes = (["old"] if old else ["pages"]) + ["chunk_kv"]
     for s in a.sizes:
         for kv in a.kv_dtypes:
             try:
@@ -184,19 +194,20 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
             flops = 4 * s * s * p.h * p.d / 2
             for mode in modes:
                 for pattern, chunk in (("whole", None), ("chunked", CHUNK if s > CHUNK else None)):
-                    if (pattern == "chunked" and chunk is None) or (mode, pattern) == ("pages", "whole") and s > 32768:
+                    if (pattern == "chunked" and chunk is None) or (mode != "chunk_kv" and pattern == "whole"
+                                                                   and s > 32768):
                         continue  # 128K: the engine's pattern (chunked) both ways, whole only as it runs now
-                    if mode == "pages" and old and s > 32768:
-                        continue  # the old kernel stands for it
                     try:
-                        ms = _time_ms(lambda: p.run(mode == "chunk_kv", chunk, out, old if mode == "old" else None),
+                        ms = _time_ms(lambda: p.run(mode == "chunk_kv" or (mode == "old" and old_kv), chunk, out,
+                                                    old if mode == "old" else None),
                                       1 if s > 32768 else a.reps, cuda)
                         rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, ms=round(ms, 3),
                                    tflops=round(flops / (ms * 1e-3) / 1e12, 1))
                         if peak:
                             rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
-                        exact = mode == "chunk_kv" and (pattern == "whole" or p.fmt is None)
-                        if s <= 4096 and (mode != "chunk_kv" or exact):  # chunked fp8 chunk_kv: mixed keys
+                        kv_rows = mode == "chunk_kv" or (mode == "old" and old_kv)
+                        exact = kv_rows and (pattern == "whole" or p.fmt is None)
+                        if s <= 4096 and (not kv_rows or exact):  # chunked fp8 chunk_kv: mixed keys
                             rec["max_err"] = _sdpa_err(p, out, exact)
                     except Exception as e:  # noqa: BLE001
                         rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, error=repr(e))
@@ -241,35 +252,37 @@ def sweep_part(a, out_dir: str, peak: float) -> None:
             out = torch.empty_like(p.q)
             flops = 4 * s * s * p.h * p.d / 2
             best: dict[str, dict] = {}
-            for paths in SWEEP_PATHS:
-                if paths.get("fp8_qk") and kv not in ("fp8", "fp8_e4m3"):
+            if a.sweep_set == "quick":
+                combos = SWEEP_QUICK.get(kv, SWEEP_QUICK["bfloat16"])
+            else:
+                combos = [(cfg, paths) for paths in SWEEP_PATHS for cfg in SWEEP
+                          if not (paths.get("fp8_qk") and kv not in ("fp8", "fp8_e4m3"))]
+            for cfg, paths in combos:
+                tag = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", paths=paths or "default")
+                if time.time() - a.t0 > a.budget:
+                    _record(out_dir, dict(tag, skipped="budget"))
                     continue
-                for cfg in SWEEP:
-                    tag = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", paths=paths or "default")
-                    if time.time() - a.t0 > a.budget:
-                        _record(out_dir, dict(tag, skipped="budget"))
+                kw = dict(paths)
+                if cfg is not None:
+                    kw.update(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    if not cuda:
+                        kw.update(num_warps=1, num_stages=1)
+                for pattern, c in (("whole", None), ("chunked", chunk)):
+                    if pattern == "chunked" and c is None:
                         continue
-                    kw = dict(paths)
-                    if cfg is not None:
-                        kw.update(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-                        if not cuda:
-                            kw.update(num_warps=1, num_stages=1)
-                    for pattern, c in (("whole", None), ("chunked", chunk)):
-                        if pattern == "chunked" and c is None:
-                            continue
-                        try:
-                            ms = _time_ms(lambda: p.run(True, c, out, **kw), a.reps, cuda)
-                            rec = dict(tag, pattern=pattern, chunk=c or s, ms=round(ms, 3),
-                                       tflops=round(flops / (ms * 1e-3) / 1e12, 1))
-                            if peak:
-                                rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
-                            if s <= 4096 or not cuda:
-                                rec["max_err"] = _sdpa_err(p, out, pattern == "whole" or p.fmt is None)
-                            if pattern not in best or rec["ms"] < best[pattern]["ms"]:
-                                best[pattern] = rec
-                        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a record
-                            rec = dict(tag, pattern=pattern, error=repr(e)[:300])
-                        _record(out_dir, rec)
+                    try:
+                        ms = _time_ms(lambda: p.run(True, c, out, **kw), a.reps, cuda)
+                        rec = dict(tag, pattern=pattern, chunk=c or s, ms=round(ms, 3),
+                                   tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+                        if peak:
+                            rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
+                        if s <= 4096 or not cuda:
+                            rec["max_err"] = _sdpa_err(p, out, pattern == "whole" or p.fmt is None)
+                        if pattern not in best or rec["ms"] < best[pattern]["ms"]:
+                            best[pattern] = rec
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a record
+                        rec = dict(tag, pattern=pattern, error=repr(e)[:300])
+                    _record(out_dir, rec)
             for pattern, rec in best.items():
                 _record(out_dir, dict(rec, part="sweep_best"))
             del p, out
@@ -308,6 +321,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1e9, help="sweep: stop starting configs after this many seconds")
     ap.add_argument("--sweep-seqs", default="32768", help="sweep: prompt lengths")
     ap.add_argument("--sweep-chunk", type=int, default=CHUNK, help="sweep: the chunked pattern's chunk (tokens)")
+    ap.add_argument("--sweep-set", default="full", choices=["full", "quick"],
+                    help="sweep: SWEEP x SWEEP_PATHS, or SWEEP_QUICK (the default config's neighbours)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     a = ap.parse_args()
     a.t0 = time.time()
