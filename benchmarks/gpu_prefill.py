@@ -15,7 +15,7 @@
   With ``--old-kernel PATH`` (an older tree's ``kvserve/attention/triton/prefill.py``) the same
   calls through it instead of ``pages`` (``old``; with the chunk's own K/V if it takes them).
 - ``sweep``: tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (``SWEEP``) x kernel paths
-  (``SWEEP_PATHS``: page ids per key or per tile, FP8 Q K^T for e4m3) of the prefill kernel at
+  (``SWEEP_PATHS``: the default, and FP8 Q K^T for e4m3) of the prefill kernel at
   ``--sweep-seqs`` (32K), bf16 and fp8, whole and in ``--sweep-chunk`` chunks over the cached
   prefix; a ``sweep_best`` record per (seq, KV dtype, pattern): the figures that choose
   ``prefill.PREFILL_CONFIGS`` / ``PREFILL_PATHS``.
@@ -44,14 +44,14 @@ CHUNK = 8192
 HBM_BYTES_PER_S = 4.8e12
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages); None: ``prefill._config``'s default
 SWEEP = [None, (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
-#: kernel paths swept with each config (``prefill.PREFILL_PATHS``): per-key page ids (``{}``: the
-#: defaults), page ids once per tile, and for e4m3 caches the FP8 Q K^T dot (each one compile)
-SWEEP_PATHS = [{}, {"tile_pages": True}, {"tile_pages": True, "fp8_qk": True}]
+#: kernel paths swept with each config (``prefill.PREFILL_PATHS``): the defaults (``{}``) and, for
+#: e4m3 caches, the FP8 Q K^T dot (each one compile)
+SWEEP_PATHS = [{}, {"fp8_qk": True}]
 #: ``--sweep-set quick`` (run.sh's one call, about 30 s): per KV dtype the default config with each
 #: path, and the neighbours that decide the table's entry ((config, paths); None: the default)
 SWEEP_QUICK = {
-    "bfloat16": [(None, {}), (None, {"tile_pages": True}), ((128, 64, 8, 3), {})],
-    "fp8_e4m3": [(None, {}), (None, {"tile_pages": True}), (None, {"tile_pages": True, "fp8_qk": True}),
+    "bfloat16": [(None, {}), ((128, 64, 8, 3), {}), ((128, 128, 8, 2), {})],
+    "fp8_e4m3": [(None, {}), (None, {"fp8_qk": True}),
                  ((128, 64, 8, 2), {}), ((128, 128, 8, 3), {})],
 }
 
@@ -252,6 +252,12 @@ def sweep_part(a, out_dir: str, peak: float) -> None:
             out = torch.empty_like(p.q)
             flops = 4 * s * s * p.h * p.d / 2
             best: dict[str, dict] = {}
+            from kvserve.attention.triton import prefill as prefill_mod
+
+            default = prefill_mod._config(p.d, torch.bfloat16, p.h // p.hkv, False,
+                                          p.fmt.kernel_code if p.fmt is not None else 0)
+            _record(out_dir, dict(part="sweep_default", seq=s, kv_dtype=kv, config=list(default),
+                                  paths=dict(prefill_mod.PREFILL_PATHS)))
             if a.sweep_set == "quick":
                 combos = SWEEP_QUICK.get(kv, SWEEP_QUICK["bfloat16"])
             else:

@@ -1,7 +1,7 @@
-"""The prefill kernel's optional paths (``prefill.PREFILL_PATHS``) against the float reference
-(Triton interpreter on the CPU, tiny shapes): page ids read once per tile (``tile_pages``) with
-tiles spanning several pages, one page, or part of one; chunks over cached prefixes of several
-pages; both the chunk-K/V path and the all-pages path; and the FP8 Q K^T dot (``fp8_qk``)."""
+"""The prefill kernel against the float reference (Triton interpreter on the CPU, tiny shapes):
+key tiles spanning several pages, one page, or part of one; chunks over cached prefixes of several
+pages; both the chunk-K/V path and the all-pages path; the FP8 Q K^T dot (``PREFILL_PATHS``'s
+``fp8_qk``); the tile config table (``PREFILL_CONFIGS``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ REQS = [(0, 11), (37, 5), (50, 1)]
     ("float32", torch.float32, 16, False),   # one page per tile, every key from the pages
     ("fp8_e4m3", torch.float32, 32, True),   # a tile is half a page
 ])
-def test_tile_pages_equals_reference(name, q_dtype, bs, new_kv):
+def test_key_tiles_across_pages_equal_reference(name, q_dtype, bs, new_kv):
     d, hkv, h = 16, 2, 4
     meta, cache, q, k, v, fmt = _batch(name, q_dtype, h, hkv, d, bs, seed=bs + len(name), reqs=REQS)
     kvf = kv_format_for(name, d) if fmt.quantized else None
@@ -34,14 +34,14 @@ def test_tile_pages_equals_reference(name, q_dtype, bs, new_kv):
     scale = d ** -0.5
     kw = dict(new_key=k, new_value=v) if new_kv else {}
     args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, len(REQS), meta.max_query_len, scale)
-    out = prefill_attention(*args, kv_format=kvf, tile_pages=True, **kw)
-    if not new_kv:  # the same keys in the same order as the per-key gather
-        per_key = prefill_attention(*args, kv_format=kvf, tile_pages=False, **kw)
-        torch.testing.assert_close(out, per_key, atol=0, rtol=0)
-    else:
+    out = prefill_attention(*args, kv_format=kvf, **kw)
+    if new_kv:  # the chunk's own keys as computed, the prefix as stored
         ref = _reference(q, k, v, cache, meta, name, d, scale)
-        tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(out.float(), ref.float(), **tol)
+    else:  # every key as stored
+        no_store = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+        ref = TorchRefBackend().forward(q.float(), k.float(), v.float(), view_of(cache.float()), no_store, scale)
+    tol = dict(atol=1e-4, rtol=1e-4) if q_dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
 def test_fp8_qk_dot_equals_quantized_query_reference():

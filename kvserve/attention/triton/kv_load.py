@@ -136,27 +136,6 @@ def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
 
 
 @triton.jit
-def kv_tile_offsets(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """``kv_row_offsets`` of keys ``n0 .. n0 + BLOCK_N - 1`` (``n0`` a multiple of ``BLOCK_N``), each
-    page id read once: ``BLOCK_N // BLOCK_SIZE`` ids as one vector load (``BLOCK_N > BLOCK_SIZE``)
-    or one scalar, instead of one per key. Pages at or past ``kv_end`` (``MASKED``) read page 0."""
-    if BLOCK_N > BLOCK_SIZE:
-        NP: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
-        if MASKED:
-            page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
-        else:
-            page = tl.load(bt_row + pidx).to(tl.int64)
-        off = page[:, None] * stride_cb + (tl.arange(0, BLOCK_SIZE) * stride_co)[None, :]
-        off = tl.reshape(off, [BLOCK_N])
-    else:  # one page (n0 < kv_end: the loops never start a tile past the keys)
-        page = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
-        off = page * stride_cb + ((n0 % BLOCK_SIZE) + tl.arange(0, BLOCK_N)) * stride_co
-    return off + kv_head_off
-
-
-@triton.jit
 def kv_scale_index(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
     """Indices ``[NP, W]`` of the 4-byte words holding the scales of keys ``n0 .. n0 + BLOCK_N - 1``

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               kv_tile_offsets, load_k_tile, load_scales, load_v_tile, prepare_query,
-                                               pv_update, scaled_scores, use_fast_cvt)
+                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
+                                               scaled_scores, use_fast_cvt)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
@@ -80,13 +80,12 @@ def _attend_block(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
-    RESIDUAL: tl.constexpr = False, TILE_PAGES: tl.constexpr = False, FP8_QK: tl.constexpr = 0,
+    RESIDUAL: tl.constexpr = False, FP8_QK: tl.constexpr = 0,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
     multiple of ``BLOCK_N``; ``q_scale`` / ``q_sum``: ``kv_load.prepare_query``. ``RESIDUAL``:
     a row sees cache keys below ``q_lim [M]`` (its own block's start) instead of up to ``q_pos``.
-    ``TILE_PAGES``: the tile's page ids read once per page (``kv_tile_offsets``), not once per key.
     ``FP8_QK`` (e4m3 codes): K is the codes as stored (``tl.float8e4nv``, no conversion) and
     ``q`` the query rounded to e4m3 per row: Q K^T is an FP8 tensor-core dot (2: the same values
     widened to float32, for the interpreter)."""
@@ -95,10 +94,7 @@ def _attend_block(
     n_mask = pos < kv_hi
     if USE_WINDOW:  # n0 is rounded down: never load keys below the tile's window (freed blocks)
         n_mask = n_mask & (pos >= kv_min)
-    if TILE_PAGES:
-        row_off = kv_tile_offsets(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N, MASKED)
-    else:
-        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
+    row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
     k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
@@ -195,8 +191,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TILE_PAGES: tl.constexpr = False,
-    FP8_QK: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, FP8_QK: tl.constexpr = 0,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -288,13 +283,13 @@ def _prefill_kernel(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, False, TILE_PAGES, FP8_QK)
+            q_lim, False, FP8_QK)
     for n0 in range(full_end, kv_hi_q, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, HAS_RESIDUAL, TILE_PAGES, FP8_QK)
+            q_lim, HAS_RESIDUAL, FP8_QK)
     if HAS_RESIDUAL:  # keys [own0, kv_hi) exact (kv_exact), against q reloaded in the compute dtype
         q_ex = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                        + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
@@ -349,11 +344,10 @@ PREFILL_CONFIGS = {
 
 #: Defaults of the prefill kernel's optional paths, read at each launch (a module dict so a
 #: benchmark can switch them for a whole engine run; ``prefill_attention``'s arguments override):
-#: ``tile_pages``: a K/V tile's page ids read once per page (``kv_tile_offsets``) instead of once
-#: per key; ``fp8_qk``: e4m3 caches compute Q K^T as an FP8 tensor-core dot (the query rounded to
-#: e4m3 per row, the per-token key scales on the score columns; about 2^-4 relative error per query
-#: element on top of the cache's own, so off unless asked for).
-PREFILL_PATHS = {"tile_pages": False, "fp8_qk": False}
+#: ``fp8_qk``: e4m3 caches compute Q K^T as an FP8 tensor-core dot (the query rounded to e4m3 per
+#: row, the per-token key scales on the score columns; about 2^-4 relative error per query element
+#: on top of the cache's own, so off unless asked for).
+PREFILL_PATHS = {"fp8_qk": False}
 
 
 def _operand_kind(kv_fmt: int) -> str:
@@ -407,7 +401,6 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    tile_pages: bool | None = None,
     fp8_qk: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
@@ -437,8 +430,7 @@ def prefill_attention(
         sinks: ``[num_heads]`` learned attention sinks (gpt-oss), one extra logit per head in
             each row's softmax denominator (no value): the running max and sum start from it.
         num_warps / num_stages: launch overrides (benchmark sweeps; default ``_config``).
-        tile_pages / fp8_qk: path overrides (default ``PREFILL_PATHS``); ``fp8_qk`` applies to
-            e4m3 caches only (not with ``kv_residual``, or with the integer-built e4m3 codes of
+        fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only (not with ``kv_residual``, or with the integer-built e4m3 codes of
             ``kv_load.CODE_PATHS["fast_cvt"]``).
 
     Returns ``out``. No host synchronisation.
@@ -471,7 +463,6 @@ def prefill_attention(
     else:
         res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
     fast_cvt = use_fast_cvt(kv_fmt)
-    tile_pages = PREFILL_PATHS["tile_pages"] if tile_pages is None else tile_pages
     fp8_qk = PREFILL_PATHS["fp8_qk"] if fp8_qk is None else fp8_qk
     fp8_qk = (1 if on_cuda else 2) if (fp8_qk and kv_fmt == 1 and kv_residual is None and not fast_cvt) else 0
     _prefill_kernel[grid](
@@ -491,7 +482,7 @@ def prefill_attention(
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt,
         HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv,
-        TILE_PAGES=bool(tile_pages), FP8_QK=fp8_qk,
+        FP8_QK=fp8_qk,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out
