@@ -13,9 +13,12 @@
   output against SDPA (``max_err``). Also the decode kernel at batch 1 x 32K per KV dtype (GB/s of
   the K/V bytes it reads vs 4.8 TB/s, HBM3e) with the default split count and two others.
   With ``--old-kernel PATH`` (an older tree's ``kvserve/attention/triton/prefill.py``) the same
-  calls through it too (``old``; at 128K it replaces ``pages``).
-- ``sweep``: tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the prefill kernel at
-  32K whole, bf16 and fp8 (``SWEEP``): the figures that choose ``prefill._config``.
+  calls through it instead of ``pages`` (``old``; with the chunk's own K/V if it takes them).
+- ``sweep``: tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (``SWEEP``) x kernel paths
+  (``SWEEP_PATHS``: the default, and FP8 Q K^T for e4m3) of the prefill kernel at
+  ``--sweep-seqs`` (32K), bf16 and fp8, whole and in ``--sweep-chunk`` chunks over the cached
+  prefix; a ``sweep_best`` record per (seq, KV dtype, pattern): the figures that choose
+  ``prefill.PREFILL_CONFIGS`` / ``PREFILL_PATHS``.
 - ``w5``: ``benchmarks/workloads.py --workload w5`` for bf16 and fp8_e4m3 KV, each in its own
   process (32,768 and 130,944-token prompts + 128 output tokens: TTFT and ms/token).
 
@@ -28,6 +31,7 @@ Appends one JSON record per figure to --out/prefill.json; prints a table last.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -39,8 +43,17 @@ H, HKV, D, BS = 32, 8, 128, 16
 CHUNK = 8192
 HBM_BYTES_PER_S = 4.8e12
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages); None: ``prefill._config``'s default
-SWEEP = [None, (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
-         (256, 64, 8, 2)]
+SWEEP = [None, (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
+#: kernel paths swept with each config (``prefill.PREFILL_PATHS``): the defaults (``{}``) and, for
+#: e4m3 caches, the FP8 Q K^T dot (each one compile)
+SWEEP_PATHS = [{}, {"fp8_qk": True}]
+#: ``--sweep-set quick`` (run.sh's one call, about 30 s): per KV dtype the default config with each
+#: path, and the neighbours that decide the table's entry ((config, paths); None: the default)
+SWEEP_QUICK = {
+    "bfloat16": [(None, {}), ((128, 64, 8, 3), {}), ((128, 128, 8, 2), {})],
+    "fp8_e4m3": [(None, {}), (None, {"fp8_qk": True}),
+                 ((128, 64, 8, 2), {}), ((128, 128, 8, 3), {})],
+}
 
 
 def _record(out_dir: str, rec: dict) -> None:
@@ -167,7 +180,9 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
 
     cuda = a.device == "cuda"
     old = load_old_kernel(a.old_kernel) if a.old_kernel else None
-    modes = (["old"] if old else []) + ["pages", "chunk_kv"]
+    # an old kernel stands in for "pages"; one that takes the chunk's own K/V runs with them
+    old_kv = old is not None and "new_key" in inspect.signature(old).parameters
+    modes = (["old"] if old else ["pages"]) + ["chunk_kv"]
     for s in a.sizes:
         for kv in a.kv_dtypes:
             try:
@@ -179,19 +194,20 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
             flops = 4 * s * s * p.h * p.d / 2
             for mode in modes:
                 for pattern, chunk in (("whole", None), ("chunked", CHUNK if s > CHUNK else None)):
-                    if (pattern == "chunked" and chunk is None) or (mode, pattern) == ("pages", "whole") and s > 32768:
+                    if (pattern == "chunked" and chunk is None) or (mode != "chunk_kv" and pattern == "whole"
+                                                                   and s > 32768):
                         continue  # 128K: the engine's pattern (chunked) both ways, whole only as it runs now
-                    if mode == "pages" and old and s > 32768:
-                        continue  # the old kernel stands for it
                     try:
-                        ms = _time_ms(lambda: p.run(mode == "chunk_kv", chunk, out, old if mode == "old" else None),
+                        ms = _time_ms(lambda: p.run(mode == "chunk_kv" or (mode == "old" and old_kv), chunk, out,
+                                                    old if mode == "old" else None),
                                       1 if s > 32768 else a.reps, cuda)
                         rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, ms=round(ms, 3),
                                    tflops=round(flops / (ms * 1e-3) / 1e12, 1))
                         if peak:
                             rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
-                        exact = mode == "chunk_kv" and (pattern == "whole" or p.fmt is None)
-                        if s <= 4096 and (mode != "chunk_kv" or exact):  # chunked fp8 chunk_kv: mixed keys
+                        kv_rows = mode == "chunk_kv" or (mode == "old" and old_kv)
+                        exact = kv_rows and (pattern == "whole" or p.fmt is None)
+                        if s <= 4096 and (not kv_rows or exact):  # chunked fp8 chunk_kv: mixed keys
                             rec["max_err"] = _sdpa_err(p, out, exact)
                     except Exception as e:  # noqa: BLE001
                         rec = dict(part="kernel", seq=s, kv_dtype=kv, mode=mode, pattern=pattern, error=repr(e))
@@ -223,31 +239,61 @@ def kernel_part(a, out_dir: str, peak: float) -> None:
 
 
 def sweep_part(a, out_dir: str, peak: float) -> None:
+    """Every ``SWEEP`` config x ``SWEEP_PATHS`` path per KV dtype at each ``--sweep-seqs`` length,
+    timed as one whole-prompt call and as ``--sweep-chunk``-token chunks over the cached prefix
+    (the same compiled kernel); then one ``sweep_best`` record per (seq, KV dtype, pattern)."""
     import torch
 
     cuda = a.device == "cuda"
-    s = a.sweep_seq
-    for kv in a.kv_dtypes:
-        p = Prompt(s, kv, a.device, *a.shape)
-        out = torch.empty_like(p.q)
-        flops = 4 * s * s * p.h * p.d / 2
-        for cfg in SWEEP:
-            if time.time() - a.t0 > a.budget:
-                _record(out_dir, dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", skipped="budget"))
-                continue
-            kw = {} if cfg is None else dict(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-            if not cuda and cfg is not None:
-                kw.update(num_warps=1, num_stages=1)
-            try:
-                ms = _time_ms(lambda: p.run(True, None, out, **kw), a.reps, cuda)
-                rec = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", ms=round(ms, 3),
-                           tflops=round(flops / (ms * 1e-3) / 1e12, 1))
-                if peak:
-                    rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
-            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a record
-                rec = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", error=repr(e)[:300])
-            _record(out_dir, rec)
-        del p, out
+    for s in a.sweep_seqs:
+        chunk = a.sweep_chunk if s > a.sweep_chunk else None
+        for kv in a.kv_dtypes:
+            p = Prompt(s, kv, a.device, *a.shape)
+            out = torch.empty_like(p.q)
+            flops = 4 * s * s * p.h * p.d / 2
+            best: dict[str, dict] = {}
+            from kvserve.attention.triton import prefill as prefill_mod
+
+            default = prefill_mod._config(p.d, torch.bfloat16, p.h // p.hkv, False,
+                                          p.fmt.kernel_code if p.fmt is not None else 0)
+            _record(out_dir, dict(part="sweep_default", seq=s, kv_dtype=kv, config=list(default),
+                                  paths=dict(prefill_mod.PREFILL_PATHS)))
+            if a.sweep_set == "quick":
+                combos = SWEEP_QUICK.get(kv, SWEEP_QUICK["bfloat16"])
+            else:
+                combos = [(cfg, paths) for paths in SWEEP_PATHS for cfg in SWEEP
+                          if not (paths.get("fp8_qk") and kv not in ("fp8", "fp8_e4m3"))]
+            for cfg, paths in combos:
+                tag = dict(part="sweep", seq=s, kv_dtype=kv, config=cfg or "default", paths=paths or "default")
+                if time.time() - a.t0 > a.budget:
+                    _record(out_dir, dict(tag, skipped="budget"))
+                    continue
+                kw = dict(paths)
+                if cfg is not None:
+                    kw.update(block_m=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+                    if not cuda:
+                        kw.update(num_warps=1, num_stages=1)
+                for pattern, c in (("whole", None), ("chunked", chunk)):
+                    if pattern == "chunked" and c is None:
+                        continue
+                    try:
+                        ms = _time_ms(lambda: p.run(True, c, out, **kw), a.reps, cuda)
+                        rec = dict(tag, pattern=pattern, chunk=c or s, ms=round(ms, 3),
+                                   tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+                        if peak:
+                            rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
+                        if s <= 4096 or not cuda:
+                            rec["max_err"] = _sdpa_err(p, out, pattern == "whole" or p.fmt is None)
+                        if pattern not in best or rec["ms"] < best[pattern]["ms"]:
+                            best[pattern] = rec
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a record
+                        rec = dict(tag, pattern=pattern, error=repr(e)[:300])
+                    _record(out_dir, rec)
+            for pattern, rec in best.items():
+                _record(out_dir, dict(rec, part="sweep_best"))
+            del p, out
+            if cuda:
+                torch.cuda.empty_cache()
 
 
 def w5_part(a, out_dir: str) -> None:
@@ -269,6 +315,7 @@ def w5_part(a, out_dir: str) -> None:
 
 
 def main() -> None:
+    global CHUNK
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/kvserve-prefill")
     ap.add_argument("--parts", default="peak,kernel,sweep,w5")
@@ -278,6 +325,10 @@ def main() -> None:
     ap.add_argument("--old-kernel", default=None, metavar="PREFILL_PY",
                     help="kernel part: also time this older prefill.py (mode 'old')")
     ap.add_argument("--budget", type=float, default=1e9, help="sweep: stop starting configs after this many seconds")
+    ap.add_argument("--sweep-seqs", default="32768", help="sweep: prompt lengths")
+    ap.add_argument("--sweep-chunk", type=int, default=CHUNK, help="sweep: the chunked pattern's chunk (tokens)")
+    ap.add_argument("--sweep-set", default="full", choices=["full", "quick"],
+                    help="sweep: SWEEP x SWEEP_PATHS, or SWEEP_QUICK (the default config's neighbours)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     a = ap.parse_args()
     a.t0 = time.time()
@@ -289,11 +340,13 @@ def main() -> None:
     a.kv_dtypes = a.kv_dtypes.split(",")
     a.sizes = [int(x) for x in a.sizes.split(",")]
     a.shape = (H, HKV, D, BS)
-    a.decode_ctx, a.sweep_seq = 32768, 32768
-    if a.device == "cpu":  # interpreter: tiny shapes, one rep
-        a.sizes, a.shape, a.decode_ctx, a.sweep_seq, a.reps = [40], (4, 2, 16, 4), 40, 24, 1
-        global CHUNK
+    a.decode_ctx = 32768
+    a.sweep_seqs = [int(x) for x in a.sweep_seqs.split(",")]
+    if a.device == "cpu":  # interpreter: tiny shapes, one rep, one config per path
+        a.sizes, a.shape, a.decode_ctx, a.sweep_seqs, a.reps = [40], (4, 2, 16, 4), 40, [40], 1
+        a.sweep_chunk = 16
         CHUNK = 16
+        SWEEP[:] = SWEEP[:2]
     os.makedirs(a.out, exist_ok=True)
     peak = 0.0
     for part in a.parts.split(","):  # in the order given
@@ -313,10 +366,11 @@ def main() -> None:
     print("|--|--|--|--|--|--|--|")
     for line in open(os.path.join(a.out, "prefill.json")):
         r = json.loads(line)
-        if r["part"] in ("kernel", "sweep"):
-            print(f"| {r['part']} | {r['seq']} | {r['kv_dtype']} | {r.get('mode', r.get('config'))} "
-                  f"{r.get('pattern', '')} | {r.get('ms', r.get('error', ''))} | {r.get('tflops', '')} | "
-                  f"{r.get('frac_of_peak', '')} |")
+        if r["part"] in ("kernel", "sweep", "sweep_best"):
+            what = r.get("mode", f"{r.get('config')} {r.get('paths', '')}")
+            ms = r.get("ms", r.get("error", r.get("skipped", "")))
+            print(f"| {r['part']} | {r['seq']} | {r['kv_dtype']} | {what} "
+                  f"{r.get('pattern', '')} | {ms} | {r.get('tflops', '')} | {r.get('frac_of_peak', '')} |")
         elif r["part"] == "w5":
             for n, f in r.get("prompts", {}).items():
                 print(f"| w5 | {n} | {r['kv_dtype']} | TTFT {f['ttft_s']} s | {f['ms_per_token']} ms/token | | |")

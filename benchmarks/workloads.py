@@ -91,8 +91,10 @@ W4_TINY_SIZES = {"1000/1000": dict(requests=8, isl=40, osl=24, vocab=2000, trtll
                  "128/128": dict(requests=16, isl=16, osl=16, vocab=2000, trtllm=27911)}
 ENGINE["w4"] = dict(dtype="bfloat16", max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=8192,
                     gpu_memory_utilization=0.9)
-# 131,072 tokens of bf16 KV at the 8B shape are 16 GiB; the default 8,192-token chunks
-ENGINE["w5"] = dict(dtype="bfloat16", max_model_len=131072, max_num_seqs=4, kv_cache_memory="20GiB")
+# 131,072 tokens of bf16 KV at the 8B shape are 16 GiB; a lone prompt prefills in 32,768-token
+# chunks (8,192 beside other requests: long_prefill_token_threshold)
+ENGINE["w5"] = dict(dtype="bfloat16", max_model_len=131072, max_num_seqs=4, kv_cache_memory="20GiB",
+                    max_num_batched_tokens=32768, long_prefill_token_threshold=8192)
 TINY_ENGINE = dict(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory="64MiB")
 
 

@@ -180,7 +180,11 @@ class SchedulerConfig:
                                             "comes back; needs --kv-offloading-size).",
                                choices=["recompute", "swap"])
     max_model_len: int = resolved(0)  # mirrors ModelConfig.max_model_len once resolved
-    long_prefill_token_threshold: int = resolved(0)
+    long_prefill_token_threshold: int = doc(
+        0, "Chunked prefill: the largest prefill chunk while other requests are running or waiting; a lone "
+           "request (nothing else running or waiting) prefills up to max_num_batched_tokens per step. 0: no cap. "
+           "E.g. --max-num-batched-tokens 32768 --long-prefill-token-threshold 8192: long prompts alone in 32K "
+           "chunks, beside other requests in 8K ones.")
 
 
 @dataclass(frozen=True)

@@ -224,12 +224,12 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         --kv-cache-dtype fp8_e4m3 --out "$d" ;;
     dp) py $B/gpu_data_parallel.py --out "$d" --deadline $(( ${LIMIT:-150} - 12 )) ;;
     ray-tp) py $B/gpu_ray_tp.py --out "$d" --site "$SITE" --wheels "$ROOT/.whl_ray" ;;
-    prefill)  # W5 (the TTFT targets) first, the sweep last: what matters most if the limit cuts the part
-      local old=/tmp/prefill_old.py  # the kernel before the chunk-K/V path: KVSERVE_BASELINE's, or from git
+    prefill)  # the quick tile/path sweep (~30 s, best per KV dtype), W5 (the TTFT targets), the kernel figures
+      local old=/tmp/prefill_old.py  # the kernel before the config table: KVSERVE_BASELINE's, or from git
       if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/prefill.py" $old
-      else git show "${PREFILL_BASELINE_COMMIT:-c18d643}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
-      py $B/gpu_prefill.py --out "$d" --parts peak,w5,kernel --reps 2 ${old:+--old-kernel $old}
-      py $B/gpu_prefill.py --out "$d" --parts sweep --reps 2 --budget $(( ${LIMIT:-150} - SECONDS - 15 )) ;;
+      else git show "${PREFILL_BASELINE_COMMIT:-0fa5af9}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
+      py $B/gpu_prefill.py --out "$d" --parts peak,sweep,w5,kernel --reps 2 --sweep-set quick --budget 35 \
+        ${old:+--old-kernel $old} ;;
     eagle3-train)  # the head (~20 MB, two files) lies outside results.tgz: the tool brings back <= 16 MiB a file
       py $B/gpu_eagle3_train.py --out "$d" --head-out "$OUT/eagle3-head" --deadline $(( ${LIMIT:-300} - 15 )) ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;

@@ -92,6 +92,7 @@ class EngineArgs:
     scheduling_policy: str = _from(SchedulerConfig, "scheduling_policy")
     async_scheduling: Optional[bool] = _from(SchedulerConfig, "async_scheduling")
     preemption_mode: str = _from(SchedulerConfig, "preemption_mode")
+    long_prefill_token_threshold: int = _from(SchedulerConfig, "long_prefill_token_threshold")
     # AttentionConfig
     attention_backend: Optional[str] = _from(AttentionConfig, "attention_backend")
     enable_cascade_attention: Optional[bool] = _from(AttentionConfig, "enable_cascade_attention")
@@ -218,6 +219,10 @@ class EngineArgs:
         if not self.enable_chunked_prefill and mnbt < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({mnbt}) < max_model_len ({max_model_len}) needs chunked prefill")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold caps prefill chunks: it needs chunked prefill")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         tp = self.tensor_parallel_size
@@ -303,6 +308,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=mnbt, max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill, scheduling_policy=self.scheduling_policy,
             async_scheduling=async_sched, preemption_mode=self.preemption_mode,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         return EngineConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=sched,

@@ -44,6 +44,8 @@ log2 units) and the running sum at 1 instead of ``-inf`` and 0.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -93,19 +95,26 @@ def _attend_block(
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
     RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
+    FP8_QK: tl.constexpr = 0,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
     multiple of ``BLOCK_N``; ``q_scale`` / ``q_sum``: ``kv_load.prepare_query``. ``RESIDUAL``:
-    a row sees cache keys below ``q_lim [M]`` (its own block's start) instead of up to ``q_pos``."""
+    a row sees cache keys below ``q_lim [M]`` (its own block's start) instead of up to ``q_pos``.
+    ``FP8_QK`` (e4m3 codes): K is the codes as stored (``tl.float8e4nv``, no conversion) and
+    ``q`` the query rounded to e4m3 per row: Q K^T is an FP8 tensor-core dot (2: the same values
+    widened to float32, for the interpreter)."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
     if USE_WINDOW:  # n0 is rounded down: never load keys below the tile's window (freed blocks)
         n_mask = n_mask & (pos >= kv_min)
     row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
+    K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
-    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
+    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
+    if FP8_QK == 2:  # interpreter: its FP8 dot is not exact; the same e4m3 values widened instead
+        k = k.to(tl.float32)
     if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
         sc_idx = kv_scale_index(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
                                 HEAD_DIM, KV_FMT, MASKED)
@@ -119,7 +128,10 @@ def _attend_block(
         qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)
         row_scale = 1.0
     elif ROW_VEC:
-        qk = tl.dot(q, k, input_precision=DOT_PREC) * ks[None, :]
+        if FP8_QK == 1:
+            qk = tl.dot(q, k) * ks[None, :]
+        else:
+            qk = tl.dot(q, k, input_precision=DOT_PREC) * ks[None, :]
         row_scale = q_scale
     else:
         qk = tl.dot(q, k, input_precision=DOT_PREC)
@@ -200,6 +212,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TREE: tl.constexpr = False,
+    FP8_QK: tl.constexpr = 0,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -252,6 +265,14 @@ def _prefill_kernel(
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
     in_dtype: tl.constexpr = tl.float16 if FP16_DOT else q_ptr.dtype.element_ty
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
+    if FP8_QK > 0:  # the row-normalised query (|q| <= 1) spread over e4m3's range (max 448) and rounded to it
+        q_scale = q_scale * (1.0 / 448.0)
+        if FP8_QK == 2:  # interpreter (its e4m3 cast drops a rounding carry): round to 3 mantissa bits here
+            x = q.to(tl.float32) * 448.0
+            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # normals from 2^-6
+            q = tl.floor(x / step + 0.5) * step
+        else:
+            q = (q.to(tl.float32) * 448.0).to(tl.float8e4nv)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
@@ -292,13 +313,14 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT)
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+            q_lim, False, False, 0, 0, FP8_QK)
     for n0 in range(full_end, kv_hi_q, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start)
+            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start, FP8_QK)
     if HAS_RESIDUAL:  # keys [own0, kv_hi) exact (kv_exact), against q reloaded in the compute dtype
         q_ex = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                        + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
@@ -334,16 +356,56 @@ def new_kv_args(new_key: torch.Tensor, new_value: torch.Tensor | None, query: to
             (0, 0, 0, new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1)))
 
 
-def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool):
-    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for the packed tile."""
+#: Tile configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` on CUDA per (operand kind, head_dim
+#: class): "16bit" (bf16/fp16 query over a 16-bit cache), "fp8" (e4m3/e5m2 codes), "int" (int8/4/2
+#: codes). Measured at the 8B attention shape on an H200 (``benchmarks/gpu_prefill.py --parts sweep``,
+#: best of the sweep per KV dtype): bf16 (128, 128, 8, 3) 16.4 ms at 32K in one chunk (67% of the
+#: measured matmul peak) against 21.1 ms for (128, 64, 8, 2), and (128, 64, 8, 3) 17.7 ms. A third
+#: stage lets the pipeliner issue the block-table load a step ahead of the K/V loads it feeds; fp8
+#: takes it too (not yet measured: ``--sweep-set quick`` times it against the two-stage config), but
+#: keeps 64 keys a step (converting a 128-key tile of codes in registers would spill at 242 regs).
+PREFILL_CONFIGS = {
+    ("16bit", "d<=128"): (128, 128, 8, 3),
+    ("16bit", "d256"): (64, 32, 4, 2),
+    ("fp8", "d<=128"): (128, 64, 8, 3),
+    ("fp8", "d256"): (64, 32, 4, 2),
+    ("int", "d<=128"): (128, 64, 8, 2),
+    ("int", "d256"): (64, 32, 4, 2),
+}
+
+#: Defaults of the prefill kernel's optional paths, read at each launch (a module dict so a
+#: benchmark can switch them for a whole engine run; ``prefill_attention``'s arguments override):
+#: ``fp8_qk``: e4m3 caches compute Q K^T as an FP8 tensor-core dot (the query rounded to e4m3 per
+#: row, the per-token key scales on the score columns; about 2^-4 relative error per query element
+#: on top of the cache's own, so off unless asked for).
+PREFILL_PATHS = {"fp8_qk": False}
+
+
+def _operand_kind(kv_fmt: int) -> str:
+    return "16bit" if kv_fmt == 0 else ("fp8" if kv_fmt in (1, 2) else "int")
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_bytes(device_index: int) -> int:
+    """Shared memory one block may use on this GPU (opt-in maximum); 0 if torch does not say."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
+def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool, kv_fmt: int = 0,
+            device_index: int | None = None):
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for the packed tile (``PREFILL_CONFIGS``).
+    A config whose Q tile plus ``num_stages`` K/V tiles (16-bit) would not fit the GPU's shared
+    memory (e.g. 164 KB on an A100) falls back to (128, 64, 8, 2)."""
     if interpret:
         bm, bn, warps, stages = 16, 16, 1, 1
     elif dtype == torch.float32:  # fp32 operands: 4 bytes each, no tensor cores ("ieee")
         bm, bn, warps, stages = (32, 16, 4, 2) if head_dim <= 128 else (16, 16, 4, 1)
-    elif head_dim >= 256:
-        bm, bn, warps, stages = 64, 32, 4, 2
     else:
-        bm, bn, warps, stages = 128, 64, 8, 2
+        bm, bn, warps, stages = PREFILL_CONFIGS[(_operand_kind(kv_fmt), "d256" if head_dim >= 256 else "d<=128")]
+        limit = _max_shared_bytes(device_index) if device_index is not None else 0
+        if limit and (bm + 2 * stages * bn) * head_dim * 2 > limit:
+            bm, bn, warps, stages = 128, 64, 8, 2
     bm = max(bm, triton.next_power_of_2(group))
     return bm, bn, warps, stages
 
@@ -372,6 +434,7 @@ def prefill_attention(
     num_stages: int | None = None,
     tree_mask: torch.Tensor | None = None,
     tree_start: torch.Tensor | None = None,
+    fp8_qk: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -404,6 +467,8 @@ def prefill_attention(
             ``[num_tokens]`` ancestor bits per query row and int32 ``[R]`` the position of bit 0
             per request; keys at or past ``tree_start`` are seen where the row's bit is set.
             Not with a sliding window or exact own blocks (ValueError).
+        fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only (not with ``kv_residual``, or with the integer-built e4m3 codes of
+            ``kv_load.CODE_PATHS["fast_cvt"]``).
 
     Returns ``out``. No host synchronisation.
     """
@@ -418,7 +483,9 @@ def prefill_attention(
     assert d >= 16 and d & (d - 1) == 0, "head_size must be a power of two >= 16"
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     group = num_heads // hkv
-    bm, bn, cfg_warps, cfg_stages = _config(d, query.dtype, group, query.device.type != "cuda")
+    on_cuda = query.device.type == "cuda"
+    bm, bn, cfg_warps, cfg_stages = _config(d, query.dtype, group, not on_cuda, kv_fmt,
+                                            query.device.index if on_cuda else None)
     bm = block_m or bm
     bn = block_n or bn
     assert bm >= 16 and bn >= 16 and bm >= group
@@ -435,6 +502,9 @@ def prefill_attention(
         res_t, res_s = new_kv_args(new_key, new_value, query, hkv)
     else:
         res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
+    fast_cvt = use_fast_cvt(kv_fmt)
+    fp8_qk = PREFILL_PATHS["fp8_qk"] if fp8_qk is None else fp8_qk
+    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and kv_fmt == 1 and kv_residual is None and not fast_cvt) else 0
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -451,8 +521,9 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
-        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=use_fast_cvt(kv_fmt),
+        FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt,
         HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv, TREE=tree,
+        FP8_QK=fp8_qk,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out

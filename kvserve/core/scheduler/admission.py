@@ -153,7 +153,7 @@ class AdmissionMixin:
         n = req.num_tokens - look.num_hit - look.num_ext
         if not self.config.enable_chunked_prefill and n > budget:
             return None
-        return min(n, budget)
+        return min(n, budget, self._prefill_cap())
 
     def _start(self, req: Request, n: int, scheduled: list) -> int:
         """A waiting request joins the running ones with ``n`` tokens this step; returns ``n``."""

@@ -237,6 +237,16 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             limit = min(limit, mt - req.num_output_tokens - 1)
         return max(min(k, budget - n, limit), 0)
 
+    def _prefill_cap(self) -> int:
+        """The largest prefill chunk this step (``long_prefill_token_threshold``): the threshold
+        while other requests are running or waiting, the whole budget for a lone request (its long
+        prompt in fewer, larger chunks: less of it re-read as a cached prefix). Call before the
+        request in question leaves the waiting queue or after it joined the running ones."""
+        thr = self.config.long_prefill_token_threshold
+        if thr <= 0 or not self.config.enable_chunked_prefill or len(self.running) + len(self.waiting) <= 1:
+            return self.config.max_num_batched_tokens
+        return thr
+
     def schedule(self) -> SchedulerOutput:
         """Build the next step (see ``SchedulerOutput``)."""
         cfg = self.config
@@ -255,6 +265,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         max_model_len = cfg.max_model_len
         bounded, k_max = self._bounded, self._k_max
         running = self.running
+        chunk_cap = self._prefill_cap()
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -272,7 +283,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
                     i += 1
                     continue
             c = req.num_computed_tokens
-            n = min(num_tokens + pending - c, budget, max_len - c)
+            n = min(num_tokens + pending - c, budget, max_len - c, chunk_cap)
             if n <= 0:
                 i += 1
                 continue
