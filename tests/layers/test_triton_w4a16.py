@@ -38,13 +38,18 @@ def _case(n, k, g, zp, bits=4, seed=0):
     return tw.pack(q, bits), s, z, ge, w, q
 
 
-# (n, k, group, zero convention, bits, m, split config): tiny shapes, each group size and convention covered
+C = tw.Config
+# (n, k, group, zero convention, bits, m, config): tiny shapes, each group size and convention covered; M = 1
+# (FMA) and M >= 16 (tl.dot), K split with the in-kernel and the separate reduce
 CASES = [
-    (24, 96, 32, tw.ZP_INT, 4, 1, None),  # K not a multiple of the 128-row block
-    (40, 256, 64, tw.ZP_FLOAT, 4, 3, (16, 16, 2, 4)),  # N not a multiple of BLOCK_N, K split
-    (32, 256, 128, tw.ZP_SYM, 4, 1, (1, 16, 2, 4)),
+    (24, 96, 32, tw.ZP_INT, 4, 1, C(1, 32)),  # K not a multiple of the 128-feature block
+    (40, 256, 64, tw.ZP_FLOAT, 4, 3, C(16, 16, split=2)),  # N not a multiple of BLOCK_N, K split (in-kernel reduce)
+    (32, 384, 128, tw.ZP_SYM, 4, 1, C(1, 16, nb=2, split=2)),  # 2 blocks per step, the last split's 2nd masked
     (16, 160, -1, tw.ZP_INT, 4, 5, None),  # per channel
     (24, 128, 32, tw.ZP_INT, 8, 2, None),  # 8 bits (GPTQ)
+    (32, 256, 32, tw.ZP_INT, 4, 17, C(16, 16, split=2, reduce=1)),  # two M tiles, separate reduce
+    (24, 128, 64, tw.ZP_SYM, 8, 16, C(16, 16)),  # 8 bits, tl.dot
+    (16, 256, 128, tw.ZP_FLOAT, 4, 1, C(1, 16, split=2, reduce=1)),
 ]
 
 
@@ -53,10 +58,13 @@ def test_pack_round_trips():
     assert torch.equal(tw.unpack(tw.pack(q, 4), 4, 200), q)
     q8 = torch.randint(0, 256, (8, 70), dtype=torch.uint8)
     assert torch.equal(tw.unpack(tw.pack(q8, 8), 8, 70), q8)
-    # field j of word row 16b + r holds row 128b + 16j + r
-    j = (torch.arange(256) // 16 % 8).to(torch.uint8)  # the field each row must land in
+    # N-major: in row n, field j of word 16b + r holds feature 128b + 16j + r
+    j = (torch.arange(256) // 16 % 8).to(torch.uint8)  # the field each feature must land in
     p = tw.pack(j[None].expand(2, -1).contiguous(), 4)
-    assert p.shape == (32, 2) and (p == 0x76543210).all()
+    assert p.shape == (2, 32) and (p == 0x76543210).all()
+    r = (torch.arange(256) % 16).to(torch.uint8)  # feature 128b + 16j + r -> word 16b + r
+    p = tw.pack(r[None], 4)
+    assert torch.equal(p[0, :16], torch.arange(16, dtype=torch.int32) * 0x11111111)
 
 
 @pytest.mark.parametrize("n,k,g,zp,bits,m,cfg", CASES)
@@ -113,15 +121,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
 from kvserve.layers.quantization import triton_w4a16 as tw
-for bm, zp in ((1, tw.ZP_INT), (16, tw.ZP_FLOAT)):
+for bm, zp, nb, split in ((1, tw.ZP_INT, 2, True), (16, tw.ZP_FLOAT, 2, True)):
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp == tw.ZP_INT else "*bf16",
-           "b_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-           "stride_ym": "i32", "n_blocks": "i32", "blocks_per_split": "i32"}
-    consts = dict(BITS=4, GROUP=128, PPG=8, GPB=1, ZP=zp, BLOCK_M=bm, BLOCK_N=64, SPLIT=True, HAS_BIAS=False,
-                  WIDEN=False, EVEN_K=True, PREC="tf32")
+           "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_ym": "i32", "n_blocks": "i32",
+           "blocks_per_split": "i32", "n_split": "i32", "exp": "i32"}
+    consts = dict(BITS=4, GROUP=128, PPG=8, GPB=1, ZP=zp, BLOCK_M=bm, BLOCK_N=64, NB=nb, SPLIT=split, REDUCE=0,
+                  HAS_BIAS=False, WIDEN=False, EVEN_K=True, PREC="tf32")
     sig.update({k: "constexpr" for k in consts})
     k = triton.compile(ASTSource(fn=tw._w4a16_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     assert k.asm["cubin"]
 print("COMPILED")
 """
@@ -129,7 +138,8 @@ print("COMPILED")
 
 def test_compiles_for_hopper_without_a_gpu():
     """The interpreter accepts code the compiler rejects (constexpr rules, types): compile the FMA (M = 1) and
-    tl.dot variants for sm_90 offline, in a child process without ``TRITON_INTERPRET``."""
+    tl.dot variants (split-K with its in-kernel reduce) for sm_90 offline, in a child process without
+    ``TRITON_INTERPRET``."""
     import os
     import subprocess
     import sys

@@ -123,13 +123,14 @@ class PackedGroupQuant:
         from kvserve.layers.quantization import triton_w4a16 as tw
 
         kb = tw.block_rows(w.bits)
-        kp = -(-self.k // kb) * kb
+        kp = tw.padded_k(self.k, w.bits)
         g = kp if w.group_size == self.k and self.k % kb else w.group_size  # per channel: one group of Kp
         n_groups = -(-kp // g)
         pad = n_groups - w.scale.shape[1]
         scale = F.pad(w.scale.float(), (0, pad)).t().contiguous()
         sdt = torch.float16 if torch.equal(scale.half().float(), scale) else dtype
         self.qweight = tw.pack(w.q, w.bits).to(device)
+        tw.workspace(device)  # split-K counters allocated now, not under CUDA-graph capture
         self.scales = scale.to(device, sdt)
         self.group_size = g
         if w.zero is None:

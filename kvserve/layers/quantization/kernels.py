@@ -137,7 +137,8 @@ class PackedInt4:
             from kvserve.layers.quantization import triton_w4a16 as tw
 
             self.packed = tw.pack(w.q.to(device), 4)
-            n_groups = -(-(self.packed.shape[0] * 8) // g)
+            tw.workspace(device)  # split-K counters allocated now, not under CUDA-graph capture
+            n_groups = -(-tw.padded_k(k_q, 4) // g)
             sdt = torch.float16 if all(torch.equal(t.half().float(), t.float()) for t in (w.scale, w.min)) else dtype
             pad = n_groups - w.scale.shape[1]
             self.scale_t = F.pad(w.scale.float(), (0, pad)).t().contiguous().to(device, sdt)
