@@ -16,14 +16,13 @@ Activation order (GPTQ ``desc_act``): the loader sorts K by group (``perm``) so 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.quantization.kernels import Int4Weight, PackedInt4, PackedInt8
+from kvserve.layers.quantization.kernels import Int4Weight, PackedInt4, PackedInt8, int4_kernel
 
 #: group sizes the loaders accept (-1: one group per output channel)
 GROUP_SIZES = (32, 64, 128, 256, -1)
@@ -99,8 +98,7 @@ class PackedGroupQuant:
         self.cuda_triton = False  # the Triton W4A16/W8A16 layout (else int4pack / int8pack / dense)
         self.int4 = self.int8 = None
         self.dense = None
-        tinygemm = (w.bits == 4 and dtype == torch.bfloat16
-                    and os.environ.get("KVSERVE_INT4_KERNEL", "tinygemm") == "tinygemm")
+        tinygemm = w.bits == 4 and dtype == torch.bfloat16 and self.cuda and int4_kernel() == "tinygemm"
         if self.cuda and not tinygemm:
             self._init_triton(w, device, dtype)
             self.cuda_triton = True

@@ -132,7 +132,7 @@ class PackedInt4:
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
         self.triton = _use_triton(device, "int4")
-        self.w4a16 = cuda and not self.triton and os.environ.get("KVSERVE_INT4_KERNEL", "tinygemm") == "w4a16"
+        self.w4a16 = cuda and not self.triton and int4_kernel() == "w4a16"
         if self.w4a16:  # triton_w4a16 layout, float minima (ZP_FLOAT); scales/minima [Kp / g, N]
             from kvserve.layers.quantization import triton_w4a16 as tw
 
@@ -194,6 +194,17 @@ class PackedInt4:
         if self.triton or self.w4a16:
             return [self.packed, self.scale_t, self.min_t]
         return [self.packed, self.scales_and_zeros]
+
+
+def int4_kernel() -> str:
+    """The CUDA INT4 kernel: ``KVSERVE_INT4_KERNEL`` (``w4a16`` | ``tinygemm``, read at load), else the measured
+    default (``triton_w4a16.default_int4_kernel``)."""
+    env = os.environ.get("KVSERVE_INT4_KERNEL")
+    if env:
+        return env
+    from kvserve.layers.quantization import triton_w4a16 as tw
+
+    return tw.default_int4_kernel()
 
 
 class PackedInt8:

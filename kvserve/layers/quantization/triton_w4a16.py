@@ -73,6 +73,17 @@ class Config(NamedTuple):
     reduce: int = 0
 
 
+#: Whether this GEMM beat tinygemm (``_weight_int4pack_mm``) end to end: W2 at the Llama-3.1-8B shape on an
+#: H200 (``benchmarks/gpu/run.sh int4-w2``). The CUDA default of ``--quantization int4`` and of 4-bit GPTQ/AWQ
+#: in bf16 follows it (``default_int4_kernel``); ``KVSERVE_INT4_KERNEL=w4a16|tinygemm`` overrides.
+BEATS_TINYGEMM = False
+
+
+def default_int4_kernel() -> str:
+    """``"w4a16"`` (this GEMM) when measured faster than tinygemm (``BEATS_TINYGEMM``), else ``"tinygemm"``."""
+    return "w4a16" if BEATS_TINYGEMM else "tinygemm"
+
+
 #: ``(M bucket, N, K) -> Config`` measured on an H200 (``benchmarks/gpu_w4a16.py --sweep`` prints the best
 #: per shape as ``TUNED`` lines); shapes missing here use ``_heuristic``.
 TUNED: dict[tuple[int, int, int], Config] = {}
@@ -280,28 +291,31 @@ def m_bucket(m: int) -> int:
     return next(b for b in M_BUCKETS if b >= m)
 
 
-def _heuristic(m: int, n: int, k: int, bits: int) -> Config:
-    """Untuned default: M = 1 FMA tiles of 128 rows x 2 blocks, tl.dot above; K split to ~4 programs per SM,
-    each split >= 2 blocks and the float32 partials' traffic below the weight bytes."""
-    if m == 1:
-        bm, bn, nb, warps = 1, 128, 2, 4
-    elif m <= 16:
-        bm, bn, nb, warps = 16, 64, 1, 4
-    elif m <= 32:
-        bm, bn, nb, warps = 32, 64, 1, 4
-    elif m <= 64:
-        bm, bn, nb, warps = 64, 64, 1, 4
-    else:
-        bm, bn, nb, warps = 64, 128, 1, 8
+def auto_split(m: int, n: int, k: int, bits: int, cfg: Config) -> int:
+    """K splits for ``cfg``'s tile: up to ~4 programs per SM, each split >= 2 loop steps, and the float32
+    partials' traffic (8 * M * N bytes per split) below the weight bytes (K * N * bits / 8)."""
     n_blocks = triton.cdiv(k, block_rows(bits))
-    programs = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    programs = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, max(cfg.block_m, 1))
     target = 4 * _SMS
-    split = 1
-    if programs < target:
-        # float32 partials (written + read: 8 * M * N bytes per split) stay below the weight bytes (K * N * bits / 8)
-        cap = max(1, k * bits // (64 * m))
-        split = max(1, min(triton.cdiv(target, programs), n_blocks // (2 * nb), cap))
-    return Config(bm, bn, nb, split, warps, 2)
+    if programs >= target:
+        return 1
+    cap = max(1, k * bits // (64 * m))
+    return max(1, min(triton.cdiv(target, programs), n_blocks // (2 * cfg.nb), cap))
+
+
+def _heuristic(m: int, n: int, k: int, bits: int) -> Config:
+    """Untuned default: M = 1 FMA tiles of 128 rows x 2 blocks per step, tl.dot tiles above; ``auto_split``."""
+    if m == 1:
+        cfg = Config(1, 128, 2, 1, 4, 2)
+    elif m <= 16:
+        cfg = Config(16, 64, 1, 1, 4, 2)
+    elif m <= 32:
+        cfg = Config(32, 64, 1, 1, 4, 2)
+    elif m <= 64:
+        cfg = Config(64, 64, 1, 1, 4, 2)
+    else:
+        cfg = Config(64, 128, 1, 1, 8, 2)
+    return cfg._replace(split=auto_split(m, n, k, bits, cfg))
 
 
 @functools.lru_cache(maxsize=None)
