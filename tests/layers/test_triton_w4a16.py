@@ -127,7 +127,7 @@ for bm, zp, nb, split in ((1, tw.ZP_INT, 2, True), (16, tw.ZP_FLOAT, 2, True)):
            "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_ym": "i32", "n_blocks": "i32",
            "blocks_per_split": "i32", "n_split": "i32", "exp": "i32"}
     consts = dict(BITS=4, GROUP=128, PPG=8, GPB=1, ZP=zp, BLOCK_M=bm, BLOCK_N=64, NB=nb, SPLIT=split, REDUCE=0,
-                  HAS_BIAS=False, WIDEN=False, EVEN_K=True, PREC="tf32")
+                  HAS_BIAS=False, WIDEN=False, EVEN_K=True, STAGES=3, PREC="tf32")
     sig.update({k: "constexpr" for k in consts})
     k = triton.compile(ASTSource(fn=tw._w4a16_kernel, signature=sig, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})

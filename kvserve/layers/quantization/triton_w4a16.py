@@ -60,8 +60,9 @@ M_BUCKETS = (1, 16, 32, 64, 128, 256)
 
 class Config(NamedTuple):
     """One launch configuration. ``block_m`` 1: the FMA path (M = 1); 16..128: ``tl.dot``. ``nb``: 16-word
-    blocks loaded per loop step per row (bytes in flight); ``split``: K splits (1: none); ``warps``,
-    ``stages``: Triton's ``num_warps``, ``num_stages``; ``reduce``: 0 in-kernel split-K reduce, 1 a separate
+    blocks loaded per loop step per row (bytes in flight); ``split``: K splits (1: none); ``warps``:
+    Triton's ``num_warps``; ``stages``: the K loop's software-pipeline depth (``tl.range(num_stages=)``: the
+    weight tiles stream through shared memory with cp.async; 1: plain loads); ``reduce``: 0 in-kernel split-K reduce, 1 a separate
     reduce kernel."""
 
     block_m: int
@@ -130,7 +131,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, 
                   BITS: tl.constexpr, GROUP: tl.constexpr, PPG: tl.constexpr, GPB: tl.constexpr,
                   ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
                   SPLIT: tl.constexpr, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  WIDEN: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr = "tf32"):
+                  WIDEN: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr = "tf32"):
     # PPG: planes (16-feature K-slices) per group within a block; GPB: groups per block (PPG * GPB = PACK).
     # KW: int32 words per weight row (Kp / PACK); exp: (127 + BITS) << 23 (see _field). Accumulators are transposed, [BLOCK_N, BLOCK_M] (y^T = W x^T).
     PACK: tl.constexpr = 32 // BITS
@@ -153,7 +154,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # tl.dot path
     acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # M = 1: scaled partial products, reduced at the end
     w_tile = w_ptr + offs_n[:, None] * KW + offs_r[None, :]
-    for b in range(b0, b1, NB):
+    for b in tl.range(b0, b1, NB, num_stages=STAGES):
         for nb in tl.static_range(NB):
             blk = b + nb
             if NB == 1:  # blk < b1 always
@@ -304,9 +305,9 @@ def auto_split(m: int, n: int, k: int, bits: int, cfg: Config) -> int:
 
 
 def _heuristic(m: int, n: int, k: int, bits: int) -> Config:
-    """Untuned default: M = 1 FMA tiles of 128 rows x 2 blocks per step, tl.dot tiles above; ``auto_split``."""
+    """Untuned default: M = 1 FMA tiles of 128 rows, 3-stage pipelined loads; tl.dot tiles above; ``auto_split``."""
     if m == 1:
-        cfg = Config(1, 128, 2, 1, 4, 2)
+        cfg = Config(1, 128, 1, 1, 4, 3)
     elif m <= 16:
         cfg = Config(16, 64, 1, 1, 4, 2)
     elif m <= 32:
@@ -387,7 +388,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         BITS=bits, GROUP=group_size, PPG=ppg, GPB=per // ppg, ZP=zp, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         NB=cfg.nb, SPLIT=split > 1, REDUCE=cfg.reduce, HAS_BIAS=bias is not None, WIDEN=widen,
         EVEN_K=k % block_rows(bits) == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.warps, num_stages=cfg.stages)  # float32: no TF32 rounding
+        STAGES=cfg.stages, num_warps=cfg.warps, num_stages=cfg.stages)  # float32: no TF32 rounding
     if split > 1 and cfg.reduce == 1:
         block = 1024
         _reduce()[(triton.cdiv(m * n, block),)](parts, bias if bias is not None else parts, y, m * n, n, split,
