@@ -3,9 +3,9 @@
 ``GroupQuantWeight`` is the loaders' canonical form (``model_loader.gptq_awq``): ``w = (q - z) * s`` per
 group of input features, 4 or 8 bits. ``PackedGroupQuant`` places it for a device:
 
-* CUDA, 4 bits in bfloat16: tinygemm (``PackedInt4``, as ``--quantization int4``: faster than the Triton
-  GEMM at M = 1 on an H200); ``KVSERVE_INT4_KERNEL=w4a16`` (and 8 bits, other dtypes): the Triton
-  W4A16/W8A16 GEMM (``triton_w4a16``) for M <= 256, its dequantization + cuBLAS above;
+* CUDA, 4 bits in bfloat16: the kernel ``kernels.int4_kernel`` names (as ``--quantization int4``): tinygemm
+  (``PackedInt4``) or the Triton W4A16/W8A16 GEMM (``triton_w4a16``), whichever measured faster; 8 bits and
+  other dtypes: the Triton GEMM. It serves M <= 256, its dequantization + cuBLAS above;
 * CPU, 4 bits: PyTorch's int4pack kernel (``PackedInt4``: ``w = q * s + m`` with ``m = -z * s``, exact in
   float32; per-channel scales repeated over groups of 128/64/32); 8 bits: ``_weight_int8pack_mm`` when
   symmetric per channel, else the dequantized weight (correct, not smaller).
