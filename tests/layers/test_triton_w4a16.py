@@ -55,16 +55,20 @@ CASES = [
 
 def test_pack_round_trips():
     q = torch.randint(0, 16, (8, 200), dtype=torch.uint8)
-    assert torch.equal(tw.unpack(tw.pack(q, 4), 4, 200), q)
-    q8 = torch.randint(0, 256, (8, 70), dtype=torch.uint8)
-    assert torch.equal(tw.unpack(tw.pack(q8, 8), 8, 70), q8)
-    # N-major: in row n, field j of word 16b + r holds feature 128b + 16j + r
-    j = (torch.arange(256) // 16 % 8).to(torch.uint8)  # the field each feature must land in
-    p = tw.pack(j[None].expand(2, -1).contiguous(), 4)
-    assert p.shape == (2, 32) and (p == 0x76543210).all()
-    r = (torch.arange(256) % 16).to(torch.uint8)  # feature 128b + 16j + r -> word 16b + r
-    p = tw.pack(r[None], 4)
-    assert torch.equal(p[0, :16], torch.arange(16, dtype=torch.int32) * 0x11111111)
+    assert torch.equal(tw.unpack(tw.pack(q, 4), 4, 200, 8), q)
+    q8 = torch.randint(0, 256, (20, 70), dtype=torch.uint8)
+    assert torch.equal(tw.unpack(tw.pack(q8, 8), 8, 70, 20), q8)
+    # row n, block b, word r: field j holds feature 128b + 16j + r; stored by 16-row strips, then block,
+    # then row in the strip, then r (a strip's block is 1 KiB contiguous)
+    n, k = 40, 256
+    qq = ((torch.arange(n)[:, None] + torch.arange(k)[None, :] // 16) % 16).to(torch.uint8)  # (n + 8b + j) % 16
+    p = tw.pack(qq, 4)
+    assert p.shape == (48, 32)
+    flat = p.flatten()
+    for row, b, r in ((0, 0, 0), (5, 1, 3), (17, 0, 15), (33, 1, 9)):
+        word = int(flat[((row // 16) * 2 + b) * 256 + (row % 16) * 16 + r]) & 0xFFFFFFFF
+        assert [(word >> (4 * j)) & 15 for j in range(8)] == [(row + 8 * b + j) % 16 for j in range(8)]
+    assert (flat[((40 // 16) * 2) * 256 + (40 % 16) * 16:][: 16 * 8] == 0).all()  # padded rows 40..47: zeros
 
 
 @pytest.mark.parametrize("n,k,g,zp,bits,m,cfg", CASES)

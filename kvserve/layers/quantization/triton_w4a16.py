@@ -13,16 +13,17 @@ Large Language Models", arXiv:2408.11743): every weight byte is read from HBM ex
 coalesced loads, dequantization costs next to nothing beside the load, K is split across programs when N
 alone cannot fill the GPU, and tensor cores do the products from M = 16.
 
-Layout (``pack``), N-major: ``PACK = 32 / BITS`` values per int32 word, blocks of ``KB = 16 * PACK`` input
-features (128 for 4 bits). ``qweight`` is int32 ``[N, Kp / PACK]`` (``Kp`` = K rounded up to ``KB``); in row
-``n``, word ``16 * b + r`` holds in its field ``j`` (bits ``BITS * j ...``) ``q[n, KB * b + 16 * j + r]``. A
-block of one row is 16 contiguous words (64 bytes), so a ``[BLOCK_N, 16]`` tile is ``BLOCK_N`` full
-64-byte segments, four 128-bit loads per row: coalesced and vectorized. Field ``j`` of the tile is the
-``[BLOCK_N, 16]`` weight slice of the 16 *contiguous* input features ``KB * b + 16 * j + (0..15)`` (a
-"plane"): no shuffles, one ``tl.dot`` K-step or one FMA tile, and always inside one group (``GROUP`` is a
-multiple of 16). Scales ``[Kp / GROUP, N]`` (float16 when exact, as GPTQ/AWQ store them, else the
-activation dtype; N contiguous, so a tile's scales are one coalesced row), integer zeros uint8
-``[Kp / GROUP, N]``, float minima ``[Kp / GROUP, N]``. Loaders repack into this layout (``pack``).
+Layout (``pack``), N-major and tiled: ``PACK = 32 / BITS`` values per int32 word, blocks of ``KB = 16 * PACK``
+input features (128 for 4 bits). In row ``n``, block ``b``, word ``r`` (0..15) holds in its field ``j`` (bits
+``BITS * j ...``) ``q[n, KB * b + 16 * j + r]``. Words are stored by 16-row strips: strip ``n // 16``, then
+block ``b``, then row ``n % 16``, then ``r`` (int32 ``[Np, Kp / PACK]``; ``Np``, ``Kp``: N and K rounded up to
+16 and ``KB``), so a block of a strip is 1 KiB contiguous: a ``[BLOCK_N, 16]`` tile is ``BLOCK_N / 16``
+contiguous KiB, loaded as 128-bit vectors. Field ``j`` of the tile is the ``[BLOCK_N, 16]`` weight slice of
+the 16 *contiguous* input features ``KB * b + 16 * j + (0..15)`` (a "plane"): no shuffles, one ``tl.dot``
+K-step or one FMA tile, and always inside one group (``GROUP`` is a multiple of 16). Scales
+``[Kp / GROUP, N]`` (float16 when exact, as GPTQ/AWQ store them, else the activation dtype; N contiguous, so a
+tile's scales are one coalesced row), integer zeros uint8 ``[Kp / GROUP, N]``, float minima
+``[Kp / GROUP, N]``. Loaders repack into this layout (``pack``).
 
 Arithmetic. ``_field`` turns a field into the float32 ``2^BITS + q`` with a shift and one LOP3 (no
 int-to-float conversion). M = 1 (FMA tiles): the scale and zero are applied once per group, not per weight,
@@ -113,6 +114,13 @@ def _field(raw, j: tl.constexpr, BITS: tl.constexpr, exp):
 
 
 @triton.jit
+def _tile_offsets(offs_n, offs_r, KW):
+    """Word offsets of block 0 of rows ``offs_n``, words ``offs_r`` (``[BLOCK_N, 16]``) in the tiled layout:
+    16 rows x 16 words (1 KiB) contiguous per block, blocks of a 16-row strip one after the other."""
+    return ((offs_n // 16) * (KW * 16) + (offs_n % 16) * 16)[:, None] + offs_r[None, :]
+
+
+@triton.jit
 def _group_params(s_ptr, z_ptr, offs, mask, ZP: tl.constexpr, SYM_Z: tl.constexpr, CB: tl.constexpr):
     """A group's scale ``s`` and zero term ``zs`` (float32, ``offs``' shape): ``w = (q + CB) * s + zs``."""
     sc = tl.load(s_ptr + offs, mask=mask, other=0).to(tl.float32)
@@ -133,7 +141,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, 
                   SPLIT: tl.constexpr, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   WIDEN: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr = "tf32"):
     # PPG: planes (16-feature K-slices) per group within a block; GPB: groups per block (PPG * GPB = PACK).
-    # KW: int32 words per weight row (Kp / PACK); exp: (127 + BITS) << 23 (see _field). Accumulators are transposed, [BLOCK_N, BLOCK_M] (y^T = W x^T).
+    # KW: int32 words per weight row (Kp / PACK; a 16-row strip is 16 * KW words); exp: (127 + BITS) << 23. Accumulators are transposed, [BLOCK_N, BLOCK_M] (y^T = W x^T).
     PACK: tl.constexpr = 32 // BITS
     KB: tl.constexpr = 16 * PACK
     SYM_Z: tl.constexpr = 1 << (BITS - 1)
@@ -153,7 +161,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, 
     k_lim = tl.minimum(K, b1 * KB)  # x past the split (NB > 1 steps) or past K reads as 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # tl.dot path
     acc1 = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # M = 1: scaled partial products, reduced at the end
-    w_tile = w_ptr + offs_n[:, None] * KW + offs_r[None, :]
+    w_tile = w_ptr + _tile_offsets(offs_n, offs_r, KW)
     for b in tl.range(b0, b1, NB, num_stages=STAGES):
         for nb in tl.static_range(NB):
             blk = b + nb
@@ -161,7 +169,7 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, 
                 g_mask = n_mask
             else:
                 g_mask = n_mask & (blk < b1)
-            raw = tl.load(w_tile + blk * 16, mask=g_mask[:, None], other=0)
+            raw = tl.load(w_tile + blk * 256, mask=g_mask[:, None], other=0)
             for gi in tl.static_range(GPB):
                 grp = (blk * KB + gi * PPG * 16) // GROUP
                 sc, zs = _group_params(s_ptr, z_ptr, grp * N + offs_n, g_mask, ZP, SYM_Z, C)
@@ -229,7 +237,7 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, KW, BITS: tl.constexpr, 
     b = tl.program_id(1)
     offs_r = tl.arange(0, 16)
     n_mask = offs_n < N
-    raw = tl.load(w_ptr + offs_n[:, None] * KW + b * 16 + offs_r[None, :], mask=n_mask[:, None], other=0)
+    raw = tl.load(w_ptr + _tile_offsets(offs_n, offs_r, KW) + b * 256, mask=n_mask[:, None], other=0)
     for j in tl.static_range(PACK):
         offs_k = b * KB + j * 16 + offs_r
         grp = (b * KB + j * 16) // GROUP
@@ -256,10 +264,17 @@ def padded_k(k: int, bits: int) -> int:
     return -(-k // kb) * kb
 
 
-def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """``q`` uint8 ``[N, K]`` (values < 2^bits) -> int32 ``[N, Kp / (32 / bits)]`` in the layout of the module doc.
+def padded_n(n: int) -> int:
+    """``Np``: ``n`` rounded up to the 16-row strips of the layout."""
+    return -(-n // 16) * 16
 
-    K is zero-padded to ``padded_k``. Raises ValueError for bits other than 4 / 8 or a q that is not 2-D.
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` uint8 ``[N, K]`` (values < 2^bits) -> int32 ``[Np, Kp / (32 / bits)]`` in the layout of the module
+    doc (element order tiled: 16 rows x 16 words contiguous per block).
+
+    K is zero-padded to ``padded_k``, N to ``padded_n``. Raises ValueError for bits other than 4 / 8 or a q
+    that is not 2-D.
     """
     if bits not in (4, 8):
         raise ValueError(f"w4a16 pack: bits must be 4 or 8, got {bits}")
@@ -267,24 +282,27 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"w4a16 pack: q must be [N, K], got shape {tuple(q.shape)}")
     n, k = q.shape
     per, kb = 32 // bits, block_rows(bits)
-    kp = padded_k(k, bits)
-    qp = torch.nn.functional.pad(q.to(torch.int64), (0, kp - k))
+    kp, np_ = padded_k(k, bits), padded_n(n)
+    qp = torch.nn.functional.pad(q.to(torch.int64), (0, kp - k, 0, np_ - n))
     # [N, blocks, field j, word r] -> [N, blocks, r, j]
-    v = qp.reshape(n, kp // kb, per, 16).permute(0, 1, 3, 2)
+    v = qp.reshape(np_, kp // kb, per, 16).permute(0, 1, 3, 2)
     shifts = torch.arange(per, dtype=torch.int64, device=q.device) * bits
-    words = (v << shifts).sum(-1)  # fields do not overlap: the sum is the OR
+    words = (v << shifts).sum(-1)  # [Np, blocks, r]; fields do not overlap: the sum is the OR
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
-    return words.reshape(n, kp // per).to(torch.int32).contiguous()
+    # tiled: [strip, row in strip, block, r] -> [strip, block, row in strip, r]
+    words = words.reshape(np_ // 16, 16, kp // kb, 16).permute(0, 2, 1, 3)
+    return words.reshape(np_, kp // per).to(torch.int32).contiguous()
 
 
-def unpack(w: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Inverse of ``pack``: int32 ``[N, Kp / (32 / bits)]`` -> uint8 ``[N, k]``."""
+def unpack(w: torch.Tensor, bits: int, k: int, n: int | None = None) -> torch.Tensor:
+    """Inverse of ``pack``: int32 ``[Np, Kp / (32 / bits)]`` -> uint8 ``[n, k]`` (``n`` default: ``Np``)."""
     per, kb = 32 // bits, block_rows(bits)
-    n = w.shape[0]
+    np_ = w.shape[0]
     kp = w.shape[1] * per
+    words = w.reshape(np_ // 16, kp // kb, 16, 16).permute(0, 2, 1, 3).reshape(np_, kp // kb, 16)
     shifts = torch.arange(per, dtype=torch.int32, device=w.device) * bits
-    v = (w.reshape(n, kp // kb, 16)[..., None] >> shifts) & ((1 << bits) - 1)  # [N, blocks, r, j]
-    return v.permute(0, 1, 3, 2).reshape(n, kp)[:, :k].to(torch.uint8)
+    v = (words[..., None] >> shifts) & ((1 << bits) - 1)  # [Np, blocks, r, j]
+    return v.permute(0, 1, 3, 2).reshape(np_, kp)[: np_ if n is None else n, :k].to(torch.uint8)
 
 
 def m_bucket(m: int) -> int:
@@ -352,11 +370,11 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
          config: tuple | None = None) -> torch.Tensor:
     """``x`` ``[M, K]`` (1 <= M <= MAX_M; bf16/fp16, or fp32) -> ``x @ W.T (+ bias)`` ``[M, n]`` in x's dtype.
 
-    ``w`` int32 ``[n, Kp / (32 / bits)]`` from ``pack``; ``scales`` ``[Kp / group_size, n]``; ``zeros``: None
+    ``w`` int32 ``[Np, Kp / (32 / bits)]`` from ``pack``; ``scales`` ``[Kp / group_size, n]``; ``zeros``: None
     (``ZP_SYM``), uint8 (``ZP_INT``) or float minima (``ZP_FLOAT``) ``[Kp / group_size, n]``; ``group_size`` a
     multiple of 16 (the per-channel case passes ``Kp``). ``config``: a ``Config`` (or a tuple of its fields)
     overriding ``gemm_config``. Raises ValueError for M outside [1, MAX_M], a group size that is not a
-    multiple of 16, or a ``w`` whose shape is not ``[n, Kp / (32 / bits)]``.
+    multiple of 16, or a ``w`` whose shape is not ``[Np, Kp / (32 / bits)]``.
     """
     m, k = x.shape
     if not 1 <= m <= MAX_M:
@@ -364,8 +382,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     if group_size % 16:
         raise ValueError(f"w4a16 gemm: group size {group_size} must be a multiple of 16")
     kw = padded_k(k, bits) // (32 // bits)
-    if tuple(w.shape) != (n, kw):
-        raise ValueError(f"w4a16 gemm: qweight must be int32 [{n}, {kw}] (N, Kp / {32 // bits}), got "
+    if tuple(w.shape) != (padded_n(n), kw):
+        raise ValueError(f"w4a16 gemm: qweight must be int32 [{padded_n(n)}, {kw}] (Np, Kp / {32 // bits}), got "
                          f"{tuple(w.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
