@@ -347,12 +347,15 @@ def gemm_config(m: int, n: int, k: int, bits: int = 4) -> Config:
     return _heuristic(m, n, k, bits)
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCKS: dict[torch.device, torch.Tensor] = {}  # split-K tile counters per device
 
 
 def workspace(device: torch.device, tiles: int = 1 << 16) -> torch.Tensor:
     """The split-K tile counters of ``device`` (int32, zero between calls: the kernel resets them). Call once
     outside CUDA-graph capture (layers do at load) so capture never allocates them."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one workspace
+        device = torch.device("cuda", torch.cuda.current_device())
     t = _LOCKS.get(device)
     if t is None or t.numel() < tiles:
         t = _LOCKS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
