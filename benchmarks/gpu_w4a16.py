@@ -5,7 +5,8 @@ Parts:
 * ``gemm`` — the GEMM at M = 1, 16, 64, 256 for the 8B projections (qkv 4096->6144, o 4096->4096,
   gate_up 4096->28672, down 14336->4096), group 128, in three zero-point layouts (``int4``: float
   minima, ``awq``: integer zeros, ``gptq``: symmetric), beside bf16 ``F.linear`` (cuBLAS) and tinygemm
-  (``_weight_int4pack_mm``). Per call: us, GB/s of weight bytes and its fraction of the measured device
+  (``_weight_int4pack_mm``) and, from M = 64, AWQ dequantized + cuBLAS (``awq_dense``: the path above
+  ``MAX_M``). Per call: us, GB/s of weight bytes and its fraction of the measured device
   copy bandwidth (read + write bytes / s of a 1 GiB copy), speed-up over bf16 and (AWQ) over tinygemm.
   CUDA-graph replay of copies cycled past L2 (>= 256 MB). ``--sweep``: before measuring a (shape, M), time
   a handful of ``triton_w4a16.Config`` candidates (``sweep_configs``, AWQ layout; ``--sweep-s`` seconds in
@@ -82,6 +83,11 @@ def _layouts(w: torch.Tensor, device: str, with_ref: bool = False):
             out["ref"][name] = g.dequantize()
         out[name] = (lambda x, c=None, a=(pq, sc, z, zp): tw.gemm(x, a[0], a[1], a[2], n, 128, 4, a[3], config=c),
                      pq.numel() * 4 + sc.numel() * 2 + (z.numel() if z is not None else 0))
+        if name == "awq":  # the M > MAX_M path (dequantize, then cuBLAS), for the cut-over
+            out["awq_dense"] = (lambda x, c=None, a=(pq, sc, z, zp): F.linear(
+                x, tw.dequantize(a[0], a[1], a[2], n, k, 128, 4, a[3], x.dtype)), out[name][1])
+            if with_ref:
+                out["ref"]["awq_dense"] = out["ref"]["awq"]
     if device == "cuda":  # tinygemm, the int4 kernel before the W4A16 GEMM
         q = i4.q.to(device)
         tp = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
@@ -175,7 +181,7 @@ def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float, emit, sweep
             bf16_ms = _time([lambda d=d: F.linear(x, d) for d in dense], device, 3 if smoke else 20)
             rec = dict(part="gemm", shape=name, n=n, k=k, m=m, cfg=list(cfg), bf16_us=round(bf16_ms * 1e3, 2))
             for lay in layouts[0]:
-                if lay == "ref":
+                if lay == "ref" or (lay == "awq_dense" and m < 64 and not smoke):
                     continue
                 fns = [lambda L=L: L[lay][0](x, cfg) for L in layouts]
                 try:
@@ -283,7 +289,7 @@ def main() -> None:
         if r["part"] == "gemm":
             cols = [f"{lay} {r[lay + '_us']} us ({r[lay + '_of_copy_bw']:.0%} bw, x{r[lay + '_speedup_vs_bf16']}"
                     f"{', err ' + str(r[lay + '_rel_err']) if lay + '_rel_err' in r else ''})"
-                    for lay in ("int4", "awq", "gptq", "tinygemm") if lay + "_us" in r]
+                    for lay in ("int4", "awq", "gptq", "tinygemm", "awq_dense") if lay + "_us" in r]
             print(f"gemm     {r['shape']:<8} m={r['m']:<4} bf16 {r['bf16_us']} us | " + " | ".join(cols)
                   + f" | cfg {tuple(r['cfg'])}")
         elif r["part"] == "offline":
