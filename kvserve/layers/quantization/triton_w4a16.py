@@ -86,8 +86,9 @@ def default_int4_kernel() -> str:
     return "w4a16" if BEATS_TINYGEMM else "tinygemm"
 
 
-#: ``(M bucket, N, K) -> Config`` measured on an H200 (``benchmarks/gpu_w4a16.py --sweep`` prints the best
-#: per shape as ``TUNED`` lines); shapes missing here use ``_heuristic``.
+#: ``(M bucket, N, K) -> Config`` measured on an H200: ``benchmarks/gpu_w4a16.py --sweep`` (run.sh part
+#: ``int4-gemm``) prints the best per shape as ``TUNED (b, n, k): Config(...),`` lines (and records them in
+#: its JSON, ``part: tuned``) to paste here without the ``TUNED`` word. Shapes missing here use ``_heuristic``.
 TUNED: dict[tuple[int, int, int], Config] = {}
 
 
