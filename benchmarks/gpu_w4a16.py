@@ -166,6 +166,9 @@ def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float, emit, sweep
     t0 = time.monotonic()
     share = [0.4, 0.2, 0.2, 0.2][: len(ms_list)]  # of sweep_s per M, cumulative (time left over carries on)
     tuned = {}
+    tuned_rec = dict(part="tuned", table={})  # filled in as the sweep goes (a time limit keeps what is done)
+    if sweep:
+        emit(tuned_rec)
     for mi, m in enumerate(ms_list):
         deadline = t0 + (sweep_s if not smoke else 0.0) * sum(share[: mi + 1]) / sum(share)
         for name, (n, k) in shapes.items():
@@ -178,6 +181,8 @@ def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float, emit, sweep
                     emit(r)
                 cfg = best or cfg
                 tuned[(tw.m_bucket(m), n, k)] = cfg
+                tuned_rec["table"][f"{tw.m_bucket(m)},{n},{k}"] = list(cfg)
+                print(f"TUNED ({tw.m_bucket(m)}, {n}, {k}): Config{tuple(cfg)},", flush=True)
             bf16_ms = _time([lambda d=d: F.linear(x, d) for d in dense], device, 3 if smoke else 20)
             rec = dict(part="gemm", shape=name, n=n, k=k, m=m, cfg=list(cfg), bf16_us=round(bf16_ms * 1e3, 2))
             for lay in layouts[0]:
@@ -206,7 +211,7 @@ def gemm_part(device: str, smoke: bool, sweep: bool, copy_bw: float, emit, sweep
     if device == "cuda":
         torch.cuda.empty_cache()
     if tuned:
-        emit(dict(part="tuned", table={f"{b},{n},{k}": list(c) for (b, n, k), c in tuned.items()}))
+        print("TUNED table (triton_w4a16.TUNED):")
         for (b, n, k), c in tuned.items():
             print(f"TUNED ({b}, {n}, {k}): Config{tuple(c)},")
 
@@ -297,6 +302,8 @@ def main() -> None:
                                                      f"({r['requests']} x {r['isl']}/{r['osl']})"))
         elif r["part"] == "copy":
             print(f"copy     {r['copy_gb_s']} GB/s")
+        elif r["part"] == "tuned":
+            print(f"tuned    {len(r['table'])} (M bucket, N, K) entries (JSON: part tuned)")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/gpu_kv_quant.py --out "$d" --parts step,b1 --dtypes bfloat16,fp8_e4m3,int8,int4,int2
       py $B/gpu_kv_quant.py --out "$d" --parts w1 --dtypes bfloat16,fp8_e4m3,int4 ;;
     weight-quant) py $B/gpu_weight_quant.py --out "$d" --parts kernels,w2 --formats bf16,fp8,int4,int4@triton ;;
-    int4-gemm) py $B/gpu_w4a16.py --out "$d" --parts gemm --sweep --sweep-s 60 ;;
+    int4-gemm) py $B/gpu_w4a16.py --out "$d" --parts gemm --sweep --sweep-s 50 ;;
     int4-w2)  # batch 1: max_num_seqs=4 captures 3 graphs, not 35 (the batch-1 step is the same)
       local w2a="--workload w2 --engine-arg max_num_seqs=4"
       for q in int4 awq gptq; do
