@@ -50,6 +50,7 @@ CASES = [
     (32, 256, 32, tw.ZP_INT, 4, 17, C(16, 16, split=2, reduce=1)),  # two M tiles, separate reduce
     (24, 128, 64, tw.ZP_SYM, 8, 16, C(16, 16)),  # 8 bits, tl.dot
     (16, 256, 128, tw.ZP_FLOAT, 4, 1, C(1, 16, split=2, reduce=1)),
+    (24, 128, 128, tw.ZP_INT, 4, 1, C(16, 16)),  # M = 1 on the tl.dot tiles (padded to 16)
 ]
 
 

@@ -343,7 +343,7 @@ def gemm_config(m: int, n: int, k: int, bits: int = 4) -> Config:
     """The ``Config`` for one shape: ``TUNED[(m_bucket(m), n, k)]`` (4 bits) when measured, else ``_heuristic``."""
     if bits == 4:
         cfg = TUNED.get((m_bucket(m), n, k))
-        if cfg is not None and (cfg.block_m == 1) == (m == 1):
+        if cfg is not None and (cfg.block_m > 1 or m == 1):  # M = 1 may also run the tl.dot tiles (padded)
             return cfg
     return _heuristic(m, n, k, bits)
 
@@ -392,8 +392,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = Config(*config) if config is not None else gemm_config(m, n, k, bits)
-    if (cfg.block_m == 1) != (m == 1) and cfg.block_m < 16:
-        raise ValueError(f"w4a16 gemm: block_m {cfg.block_m} serves M = 1 only (M = {m})")
+    if cfg.block_m == 1 and m > 1 or 1 < cfg.block_m < 16:
+        raise ValueError(f"w4a16 gemm: block_m is 1 (M = 1 only) or >= 16, got {cfg.block_m} for M = {m}")
     n_blocks = triton.cdiv(k, block_rows(bits))
     bps = triton.cdiv(triton.cdiv(n_blocks, cfg.split), cfg.nb) * cfg.nb  # whole NB steps per split
     split = triton.cdiv(n_blocks, bps)  # no empty splits
