@@ -85,6 +85,14 @@ def test_gemm_matches_float_reference(n, k, g, zp, bits, m, cfg):
                                atol=2e-2 if DT == torch.bfloat16 else 1e-4)
 
 
+def test_qweight_packed_from_a_longer_k():
+    """``int4`` pads K to a group multiple before packing (group 256 > K = 100): the GEMM reads the first K."""
+    w, s, z, ge, ref_w, _ = _case(16, 256, 256, tw.ZP_FLOAT)
+    x = torch.randn(1, 100)
+    y = tw.gemm(x.to(DEV).to(DT), w.to(DEV), s.to(DEV), z.to(DEV), 16, ge, 4, tw.ZP_FLOAT, config=tw.Config(1, 16))
+    torch.testing.assert_close(y.float().cpu(), x.to(DT).float() @ ref_w[:, :100].T, rtol=1e-2, atol=1e-2)
+
+
 def test_dequantize_is_exact():
     w, s, z, ge, ref_w, _ = _case(24, 96, 32, tw.ZP_INT)
     assert torch.equal(tw.dequantize(w.to(DEV), s.to(DEV), z.to(DEV), 24, 96, ge, 4, tw.ZP_INT, torch.float32).cpu(),
@@ -97,6 +105,8 @@ def test_m_above_max_and_bad_group_are_errors():
         tw.gemm(torch.zeros(257, 128), w, s, z, 16, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         tw.gemm(torch.zeros(1, 128), w, s, z, 16, 24)
+    with pytest.raises(ValueError, match=r"qweight must be int32 \[16, 16\]"):
+        tw.gemm(torch.zeros(1, 128), w[:, :8], s, z, 16, 32)
 
 
 def test_packed_group_quant_cpu_uses_int4pack_and_matches():

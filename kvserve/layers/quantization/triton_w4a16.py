@@ -33,7 +33,8 @@ small side, padded to 16; each weight is dequantized to the activation dtype (on
 as Marlin does, and the 16-feature planes are the MMA's K steps.
 
 Parallelism: one program per ``BLOCK_N`` outputs x ``BLOCK_M`` rows x K split. Every weight is read by one
-program when M <= BLOCK_M. Split K: float32 partials ``[S, M, N]``; the last program of a tile to finish
+program when M <= BLOCK_M. The K loop is software-pipelined (``tl.range(num_stages=)``): weight tiles stream
+into shared memory by cp.async ``stages - 1`` steps ahead. Split K: float32 partials ``[S, M, N]``; the last program of a tile to finish
 (an atomic counter per tile) sums them in split order, adds the bias and writes ``y`` (deterministic: the
 order is fixed; the counters reset themselves, so the kernel is CUDA-graph safe; ``REDUCE = 1`` uses a
 separate reduce kernel instead). Above ``MAX_M`` callers dequantize (``dequantize``) and use cuBLAS.
@@ -63,8 +64,8 @@ class Config(NamedTuple):
     """One launch configuration. ``block_m`` 1: the FMA path (M = 1); 16..128: ``tl.dot``. ``nb``: 16-word
     blocks loaded per loop step per row (bytes in flight); ``split``: K splits (1: none); ``warps``:
     Triton's ``num_warps``; ``stages``: the K loop's software-pipeline depth (``tl.range(num_stages=)``: the
-    weight tiles stream through shared memory with cp.async; 1: plain loads); ``reduce``: 0 in-kernel split-K reduce, 1 a separate
-    reduce kernel."""
+    weight tiles stream through shared memory with cp.async; 1: plain loads); ``reduce``: 0 in-kernel
+    split-K reduce, 1 a separate reduce kernel."""
 
     block_m: int
     block_n: int
@@ -142,7 +143,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, lock_ptr, M, 
                   SPLIT: tl.constexpr, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr,
                   WIDEN: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr = "tf32"):
     # PPG: planes (16-feature K-slices) per group within a block; GPB: groups per block (PPG * GPB = PACK).
-    # KW: int32 words per weight row (Kp / PACK; a 16-row strip is 16 * KW words); exp: (127 + BITS) << 23. Accumulators are transposed, [BLOCK_N, BLOCK_M] (y^T = W x^T).
+    # KW: int32 words per weight row (Kp / PACK; a 16-row strip is 16 * KW words); exp: (127 + BITS) << 23.
+    # Accumulators are transposed, [BLOCK_N, BLOCK_M] (y^T = W x^T).
     PACK: tl.constexpr = 32 // BITS
     KB: tl.constexpr = 16 * PACK
     SYM_Z: tl.constexpr = 1 << (BITS - 1)
@@ -386,9 +388,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     if group_size % 16:
         raise ValueError(f"w4a16 gemm: group size {group_size} must be a multiple of 16")
     kw = padded_k(k, bits) // (32 // bits)
-    if tuple(w.shape) != (padded_n(n), kw):
-        raise ValueError(f"w4a16 gemm: qweight must be int32 [{padded_n(n)}, {kw}] (Np, Kp / {32 // bits}), got "
-                         f"{tuple(w.shape)}")
+    if w.dim() != 2 or w.shape[0] != padded_n(n) or w.shape[1] < kw or w.shape[1] % 16:
+        raise ValueError(f"w4a16 gemm: qweight must be int32 [{padded_n(n)}, {kw}] (Np, Kp / {32 // bits}; wider "
+                         f"if packed from a K padded further), got {tuple(w.shape)}")
+    kw = w.shape[1]
     if x.stride(-1) != 1:
         x = x.contiguous()
     cfg = Config(*config) if config is not None else gemm_config(m, n, k, bits)
