@@ -46,8 +46,8 @@ w3-ttft:300:W3 per-request TTFT of a prefix hit vs cold, and the 0%-hit cost (w3
 kv-quant-kernel:120:quantized-KV decode kernel alone per dtype vs bf16, GB/s (gpu_kv_quant.py kernel)
 kv-quant-engine:300:quantized-KV decode step b64 x 8k, batch-1 decode and W1 per dtype (gpu_kv_quant.py)
 weight-quant:240:quantized weights: linear kernels and W2 per format vs roofline (gpu_weight_quant.py)
-int4-gemm:240:W4A16 GEMM alone at the 8B projections, M 1..256, vs bf16 and tinygemm, GB/s vs copy (gpu_w4a16.py)
-int4-w2:480:W2 batch-1 decode, 8B shape: bf16, fp8, int4, awq, gptq (dummy layouts), int4 on tinygemm (workloads.py)
+int4-gemm:150:W4A16 GEMM alone at the 8B projections, M 1..256, tuned per shape, vs bf16 and tinygemm, GB/s vs copy (gpu_w4a16.py)
+int4-w2:200:W2 batch-1 decode, 8B shape: int4, awq, gptq on the Triton W4A16 GEMM, int4 on tinygemm, bf16 (workloads.py)
 int4-offline:580:offline ISL/OSL 1000/1000, 8B shape, 256 requests: int4 vs bf16 vs fp8 (gpu_w4a16.py)
 int4-moe:140:GPTQ INT4 experts vs bf16, Qwen3-30B-A3B shape: fused MoE kernel T=1..256, batch-1 ms/token, batch-64 tok/s (gpu_int4_moe.py)
 spec:510:speculative decoding: verify-step cost, batch-1 speedups, W1-like load, EAGLE-3 draft steps eager vs CUDA graphs, tree verify cost (gpu_spec.py; SPEC_PARTS picks)
@@ -159,15 +159,18 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py $B/gpu_kv_quant.py --out "$d" --parts step,b1 --dtypes bfloat16,fp8_e4m3,int8,int4,int2
       py $B/gpu_kv_quant.py --out "$d" --parts w1 --dtypes bfloat16,fp8_e4m3,int4 ;;
     weight-quant) py $B/gpu_weight_quant.py --out "$d" --parts kernels,w2 --formats bf16,fp8,int4,int4@triton ;;
-    int4-gemm) py $B/gpu_w4a16.py --out "$d" --parts gemm --sweep ;;
-    int4-w2)
-      for q in none fp8 int4 awq gptq; do
-        local ea=""; [ "$q" != none ] && ea="--engine-arg quantization=$q"
+    int4-gemm) py $B/gpu_w4a16.py --out "$d" --parts gemm --sweep --sweep-s 50 ;;
+    int4-w2)  # batch 1: max_num_seqs=4 captures 3 graphs, not 35 (the batch-1 step is the same)
+      local w2a="--workload w2 --engine-arg max_num_seqs=4"
+      for q in int4 awq gptq; do
         # shellcheck disable=SC2086
-        py $B/workloads.py --workload w2 $ea --out "$d/w2_$q.json"
+        KVSERVE_INT4_KERNEL=w4a16 py $B/workloads.py $w2a --engine-arg quantization=$q --out "$d/w2_$q.json"
       done
-      KVSERVE_INT4_KERNEL=tinygemm py $B/workloads.py --workload w2 --engine-arg quantization=int4 \
-        --out "$d/w2_int4_tinygemm.json" ;;
+      # shellcheck disable=SC2086
+      KVSERVE_INT4_KERNEL=tinygemm py $B/workloads.py $w2a --engine-arg quantization=int4 \
+        --out "$d/w2_int4_tinygemm.json"
+      # shellcheck disable=SC2086
+      py $B/workloads.py $w2a --out "$d/w2_none.json" ;;
     int4-offline) py $B/gpu_w4a16.py --out "$d" --parts offline --formats int4,bf16,fp8 --offline-deadline 380 ;;
     int4-moe) py $B/gpu_int4_moe.py --out "$d" --deadline $(( ${LIMIT:-90} - 5 )) ;;
     spec) for s in ${SPEC_PARTS:-verify batch1 load draft tree}; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;

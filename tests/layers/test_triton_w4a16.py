@@ -38,25 +38,38 @@ def _case(n, k, g, zp, bits=4, seed=0):
     return tw.pack(q, bits), s, z, ge, w, q
 
 
-# (n, k, group, zero convention, bits, m, split config): tiny shapes, each group size and convention covered
+C = tw.Config
+# (n, k, group, zero convention, bits, m, config): tiny shapes, each group size and convention covered; M = 1
+# (FMA) and M >= 16 (tl.dot), K split with the in-kernel and the separate reduce
 CASES = [
-    (24, 96, 32, tw.ZP_INT, 4, 1, None),  # K not a multiple of the 128-row block
-    (40, 256, 64, tw.ZP_FLOAT, 4, 3, (16, 16, 2, 4)),  # N not a multiple of BLOCK_N, K split
-    (32, 256, 128, tw.ZP_SYM, 4, 1, (1, 16, 2, 4)),
+    (24, 96, 32, tw.ZP_INT, 4, 1, C(1, 32)),  # K not a multiple of the 128-feature block
+    (40, 256, 64, tw.ZP_FLOAT, 4, 3, C(16, 16, split=2)),  # N not a multiple of BLOCK_N, K split (in-kernel reduce)
+    (32, 384, 128, tw.ZP_SYM, 4, 1, C(1, 16, nb=2, split=2)),  # 2 blocks per step, the last split's 2nd masked
     (16, 160, -1, tw.ZP_INT, 4, 5, None),  # per channel
     (24, 128, 32, tw.ZP_INT, 8, 2, None),  # 8 bits (GPTQ)
+    (32, 256, 32, tw.ZP_INT, 4, 17, C(16, 16, split=2, reduce=1)),  # two M tiles, separate reduce
+    (24, 128, 64, tw.ZP_SYM, 8, 16, C(16, 16)),  # 8 bits, tl.dot
+    (16, 256, 128, tw.ZP_FLOAT, 4, 1, C(1, 16, split=2, reduce=1)),
+    (24, 128, 128, tw.ZP_INT, 4, 1, C(16, 16)),  # M = 1 on the tl.dot tiles (padded to 16)
 ]
 
 
 def test_pack_round_trips():
     q = torch.randint(0, 16, (8, 200), dtype=torch.uint8)
-    assert torch.equal(tw.unpack(tw.pack(q, 4), 4, 200), q)
-    q8 = torch.randint(0, 256, (8, 70), dtype=torch.uint8)
-    assert torch.equal(tw.unpack(tw.pack(q8, 8), 8, 70), q8)
-    # field j of word row 16b + r holds row 128b + 16j + r
-    j = (torch.arange(256) // 16 % 8).to(torch.uint8)  # the field each row must land in
-    p = tw.pack(j[None].expand(2, -1).contiguous(), 4)
-    assert p.shape == (32, 2) and (p == 0x76543210).all()
+    assert torch.equal(tw.unpack(tw.pack(q, 4), 4, 200, 8), q)
+    q8 = torch.randint(0, 256, (20, 70), dtype=torch.uint8)
+    assert torch.equal(tw.unpack(tw.pack(q8, 8), 8, 70, 20), q8)
+    # row n, block b, word r: field j holds feature 128b + 16j + r; stored by 16-row strips, then block,
+    # then row in the strip, then r (a strip's block is 1 KiB contiguous)
+    n, k = 40, 256
+    qq = ((torch.arange(n)[:, None] + torch.arange(k)[None, :] // 16) % 16).to(torch.uint8)  # (n + 8b + j) % 16
+    p = tw.pack(qq, 4)
+    assert p.shape == (48, 32)
+    flat = p.flatten()
+    for row, b, r in ((0, 0, 0), (5, 1, 3), (17, 0, 15), (33, 1, 9)):
+        word = int(flat[((row // 16) * 2 + b) * 256 + (row % 16) * 16 + r]) & 0xFFFFFFFF
+        assert [(word >> (4 * j)) & 15 for j in range(8)] == [(row + 8 * b + j) % 16 for j in range(8)]
+    assert (flat[((40 // 16) * 2) * 256 + (40 % 16) * 16:][: 16 * 8] == 0).all()  # padded rows 40..47: zeros
 
 
 @pytest.mark.parametrize("n,k,g,zp,bits,m,cfg", CASES)
@@ -72,6 +85,14 @@ def test_gemm_matches_float_reference(n, k, g, zp, bits, m, cfg):
                                atol=2e-2 if DT == torch.bfloat16 else 1e-4)
 
 
+def test_qweight_packed_from_a_longer_k():
+    """``int4`` pads K to a group multiple before packing (group 256 > K = 100): the GEMM reads the first K."""
+    w, s, z, ge, ref_w, _ = _case(16, 256, 256, tw.ZP_FLOAT)
+    x = torch.randn(1, 100)
+    y = tw.gemm(x.to(DEV).to(DT), w.to(DEV), s.to(DEV), z.to(DEV), 16, ge, 4, tw.ZP_FLOAT, config=tw.Config(1, 16))
+    torch.testing.assert_close(y.float().cpu(), x.to(DT).float() @ ref_w[:, :100].T, rtol=1e-2, atol=1e-2)
+
+
 def test_dequantize_is_exact():
     w, s, z, ge, ref_w, _ = _case(24, 96, 32, tw.ZP_INT)
     assert torch.equal(tw.dequantize(w.to(DEV), s.to(DEV), z.to(DEV), 24, 96, ge, 4, tw.ZP_INT, torch.float32).cpu(),
@@ -84,6 +105,8 @@ def test_m_above_max_and_bad_group_are_errors():
         tw.gemm(torch.zeros(257, 128), w, s, z, 16, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         tw.gemm(torch.zeros(1, 128), w, s, z, 16, 24)
+    with pytest.raises(ValueError, match=r"qweight must be int32 \[16, 16\]"):
+        tw.gemm(torch.zeros(1, 128), w[:, :8], s, z, 16, 32)
 
 
 def test_packed_group_quant_cpu_uses_int4pack_and_matches():
@@ -106,30 +129,31 @@ def test_packed_group_quant_cpu_uses_int4pack_and_matches():
         torch.testing.assert_close(p.matmul(x), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
-
 _COMPILE = """
 import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
 from kvserve.layers.quantization import triton_w4a16 as tw
-for bm, zp in ((1, tw.ZP_INT), (16, tw.ZP_FLOAT)):
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp == tw.ZP_INT else "*bf16",
-           "b_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-           "stride_ym": "i32", "n_blocks": "i32", "blocks_per_split": "i32"}
-    consts = dict(BITS=4, GROUP=128, PPG=8, GPB=1, ZP=zp, BLOCK_M=bm, BLOCK_N=64, SPLIT=True, HAS_BIAS=False,
-                  WIDEN=False, EVEN_K=True, PREC="tf32")
-    sig.update({k: "constexpr" for k in consts})
-    k = triton.compile(ASTSource(fn=tw._w4a16_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert k.asm["cubin"]
+bm, zp = ((1, tw.ZP_INT), (16, tw.ZP_FLOAT))[int(sys.argv[1])]
+sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8" if zp == tw.ZP_INT else "*bf16",
+       "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
+       "K": "i32", "KW": "i32", "stride_xm": "i32", "stride_ym": "i32", "n_blocks": "i32",
+       "blocks_per_split": "i32", "n_split": "i32", "exp": "i32"}
+consts = dict(BITS=4, GROUP=128, PPG=8, GPB=1, ZP=zp, BLOCK_M=bm, BLOCK_N=64, NB=2, SPLIT=True, REDUCE=0,
+              HAS_BIAS=False, WIDEN=False, EVEN_K=True, STAGES=2, PREC="tf32")
+sig.update({k: "constexpr" for k in consts})
+k = triton.compile(ASTSource(fn=tw._w4a16_kernel, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+assert k.asm["cubin"]
 print("COMPILED")
 """
 
 
 def test_compiles_for_hopper_without_a_gpu():
     """The interpreter accepts code the compiler rejects (constexpr rules, types): compile the FMA (M = 1) and
-    tl.dot variants for sm_90 offline, in a child process without ``TRITON_INTERPRET``."""
+    tl.dot variants (pipelined K loop, split-K with its in-kernel reduce) for sm_90 offline, in two child
+    processes at once without ``TRITON_INTERPRET``."""
     import os
     import subprocess
     import sys
@@ -137,8 +161,11 @@ def test_compiles_for_hopper_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("the CUDA tests above compile and run it")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    if "CompilationError" in p.stderr or "COMPILED" in p.stdout:
-        assert "COMPILED" in p.stdout, p.stderr[-3000:]
-    else:  # no offline compile API / ptxas in this Triton build: not the kernel's fault
-        pytest.skip(f"offline compile unavailable: {p.stderr[-300:]}")
+    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE, str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        if "CompilationError" in err or "COMPILED" in out:
+            assert "COMPILED" in out, err[-3000:]
+        else:  # no offline compile API / ptxas in this Triton build: not the kernel's fault
+            pytest.skip(f"offline compile unavailable: {err[-300:]}")

@@ -3,9 +3,9 @@
 ``GroupQuantWeight`` is the loaders' canonical form (``model_loader.gptq_awq``): ``w = (q - z) * s`` per
 group of input features, 4 or 8 bits. ``PackedGroupQuant`` places it for a device:
 
-* CUDA, 4 bits in bfloat16: tinygemm (``PackedInt4``, as ``--quantization int4``: faster than the Triton
-  GEMM at M = 1 on an H200); ``KVSERVE_INT4_KERNEL=w4a16`` (and 8 bits, other dtypes): the Triton
-  W4A16/W8A16 GEMM (``triton_w4a16``) for M <= 256, its dequantization + cuBLAS above;
+* CUDA, 4 bits in bfloat16: the kernel ``kernels.int4_kernel`` names (as ``--quantization int4``): tinygemm
+  (``PackedInt4``) or the Triton W4A16/W8A16 GEMM (``triton_w4a16``), whichever measured faster; 8 bits and
+  other dtypes: the Triton GEMM. It serves M <= 256, its dequantization + cuBLAS above;
 * CPU, 4 bits: PyTorch's int4pack kernel (``PackedInt4``: ``w = q * s + m`` with ``m = -z * s``, exact in
   float32; per-channel scales repeated over groups of 128/64/32); 8 bits: ``_weight_int8pack_mm`` when
   symmetric per channel, else the dequantized weight (correct, not smaller).
@@ -16,14 +16,13 @@ Activation order (GPTQ ``desc_act``): the loader sorts K by group (``perm``) so 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.quantization.kernels import Int4Weight, PackedInt4, PackedInt8
+from kvserve.layers.quantization.kernels import Int4Weight, PackedInt4, PackedInt8, int4_kernel
 
 #: group sizes the loaders accept (-1: one group per output channel)
 GROUP_SIZES = (32, 64, 128, 256, -1)
@@ -99,8 +98,7 @@ class PackedGroupQuant:
         self.cuda_triton = False  # the Triton W4A16/W8A16 layout (else int4pack / int8pack / dense)
         self.int4 = self.int8 = None
         self.dense = None
-        tinygemm = (w.bits == 4 and dtype == torch.bfloat16
-                    and os.environ.get("KVSERVE_INT4_KERNEL", "tinygemm") == "tinygemm")
+        tinygemm = w.bits == 4 and dtype == torch.bfloat16 and self.cuda and int4_kernel() == "tinygemm"
         if self.cuda and not tinygemm:
             self._init_triton(w, device, dtype)
             self.cuda_triton = True
@@ -123,13 +121,14 @@ class PackedGroupQuant:
         from kvserve.layers.quantization import triton_w4a16 as tw
 
         kb = tw.block_rows(w.bits)
-        kp = -(-self.k // kb) * kb
+        kp = tw.padded_k(self.k, w.bits)
         g = kp if w.group_size == self.k and self.k % kb else w.group_size  # per channel: one group of Kp
         n_groups = -(-kp // g)
         pad = n_groups - w.scale.shape[1]
         scale = F.pad(w.scale.float(), (0, pad)).t().contiguous()
         sdt = torch.float16 if torch.equal(scale.half().float(), scale) else dtype
         self.qweight = tw.pack(w.q, w.bits).to(device)
+        tw.workspace(device)  # split-K counters allocated now, not under CUDA-graph capture
         self.scales = scale.to(device, sdt)
         self.group_size = g
         if w.zero is None:

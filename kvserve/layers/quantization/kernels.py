@@ -10,10 +10,9 @@ features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernel
 ``w = (q - 8) * scale + zero``, so ``zero = min + 8 * scale`` (exact algebra; the one rounding
 is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
 
-On CUDA, INT4 runs tinygemm (``_weight_int4pack_mm``): on an H200 it is 1.6-1.8x bf16 at M = 1, where
-the Triton W4A16 GEMM of ``triton_w4a16`` reaches 0.9-1.35x (benchmarks/results/weight_quant/); the
-Triton GEMM (faster than tinygemm from M = 16) is selected with ``KVSERVE_INT4_KERNEL=w4a16`` (read at
-load), the Triton GEMV with ``KVSERVE_TRITON_GEMV``.
+On CUDA, INT4 runs tinygemm (``_weight_int4pack_mm``) or the Triton W4A16 GEMM of ``triton_w4a16``,
+whichever measured faster end to end (``int4_kernel``: ``triton_w4a16.BEATS_TINYGEMM``, overridden by
+``KVSERVE_INT4_KERNEL=w4a16|tinygemm``, read at load); the Triton GEMV with ``KVSERVE_TRITON_GEMV``.
 On CUDA, M <= ``triton_gemv.MAX_M`` (decode) runs the Triton weight-only GEMV of ``triton_gemv``
 for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, "1" adds INT4, "0"
 restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
@@ -132,12 +131,13 @@ class PackedInt4:
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
         self.triton = _use_triton(device, "int4")
-        self.w4a16 = cuda and not self.triton and os.environ.get("KVSERVE_INT4_KERNEL", "tinygemm") == "w4a16"
+        self.w4a16 = cuda and not self.triton and int4_kernel() == "w4a16"
         if self.w4a16:  # triton_w4a16 layout, float minima (ZP_FLOAT); scales/minima [Kp / g, N]
             from kvserve.layers.quantization import triton_w4a16 as tw
 
             self.packed = tw.pack(w.q.to(device), 4)
-            n_groups = -(-(self.packed.shape[0] * 8) // g)
+            tw.workspace(device)  # split-K counters allocated now, not under CUDA-graph capture
+            n_groups = -(-tw.padded_k(k_q, 4) // g)
             sdt = torch.float16 if all(torch.equal(t.half().float(), t.float()) for t in (w.scale, w.min)) else dtype
             pad = n_groups - w.scale.shape[1]
             self.scale_t = F.pad(w.scale.float(), (0, pad)).t().contiguous().to(device, sdt)
@@ -193,6 +193,17 @@ class PackedInt4:
         if self.triton or self.w4a16:
             return [self.packed, self.scale_t, self.min_t]
         return [self.packed, self.scales_and_zeros]
+
+
+def int4_kernel() -> str:
+    """The CUDA INT4 kernel: ``KVSERVE_INT4_KERNEL`` (``w4a16`` | ``tinygemm``, read at load), else the measured
+    default (``triton_w4a16.default_int4_kernel``)."""
+    env = os.environ.get("KVSERVE_INT4_KERNEL")
+    if env:
+        return env
+    from kvserve.layers.quantization import triton_w4a16 as tw
+
+    return tw.default_int4_kernel()
 
 
 class PackedInt8:
