@@ -65,7 +65,7 @@ class GroupQuantExperts:
         sym = all(w.zero is None for w in experts)
         zeros = None if sym else torch.empty(e, n_groups, self.n, dtype=torch.uint8, device=device)
         for i, w in enumerate(experts):
-            self.qweight[i] = tw.pack(w.q.to(device), self.bits)
+            self.qweight[i] = pack_k_major(w.q.to(device), self.bits)
             scales[i] = F.pad(w.scale.to(device, torch.float32), (0, pad)).t()
             if zeros is not None:
                 zeros[i] = F.pad(w.zeros().to(device), (0, pad)).t().to(torch.uint8)
@@ -85,9 +85,7 @@ class GroupQuantExperts:
 
     def dequantize(self, e: int) -> torch.Tensor:
         """Expert ``e`` as float32 ``[N, K]`` in the model's input order: ``(q - z) * s`` (``perm`` undone)."""
-        from kvserve.layers.quantization import triton_w4a16 as tw
-
-        q = tw.unpack(self.qweight[e], self.bits, self.kp).float()  # [N, Kp]
+        q = unpack_k_major(self.qweight[e], self.bits, self.kp).float()  # [N, Kp]
         s = self.scales[e].float().t().repeat_interleave(self.group_size, 1)
         z = (self.zeros[e].float().t().repeat_interleave(self.group_size, 1) if self.zeros is not None
              else float(1 << (self.bits - 1)))
@@ -108,6 +106,30 @@ class GroupQuantExperts:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def pack_k_major(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` uint8 ``[N, K]`` (values < 2^bits) -> int32 ``[Kp / (32 / bits), N]``, the experts' layout: blocks
+    of ``KB = 16 * (32 / bits)`` input rows; word row ``16 * b + r`` holds in its field ``j`` (bits
+    ``bits * j ...``) ``q[k = KB * b + 16 * j + r, n]``, so a ``[16, BLOCK_N]`` tile unpacks field by field
+    into contiguous 16-row K slices (one ``tl.dot`` K-step each). K is zero-padded to a multiple of KB."""
+    n, k = q.shape
+    per, kb = 32 // bits, 16 * (32 // bits)
+    kp = -(-k // kb) * kb
+    qp = F.pad(q.to(torch.int64), (0, kp - k))
+    v = qp.reshape(n, kp // kb, per, 16).permute(1, 3, 0, 2)  # [N, blocks, field j, row r] -> [blocks, r, N, j]
+    words = (v << (torch.arange(per, dtype=torch.int64, device=q.device) * bits)).sum(-1)  # disjoint fields
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
+    return words.reshape(kp // per, n).to(torch.int32).contiguous()
+
+
+def unpack_k_major(w: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of ``pack_k_major``: int32 ``[Kp / (32 / bits), N]`` -> uint8 ``[N, k]``."""
+    per, kb = 32 // bits, 16 * (32 // bits)
+    n, kp = w.shape[1], w.shape[0] * per
+    shifts = torch.arange(per, dtype=torch.int32, device=w.device) * bits
+    v = (w.reshape(kp // kb, 16, n)[..., None] >> shifts) & ((1 << bits) - 1)  # [blocks, r, N, j]
+    return v.permute(2, 0, 3, 1).reshape(n, kp)[:, :k].to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
