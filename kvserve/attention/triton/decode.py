@@ -42,6 +42,8 @@ several the reduce kernel adds ``2^(sink - max)`` to the combined denominator on
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -49,9 +51,9 @@ import triton.language as tl
 from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
                                                kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
-                                               load_k_tile, load_scales, load_v_tile, merge_lanes, prepare_query,
-                                               pv_update, hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
-                                               use_lane_split, use_unpack)
+                                               kv_tile_offsets, load_k_tile, load_scales, load_v_tile, merge_lanes,
+                                               prepare_query, pv_update, hadamard_rotate, scaled_scores, split_lanes,
+                                               use_fast_cvt, use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
@@ -77,7 +79,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
-    UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False,
+    UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -162,7 +164,10 @@ def _decode_split_kernel(
         n_mask = pos < end_q
         if USE_WINDOW:
             n_mask = n_mask & (pos >= kv_lo)
-        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
+        if PAGE_TILE:  # one block-table entry per page of the tile
+            row_off = kv_tile_offsets(bt_row, n0, end_q, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
+        else:
+            row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
         if LANES == 1:
             k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
                             FAST_CVT)
@@ -274,18 +279,92 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,
+    waves: int = 2, max_splits: int = 32,
 ) -> int:
-    """Splits per request so that ~2 waves of programs cover ``num_sms`` SMs.
+    """Splits per request so that ~``waves`` waves of programs cover ``num_sms`` SMs.
 
-    At most one split per ``block_n`` keys of the longest request, and at most 32. (More
-    splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
+    At most one split per ``block_n`` keys of the longest request, and at most ``max_splits``.
+    (More splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
     64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_kv_quant.py times ``num_splits=1``.)
     """
     programs = max(1, num_reqs * num_kv_heads)
-    want = triton.cdiv(2 * num_sms, programs)
+    want = triton.cdiv(waves * num_sms, programs)
     cap = max(1, triton.cdiv(max_seq_len, block_n))
-    return max(1, min(want, cap, 32))
+    return max(1, min(want, cap, max_splits))
+
+
+class DecodeConfig(NamedTuple):
+    """One launch configuration of ``_decode_split_kernel``: the tile (``block_n`` keys per
+    step, ``num_warps``, ``num_stages`` of software pipelining), ``page_tile`` (block-table
+    entries read once per page of the tile, ``kv_tile_offsets``, instead of once per key), and
+    the split rule (``choose_num_splits``'s ``waves`` and ``max_splits``)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    page_tile: bool = False
+    waves: int = 2
+    max_splits: int = 32
+
+
+#: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
+#: keyed by ``(kv bytes per element, programs bucket)``; the bucket compares the
+#: (request, KV head) programs with the SM count (``programs_bucket``): "few" (< SMs: the keys
+#: are split), "mid" (< 8 x SMs, e.g. batch 64 x 8 KV heads), "many" (batch 512). Under CUDA
+#: graphs the batch is the captured size, so each graph has one config. Chosen from the
+#: ``decode-kernel`` sweep (benchmarks/gpu_decode_kernel.py; docs/benchmarks/decode-kernel.md).
+DECODE_CONFIGS: dict[tuple[int, str], DecodeConfig] = {
+    (2, "few"): DecodeConfig(64, 4, 2),
+    (2, "mid"): DecodeConfig(64, 4, 2),
+    (2, "many"): DecodeConfig(64, 4, 2),
+    (1, "few"): DecodeConfig(64, 2, 5),
+    (1, "mid"): DecodeConfig(64, 2, 5),
+    (1, "many"): DecodeConfig(64, 2, 5),
+}
+
+
+def programs_bucket(num_decodes: int, num_kv_heads: int, num_sms: int) -> str:
+    """``DECODE_CONFIGS``' programs bucket of a batch: "few", "mid" or "many"."""
+    programs = num_decodes * num_kv_heads
+    return "few" if programs < num_sms else ("mid" if programs < 8 * num_sms else "many")
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int, lane_split: bool,
+                  unpack: int, num_decodes: int, num_kv_heads: int, num_sms: int) -> DecodeConfig:
+    """The launch config of a batch: ``DECODE_CONFIGS`` where it applies, else ``_config``'s
+    tile with the default split rule."""
+    bucket = programs_bucket(num_decodes, num_kv_heads, num_sms)
+    if not interpret and head_dim <= 128 and dtype != torch.float32 and kv_fmt <= 3:
+        return DECODE_CONFIGS[(1 if kv_fmt else 2, bucket)]
+    return DecodeConfig(*_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack, bucket == "few"))
+
+
+def decode_warmup_configs(query: torch.Tensor, kv_cache: torch.Tensor,
+                          kv_format: KVCacheFormat | None) -> list[tuple[DecodeConfig, tuple[int, ...]]]:
+    """Every distinct config ``decode_attention`` can pick for this layer (query ``[T, H, D]``,
+    cache and format as it takes them), each with one split count per compiled variant (1 only
+    when it never splits): the engine's warm-up compiles those, so no batch size compiles
+    mid-serving."""
+    d, hkv = query.shape[2], kv_cache.shape[3]
+    _, kv_fmt = kernel_cache_args(kv_cache, kv_format)
+    interpret = query.device.type != "cuda"
+    lane_split = use_lane_split(kv_fmt, d)
+    unpack = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32) if lane_split else 0
+    return configs_to_compile(d, query.dtype, interpret, kv_fmt, lane_split, unpack, hkv, _num_sms(query.device))
+
+
+def configs_to_compile(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int, lane_split: bool,
+                       unpack: int, num_kv_heads: int, num_sms: int) -> list[tuple[DecodeConfig, tuple[int, ...]]]:
+    """``decode_warmup_configs`` from ``decode_config``'s arguments."""
+    seen: dict[DecodeConfig, bool] = {}
+    for programs in (1, num_sms, 8 * num_sms):  # the smallest batch of each bucket
+        cfg = decode_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack,
+                            triton.cdiv(programs, num_kv_heads), num_kv_heads, num_sms)
+        seen[cfg] = seen.get(cfg, False) or cfg.waves * num_sms > programs  # choose_num_splits may split
+    # one split count per compiled class: the direct path, then S_PAD 2, 4, .. (the reduce kernel)
+    return [(cfg, (1, *(2 ** k + 1 for k in range(max(1, cfg.max_splits - 1).bit_length()))) if split else (1,))
+            for cfg, split in seen.items()]
 
 
 def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
@@ -350,6 +429,7 @@ def decode_attention(
     new_value: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    page_tile: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -362,9 +442,9 @@ def decode_attention(
             (including the new token, already stored); query_start_loc ``[num_reqs + 1]``.
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
-        num_splits: override the heuristic (``choose_num_splits``).
-        block_n / num_warps / num_stages: override the tile config (``_config``; benchmarks
-            sweep them).
+        num_splits: override the heuristic (``choose_num_splits`` with the config's split rule).
+        block_n / num_warps / num_stages / page_tile: override the launch config
+            (``decode_config``: ``DECODE_CONFIGS``, else ``_config``; benchmarks sweep them).
         fast_cvt / lane_split: override the quantized-code paths (``CODE_PATHS``; benchmarks
             compare them): codes made float16 with integer ops instead of conversion
             instructions; 4-/2-bit codes multiplied one bit lane at a time (when a lane holds
@@ -409,12 +489,14 @@ def decode_attention(
     fast_cvt = use_fast_cvt(kv_fmt, fast_cvt)
     lane_split = use_lane_split(kv_fmt, d, lane_split)
     unpack_code = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32, unpack) if lane_split else 0
-    few_programs = num_decodes * hkv < _num_sms(query.device)
-    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, few_programs)
-    block_n, num_warps, num_stages = block_n or cfg_n, num_warps or cfg_warps, num_stages or cfg_stages
+    cfg = decode_config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, num_decodes, hkv,
+                        _num_sms(query.device))
+    block_n, num_warps, num_stages = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    page_tile = cfg.page_tile if page_tile is None else page_tile
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
-        num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
+        num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n, cfg.waves,
+                                       cfg.max_splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
     if partials is not None:
@@ -447,7 +529,7 @@ def decode_attention(
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        PAGE_TILE=bool(page_tile), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and partials is None:
         _decode_reduce_kernel[(num_decodes, num_heads)](
