@@ -76,6 +76,7 @@ step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host m
 dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96 QPS (gpu_data_parallel.py)
 ray-tp:60:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
+decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside (gpu_decode_kernel.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -217,6 +218,11 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       else git show "${PREFILL_BASELINE_COMMIT:-c18d643}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
       py $B/gpu_prefill.py --out "$d" --parts peak,w5,kernel --reps 2 ${old:+--old-kernel $old}
       py $B/gpu_prefill.py --out "$d" --parts sweep --reps 2 --budget $(( ${LIMIT:-150} - SECONDS - 15 )) ;;
+    decode-kernel)  # the kernel of 0fa5af9 (before the config table) beside: KVSERVE_BASELINE's, or from git
+      local old=/tmp/decode_old.py
+      if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/decode.py" $old
+      else git show "${DECODE_BASELINE_COMMIT:-0fa5af9}:kvserve/attention/triton/decode.py" > $old 2>/dev/null || old=""; fi
+      py $B/gpu_decode_kernel.py --out "$d" --budget $(( ${LIMIT:-90} - 15 )) ${old:+--old-kernel $old} ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
