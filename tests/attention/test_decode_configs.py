@@ -72,15 +72,34 @@ def _dense_ref(q, cache, meta, name, d, window=None):
 
 @pytest.mark.parametrize("name,bs,block_n,splits", CASES)
 def test_page_tile_decode_matches_reference(name, bs, block_n, splits):
+    """Several splits also merge inside the split kernel (``fuse_reduce``), twice: the counts
+    were set back to 0 by the first launch."""
     gen = torch.Generator().manual_seed(7)
     h, hkv, d = 4, 2, 32
     q, cache, meta = _decode_batch([block_n + 4, 2 * bs], bs, h, hkv, d, name, gen)
     fmt = kv_format_for(name, d) if get_kv_format(name).quantized else None
-    out = torch.full_like(q, float("nan"))
-    decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
-                     meta.max_seq_len, d ** -0.5, out=out, num_splits=splits, block_n=block_n, page_tile=True,
-                     kv_format=fmt)
-    torch.testing.assert_close(out.cpu().double(), _dense_ref(q, cache, meta, name, d), atol=1e-4, rtol=1e-4)
+    ref = _dense_ref(q, cache, meta, name, d)
+    for fuse in ((False, True, True) if splits > 1 else (False,)):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                         meta.max_seq_len, d ** -0.5, out=out, num_splits=splits, block_n=block_n, page_tile=True,
+                         fuse_reduce=fuse, kv_format=fmt)
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-4, rtol=1e-4)
+    assert not dec._COUNTERS or not dec._COUNTERS[q.device].any()
+
+
+def test_fused_reduce_with_sinks_equals_the_reduce_kernel():
+    gen = torch.Generator().manual_seed(5)
+    d = 32
+    q, cache, meta = _decode_batch([50, 3, 33], 16, 4, 2, d, "bfloat16", gen)
+    sinks = torch.randn(4, generator=gen).to(DEV)
+    outs = []
+    for fuse in (False, True):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_decodes,
+                         meta.max_seq_len, d ** -0.5, out=out, num_splits=4, sinks=sinks, fuse_reduce=fuse)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
 def test_page_tile_equals_per_key_offsets_with_a_window():
@@ -125,12 +144,15 @@ def test_warmup_compiles_every_config_the_table_can_pick(monkeypatch):
     it can reach (S_PAD 2 .. next_pow2(max_splits)) or only the direct path."""
     table = dict(dec.DECODE_CONFIGS)
     table[(2, "few")] = dec.DecodeConfig(64, 4, 2, True, 4, 64)
+    table[(1, "few")] = dec.DecodeConfig(64, 2, 5, True, 4, 64, True)
     table[(2, "mid")] = dec.DecodeConfig(128, 4, 2, False, 1)  # never splits at >= SMs programs
     table[(2, "many")] = dec.DecodeConfig(128, 4, 2, False, 1)
     monkeypatch.setattr(dec, "DECODE_CONFIGS", table)
     got = dec.configs_to_compile(128, torch.bfloat16, False, 0, False, 0, 8, 132)
     assert got == [(dec.DecodeConfig(64, 4, 2, True, 4, 64), (1, 2, 3, 5, 9, 17, 33)),
                    (dec.DecodeConfig(128, 4, 2, False, 1), (1,))]
+    got = dec.configs_to_compile(128, torch.bfloat16, False, 1, False, 0, 8, 132)  # fused: no reduce kernel
+    assert got[0] == (dec.DecodeConfig(64, 2, 5, True, 4, 64, True), (1, 2))
     # the shipped table, on the interpreter: one config (_config's), every variant
     q = torch.zeros(1, 4, 32)
     assert dec.decode_warmup_configs(q, torch.zeros(2, 1, 16, 2, 32), None) == [

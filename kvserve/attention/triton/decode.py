@@ -73,13 +73,14 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_od,
     res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
     stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-    sinks_ptr,
+    sinks_ptr, counter_ptr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
     UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
+    FUSE_REDUCE: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -236,6 +237,44 @@ def _decode_split_kernel(
         prow = (req.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + prow, lse, mask=g_mask)
+        if FUSE_REDUCE:  # the last split of this (request, KV head) to finish merges all of them
+            tl.debug_barrier()  # every thread's partial stored before the (release) count
+            cnt = counter_ptr + req * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, heads, g_mask, q_row, num_heads,
+                              num_splits, stride_ot, stride_oh, stride_od, G_PAD, HEAD_DIM, HAS_SINKS)
+                tl.atomic_xchg(cnt, 0)  # ready for the next launch (CUDA graph replays)
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, heads, g_mask, q_row, num_heads, num_splits,
+                  stride_ot, stride_oh, stride_od, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
+    """``_decode_reduce_kernel`` for the heads ``heads [G_PAD]`` of one request, from inside the
+    split kernel: the splits in index order (deterministic whichever program merges), the
+    partials read past L1 (other programs wrote them)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (req.to(tl.int64) * num_heads + heads) * num_splits  # [G_PAD]
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
+    if HAS_SINKS:  # the head's sink logit (log2 units) joins the denominator once
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    denom = tl.zeros([G_PAD], tl.float32)
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
+        o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += o * w[:, None]  # empty splits (lse = -inf) get weight 0
+        denom += w
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    res = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -269,6 +308,30 @@ def _decode_reduce_kernel(
              res.to(out_ptr.dtype.element_ty))
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS_MIN = 8192
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The fused reduce's zeroed int32 counts, one per (request, KV head), shared by every launch
+    on ``device`` (each merging program sets its count back to 0; launches on one stream never
+    overlap). Allocated outside graph capture only (a buffer from a graph's pool would be reused);
+    None when there is none of ``n`` entries: the caller then launches the reduce kernel."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        old = buf
+        buf = torch.zeros(max(_COUNTERS_MIN, n), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+        if old is not None:  # captured graphs may still point at it
+            _RETIRED.append(old)
+    return buf
+
+
+_RETIRED: list[torch.Tensor] = []
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -298,7 +361,9 @@ class DecodeConfig(NamedTuple):
     """One launch configuration of ``_decode_split_kernel``: the tile (``block_n`` keys per
     step, ``num_warps``, ``num_stages`` of software pipelining), ``page_tile`` (block-table
     entries read once per page of the tile, ``kv_tile_offsets``, instead of once per key), and
-    the split rule (``choose_num_splits``'s ``waves`` and ``max_splits``)."""
+    the split rule (``choose_num_splits``'s ``waves`` and ``max_splits``); ``fuse_reduce``: with
+    several splits, the last program of each (request, KV head) to finish merges the splits
+    (an atomic count per pair), no reduce launch."""
 
     block_n: int
     num_warps: int
@@ -306,6 +371,7 @@ class DecodeConfig(NamedTuple):
     page_tile: bool = False
     waves: int = 2
     max_splits: int = 32
+    fuse_reduce: bool = False
 
 
 #: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
@@ -362,9 +428,10 @@ def configs_to_compile(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fm
         cfg = decode_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack,
                             triton.cdiv(programs, num_kv_heads), num_kv_heads, num_sms)
         seen[cfg] = seen.get(cfg, False) or cfg.waves * num_sms > programs  # choose_num_splits may split
-    # one split count per compiled class: the direct path, then S_PAD 2, 4, .. (the reduce kernel)
-    return [(cfg, (1, *(2 ** k + 1 for k in range(max(1, cfg.max_splits - 1).bit_length()))) if split else (1,))
-            for cfg, split in seen.items()]
+    # one split count per compiled class: the direct path, then S_PAD 2, 4, .. of the reduce kernel
+    # (a fused reduce: one split variant)
+    return [(cfg, ((1, 2) if cfg.fuse_reduce else (1, *(2 ** k + 1 for k in range(max(1, cfg.max_splits - 1).bit_length()))))
+             if split else (1,)) for cfg, split in seen.items()]
 
 
 def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
@@ -430,6 +497,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     page_tile: bool | None = None,
+    fuse_reduce: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -443,7 +511,7 @@ def decode_attention(
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
         num_splits: override the heuristic (``choose_num_splits`` with the config's split rule).
-        block_n / num_warps / num_stages / page_tile: override the launch config
+        block_n / num_warps / num_stages / page_tile / fuse_reduce: override the launch config
             (``decode_config``: ``DECODE_CONFIGS``, else ``_config``; benchmarks sweep them).
         fast_cvt / lane_split: override the quantized-code paths (``CODE_PATHS``; benchmarks
             compare them): codes made float16 with integer ops instead of conversion
@@ -493,6 +561,7 @@ def decode_attention(
                         _num_sms(query.device))
     block_n, num_warps, num_stages = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     page_tile = cfg.page_tile if page_tile is None else page_tile
+    fuse_reduce = cfg.fuse_reduce if fuse_reduce is None else fuse_reduce
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n, cfg.waves,
@@ -511,6 +580,10 @@ def decode_attention(
         part_out = part_lse = out  # unused
     window = sliding_window if sliding_window is not None else 0
     res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
+    counters = None
+    if fuse_reduce and num_splits > 1 and partials is None:
+        counters = _split_counters(query.device, num_decodes * hkv)
+        fuse_reduce = counters is not None
     _decode_split_kernel[(num_decodes, hkv, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
@@ -520,7 +593,7 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
-        query if sinks is None else sinks,
+        query if sinks is None else sinks, seq_lens if counters is None else counters,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1 and partials is None,
         USE_WINDOW=sliding_window is not None,
@@ -529,9 +602,10 @@ def decode_attention(
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
-        PAGE_TILE=bool(page_tile), num_warps=num_warps, num_stages=num_stages,
+        PAGE_TILE=bool(page_tile), FUSE_REDUCE=bool(fuse_reduce) and counters is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and partials is None:
+    if num_splits > 1 and partials is None and counters is None:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_out, part_lse, out, query_start_loc, num_splits,
             out.stride(0), out.stride(1), out.stride(2), query if sinks is None else sinks,

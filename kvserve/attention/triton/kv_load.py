@@ -147,11 +147,14 @@ def kv_tile_offsets(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK
     SLOTS: tl.constexpr = BLOCK_N // NP
     pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
     page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
-    slot = tl.arange(0, SLOTS)
+    j = tl.arange(0, BLOCK_N)
     if NP == 1:
-        slot += n0 % BLOCK_SIZE
-    off = page[:, None] * stride_cb + slot[None, :].to(tl.int64) * stride_co
-    return tl.reshape(off, [BLOCK_N]) + kv_head_off
+        key_page = tl.sum(page, 0) + j * 0
+        slot = n0 % BLOCK_SIZE + j
+    else:  # each key's page picked from the NP ids by a select (no reshape: that stops the pipelining)
+        key_page = tl.sum(tl.where((j // SLOTS)[:, None] == tl.arange(0, NP)[None, :], page[None, :], 0), 1)
+        slot = j % SLOTS
+    return key_page * stride_cb + slot.to(tl.int64) * stride_co + kv_head_off
 
 
 @triton.jit
