@@ -5,7 +5,8 @@ pages placed at random) at batch 512 x 2K, 64 x 8K and 1 x 32K context, for ``bf
 ``fp8_e4m3`` KV caches. Per (shape, dtype): the default config (``decode.DECODE_CONFIGS``),
 the kernel of an older tree beside it (``--old-kernel``, e.g. ``git show 0fa5af9:...`` of
 ``kvserve/attention/triton/decode.py``), then a sweep of tiles (BLOCK_N x warps x stages),
-page-id gathering (``page_tile``) and split counts, the best of them named. Each config is
+page-id gathering (``page_tile``), split counts and the reduce fused into the split kernel
+(``fuse_reduce``), the best of them named. Each config is
 timed as a CUDA graph of several launches (the engine replays decode attention in graphs; at
 batch 1 a launch's host cost would exceed the kernel), each launch on another copy of the
 layer's pages when one copy would fit in L2. GB/s counts the cache bytes read (K and V codes,
@@ -38,11 +39,12 @@ SMOKE_SHAPES = [(3, 40), (1, 100)]
 DTYPES = ["bfloat16", "fp8_e4m3"]
 # (block_n, num_warps, num_stages) tiles swept per dtype; each with page_tile off and on
 TILES = {
-    "bfloat16": [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 2, 4), (32, 4, 4), (128, 4, 3)],
-    "fp8_e4m3": [(64, 2, 5), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6), (128, 8, 2)],
+    "bfloat16": [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 4), (128, 8, 2), (32, 4, 4)],
+    "fp8_e4m3": [(64, 2, 5), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
 }
-# split counts swept per batch (None: the config's rule)
-SPLITS = {512: [None], 64: [None, 2, 4], 1: [None, 16, 64, 128]}
+# (num_splits, fuse_reduce) swept per batch (None: the config's)
+SPLITS = {512: [(None, None)], 64: [(None, None), (2, False), (4, False), (4, True)],
+          1: [(None, False), (None, True), (64, True), (128, True), (16, False)]}
 
 
 def _record(out_dir: str | None, rec: dict) -> None:
@@ -165,6 +167,32 @@ def time_graph(layer: Layer, fn, kw: dict, launches: int = 8, reps: int = 10) ->
     return times[len(times) // 2]
 
 
+def _compile_one(task, shape, device) -> bool:
+    """Precompile worker: one launch of a variant on a tiny layer of the same specialization."""
+    try:
+        dtype, kw, old_path = task
+        h, hkv, d, bs = shape
+        fn = load_old_kernel(old_path) if old_path else __import__(
+            "kvserve.attention.triton.decode", fromlist=["decode_attention"]).decode_attention
+        lay = Layer(dtype, 1, max(256, 128 * kw.get("num_splits", 1)), h, hkv, d, bs, device, 0)
+        lay.call(fn, 0, **kw)
+        return True
+    except Exception:  # noqa: BLE001 - the main process compiles it again and records the error
+        traceback.print_exc()
+        return False
+
+
+def precompile(tasks, workers: int, shape, device: str) -> int:
+    """Compile ``tasks`` ``(dtype, decode_attention kwargs, old kernel path or None)`` in
+    ``workers`` processes at once (Triton's on-disk cache then serves the main process);
+    returns how many compiled."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        return sum(ex.map(_compile_one, tasks, [shape] * len(tasks), [device] * len(tasks)))
+
+
 def run(args) -> list[dict]:
     import torch
 
@@ -216,17 +244,22 @@ def run(args) -> list[dict]:
         for batch, ctx in shapes:
             lay = layers[(dtype, batch, ctx)] = Layer(dtype, batch, ctx, h, hkv, d, bs, device, l2)
             refs[(dtype, batch, ctx)] = lay.reference()
-    for key, lay in layers.items():  # the default, then the old kernel
-        cfg = dec.decode_config(d, lay.q.dtype, not cuda, lay.fmt.kernel_code, False, 0, lay.batch, hkv,
-                                dec._num_sms(lay.q.device))
-        r = measure(lay, dec.decode_attention, {}, refs[key], "default", default=cfg._asdict())
-        best[key] = dict(default=r, best=r)
-        if old is not None:
-            best[key]["old"] = measure(lay, old, {}, refs[key], "old")
-        if r.get("ok"):  # every other config is checked against the default's output
-            lay.call(dec.decode_attention, 0)
-            refs[key] = lay.out[:2].float().clone()
+    sms = dec._num_sms(torch.device(device))
+
+    def resolved(lay, kw):
+        """``kw`` with every launch choice decode_attention would make filled in (the precompile
+        workers' tiny layers must compile the same variants)."""
+        cfg = dec.decode_config(d, lay.q.dtype, not cuda, lay.fmt.kernel_code, False, 0, lay.batch, hkv, sms)
+        full = dict(block_n=kw.get("block_n") or cfg.block_n, num_warps=kw.get("num_warps") or cfg.num_warps,
+                    num_stages=kw.get("num_stages") or cfg.num_stages,
+                    page_tile=cfg.page_tile if kw.get("page_tile") is None else kw["page_tile"],
+                    fuse_reduce=cfg.fuse_reduce if kw.get("fuse_reduce") is None else kw["fuse_reduce"])
+        full["num_splits"] = kw.get("num_splits") or dec.choose_num_splits(
+            lay.batch, hkv, lay.ctx, sms, full["block_n"], cfg.waves, cfg.max_splits)
+        return full
+
     # The sweep, most likely tiles first, both dtypes at each step: the budget may cut it.
+    sweep = []
     n_tiles = 2 if args.cpu_smoke else max(len(TILES[dt]) for dt in dtypes)
     for i in range(n_tiles):
         for page_tile in (False, True):
@@ -236,17 +269,39 @@ def run(args) -> list[dict]:
                 if i >= len(tiles):
                     continue
                 tile = tiles[i]
-                for splits in ([None, 2] if args.cpu_smoke else SPLITS.get(batch, [None])):
-                    if cuda and time.time() - t0 > args.budget:
-                        break
+                for splits, fuse in ([(None, None), (2, True)] if args.cpu_smoke else SPLITS.get(batch, [(None, None)])):
                     kw = dict(block_n=tile[0], num_warps=tile[1], num_stages=tile[2], page_tile=page_tile,
-                              num_splits=splits)
-                    r = measure(lay, dec.decode_attention, kw, refs[key],
-                                f"{tile[0]}x{tile[1]}x{tile[2]}{' pt' if page_tile else ''}"
-                                f"{f' s{splits}' if splits else ''}", **kw)
-                    b = best[key]
-                    if r.get("ok") and r.get("ms") and r["ms"] < b["best"].get("ms", float("inf")):
-                        b["best"] = r
+                              num_splits=splits, fuse_reduce=fuse)
+                    sweep.append((key, kw, f"{tile[0]}x{tile[1]}x{tile[2]}{' pt' if page_tile else ''}"
+                                           f"{f' s{splits}' if splits else ''}{' fused' if fuse else ''}"))
+    if args.precompile_workers > 0:  # every variant compiled in parallel into Triton's cache first
+        tasks = [(k[0], resolved(layers[k], {}), None) for k in layers]
+        tasks += [(k[0], {"num_splits": resolved(layers[k], {})["num_splits"]}, args.old_kernel)
+                  for k in layers if args.old_kernel]
+        tasks += [(k[0], resolved(layers[k], kw), None) for k, kw, _ in sweep]
+        uniq = list({json.dumps(t, sort_keys=True): t for t in tasks}.values())
+        tc = time.time()
+        n_ok = precompile(uniq, args.precompile_workers, (h, hkv, d, bs), device)
+        _record(out_dir, dict(part="precompile", variants=len(uniq), ok=n_ok, s=round(time.time() - tc, 1)))
+
+    for key, lay in layers.items():  # the default, then the old kernel
+        cfg = dec.decode_config(d, lay.q.dtype, not cuda, lay.fmt.kernel_code, False, 0, lay.batch, hkv, sms)
+        r = measure(lay, dec.decode_attention, {}, refs[key], "default", default=cfg._asdict())
+        best[key] = dict(default=r, best=r)
+        if old is not None:
+            best[key]["old"] = measure(lay, old, {}, refs[key], "old")
+        if r.get("ok"):  # every other config is checked against the default's output
+            lay.call(dec.decode_attention, 0)
+            refs[key] = lay.out[:2].float().clone()
+    for key, kw, tag in sweep:
+        if cuda and time.time() - t0 > args.budget:
+            _record(out_dir, dict(part="budget", measured=sum(r.get("part") == "kernel" for r in recs),
+                                  left=len(sweep)))
+            break
+        r = measure(layers[key], dec.decode_attention, kw, refs[key], tag, **kw)
+        b = best[key]
+        if r.get("ok") and r.get("ms") and r["ms"] < b["best"].get("ms", float("inf")):
+            b["best"] = r
     layers.clear()
 
     print("\n| KV dtype | batch x ctx | default ms | GB/s | of copy | best config | best ms | GB/s | of copy |"
@@ -276,9 +331,13 @@ def main() -> None:
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--budget", type=float, default=80.0, help="seconds before the sweep stops (CUDA)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--precompile-workers", type=int, default=None,
+                    help="processes compiling every variant first (default: CPUs - 2, at most 14; 0: none)")
     args = ap.parse_args()
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    if args.precompile_workers is None:
+        args.precompile_workers = 0 if args.cpu_smoke else max(1, min(14, (os.cpu_count() or 4) - 2))
     recs = run(args)
     # wrong numbers from any config, or a default / old kernel that did not run, fail the run
     if any(not r.get("ok") and ("error" not in r or r.get("config") in ("default", "old"))
