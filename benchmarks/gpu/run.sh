@@ -222,7 +222,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       local old=/tmp/decode_old.py
       if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/decode.py" $old
       else git show "${DECODE_BASELINE_COMMIT:-0fa5af9}:kvserve/attention/triton/decode.py" > $old 2>/dev/null || old=""; fi
-      py $B/gpu_decode_kernel.py --out "$d" --budget $(( ${LIMIT:-90} - 15 )) ${old:+--old-kernel $old} ;;
+      py $B/gpu_decode_kernel.py --out "$d" --budget $(( ${LIMIT:-90} - 12 )) ${old:+--old-kernel $old} ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }
