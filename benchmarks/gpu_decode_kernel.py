@@ -167,6 +167,23 @@ def time_graph(layer: Layer, fn, kw: dict, launches: int = 8, reps: int = 10) ->
     return times[len(times) // 2]
 
 
+def table_entry(dec, best: dict, default: dict, batch: int, hkv: int, sms: int) -> str:
+    """The ``DECODE_CONFIGS`` line (``(kv bytes, bucket): DecodeConfig(...)``) that makes
+    ``decode_attention`` pick the ``best`` record's config at this batch: an explicit split count
+    becomes ``max_splits`` with enough ``waves`` to reach it."""
+    cfg = dict(default.get("default") or {})
+    if best is not default:
+        for k in ("block_n", "num_warps", "num_stages", "page_tile", "fuse_reduce"):
+            if best.get(k) is not None:
+                cfg[k] = best[k]
+        if best.get("num_splits"):
+            n = best["num_splits"]
+            cfg["max_splits"], cfg["waves"] = n, max(1, math.ceil(n * batch * hkv / sms))
+    nbytes = 1 if best.get("kv_cache_dtype", "").startswith(("fp8", "int8")) else 2
+    fields = ", ".join(f"{k}={cfg[k]!r}" for k in dec.DecodeConfig._fields if k in cfg)
+    return f"({nbytes}, {dec.programs_bucket(batch, hkv, sms)!r}): DecodeConfig({fields})"
+
+
 def _variant(task) -> str:
     """What a task compiles: the split kernel's constexprs and launch options, and the reduce
     kernel's split-count class (tasks with equal keys would compile the same binaries)."""
@@ -318,14 +335,20 @@ def run(args) -> list[dict]:
     print("\n| KV dtype | batch x ctx | default ms | GB/s | of copy | best config | best ms | GB/s | of copy |"
           " old ms | old of copy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    table_lines = []
     for (dtype, batch, ctx), b in best.items():
         df, bb, od = b["default"], b["best"], b.get("old", {})
+        entry = table_entry(dec, bb, df, batch, hkv, sms)
         summary = dict(part="best", kv_cache_dtype=dtype, batch=batch, ctx=ctx, default=df, best=bb, old=od or None,
-                       copy_gb_s=rec["copy_gb_s"])
+                       copy_gb_s=rec["copy_gb_s"], decode_configs_entry=entry)
+        table_lines.append(f"    {entry},  # {dtype} {batch} x {ctx}: {bb.get('ms')} ms, "
+                           f"{bb.get('copy_fraction')} of the copy rate")
         _record(out_dir, summary)
         print(f"| {dtype} | {batch} x {ctx} | {df.get('ms')} | {df.get('gb_s')} | {df.get('copy_fraction')} | "
               f"{bb.get('config')} | {bb.get('ms')} | {bb.get('gb_s')} | {bb.get('copy_fraction')} | "
               f"{od.get('ms')} | {od.get('copy_fraction')} |")
+    print("\nDECODE_CONFIGS entries of the best configs (kvserve/attention/triton/decode.py):")
+    print("\n".join(table_lines))
     bad = [r for r in recs if not r.get("ok")]
     if bad:
         print(f"not ok: {len(bad)} records ({', '.join(sorted({str(r.get('config')) for r in bad}))})",
