@@ -297,7 +297,8 @@ def run(args) -> list[dict]:
                 if i >= len(tiles):
                     continue
                 tile = tiles[i]
-                for splits, fuse in ([(None, None), (2, True)] if args.cpu_smoke else SPLITS.get(batch, [(None, None)])):
+                combos = [(None, None), (2, True)] if args.cpu_smoke else SPLITS.get(batch, [(None, None)])
+                for splits, fuse in combos:
                     kw = dict(block_n=tile[0], num_warps=tile[1], num_stages=tile[2], page_tile=page_tile,
                               num_splits=splits, fuse_reduce=fuse)
                     sweep.append((key, kw, f"{tile[0]}x{tile[1]}x{tile[2]}{' pt' if page_tile else ''}"
@@ -347,7 +348,7 @@ def run(args) -> list[dict]:
         print(f"| {dtype} | {batch} x {ctx} | {df.get('ms')} | {df.get('gb_s')} | {df.get('copy_fraction')} | "
               f"{bb.get('config')} | {bb.get('ms')} | {bb.get('gb_s')} | {bb.get('copy_fraction')} | "
               f"{od.get('ms')} | {od.get('copy_fraction')} |")
-    print("\nDECODE_CONFIGS entries of the best configs (kvserve/attention/triton/decode.py):")
+    print("\nDECODE_CONFIGS entries of the best configs (kvserve/attention/triton/decode_configs.py):")
     print("\n".join(table_lines))
     bad = [r for r in recs if not r.get("ok")]
     if bad:

@@ -1,5 +1,6 @@
-"""The decode kernel's launch configs: page ids gathered once per tile (``page_tile``) for every
-KV dtype, split and unsplit, against a float64 reference over the stored cache; the config table and the warm-up's variants."""
+"""The decode kernel's launch configs: page ids gathered once per tile (``page_tile``) and the
+reduce fused into the split kernel (``fuse_reduce``) for every KV dtype, split and unsplit,
+against a float64 reference over the cache; the config table and the warm-up's variants."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from kvserve.attention.forward_context import AttentionMetadata
 from kvserve.attention.kv_format import kv_format_for
 from kvserve.attention.kv_quant import quantize_pages
 from kvserve.attention.triton import decode_attention
-from kvserve.attention.triton import decode as dec
+from kvserve.attention.triton import decode_configs as cfgs
+from kvserve.attention.triton.decode import _COUNTERS
 from kvserve.core.kv_cache_spec import get_kv_format
 from tests.attention.paged_ref import random_block_tables
 
@@ -85,7 +87,7 @@ def test_page_tile_decode_matches_reference(name, bs, block_n, splits):
                          meta.max_seq_len, d ** -0.5, out=out, num_splits=splits, block_n=block_n, page_tile=True,
                          fuse_reduce=fuse, kv_format=fmt)
         torch.testing.assert_close(out.cpu().double(), ref, atol=1e-4, rtol=1e-4)
-    assert not dec._COUNTERS or not dec._COUNTERS[q.device].any()
+    assert not _COUNTERS or not _COUNTERS[q.device].any()
 
 
 def test_fused_reduce_with_sinks_equals_the_reduce_kernel():
@@ -122,38 +124,38 @@ def test_page_tile_equals_per_key_offsets_with_a_window():
 
 
 def test_config_table_buckets_and_split_rule():
-    assert dec.programs_bucket(1, 8, 132) == "few"
-    assert dec.programs_bucket(64, 8, 132) == "mid"
-    assert dec.programs_bucket(512, 8, 132) == "many"
+    assert cfgs.programs_bucket(1, 8, 132) == "few"
+    assert cfgs.programs_bucket(64, 8, 132) == "mid"
+    assert cfgs.programs_bucket(512, 8, 132) == "many"
     bf16, fp8 = torch.bfloat16, 1
     for nd, bucket in ((1, "few"), (64, "mid"), (512, "many")):
-        assert dec.decode_config(128, bf16, False, 0, False, 0, nd, 8, 132) == dec.DECODE_CONFIGS[(2, bucket)]
-        assert dec.decode_config(128, bf16, False, fp8, False, 0, nd, 8, 132) == dec.DECODE_CONFIGS[(1, bucket)]
+        assert cfgs.decode_config(128, bf16, False, 0, False, 0, nd, 8, 132) == cfgs.DECODE_CONFIGS[(2, bucket)]
+        assert cfgs.decode_config(128, bf16, False, fp8, False, 0, nd, 8, 132) == cfgs.DECODE_CONFIGS[(1, bucket)]
     # outside the table (interpreter, float32, head dim 256, 4-bit codes): _config's tile, the default rule
-    assert dec.decode_config(128, bf16, True, 0, False, 0, 1, 8, 132) == dec.DecodeConfig(16, 1, 1)
-    assert dec.decode_config(256, bf16, False, 0, False, 0, 1, 8, 132) == dec.DecodeConfig(32, 4, 2)
+    assert cfgs.decode_config(128, bf16, True, 0, False, 0, 1, 8, 132) == cfgs.DecodeConfig(16, 1, 1)
+    assert cfgs.decode_config(256, bf16, False, 0, False, 0, 1, 8, 132) == cfgs.DecodeConfig(32, 4, 2)
     # the split rule: ~waves x SMs programs, capped by keys / BLOCK_N and max_splits
-    assert dec.choose_num_splits(1, 8, 32768, 132, 64) == 32
-    assert dec.choose_num_splits(1, 8, 32768, 132, 64, waves=4, max_splits=128) == 66
-    assert dec.choose_num_splits(64, 8, 8192, 132, 64, waves=8) == 3
-    assert dec.choose_num_splits(512, 8, 2048, 132, 64, waves=8) == 1
+    assert cfgs.choose_num_splits(1, 8, 32768, 132, 64) == 32
+    assert cfgs.choose_num_splits(1, 8, 32768, 132, 64, waves=4, max_splits=128) == 66
+    assert cfgs.choose_num_splits(64, 8, 8192, 132, 64, waves=8) == 3
+    assert cfgs.choose_num_splits(512, 8, 2048, 132, 64, waves=8) == 1
 
 
 def test_warmup_compiles_every_config_the_table_can_pick(monkeypatch):
     """Each distinct config appears once, with the split counts of every reduce-kernel variant
     it can reach (S_PAD 2 .. next_pow2(max_splits)) or only the direct path."""
-    table = dict(dec.DECODE_CONFIGS)
-    table[(2, "few")] = dec.DecodeConfig(64, 4, 2, True, 4, 64)
-    table[(1, "few")] = dec.DecodeConfig(64, 2, 5, True, 4, 64, True)
-    table[(2, "mid")] = dec.DecodeConfig(128, 4, 2, False, 1)  # never splits at >= SMs programs
-    table[(2, "many")] = dec.DecodeConfig(128, 4, 2, False, 1)
-    monkeypatch.setattr(dec, "DECODE_CONFIGS", table)
-    got = dec.configs_to_compile(128, torch.bfloat16, False, 0, False, 0, 8, 132)
-    assert got == [(dec.DecodeConfig(64, 4, 2, True, 4, 64), (1, 2, 3, 5, 9, 17, 33)),
-                   (dec.DecodeConfig(128, 4, 2, False, 1), (1,))]
-    got = dec.configs_to_compile(128, torch.bfloat16, False, 1, False, 0, 8, 132)  # fused: no reduce kernel
-    assert got[0] == (dec.DecodeConfig(64, 2, 5, True, 4, 64, True), (1, 2))
+    table = dict(cfgs.DECODE_CONFIGS)
+    table[(2, "few")] = cfgs.DecodeConfig(64, 4, 2, True, 4, 64)
+    table[(1, "few")] = cfgs.DecodeConfig(64, 2, 5, True, 4, 64, True)
+    table[(2, "mid")] = cfgs.DecodeConfig(128, 4, 2, False, 1)  # never splits at >= SMs programs
+    table[(2, "many")] = cfgs.DecodeConfig(128, 4, 2, False, 1)
+    monkeypatch.setattr(cfgs, "DECODE_CONFIGS", table)
+    got = cfgs.configs_to_compile(128, torch.bfloat16, False, 0, False, 0, 8, 132)
+    assert got == [(cfgs.DecodeConfig(64, 4, 2, True, 4, 64), (1, 2, 3, 5, 9, 17, 33)),
+                   (cfgs.DecodeConfig(128, 4, 2, False, 1), (1,))]
+    got = cfgs.configs_to_compile(128, torch.bfloat16, False, 1, False, 0, 8, 132)  # fused: no reduce kernel
+    assert got[0] == (cfgs.DecodeConfig(64, 2, 5, True, 4, 64, True), (1, 2))
     # the shipped table, on the interpreter: one config (_config's), every variant
     q = torch.zeros(1, 4, 32)
-    assert dec.decode_warmup_configs(q, torch.zeros(2, 1, 16, 2, 32), None) == [
-        (dec.DecodeConfig(16, 1, 1), (1, 2, 3, 5, 9, 17))]
+    assert cfgs.decode_warmup_configs(q, torch.zeros(2, 1, 16, 2, 32), None) == [
+        (cfgs.DecodeConfig(16, 1, 1), (1, 2, 3, 5, 9, 17))]

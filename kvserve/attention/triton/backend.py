@@ -21,7 +21,8 @@ from kvserve.attention.kv_quant import aligned_for_vector_loads
 from kvserve.attention.kv_residual import residual_shape, store_residual
 from kvserve.attention.kv_rotation import rotate as rotate_rows
 from kvserve.attention.triton.cascade import CascadeMetadataBuilder, cascade_decode_attention
-from kvserve.attention.triton.decode import decode_attention, decode_warmup_configs
+from kvserve.attention.triton.decode import decode_attention
+from kvserve.attention.triton.decode_configs import decode_warmup_configs
 from kvserve.attention.triton.kv_store import store_kv
 from kvserve.attention.triton.prefill import prefill_attention
 from kvserve.core.kv_cache_spec import KVCacheSpec
