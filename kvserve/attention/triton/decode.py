@@ -242,40 +242,46 @@ def _decode_split_kernel(
             tl.debug_barrier()  # every thread's partial stored before the (release) count
             cnt = counter_ptr + req * tl.num_programs(1) + kvh
             if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, heads, g_mask, q_row, num_heads,
-                              num_splits, stride_ot, stride_oh, stride_od, G_PAD, HEAD_DIM, HAS_SINKS)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kvh, q_row, num_heads, num_splits,
+                              stride_ot, stride_oh, stride_od, GROUP, HEAD_DIM, HAS_SINKS)
                 tl.atomic_xchg(cnt, 0)  # ready for the next launch (CUDA graph replays)
 
 
 @triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, heads, g_mask, q_row, num_heads, num_splits,
-                  stride_ot, stride_oh, stride_od, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HAS_SINKS: tl.constexpr):
-    """``_decode_reduce_kernel`` for the heads ``heads [G_PAD]`` of one request, from inside the
-    split kernel: the splits in index order (deterministic whichever program merges), the
-    partials read past L1 (other programs wrote them)."""
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kvh, q_row, num_heads, num_splits,
+                  stride_ot, stride_oh, stride_od, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_SINKS: tl.constexpr, SC: tl.constexpr = 16):
+    """``_decode_reduce_kernel`` for the ``GROUP`` heads of one (request, KV head), from inside the
+    split kernel: per head, the splits ``SC`` at a time in index order (deterministic whichever
+    program merges), the partials read past L1 (other programs wrote them)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    base = (req.to(tl.int64) * num_heads + heads) * num_splits  # [G_PAD]
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
-    if HAS_SINKS:  # the head's sink logit (log2 units) joins the denominator once
-        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-    denom = tl.zeros([G_PAD], tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                    cache_modifier=".cg")
-        acc += o * w[:, None]  # empty splits (lse = -inf) get weight 0
-        denom += w
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m)
-    res = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    offs_c = tl.arange(0, SC)
+    for g in tl.static_range(GROUP):  # unrolled: the heads' loads are in flight together
+        head = kvh * GROUP + g
+        base = (req.to(tl.int64) * num_heads + head) * num_splits
+        m = tl.max(tl.full([SC], float("-inf"), tl.float32), 0)
+        for s0 in range(0, num_splits, SC):
+            lse = tl.load(part_lse_ptr + base + s0 + offs_c, mask=s0 + offs_c < num_splits, other=float("-inf"),
+                          cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(lse, 0))
+        if HAS_SINKS:  # the head's sink logit (log2 units) joins the denominator once
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m = tl.maximum(m, sink)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        denom = tl.sum(tl.zeros([SC], tl.float32), 0)
+        for s0 in range(0, num_splits, SC):
+            c_mask = s0 + offs_c < num_splits
+            w = tl.exp2(tl.load(part_lse_ptr + base + s0 + offs_c, mask=c_mask, other=float("-inf"),
+                                cache_modifier=".cg") - m)  # empty splits (lse = -inf) get weight 0
+            o = tl.load(part_out_ptr + (base + s0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=c_mask[:, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(o * w[:, None], 0)
+            denom += tl.sum(w, 0)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - m)
+        res = acc / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d * stride_od, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
