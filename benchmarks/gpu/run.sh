@@ -82,6 +82,7 @@ dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96
 ray-tp:60:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
+decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside (gpu_decode_kernel.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then
@@ -235,6 +236,11 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         ${old:+--old-kernel $old} ;;
     eagle3-train)  # the head (~20 MB, two files) lies outside results.tgz: the tool brings back <= 16 MiB a file
       py $B/gpu_eagle3_train.py --out "$d" --head-out "$OUT/eagle3-head" --deadline $(( ${LIMIT:-300} - 15 )) ;;
+    decode-kernel)  # the kernel of 0fa5af9 (before the config table) beside: KVSERVE_BASELINE's, or from git
+      local old=/tmp/decode_old.py
+      if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/decode.py" $old
+      else git show "${DECODE_BASELINE_COMMIT:-0fa5af9}:kvserve/attention/triton/decode.py" > $old 2>/dev/null || old=""; fi
+      py $B/gpu_decode_kernel.py --out "$d" --budget $(( ${LIMIT:-90} - 12 )) ${old:+--old-kernel $old} ;;
     *) echo "unknown part: $p (bash benchmarks/gpu/run.sh --list)"; return 2 ;;
   esac
 }

@@ -22,6 +22,7 @@ from kvserve.attention.kv_residual import residual_shape, store_residual
 from kvserve.attention.kv_rotation import rotate as rotate_rows
 from kvserve.attention.triton.cascade import CascadeMetadataBuilder, cascade_decode_attention
 from kvserve.attention.triton.decode import decode_attention
+from kvserve.attention.triton.decode_configs import decode_warmup_configs
 from kvserve.attention.triton.kv_store import store_kv
 from kvserve.attention.triton.prefill import prefill_attention
 from kvserve.core.kv_cache_spec import KVCacheSpec
@@ -124,10 +125,14 @@ class TritonBackend(AttentionBackend):
             rotate = False
         else:
             store_kv(new, new, kv_cache, slot, rotate=rotate, key_out=k_out, value_out=v_out, kv_format=fmt)
+        configs = decode_warmup_configs(q, kv_cache, fmt)
         for window in sliding_windows:
-            for splits in (1, 2, 3, 5, 9, 17):  # S_PAD 2, 4, 8, 16, 32 and the direct path
-                decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
-                                 kv_format=fmt, sinks=kv.sinks, **res)
+            for cfg, split_counts in configs:  # each config the batch sizes can pick (DECODE_CONFIGS)
+                for splits in split_counts:  # the direct path, each S_PAD of the reduce kernel
+                    decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
+                                     kv_format=fmt, sinks=kv.sinks, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages, page_tile=cfg.page_tile,
+                                     fuse_reduce=cfg.fuse_reduce, **res)
             chunk = {}  # the variant that reads the chunk's own K/V (the one _attend runs)
             if not res and kv.rotation is None and (fmt.kernel_code or kv_cache.dtype == dtype):
                 chunk = dict(new_key=new, new_value=new)

@@ -47,15 +47,18 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
+# the config table lives in decode_configs.py; its names stay importable from here
+from kvserve.attention.triton.decode_configs import (DECODE_CONFIGS, DecodeConfig, _config, _num_sms,  # noqa: F401
+                                                     choose_num_splits, configs_to_compile, decode_config,
+                                                     decode_warmup_configs, programs_bucket)
 from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
                                                kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
-                                               load_k_tile, load_scales, load_v_tile, merge_lanes, prepare_query,
-                                               pv_update, hadamard_rotate, scaled_scores, split_lanes, use_fast_cvt,
-                                               use_lane_split, use_unpack)
+                                               kv_tile_offsets, load_k_tile, load_scales, load_v_tile, merge_lanes,
+                                               prepare_query, pv_update, hadamard_rotate, scaled_scores, split_lanes,
+                                               use_fast_cvt, use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
-_NUM_SMS: dict[int, int] = {}
 
 
 # Ints that change from step to step are not specialized (Triton would compile a variant for
@@ -71,13 +74,14 @@ def _decode_split_kernel(
     stride_ot, stride_oh, stride_od,
     res_k_ptr, res_v_ptr, new_k_ptr, new_v_ptr, res_slots_ptr,
     stride_rs, stride_rr, stride_rh, stride_nkt, stride_nkh, stride_nvt, stride_nvh,
-    sinks_ptr,
+    sinks_ptr, counter_ptr,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
-    UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False,
+    UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
+    FUSE_REDUCE: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -162,7 +166,10 @@ def _decode_split_kernel(
         n_mask = pos < end_q
         if USE_WINDOW:
             n_mask = n_mask & (pos >= kv_lo)
-        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
+        if PAGE_TILE:  # one block-table entry per page of the tile
+            row_off = kv_tile_offsets(bt_row, n0, end_q, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
+        else:
+            row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
         if LANES == 1:
             k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
                             FAST_CVT)
@@ -231,6 +238,50 @@ def _decode_split_kernel(
         prow = (req.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(part_lse_ptr + prow, lse, mask=g_mask)
+        if FUSE_REDUCE:  # the last split of this (request, KV head) to finish merges all of them
+            tl.debug_barrier()  # every thread's partial stored before the (release) count
+            cnt = counter_ptr + req * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kvh, q_row, num_heads, num_splits,
+                              stride_ot, stride_oh, stride_od, GROUP, HEAD_DIM, HAS_SINKS)
+                tl.atomic_xchg(cnt, 0)  # ready for the next launch (CUDA graph replays)
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr, req, kvh, q_row, num_heads, num_splits,
+                  stride_ot, stride_oh, stride_od, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_SINKS: tl.constexpr, SC: tl.constexpr = 16):
+    """``_decode_reduce_kernel`` for the ``GROUP`` heads of one (request, KV head), from inside the
+    split kernel: per head, the splits ``SC`` at a time in index order (deterministic whichever
+    program merges), the partials read past L1 (other programs wrote them)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, SC)
+    for g in tl.static_range(GROUP):  # unrolled: the heads' loads are in flight together
+        head = kvh * GROUP + g
+        base = (req.to(tl.int64) * num_heads + head) * num_splits
+        m = tl.max(tl.full([SC], float("-inf"), tl.float32), 0)
+        for s0 in range(0, num_splits, SC):
+            lse = tl.load(part_lse_ptr + base + s0 + offs_c, mask=s0 + offs_c < num_splits, other=float("-inf"),
+                          cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(lse, 0))
+        if HAS_SINKS:  # the head's sink logit (log2 units) joins the denominator once
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            m = tl.maximum(m, sink)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        denom = tl.sum(tl.zeros([SC], tl.float32), 0)
+        for s0 in range(0, num_splits, SC):
+            c_mask = s0 + offs_c < num_splits
+            w = tl.exp2(tl.load(part_lse_ptr + base + s0 + offs_c, mask=c_mask, other=float("-inf"),
+                                cache_modifier=".cg") - m)  # empty splits (lse = -inf) get weight 0
+            o = tl.load(part_out_ptr + (base + s0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=c_mask[:, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(o * w[:, None], 0)
+            denom += tl.sum(w, 0)
+        if HAS_SINKS:
+            denom += tl.exp2(sink - m)
+        res = acc / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out_ptr + q_row * stride_ot + head * stride_oh + offs_d * stride_od, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -264,64 +315,28 @@ def _decode_reduce_kernel(
              res.to(out_ptr.dtype.element_ty))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS_MIN = 8192
 
 
-def choose_num_splits(
-    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64
-) -> int:
-    """Splits per request so that ~2 waves of programs cover ``num_sms`` SMs.
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The fused reduce's zeroed int32 counts, one per (request, KV head), shared by every launch
+    on ``device`` (each merging program sets its count back to 0; launches on one stream never
+    overlap). Allocated outside graph capture only (a buffer from a graph's pool would be reused);
+    None when there is none of ``n`` entries: the caller then launches the reduce kernel."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        old = buf
+        buf = torch.zeros(max(_COUNTERS_MIN, n), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+        if old is not None:  # captured graphs may still point at it
+            _RETIRED.append(old)
+    return buf
 
-    At most one split per ``block_n`` keys of the longest request, and at most 32. (More
-    splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
-    64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_kv_quant.py times ``num_splits=1``.)
-    """
-    programs = max(1, num_reqs * num_kv_heads)
-    want = triton.cdiv(2 * num_sms, programs)
-    cap = max(1, triton.cdiv(max_seq_len, block_n))
-    return max(1, min(want, cap, 32))
 
-
-def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
-            lane_split: bool = False, unpack: int = 0, few_programs: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). ``few_programs``: fewer (request, KV head) programs
-    than SMs, so the keys are split into more, shorter slices (``choose_num_splits``)."""
-    if interpret:
-        return 16, 1, 1
-    if dtype == torch.float32:  # fp32 operands ("ieee" FMA dot): small tiles avoid spills
-        return 16, 4, 2
-    if head_dim >= 256:
-        return 32, 4, 2
-    # Quantized tiles, from the H100 sweep (benchmarks/gpu_kv_quant.py, batch 64 x 8k, head dim
-    # 128, folded scales; bf16 0.714 ms at 64 x 4 x 2): 8-bit codes 64 keys x 4 warps x 2
-    # stages (fp8 0.460 ms, int8 0.548; 32 x 4 x 3: 0.604 / 0.670), int4/int2 32 x 4 x 2
-    # (0.745 / 0.743; 64 x 4 x 2: 0.900 / 0.913). Re-check after kernel changes
-    # (registers per config: benchmarks/ptx_kv_loads.py --regs). One dot per bit lane
-    # (gpu_kv_quant.py --code-paths, same shape): int4 128 x 4 x 2 0.465 ms (64 x 4 x 2
-    # 0.467, 32 x 4 x 2 0.593), int2 0.374 (0.447, 0.540).
-    # Deeper pipelines with 2 warps (a sweep with --configs of the same benchmark): fp8
-    # 64 x 2 x 5 0.404 ms (2.70 TB/s, 0.90 of the roofline; 64 x 4 x 2 0.461), int8 0.534
-    # (0.544), int4 0.391 (0.471); int2 stays at 128 x 4 x 2 (0.373; 64 x 2 x 5 0.386).
-    # 7+ stages or 4 warps at 5 stages were slower (benchmarks/results/kv_quant/h100_dtypes/).
-    # Bit lanes built by inline PTX (UNPACK 1) use fewer registers: 128 x 2 x 5 for both, int4
-    # 0.326 ms (64 x 2 x 5 0.358, 128 x 4 x 2 0.470), int2 0.248 (128 x 4 x 2 0.275, 64 x 2 x 5
-    # 0.306) (benchmarks/results/kv_quant/h100_unpack/). With few programs (batch 1) 128-key
-    # tiles halve the splits (8 for 1k keys): batch-1 decode was +4.1% over bf16, so 64 there.
-    if kv_fmt >= 4:
-        if not lane_split:
-            return 32, 4, 2
-        if unpack:
-            return (64, 2, 5) if few_programs else (128, 2, 5)
-        return (64, 2, 5) if kv_fmt == 4 else (128, 4, 2)
-    if kv_fmt > 0:
-        return 64, 2, 5
-    return 64, 4, 2
+_RETIRED: list[torch.Tensor] = []
 
 
 def decode_attention(
@@ -350,6 +365,8 @@ def decode_attention(
     new_value: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    page_tile: bool | None = None,
+    fuse_reduce: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -362,9 +379,9 @@ def decode_attention(
             (including the new token, already stored); query_start_loc ``[num_reqs + 1]``.
         max_seq_len: host int upper bound of ``seq_lens[:num_decodes]`` (picks num_splits).
         out: ``[num_tokens, num_heads, D]`` written at the decode rows (allocated if None).
-        num_splits: override the heuristic (``choose_num_splits``).
-        block_n / num_warps / num_stages: override the tile config (``_config``; benchmarks
-            sweep them).
+        num_splits: override the heuristic (``choose_num_splits`` with the config's split rule).
+        block_n / num_warps / num_stages / page_tile / fuse_reduce: override the launch config
+            (``decode_config``: ``DECODE_CONFIGS``, else ``_config``; benchmarks sweep them).
         fast_cvt / lane_split: override the quantized-code paths (``CODE_PATHS``; benchmarks
             compare them): codes made float16 with integer ops instead of conversion
             instructions; 4-/2-bit codes multiplied one bit lane at a time (when a lane holds
@@ -409,12 +426,15 @@ def decode_attention(
     fast_cvt = use_fast_cvt(kv_fmt, fast_cvt)
     lane_split = use_lane_split(kv_fmt, d, lane_split)
     unpack_code = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32, unpack) if lane_split else 0
-    few_programs = num_decodes * hkv < _num_sms(query.device)
-    cfg_n, cfg_warps, cfg_stages = _config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, few_programs)
-    block_n, num_warps, num_stages = block_n or cfg_n, num_warps or cfg_warps, num_stages or cfg_stages
+    cfg = decode_config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, num_decodes, hkv,
+                        _num_sms(query.device))
+    block_n, num_warps, num_stages = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    page_tile = cfg.page_tile if page_tile is None else page_tile
+    fuse_reduce = cfg.fuse_reduce if fuse_reduce is None else fuse_reduce
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
-        num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n)
+        num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n, cfg.waves,
+                                       cfg.max_splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     assert k_cache.stride() == v_cache.stride()
     if partials is not None:
@@ -429,6 +449,10 @@ def decode_attention(
         part_out = part_lse = out  # unused
     window = sliding_window if sliding_window is not None else 0
     res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
+    counters = None
+    if fuse_reduce and num_splits > 1 and partials is None:
+        counters = _split_counters(query.device, num_decodes * hkv)
+        fuse_reduce = counters is not None
     _decode_split_kernel[(num_decodes, hkv, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
@@ -438,7 +462,7 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
-        query if sinks is None else sinks,
+        query if sinks is None else sinks, seq_lens if counters is None else counters,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1 and partials is None,
         USE_WINDOW=sliding_window is not None,
@@ -447,9 +471,10 @@ def decode_attention(
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt, LANE_SPLIT=lane_split,
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
+        PAGE_TILE=bool(page_tile), FUSE_REDUCE=bool(fuse_reduce) and counters is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and partials is None:
+    if num_splits > 1 and partials is None and counters is None:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_out, part_lse, out, query_start_loc, num_splits,
             out.stride(0), out.stride(1), out.stride(2), query if sinks is None else sinks,

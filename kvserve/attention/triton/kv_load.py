@@ -136,6 +136,28 @@ def kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co,
 
 
 @triton.jit
+def kv_tile_offsets(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """``kv_row_offsets`` of keys ``n0 .. n0 + BLOCK_N - 1`` with the block table read once per
+    page, not once per key: ``NP = BLOCK_N / BLOCK_SIZE`` page ids (one when the tile fits in a
+    page) broadcast over their slots. ``n0`` must be a multiple of ``min(BLOCK_N, BLOCK_SIZE)``
+    (the decode loop starts at multiples of BLOCK_N). Pages at or past ``kv_end`` read page 0
+    (their keys are masked by the caller). Returns ``[BLOCK_N]`` int64 offsets."""
+    NP: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
+    SLOTS: tl.constexpr = BLOCK_N // NP
+    pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
+    page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
+    j = tl.arange(0, BLOCK_N)
+    if NP == 1:
+        key_page = tl.sum(page, 0) + j * 0
+        slot = n0 % BLOCK_SIZE + j
+    else:  # each key's page picked from the NP ids by a select (no reshape: that stops the pipelining)
+        key_page = tl.sum(tl.where((j // SLOTS)[:, None] == tl.arange(0, NP)[None, :], page[None, :], 0), 1)
+        slot = j % SLOTS
+    return key_page * stride_cb + slot.to(tl.int64) * stride_co + kv_head_off
+
+
+@triton.jit
 def kv_scale_index(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr):
     """Indices ``[NP, W]`` of the 4-byte words holding the scales of keys ``n0 .. n0 + BLOCK_N - 1``

@@ -1,0 +1,160 @@
+"""Launch configs of the paged decode kernel (``decode.py``): the split rule and the config table.
+
+``DECODE_CONFIGS`` maps ``(kv bytes per element, programs bucket)`` to a ``DecodeConfig`` (tile,
+page-id gathering, split rule, fused reduce); ``decode_config`` picks a batch's entry (or
+``_config``'s tile outside the table), ``decode_warmup_configs`` lists every config a layer can
+get so the engine's warm-up compiles them all. The entries come from the ``decode-kernel`` GPU
+part (``benchmarks/gpu_decode_kernel.py``; docs/benchmarks/decode-kernel.md).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from kvserve.attention.kv_format import KVCacheFormat
+from kvserve.attention.triton.kv_load import kernel_cache_args, use_lane_split, use_unpack
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_num_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, block_n: int = 64,
+    waves: int = 2, max_splits: int = 32,
+) -> int:
+    """Splits per request so that ~``waves`` waves of programs cover ``num_sms`` SMs.
+
+    At most one split per ``block_n`` keys of the longest request, and at most ``max_splits``.
+    (More splits for long requests, ~8 programs per SM, measured no faster on an H100 at batch
+    64 x 8k: 0.77 ms vs 0.73 bf16; benchmarks/gpu_kv_quant.py times ``num_splits=1``.)
+    """
+    programs = max(1, num_reqs * num_kv_heads)
+    want = triton.cdiv(waves * num_sms, programs)
+    cap = max(1, triton.cdiv(max_seq_len, block_n))
+    return max(1, min(want, cap, max_splits))
+
+
+class DecodeConfig(NamedTuple):
+    """One launch configuration of ``_decode_split_kernel``: the tile (``block_n`` keys per
+    step, ``num_warps``, ``num_stages`` of software pipelining), ``page_tile`` (block-table
+    entries read once per page of the tile, ``kv_tile_offsets``, instead of once per key), and
+    the split rule (``choose_num_splits``'s ``waves`` and ``max_splits``); ``fuse_reduce``: with
+    several splits, the last program of each (request, KV head) to finish merges the splits
+    (an atomic count per pair), no reduce launch."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    page_tile: bool = False
+    waves: int = 2
+    max_splits: int = 32
+    fuse_reduce: bool = False
+
+
+#: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
+#: keyed by ``(kv bytes per element, programs bucket)``; the bucket compares the
+#: (request, KV head) programs with the SM count (``programs_bucket``): "few" (< SMs: the keys
+#: are split), "mid" (< 8 x SMs, e.g. batch 64 x 8 KV heads), "many" (batch 512). Under CUDA
+#: graphs the batch is the captured size, so each graph has one config. Chosen from the
+#: ``decode-kernel`` sweep (benchmarks/gpu_decode_kernel.py; docs/benchmarks/decode-kernel.md).
+DECODE_CONFIGS: dict[tuple[int, str], DecodeConfig] = {
+    (2, "few"): DecodeConfig(64, 4, 2),
+    (2, "mid"): DecodeConfig(64, 4, 2),
+    (2, "many"): DecodeConfig(64, 4, 2),
+    (1, "few"): DecodeConfig(64, 2, 5),
+    (1, "mid"): DecodeConfig(64, 2, 5),
+    (1, "many"): DecodeConfig(64, 2, 5),
+}
+
+
+def programs_bucket(num_decodes: int, num_kv_heads: int, num_sms: int) -> str:
+    """``DECODE_CONFIGS``' programs bucket of a batch: "few", "mid" or "many"."""
+    programs = num_decodes * num_kv_heads
+    return "few" if programs < num_sms else ("mid" if programs < 8 * num_sms else "many")
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int, lane_split: bool,
+                  unpack: int, num_decodes: int, num_kv_heads: int, num_sms: int) -> DecodeConfig:
+    """The launch config of a batch: ``DECODE_CONFIGS`` where it applies, else ``_config``'s
+    tile with the default split rule."""
+    bucket = programs_bucket(num_decodes, num_kv_heads, num_sms)
+    if not interpret and head_dim <= 128 and dtype != torch.float32 and kv_fmt <= 3:
+        return DECODE_CONFIGS[(1 if kv_fmt else 2, bucket)]
+    return DecodeConfig(*_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack, bucket == "few"))
+
+
+def decode_warmup_configs(query: torch.Tensor, kv_cache: torch.Tensor,
+                          kv_format: KVCacheFormat | None) -> list[tuple[DecodeConfig, tuple[int, ...]]]:
+    """Every distinct config ``decode_attention`` can pick for this layer (query ``[T, H, D]``,
+    cache and format as it takes them), each with one split count per compiled variant (1 only
+    when it never splits): the engine's warm-up compiles those, so no batch size compiles
+    mid-serving."""
+    d, hkv = query.shape[2], kv_cache.shape[3]
+    _, kv_fmt = kernel_cache_args(kv_cache, kv_format)
+    interpret = query.device.type != "cuda"
+    lane_split = use_lane_split(kv_fmt, d)
+    unpack = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32) if lane_split else 0
+    return configs_to_compile(d, query.dtype, interpret, kv_fmt, lane_split, unpack, hkv, _num_sms(query.device))
+
+
+def configs_to_compile(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int, lane_split: bool,
+                       unpack: int, num_kv_heads: int, num_sms: int) -> list[tuple[DecodeConfig, tuple[int, ...]]]:
+    """``decode_warmup_configs`` from ``decode_config``'s arguments."""
+    seen: dict[DecodeConfig, bool] = {}
+    for programs in (1, num_sms, 8 * num_sms):  # the smallest batch of each bucket
+        cfg = decode_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack,
+                            triton.cdiv(programs, num_kv_heads), num_kv_heads, num_sms)
+        seen[cfg] = seen.get(cfg, False) or cfg.waves * num_sms > programs  # choose_num_splits may split
+    # one split count per compiled class: the direct path, then S_PAD 2, 4, .. of the reduce kernel
+    # (a fused reduce: one split variant)
+    def counts(cfg: DecodeConfig) -> tuple[int, ...]:
+        return (1, 2) if cfg.fuse_reduce else (1, *(2 ** k + 1 for k in range(max(1, cfg.max_splits - 1).bit_length())))
+
+    return [(cfg, counts(cfg) if split else (1,)) for cfg, split in seen.items()]
+
+
+def _config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int = 0,
+            lane_split: bool = False, unpack: int = 0, few_programs: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). ``few_programs``: fewer (request, KV head) programs
+    than SMs, so the keys are split into more, shorter slices (``choose_num_splits``)."""
+    if interpret:
+        return 16, 1, 1
+    if dtype == torch.float32:  # fp32 operands ("ieee" FMA dot): small tiles avoid spills
+        return 16, 4, 2
+    if head_dim >= 256:
+        return 32, 4, 2
+    # Quantized tiles, from the H100 sweep (benchmarks/gpu_kv_quant.py, batch 64 x 8k, head dim
+    # 128, folded scales; bf16 0.714 ms at 64 x 4 x 2): 8-bit codes 64 keys x 4 warps x 2
+    # stages (fp8 0.460 ms, int8 0.548; 32 x 4 x 3: 0.604 / 0.670), int4/int2 32 x 4 x 2
+    # (0.745 / 0.743; 64 x 4 x 2: 0.900 / 0.913). Re-check after kernel changes
+    # (registers per config: benchmarks/ptx_kv_loads.py --regs). One dot per bit lane
+    # (gpu_kv_quant.py --code-paths, same shape): int4 128 x 4 x 2 0.465 ms (64 x 4 x 2
+    # 0.467, 32 x 4 x 2 0.593), int2 0.374 (0.447, 0.540).
+    # Deeper pipelines with 2 warps (a sweep with --configs of the same benchmark): fp8
+    # 64 x 2 x 5 0.404 ms (2.70 TB/s, 0.90 of the roofline; 64 x 4 x 2 0.461), int8 0.534
+    # (0.544), int4 0.391 (0.471); int2 stays at 128 x 4 x 2 (0.373; 64 x 2 x 5 0.386).
+    # 7+ stages or 4 warps at 5 stages were slower (benchmarks/results/kv_quant/h100_dtypes/).
+    # Bit lanes built by inline PTX (UNPACK 1) use fewer registers: 128 x 2 x 5 for both, int4
+    # 0.326 ms (64 x 2 x 5 0.358, 128 x 4 x 2 0.470), int2 0.248 (128 x 4 x 2 0.275, 64 x 2 x 5
+    # 0.306) (benchmarks/results/kv_quant/h100_unpack/). With few programs (batch 1) 128-key
+    # tiles halve the splits (8 for 1k keys): batch-1 decode was +4.1% over bf16, so 64 there.
+    if kv_fmt >= 4:
+        if not lane_split:
+            return 32, 4, 2
+        if unpack:
+            return (64, 2, 5) if few_programs else (128, 2, 5)
+        return (64, 2, 5) if kv_fmt == 4 else (128, 4, 2)
+    if kv_fmt > 0:
+        return 64, 2, 5
+    return 64, 4, 2
