@@ -81,8 +81,10 @@ def test_gemm_matches_float_reference(n, k, g, zp, bits, m, cfg):
     y = tw.gemm(x.to(DEV), dev(w), dev(s), dev(z), n, ge, bits, zp, bias=bias.to(DEV), config=cfg)
     ref = x.float() @ ref_w.T + bias.float()
     assert y.shape == (m, n) and y.dtype == DT
-    torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2 if DT == torch.bfloat16 else 1e-4,
-                               atol=2e-2 if DT == torch.bfloat16 else 1e-4)
+    # bf16 (CUDA): tensor-core tiles take the weights rounded to bf16 (as Marlin does) and the output is
+    # rounded to bf16, so the bound scales with the outputs' size; a layout error is O(1) relative
+    tol = 2e-2 * max(1.0, float(ref.abs().max())) if DT == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=2e-2 if DT == torch.bfloat16 else 1e-4, atol=tol)
 
 
 def test_qweight_packed_from_a_longer_k():
@@ -101,8 +103,8 @@ def test_dequantize_is_exact():
 
 def test_m_above_max_and_bad_group_are_errors():
     w, s, z, ge, _, _ = _case(16, 128, 32, tw.ZP_INT)
-    with pytest.raises(ValueError, match="1 <= M <= 256"):
-        tw.gemm(torch.zeros(257, 128), w, s, z, 16, 32)
+    with pytest.raises(ValueError, match=f"1 <= M <= {tw.MAX_M}"):
+        tw.gemm(torch.zeros(tw.MAX_M + 1, 128), w, s, z, 16, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         tw.gemm(torch.zeros(1, 128), w, s, z, 16, 24)
     with pytest.raises(ValueError, match=r"qweight must be int32 \[16, 16\]"):

@@ -64,7 +64,8 @@ def _compare_both_ways(proposer, calls: list, atol: float = 1e-5) -> None:
         kv.copy_(before)
         got = graphs.run(proposer._block_tables(rows), ids, pos, hid, qlens, seq, k)
         assert (got == eager).all(), (got, eager)
-        torch.testing.assert_close(kv, kv_eager, atol=atol, rtol=atol)
+        # block 0 is the null block: padding rows may write it on one path and not the other
+        torch.testing.assert_close(kv[1:], kv_eager[1:], atol=atol, rtol=atol)
         calls.append((len(rows), max(qlens), k))
         return got
 

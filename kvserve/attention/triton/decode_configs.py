@@ -68,10 +68,14 @@ class DecodeConfig(NamedTuple):
 #: are split), "mid" (< 8 x SMs, e.g. batch 64 x 8 KV heads), "many" (batch 512). Under CUDA
 #: graphs the batch is the captured size, so each graph has one config. Chosen from the
 #: ``decode-kernel`` sweep (benchmarks/gpu_decode_kernel.py; docs/benchmarks/decode-kernel.md).
+#: Measured on an H200 (2026-11-28, Llama-3.1-8B attention shape): bf16 512 x 2K and 64 x 8K at 1.03x
+#: the copy rate with 64x2x4 (64x4x2: 0.99x-1.02x); 1 x 32K 0.73x with 128 keys, 8 warps and page
+#: tiles (64x4x2: 0.60x); fp8 0.69x at 512 x 2K and 64 x 8K, 0.41x at 1 x 32K with every tile tried
+#: (the e4m3 -> fp16 conversion through shared memory bounds it).
 DECODE_CONFIGS: dict[tuple[int, str], DecodeConfig] = {
-    (2, "few"): DecodeConfig(64, 4, 2),
-    (2, "mid"): DecodeConfig(64, 4, 2),
-    (2, "many"): DecodeConfig(64, 4, 2),
+    (2, "few"): DecodeConfig(128, 8, 2, page_tile=True),
+    (2, "mid"): DecodeConfig(64, 2, 4),
+    (2, "many"): DecodeConfig(64, 2, 4),
     (1, "few"): DecodeConfig(64, 2, 5),
     (1, "mid"): DecodeConfig(64, 2, 5),
     (1, "many"): DecodeConfig(64, 2, 5),

@@ -77,14 +77,17 @@ class MLADecodeConfig:
 # 16-bit) or "fp8". The best tiles of the last H200 sweep at batch 64 x 8K (figures: that sweep's
 # kernel); `benchmarks/gpu_mla.py --parts kernel` (part mla-kernel) records the next `best` per case.
 MLA_DECODE_CONFIGS: dict[tuple[int, str], MLADecodeConfig] = {
-    (16, "bf16"): MLADecodeConfig(16, 64, 512, 8, 3),  # 1,549 GB/s
+    # H200, 2026-11-28 (part mla-kernel, docs/benchmarks/mla.md): 16 heads bf16 2,394 GB/s of latent
+    # (0.56 of the copy's read + write rate; the previous tiles 1,386), fp8 836 (616); 128 heads
+    # 844 / 274 GB/s, compute-bound (204 / 129 TFLOP/s)
+    (16, "bf16"): MLADecodeConfig(16, 32, 512, 4, 2, swap=False, ctas_per_sm=2),
     (32, "bf16"): MLADecodeConfig(32, 64, 512, 8, 3),
     (64, "bf16"): MLADecodeConfig(64, 64, 512, 8, 3),
-    (128, "bf16"): MLADecodeConfig(64, 64, 512, 8, 3),  # 813 GB/s (compute-bound: see docs/benchmarks/mla.md)
-    (16, "fp8"): MLADecodeConfig(16, 64, 512, 8, 3),
+    (128, "bf16"): MLADecodeConfig(64, 64, 512, 8, 2, swap=False, ctas_per_sm=1),
+    (16, "fp8"): MLADecodeConfig(16, 32, 512, 4, 3, swap=True, ctas_per_sm=3, f16=True),
     (32, "fp8"): MLADecodeConfig(32, 64, 512, 8, 3),
     (64, "fp8"): MLADecodeConfig(64, 64, 512, 8, 3),
-    (128, "fp8"): MLADecodeConfig(64, 64, 512, 8, 3),  # 309 GB/s
+    (128, "fp8"): MLADecodeConfig(64, 64, 512, 8, 3, swap=False, ctas_per_sm=1),
 }
 
 

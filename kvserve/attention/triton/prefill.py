@@ -365,9 +365,9 @@ def new_kv_args(new_key: torch.Tensor, new_value: torch.Tensor | None, query: to
 #: takes it too (not yet measured: ``--sweep-set quick`` times it against the two-stage config), but
 #: keeps 64 keys a step (converting a 128-key tile of codes in registers would spill at 242 regs).
 PREFILL_CONFIGS = {
-    ("16bit", "d<=128"): (128, 128, 8, 3),
+    ("16bit", "d<=128"): (128, 128, 8, 3),  # H200 32K: 16.6 ms (66% of the matmul peak) whole, 22.7 chunked
     ("16bit", "d256"): (64, 32, 4, 2),
-    ("fp8", "d<=128"): (128, 64, 8, 3),
+    ("fp8", "d<=128"): (128, 128, 8, 3),  # H200 32K: 17.3 ms whole / 32.4 chunked vs 17.6 / 34.8 at 128 x 64
     ("fp8", "d256"): (64, 32, 4, 2),
     ("int", "d<=128"): (128, 64, 8, 2),
     ("int", "d256"): (64, 32, 4, 2),
@@ -504,7 +504,9 @@ def prefill_attention(
         res_t, res_s = residual_args(kv_residual, residual_slots, new_key, new_value, query)
     fast_cvt = use_fast_cvt(kv_fmt)
     fp8_qk = PREFILL_PATHS["fp8_qk"] if fp8_qk is None else fp8_qk
-    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and kv_fmt == 1 and kv_residual is None and not fast_cvt) else 0
+    # Hopper's FP8 dot takes K >= 32: smaller heads keep the converted path
+    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and kv_fmt == 1 and kv_residual is None and not fast_cvt
+                                       and (d >= 32 or not on_cuda)) else 0
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,

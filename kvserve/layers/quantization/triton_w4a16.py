@@ -54,7 +54,7 @@ import triton.language as tl
 
 ZP_SYM, ZP_INT, ZP_FLOAT = 0, 1, 2
 #: largest M the GEMM serves; above it callers dequantize and use cuBLAS
-MAX_M = 256
+MAX_M = 64  # H200: at M = 256 dequantize + cuBLAS is 2x this GEMM; at 64 this GEMM wins 3 of 4 shapes
 _SMS = 132  # H100/H200 SMs: programs wanted in flight (K is split below a few per SM)
 #: M buckets of the config table (an M uses the first bucket >= M)
 M_BUCKETS = (1, 16, 32, 64, 128, 256)
@@ -90,7 +90,20 @@ def default_int4_kernel() -> str:
 #: ``(M bucket, N, K) -> Config`` measured on an H200: ``benchmarks/gpu_w4a16.py --sweep`` (run.sh part
 #: ``int4-gemm``) prints the best per shape as ``TUNED (b, n, k): Config(...),`` lines (and records them in
 #: its JSON, ``part: tuned``) to paste here without the ``TUNED`` word. Shapes missing here use ``_heuristic``.
-TUNED: dict[tuple[int, int, int], Config] = {}
+TUNED: dict[tuple[int, int, int], Config] = {  # H200, 2026-11-28 (int4-gemm: docs/benchmarks/weight-quant.md)
+    (1, 6144, 4096): Config(1, 128, 2, 8, 4, 1, 0),
+    (1, 4096, 4096): Config(1, 128, 2, 16, 4, 1, 0),
+    (1, 28672, 4096): Config(1, 128, 2, 6, 4, 1, 0),
+    (1, 4096, 14336): Config(1, 128, 1, 17, 4, 3, 0),
+    (16, 6144, 4096): Config(16, 64, 2, 12, 4, 2, 0),
+    (16, 4096, 4096): Config(16, 64, 1, 9, 4, 2, 0),
+    (16, 28672, 4096): Config(16, 64, 1, 2, 4, 2, 0),
+    (16, 4096, 14336): Config(16, 64, 1, 9, 4, 2, 0),
+    (64, 6144, 4096): Config(64, 64, 1, 4, 4, 2, 0),
+    (64, 4096, 4096): Config(64, 64, 1, 4, 4, 2, 0),
+    (64, 28672, 4096): Config(64, 64, 1, 2, 4, 2, 0),
+    (64, 4096, 14336): Config(64, 64, 1, 9, 4, 2, 0),
+}
 
 
 @triton.jit
