@@ -117,9 +117,26 @@ def _model(name: str, smoke: bool, tmp: str) -> str:
     return path
 
 
+LOG: list[str] = []  # the engine's start-up lines (its memory budget) of this process
+
+
+class _Keep:
+    def write(self, m: str) -> None:
+        LOG.append(m.strip())
+
+    def flush(self) -> None:
+        pass
+
+
 def one(name: str, smoke: bool, seconds: float, util: float) -> dict:
-    """One configuration in this process."""
+    """One configuration in this process (``NAME+expandable``: with PyTorch's expandable segments)."""
+    import logging
     import random
+
+    if name.endswith("+expandable"):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # before CUDA starts
+        name = name[:-len("+expandable")]
+    logging.getLogger("kvserve").addHandler(logging.StreamHandler(_Keep()))
 
     import torch
 
@@ -128,7 +145,8 @@ def one(name: str, smoke: bool, seconds: float, util: float) -> dict:
     rng = random.Random(0)
     prompts, params, args = _workload(name, smoke, rng)
     path = _model(name, smoke, tempfile.mkdtemp())
-    rec = dict(config=name, gpu_memory_utilization=util, requests=len(prompts), engine_args=dict(args))
+    rec = dict(config=name + ("+expandable" if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") else ""),
+               gpu_memory_utilization=util, requests=len(prompts), engine_args=dict(args))
     if smoke:
         args.update(device="cpu", dtype="float32", kv_cache_memory="64MiB")
     else:
@@ -170,6 +188,9 @@ def one(name: str, smoke: bool, seconds: float, util: float) -> dict:
     if not smoke:
         rec["peak_used_gib"] = round(sampler.peak / 2**30, 2)
         rec["max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        rec["max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        rec["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        rec["memory_log"] = [m for m in LOG if "memory:" in m or "captured" in m][:8]
         rec["peak_within_budget"] = sampler.peak <= rec["budget_gib"] * 2**30
     oom = errors > 0 or (rec["raised"] is not None and "memory" in rec["raised"].lower())
     rec["oom"] = oom
@@ -210,12 +231,16 @@ def main() -> None:
         else:
             meta = {"device": "cpu-smoke"}
         json.dump(dict(runs=recs, **meta), open(os.path.join(a.out, "memory_stress.json"), "w"), indent=1)
-    print("| config | requests finished / error | OOM | peak used GiB | budget GiB | max reserved GiB | pass |")
+    print("| config | requests finished / error | OOM | peak used GiB | budget GiB | max reserved / allocated GiB "
+          "| pass |")
     print("|---|---|---|---|---|---|---|")
     for r in recs:
         print(f"| {r['config']} | {r.get('finished', '-')} / {r.get('finished_error', '-')} | {r.get('oom', '-')} "
-              f"| {r.get('peak_used_gib', '-')} | {r.get('budget_gib', '-')} | {r.get('max_reserved_gib', '-')} "
-              f"| {r.get('pass', r.get('error', '?')[:60])} |")
+              f"| {r.get('peak_used_gib', '-')} | {r.get('budget_gib', '-')} | {r.get('max_reserved_gib', '-')} / "
+              f"{r.get('max_allocated_gib', '-')} | {r.get('pass', r.get('error', '?')[:60])} |")
+    for r in recs:
+        for m in r.get("memory_log", []):
+            print(f"  {r['config']}: {m[:300]}")
 
 
 if __name__ == "__main__":

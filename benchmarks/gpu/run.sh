@@ -220,7 +220,9 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     soak)  # 8 GiB of KV (~65K tokens at the 8B shape): long prompts at 80% load preempt
       py $B/load/soak_gpu.py --duration ${SOAK_S:-400} --calib-s 40 --serve-args "--kv-cache-memory 8GiB" --out "$d" ;;
     engine-release) py $B/gpu_engine_release.py --out "$d" ;;
-    memory-stress) py $B/gpu_memory_stress.py --out "$d" --seconds 25 --timeout $(( (${LIMIT:-330} - 10) / 4 )) ;;
+    memory-stress)  # MEMSTRESS_CONFIGS: a subset, NAME+expandable for PyTorch's expandable segments
+      py $B/gpu_memory_stress.py --out "$d" --seconds 25 --configs "${MEMSTRESS_CONFIGS:-max-batch,long-fp8,spec,moe}" \
+        --timeout "${MEMSTRESS_TIMEOUT:-$(( (${LIMIT:-330} - 10) / 4 ))}" ;;
     fp8) py $B/gpu_fp8_gemm.py --out "$d" --parts w4,gemm --deadline $(( ${LIMIT:-180} - 25 )) ;;
     cascade) py $B/gpu_cascade.py --out "$d" --deadline $(( ${LIMIT:-100} - 5 )) ;;
     step-profile)  # FP8 KV: 512 x 2K does not fit a bf16 KV cache beside the weights (128 GiB)
