@@ -3,7 +3,8 @@
 On a GPU the largest step runs once over a throwaway cache to measure the activation
 peak (with the logits of every row the sampler may see: ``profile_logit_rows``); the budget
 is ``total x gpu_memory_utilization`` minus what is in use (weights), that
-peak, and what CUDA graphs will keep (an estimate measured on H100 shapes).
+peak, what CUDA graphs will keep (an estimate measured on H100 shapes) and a fixed headroom for
+what loads later outside PyTorch's allocator (``RUNTIME_HEADROOM_BYTES``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from kvserve.layers.attention import attention_layers
 logger = logging.getLogger("kvserve")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+#: Device memory taken after start-up outside PyTorch's allocator: kernel modules loaded on first
+#: use (Triton's per-shape MoE / GEMM configs), cuBLAS workspaces of new streams. On an H200 the
+#: Qwen3-30B-A3B shape's peak ended 0.31 GiB past a 0.85 budget without it
+#: (benchmarks/gpu_memory_stress.py, docs/reliability.md).
+RUNTIME_HEADROOM_BYTES = 512 << 20
 
 
 def available_kv_bytes(runner) -> int:
@@ -80,12 +86,14 @@ def _profile_gpu_kv_bytes(runner) -> int:
     used_now = total - free
     graph_bytes = estimate_graph_bytes(runner, peak_act)
     res_bytes = residual_bytes(runner)
-    kv_bytes = int(budget - used_now - peak_act - graph_bytes - res_bytes)
+    kv_bytes = int(budget - used_now - peak_act - graph_bytes - res_bytes - RUNTIME_HEADROOM_BYTES)
     logger.info(
         "memory: total %.2f GiB x %.2f = %.2f GiB budget; in use %.2f GiB (weights, context); "
-        "peak activations %.2f GiB; CUDA graphs (estimate) %.2f GiB; exact filling blocks %.2f GiB; KV cache %.2f GiB",
+        "peak activations %.2f GiB; CUDA graphs (estimate) %.2f GiB; exact filling blocks %.2f GiB; "
+        "runtime headroom %.2f GiB; KV cache %.2f GiB",
         total / 2**30, cfg.cache_config.gpu_memory_utilization, budget / 2**30,
-        used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, res_bytes / 2**30, kv_bytes / 2**30,
+        used_now / 2**30, peak_act / 2**30, graph_bytes / 2**30, res_bytes / 2**30, RUNTIME_HEADROOM_BYTES / 2**30,
+        kv_bytes / 2**30,
     )
     return max(kv_bytes, 0)
 
