@@ -364,33 +364,10 @@ def engine(tmp: str, device: str, smoke: bool, num_requests: int, timeout: float
 
 
 def _decode_rate(llm, prompt_len: int, out_len: int, batch: int, vocab: int) -> tuple[float, float]:
-    """``(ms per token of one request, output tok/s)`` while ``batch`` requests decode
-    (prefill first, then ``out_len`` tokens each, from token counts over wall time)."""
-    import torch
+    """``gpu_tensor_parallel.decode_rate`` with prompts drawn below ``vocab``."""
+    from gpu_tensor_parallel import decode_rate
 
-    from kvserve import SamplingParams
-
-    eng = llm.llm_engine
-    sched = eng.engine_core.scheduler
-    sp = SamplingParams(temperature=0, max_tokens=out_len * 4 + 64, ignore_eos=True)
-    g = torch.Generator().manual_seed(batch)
-    ids = [eng.add_request(None, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), sp)
-           for _ in range(batch)]
-    while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
-        eng.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    n0 = sum(r.num_output_tokens for r in sched.running)
-    t0 = time.perf_counter()
-    while sum(r.num_output_tokens for r in sched.running) - n0 < out_len * batch:
-        eng.step()
-    dt = time.perf_counter() - t0
-    n = sum(r.num_output_tokens for r in sched.running) - n0
-    for rid in ids:
-        eng.abort_request(rid)
-    while eng.has_unfinished_requests():
-        eng.step()
-    return dt / (n / batch) * 1e3, n / dt
+    return decode_rate(llm, prompt_len, out_len, batch, vocab=vocab)
 
 
 def tp_inner(path: str, tp: int, device: str, smoke: bool) -> dict:

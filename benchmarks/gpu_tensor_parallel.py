@@ -127,7 +127,7 @@ SMOKE = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_hidden
              num_key_value_heads=2, max_position_embeddings=512, architectures=["LlamaForCausalLM"])
 
 
-def decode_rate(llm, prompt_len: int, out_len: int, batch: int) -> tuple[float, float]:
+def decode_rate(llm, prompt_len: int, out_len: int, batch: int, vocab: int = 10000) -> tuple[float, float]:
     """``(ms per token of one request, output tok/s)`` while ``batch`` requests decode, from
     token counts over wall time: under pipeline parallelism an engine step returns one
     micro-batch (or nothing while the queue fills), so step intervals are not token times."""
@@ -137,7 +137,7 @@ def decode_rate(llm, prompt_len: int, out_len: int, batch: int) -> tuple[float, 
     sched = eng.engine_core.scheduler
     sp = SamplingParams(temperature=0, max_tokens=out_len * 4 + 64, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
-    ids = [eng.add_request(None, torch.randint(0, 10000, (prompt_len,), generator=g).tolist(), sp)
+    ids = [eng.add_request(None, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), sp)
            for _ in range(batch)]
     while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
         eng.step()  # prefill
