@@ -35,8 +35,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("worker", ("kvserve.worker", "kvserve.spec_decode")),
     # The root package is the offline API (LLM, SamplingParams, RequestOutput).
     ("engine", ("kvserve.executor", "kvserve.engine", "kvserve")),
-    # Offline tools over the LLM API: benchmarks, the EAGLE head's self-distillation trainer.
-    ("tools", ("kvserve.bench", "kvserve.spec_decode.train_eagle")),
+    # Offline tools over the LLM API: benchmarks, the EAGLE / EAGLE-3 heads' self-distillation
+    # trainers and their prompt set.
+    ("tools", ("kvserve.bench", "kvserve.spec_decode.train_eagle", "kvserve.spec_decode.train_eagle3",
+               "kvserve.spec_decode.train_prompts")),
     ("server", ("kvserve.entrypoints.openai", "kvserve.metrics")),
     ("router", ("kvserve.router",)),
     ("cli", ("kvserve.entrypoints",)),
