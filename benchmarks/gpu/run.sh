@@ -238,7 +238,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         ${old:+--old-kernel $old} ;;
     eagle3-train)  # the head (~20 MB, two files) lies outside results.tgz: the tool brings back <= 16 MiB a file
       # the default GGUF from the pieces carried by earlier calls (benchmarks/gpu/gguf_parts.sh), if not given
-      [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part3" ] && \
+      [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \
         KVSERVE_DEFAULT_GGUF=$(bash "$ROOT/benchmarks/gpu/gguf_parts.sh" join) && export KVSERVE_DEFAULT_GGUF
       py $B/gpu_eagle3_train.py --out "$d" --head-out "$OUT/eagle3-head" --deadline $(( ${LIMIT:-300} - 15 )) ;;
     decode-kernel)  # the kernel of 0fa5af9 (before the config table) beside: KVSERVE_BASELINE's, or from git
