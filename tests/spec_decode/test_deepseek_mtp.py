@@ -6,7 +6,7 @@ speculation (batched, chunked prefill, preemption, prefix hit); the MTP layer's 
 a plain torch reference of the formula (transformers' decoder block) on the same weights, in
 prefill and in decode; an MTP layer that predicts the target exactly has every greedy draft
 accepted, and seeded sampling gives the tokens it gives without speculation; a checkpoint
-without an MTP layer is refused at start-up."""
+without an MTP layer and tree drafts on the MLA target are refused at start-up."""
 
 from __future__ import annotations
 
@@ -220,3 +220,11 @@ def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         _llm(tmp_path, k=1)
+
+
+def test_tree_drafts_refused_on_mla_target(ckpt):
+    """The tree attention mask lives in the full-attention prefill kernel; MLA's latent paths
+    attend causally, so ``speculative_eagle_topk > 1`` on a DeepSeek target is a start-up error."""
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "speculative_eagle_topk": 2}
+    with pytest.raises(ValueError, match=r"speculative_eagle_topk 2 \(tree drafts\).*multi-head latent attention"):
+        _llm(ckpt[0], speculative_config=spec)
