@@ -9,8 +9,8 @@ query heads and the new latent rows and runs ``kvserve.attention.mla.MLAAttentio
 ``triton``). KV features that cannot apply to the latent are refused here, at start-up:
 bounded KV (StreamingLLM / H2O keep per-head attention mass), the per-head quantized KV
 dtypes (int8 / int4 / int2 / fp8_e5m2; fp8 stores ``mla_fp8_e4m3`` rows) and tree drafts
-(``speculative_eagle_topk > 1``: the tree attention mask lives in the full-attention prefill
-kernel; the latent paths attend causally).
+(``speculative_eagle_topk > 1``: the tree attention mask lives in full attention's prefill
+paths; the latent paths attend causally).
 
 Tensor parallelism: the query heads (and ``kv_b_proj``, ``o_proj``) split over the ranks;
 the latent row is computed and cached whole on every rank (replicated: the cache costs each
@@ -69,8 +69,8 @@ class MLAAttention(Attention):
         if sc is not None and sc.speculative_eagle_topk > 1:
             raise ValueError(f"speculative_eagle_topk {sc.speculative_eagle_topk} (tree drafts): layer "
                              f"{self.layer_idx} is multi-head latent attention (MLA), whose latent attention does "
-                             f"not apply the tree attention mask (only the Triton prefill kernel of full attention "
-                             f"does); use speculative_eagle_topk 1 (chain drafts)")
+                             f"not apply the tree attention mask (only full attention's prefill paths do); use "
+                             f"speculative_eagle_topk 1 (chain drafts)")
         if cc.kv_eviction_policy != "none":
             raise ValueError(f"--kv-eviction-policy {cc.kv_eviction_policy}: bounded KV keeps per-head attention "
                              f"mass and windows of K/V heads; a multi-head latent attention (MLA) cache has no heads "
