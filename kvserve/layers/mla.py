@@ -7,8 +7,10 @@ runner allocates, binds, copies and plans it like any other spec. Its forward ta
 query heads and the new latent rows and runs ``kvserve.attention.mla.MLAAttentionImpl``
 (expanded prefill, absorbed decode; the Triton decode kernel when the layer's backend is
 ``triton``). KV features that cannot apply to the latent are refused here, at start-up:
-bounded KV (StreamingLLM / H2O keep per-head attention mass) and the per-head quantized KV
-dtypes (int8 / int4 / int2 / fp8_e5m2; fp8 stores ``mla_fp8_e4m3`` rows).
+bounded KV (StreamingLLM / H2O keep per-head attention mass), the per-head quantized KV
+dtypes (int8 / int4 / int2 / fp8_e5m2; fp8 stores ``mla_fp8_e4m3`` rows) and tree drafts
+(``speculative_eagle_topk > 1``: the tree attention mask lives in full attention's prefill
+paths; the latent paths attend causally).
 
 Tensor parallelism: the query heads (and ``kv_b_proj``, ``o_proj``) split over the ranks;
 the latent row is computed and cached whole on every rank (replicated: the cache costs each
@@ -60,8 +62,15 @@ class MLAAttention(Attention):
 
     def kv_cache_spec(self, block_size: int, config: Any) -> MLAAttentionSpec:
         """This layer's cache spec for an ``EngineConfig``. Raises ValueError for a KV feature
-        the latent cannot serve (bounded KV, per-head quantized KV dtypes)."""
+        the latent cannot serve (bounded KV, per-head quantized KV dtypes) and for tree drafts
+        (``speculative_eagle_topk > 1``: the MLA path has no tree attention mask)."""
         cc = config.cache_config
+        sc = config.speculative_config
+        if sc is not None and sc.speculative_eagle_topk > 1:
+            raise ValueError(f"speculative_eagle_topk {sc.speculative_eagle_topk} (tree drafts): layer "
+                             f"{self.layer_idx} is multi-head latent attention (MLA), whose latent attention does "
+                             f"not apply the tree attention mask (only full attention's prefill paths do); use "
+                             f"speculative_eagle_topk 1 (chain drafts)")
         if cc.kv_eviction_policy != "none":
             raise ValueError(f"--kv-eviction-policy {cc.kv_eviction_policy}: bounded KV keeps per-head attention "
                              f"mass and windows of K/V heads; a multi-head latent attention (MLA) cache has no heads "

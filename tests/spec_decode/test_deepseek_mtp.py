@@ -5,8 +5,9 @@ added under its HF names: greedy outputs with k = 1 and k = 2 equal those withou
 speculation (batched, chunked prefill, preemption, prefix hit); the MTP layer's logits equal
 a plain torch reference of the formula (transformers' decoder block) on the same weights, in
 prefill and in decode; an MTP layer that predicts the target exactly has every greedy draft
-accepted, and seeded sampling gives the tokens it gives without speculation; a checkpoint
-without an MTP layer is refused at start-up."""
+accepted, and seeded sampling gives the tokens it gives without speculation; unseeded sampled
+tokens have the distribution they have without speculation (chi-square); a checkpoint
+without an MTP layer and tree drafts on the MLA target are refused at start-up."""
 
 from __future__ import annotations
 
@@ -192,11 +193,19 @@ def test_mtp_logits_equal_torch_reference(ckpt, mtp_k1):
     assert torch.equal(head.layers[0].self_attn.kv_b_proj.weight, w[1])
 
 
-def test_exact_mtp_layer_accepts_greedy_drafts_and_sampling_is_unchanged(tmp_path):
+@pytest.fixture(scope="module")
+def oracle_ckpt(tmp_path_factory):
+    """A checkpoint whose MTP layer predicts the (bigram) target's greedy token exactly."""
+    path = tmp_path_factory.mktemp("deepseek_v3_mtp_oracle")
+    _write_checkpoint(str(path), oracle=True)
+    return path
+
+
+def test_exact_mtp_layer_accepts_greedy_drafts_and_sampling_is_unchanged(oracle_ckpt):
     """Greedy: every draft of an MTP layer that predicts the target exactly is accepted.
     Sampled (temperature 0.7, seeded): the tokens equal those without speculation while drafts
     are both kept and rejected."""
-    _write_checkpoint(str(tmp_path), oracle=True)
+    tmp_path = oracle_ckpt
     llm = _llm(tmp_path, k=2, num_gpu_blocks_override=64)
     prompts = _prompts()[0][1:]  # a 1-token prompt drafts from position 0, whose embedding is zeroed
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
@@ -213,6 +222,32 @@ def test_exact_mtp_layer_accepts_greedy_drafts_and_sampling_is_unchanged(tmp_pat
     assert 0 < st.num_accepted_tokens - accepted < st.num_draft_tokens - drafts
 
 
+def test_sampled_distribution_matches_without_speculation(oracle_ckpt):
+    """Unseeded sampling (temperature 0.05) of one prompt many times: the third output token
+    (an accepted second draft, the target's sample at a rejected draft, or a later step's
+    token) has the same distribution with MTP speculation (k = 2) as without, by a chi-square
+    two-sample test; drafts are both kept and rejected. (Accepting a second draft without
+    comparing it fails this test: p ~ 1e-7.)"""
+    kw = dict(num_gpu_blocks_override=1024, max_num_batched_tokens=1024, max_num_seqs=256)
+    prompt, N = _prompts()[0][1], 600
+    sp = SamplingParams(temperature=0.05, max_tokens=4, ignore_eos=True)  # room for 2 drafts after the first token
+    samples = {}
+    for name, k in (("plain", None), ("spec", 2)):
+        llm = _llm(oracle_ckpt, k=k, **kw)
+        samples[name] = [o.outputs[0].token_ids[2] for o in llm.generate([prompt] * N, sp, use_tqdm=False)]
+    st = llm.llm_engine.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    cells = sorted(set(samples["plain"]) | set(samples["spec"]))
+    table = [[samples[n].count(c) for c in cells] for n in ("plain", "spec")]
+    keep = [i for i in range(len(cells)) if table[0][i] + table[1][i] >= 10]  # expected counts >= 5
+    rare = [i for i in range(len(cells)) if i not in keep]
+    t = [[row[i] for i in keep] + [sum(row[i] for i in rare)] for row in table]
+    assert len(keep) >= 4
+    stats = pytest.importorskip("scipy.stats")
+    _, pval, _, _ = stats.chi2_contingency(t)
+    assert pval > 1e-3, (pval, t)
+
+
 def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
     torch.manual_seed(0)
     cfg = _config(LAYERS)
@@ -220,3 +255,11 @@ def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         _llm(tmp_path, k=1)
+
+
+def test_tree_drafts_refused_on_mla_target(ckpt):
+    """The tree attention mask lives in the full-attention prefill kernel; MLA's latent paths
+    attend causally, so ``speculative_eagle_topk > 1`` on a DeepSeek target is a start-up error."""
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "speculative_eagle_topk": 2}
+    with pytest.raises(ValueError, match=r"speculative_eagle_topk 2 \(tree drafts\).*multi-head latent attention"):
+        _llm(ckpt[0], speculative_config=spec)

@@ -65,10 +65,13 @@ class _TreeScript(Proposer):
         super().__init__(config)
         self.trees = {}
 
+    def continuation(self, st) -> list[int]:
+        return self.script
+
     def propose(self, requests, batch):
         out = []
         for st in requests:
-            nxt = self.script[len(st.output_token_ids):][:3]
+            nxt = self.continuation(st)[len(st.output_token_ids):][:3]
             toks, parents, parent = [], [], -1
             for t in nxt:
                 toks += [(t + 1) % 8, t]
@@ -129,6 +132,54 @@ def test_scripted_tree_lossless_greedy_sampled_seeded(tiny_model):
     assert a == b
     assert core.kv_cache_manager.usage == 0.0
     core.kv_cache_manager.check_invariants()
+
+
+class _TreeScriptPerPrompt(_TreeScript):
+    """``_TreeScript`` with each request's greedy continuation looked up by its prompt."""
+
+    scripts: dict[tuple, list[int]] = {}
+
+    def continuation(self, st) -> list[int]:
+        return self.scripts[tuple(st.prompt_token_ids)]
+
+
+def test_scripted_tree_with_cpu_tier_saves_accepted_kv(tiny_model):
+    """CPU tier (``--kv-offloading-size``) with swap preemption and tree drafts whose first
+    sibling at every depth is rejected: the greedy tokens equal a run without speculation, and
+    every block both runs saved to the tier (same tokens, same content key) holds the same K/V,
+    so the tier got the accepted path after its compaction, never a rejected sibling's K/V."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 8, (n,), generator=g).tolist() for n in (6, 9, 13, 7)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    common = dict(model=tiny_model, skip_tokenizer_init=True, dtype="float32", disable_log_stats=True, block_size=4,
+                  num_gpu_blocks_override=14, max_model_len=48, kv_offloading_size=0.001, preemption_mode="swap",
+                  enable_prefix_caching=False)
+    plain = LLM(**common)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    register_proposer("tree_script_per_prompt", _TreeScriptPerPrompt)
+    _TreeScriptPerPrompt.scripts = {tuple(p): list(r) for p, r in zip(prompts, ref)}
+    spec = LLM(**common, speculative_config={"method": "tree_script_per_prompt", "num_speculative_tokens": 3,
+                                             "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 7,
+                                             "dynamic": False})
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp, use_tqdm=False)]
+    saved = []
+    for llm in (plain, spec):
+        core = llm.llm_engine.engine_core
+        core.model_runner.kv_connector.wait_for_save()
+        saved.append((core.kv_connector.index, core.model_runner.kv_connector.worker.pool))
+    (idx_a, pool_a), (idx_b, pool_b) = saved
+    # both runs saved every full block of every sequence (the last token's K/V is never
+    # computed), blocks past the prompts included: K/V written by (tree) verify steps
+    assert set(idx_a) == set(idx_b) and len(idx_a) == sum((len(p) + 15) // 4 for p in prompts)
+    for k in idx_a:
+        torch.testing.assert_close(pool_b[idx_b[k][0]], pool_a[idx_a[k][0]], atol=1e-5, rtol=1e-5)
+    assert got == ref
+    st, core = spec.llm_engine.stats, spec.llm_engine.engine_core
+    assert st.num_preemptions > 0 and st.num_accepted_tokens > 0
+    assert core.kv_connector.get_stats()["swap_out_blocks"] > 0
+    assert core.kv_cache_manager.usage == 0.0
+    core.kv_cache_manager.check_invariants()
+    core.kv_connector.check_invariants()
 
 
 def test_tree_config_checks(tiny_model):
