@@ -52,8 +52,8 @@ import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
-                                               scaled_scores, use_fast_cvt)
+                                               kv_tile_offsets, load_k_tile, load_scales, load_v_tile,
+                                               prepare_query, pv_update, scaled_scores, use_fast_cvt)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 
 _LOG2E = 1.4426950408889634
@@ -66,6 +66,14 @@ def _tree_visible(pos, t_bits, t_start):
     rel = pos[None, :] - t_start
     bit = (t_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
     return (rel < 0) | (rel > 63) | (bit != 0)
+
+
+@triton.jit
+def round_e4m3(x):
+    """``x`` (float32, ``|x| <= 448``) rounded to e4m3's grid (3 mantissa bits, normals from 2^-6,
+    subnormal steps of 2^-9), kept in float32: the interpreter's e4m3 cast drops a rounding carry."""
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)
+    return tl.floor(x / step + 0.5) * step
 
 
 @triton.jit
@@ -95,7 +103,7 @@ def _attend_block(
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
     RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
-    FP8_QK: tl.constexpr = 0,
+    FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -103,13 +111,19 @@ def _attend_block(
     a row sees cache keys below ``q_lim [M]`` (its own block's start) instead of up to ``q_pos``.
     ``FP8_QK`` (e4m3 codes): K is the codes as stored (``tl.float8e4nv``, no conversion) and
     ``q`` the query rounded to e4m3 per row: Q K^T is an FP8 tensor-core dot (2: the same values
-    widened to float32, for the interpreter)."""
+    widened to float32, for the interpreter). ``FP8_PV`` (e4m3 codes): P V as an e4m3 dot on the V
+    codes as stored, P times the keys' scales rounded to e4m3 after each row is spread over e4m3's
+    range (FlashAttention-3's FP8 recipe, Shah et al., arXiv:2407.08608; row factor on the product).
+    ``PAGE_TILES``: the block table read once per page of the tile, not once per key."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
     if USE_WINDOW:  # n0 is rounded down: never load keys below the tile's window (freed blocks)
         n_mask = n_mask & (pos >= kv_min)
-    row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
+    if PAGE_TILES:  # n0 is a multiple of BLOCK_N; keys past kv_hi read page 0 and are masked
+        row_off = kv_tile_offsets(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
+    else:
+        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
     k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
@@ -147,9 +161,27 @@ def _attend_block(
             valid = valid & _tree_visible(pos, t_bits, t_start)
         qk = tl.where(valid, qk, float("-inf"))
     p, alpha, m_new, l_i = _softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
-    # [BLOCK_N, D]
-    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
-    acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
+    if FP8_PV > 0:  # [BLOCK_N, D] e4m3 codes as stored, straight to the dot
+        offs_d = tl.arange(0, HEAD_DIM)
+        ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :]
+        if MASKED:
+            v = tl.load(ptrs, mask=n_mask[:, None], other=0)
+        else:
+            v = tl.load(ptrs)
+        v = v.to(tl.float8e4nv, bitcast=True)
+        pv = p * vs[None, :]  # <= the row's largest key scale; masked keys have scale 0
+        r = tl.max(pv, 1)
+        r = tl.where(r > 0.0, r, 1.0)
+        pv = pv * (448.0 / r)[:, None]  # each row's largest term at e4m3's maximum
+        if FP8_PV == 2:  # interpreter: the same e4m3 values in float32
+            d = tl.dot(round_e4m3(pv), v.to(tl.float32), input_precision="ieee")
+        else:
+            d = tl.dot(pv.to(tl.float8e4nv), v)
+        acc = acc * alpha[:, None] + d * (r * (1.0 / 448.0))[:, None]
+    else:  # [BLOCK_N, D]
+        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT,
+                        FAST_CVT)
+        acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
     return acc, m_new, l_i
 
 
@@ -212,7 +244,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TREE: tl.constexpr = False,
-    FP8_QK: tl.constexpr = 0,
+    FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -268,9 +300,7 @@ def _prefill_kernel(
     if FP8_QK > 0:  # the row-normalised query (|q| <= 1) spread over e4m3's range (max 448) and rounded to it
         q_scale = q_scale * (1.0 / 448.0)
         if FP8_QK == 2:  # interpreter (its e4m3 cast drops a rounding carry): round to 3 mantissa bits here
-            x = q.to(tl.float32) * 448.0
-            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # normals from 2^-6
-            q = tl.floor(x / step + 0.5) * step
+            q = round_e4m3(q.to(tl.float32) * 448.0)
         else:
             q = (q.to(tl.float32) * 448.0).to(tl.float8e4nv)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
@@ -314,13 +344,13 @@ def _prefill_kernel(
             q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, False, False, 0, 0, FP8_QK)
+            q_lim, False, False, 0, 0, FP8_QK, FP8_PV, PAGE_TILES)
     for n0 in range(full_end, kv_hi_q, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start, FP8_QK)
+            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start, FP8_QK, FP8_PV, PAGE_TILES)
     if HAS_RESIDUAL:  # keys [own0, kv_hi) exact (kv_exact), against q reloaded in the compute dtype
         q_ex = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                        + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
@@ -377,8 +407,12 @@ PREFILL_CONFIGS = {
 #: benchmark can switch them for a whole engine run; ``prefill_attention``'s arguments override):
 #: ``fp8_qk``: e4m3 caches compute Q K^T as an FP8 tensor-core dot (the query rounded to e4m3 per
 #: row, the per-token key scales on the score columns; about 2^-4 relative error per query element
-#: on top of the cache's own, so off unless asked for).
-PREFILL_PATHS = {"fp8_qk": False}
+#: on top of the cache's own, so off unless asked for). ``fp8_pv``: e4m3 caches compute P V as an
+#: FP8 dot on the V codes (P times the key scales, each row spread over e4m3's range and rounded:
+#: at most 2^-4 relative error per term, so ``|error| <= 2^-4 (P |V|) / l`` per output element).
+#: ``page_tiles``: the paged keys' block-table entries read once per page of a tile, not per key.
+#: (The two FP8 paths: the cached prefix only; the chunk's own keys are read exact in the query dtype.)
+PREFILL_PATHS = {"fp8_qk": False, "fp8_pv": False, "page_tiles": False}
 
 
 def _operand_kind(kv_fmt: int) -> str:
@@ -435,6 +469,8 @@ def prefill_attention(
     tree_mask: torch.Tensor | None = None,
     tree_start: torch.Tensor | None = None,
     fp8_qk: bool | None = None,
+    fp8_pv: bool | None = None,
+    page_tiles: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -469,6 +505,8 @@ def prefill_attention(
             Not with a sliding window or exact own blocks (ValueError).
         fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only (not with ``kv_residual``, or with the integer-built e4m3 codes of
             ``kv_load.CODE_PATHS["fast_cvt"]``).
+        fp8_pv / page_tiles: path overrides (default ``PREFILL_PATHS``): P V as an FP8 dot (as
+            ``fp8_qk``: e4m3 caches only); block-table entries read once per page of a key tile.
 
     Returns ``out``. No host synchronisation.
     """
@@ -505,8 +543,11 @@ def prefill_attention(
     fast_cvt = use_fast_cvt(kv_fmt)
     fp8_qk = PREFILL_PATHS["fp8_qk"] if fp8_qk is None else fp8_qk
     # Hopper's FP8 dot takes K >= 32: smaller heads keep the converted path
-    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and kv_fmt == 1 and kv_residual is None and not fast_cvt
-                                       and (d >= 32 or not on_cuda)) else 0
+    fp8_ok = kv_fmt == 1 and kv_residual is None and not fast_cvt
+    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and fp8_ok and (d >= 32 or not on_cuda)) else 0
+    fp8_pv = PREFILL_PATHS["fp8_pv"] if fp8_pv is None else fp8_pv
+    fp8_pv = (1 if on_cuda else 2) if (fp8_pv and fp8_ok and (bn >= 32 or not on_cuda)) else 0  # keys: the dot's K
+    page_tiles = PREFILL_PATHS["page_tiles"] if page_tiles is None else page_tiles
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -525,7 +566,7 @@ def prefill_attention(
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt,
         HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv, TREE=tree,
-        FP8_QK=fp8_qk,
+        FP8_QK=fp8_qk, FP8_PV=fp8_pv, PAGE_TILES=bool(page_tiles),
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out
