@@ -1,7 +1,7 @@
 """The prefill kernel against the float reference (Triton interpreter on the CPU, tiny shapes):
 key tiles spanning several pages, one page, or part of one; chunks over cached prefixes of several
-pages; both the chunk-K/V path and the all-pages path; the FP8 Q K^T dot (``PREFILL_PATHS``'s
-``fp8_qk``); the tile config table (``PREFILL_CONFIGS``)."""
+pages; both the chunk-K/V path and the all-pages path; the FP8 Q K^T and P V dots and the
+other ``PREFILL_PATHS`` switches; the tile config table (``PREFILL_CONFIGS``)."""
 
 from __future__ import annotations
 
@@ -111,14 +111,16 @@ def test_fp8_pv_dot_within_e4m3_bound(new_kv, page_tiles):
 
 
 @pytest.mark.parametrize("bs", [4, 32])
-def test_page_tiles_equal_per_key_table_reads(bs):
+def test_page_tiles_and_prefix_stages_equal_default_path(bs):
     """``page_tiles`` reads the block table once per page of a key tile (a tile over 4 pages, or
-    half a page): the same keys at the same offsets, so the output equals the per-key path's."""
+    half a page) and ``prefix_stages`` only re-pipelines the prefix loop: the same keys at the same
+    offsets, so the output equals the default path's."""
     d, hkv, h = 16, 2, 4
     meta, cache, q, k, v, _ = _batch("float32", torch.float32, h, hkv, d, bs, seed=bs, reqs=REQS)
     store_kv(k, v, cache, meta.slot_mapping)
     args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, len(REQS), meta.max_query_len,
             d ** -0.5)
     for kw in ({}, dict(new_key=k, new_value=v)):
-        torch.testing.assert_close(prefill_attention(*args, page_tiles=True, **kw), prefill_attention(*args, **kw),
-                                   atol=0, rtol=0)
+        base = prefill_attention(*args, **kw)
+        torch.testing.assert_close(prefill_attention(*args, page_tiles=True, **kw), base, atol=0, rtol=0)
+        torch.testing.assert_close(prefill_attention(*args, prefix_stages=5, **kw), base, atol=0, rtol=0)

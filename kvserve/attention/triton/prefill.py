@@ -25,7 +25,7 @@ query dtype (no block table; for a quantized cache no codes and no scales: exact
 causal mask on the diagonal steps only; then the cached prefix ``[0, ctx)`` from the pages with
 no causal mask (only ``kv_hi = ctx`` bounds its last step). The softmax scale (and a quantized
 path's per-row query factor) is folded into the running maximum and one FMA per score
-(``_softmax_step``).
+(``prefill_steps.softmax_step``).
 
 Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexpr
 ``HAS_RESIDUAL``): a row at ``p`` reads cache keys below ``p // B * B`` only, then one extra masked
@@ -55,17 +55,9 @@ from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, 
                                                kv_tile_offsets, load_k_tile, load_scales, load_v_tile,
                                                prepare_query, pv_update, scaled_scores, use_fast_cvt)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
+from kvserve.attention.triton.prefill_steps import attend_new, softmax_step, tree_visible
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _tree_visible(pos, t_bits, t_start):
-    """``[M, N]``: keys ``pos [N]`` the rows see under their ancestor bits ``t_bits [M]`` (int64):
-    below ``t_start`` or past bit 63 always, else where bit ``pos - t_start`` is set."""
-    rel = pos[None, :] - t_start
-    bit = (t_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
-    return (rel < 0) | (rel > 63) | (bit != 0)
 
 
 @triton.jit
@@ -77,22 +69,23 @@ def round_e4m3(x):
 
 
 @triton.jit
-def _softmax_step(s, row_scale, m_i, l_i, ROW_VEC: tl.constexpr):
-    """Online-softmax update for the logits ``row_scale * s`` (log2 units; ``s [M, N]`` fp32 with
-    masked entries ``-inf``; ``row_scale > 0``, a scalar or ``[M]`` if ``ROW_VEC``). The scale is
-    folded into the row maximum and the exponent's one FMA (as the FlashAttention-2 Triton
-    tutorial), not a separate multiply of the tile. Returns ``(p, alpha, m_new, l_new)``."""
-    if ROW_VEC:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
-        p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])
+def _load_e4m3(cache_ptr, offs, mask, MASKED: tl.constexpr, F8_PTR: tl.constexpr = True):
+    """e4m3 codes at byte offsets ``offs`` of the byte cache as ``tl.float8e4nv`` (masked: 0).
+    ``F8_PTR``: loaded through an e4m3 pointer, so the asynchronous copy lands in shared memory
+    as the dot's operand (a byte load bitcast in registers goes through registers and back)."""
+    if F8_PTR:
+        ptrs = cache_ptr.to(tl.pointer_type(tl.float8e4nv)) + offs
+        if MASKED:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * row_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, m_new, l_i
+        if MASKED:
+            x = tl.load(cache_ptr + offs, mask=mask, other=0)
+        else:
+            x = tl.load(cache_ptr + offs)
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -104,6 +97,7 @@ def _attend_block(
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
     RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
     FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
+    F8_PTR: tl.constexpr = True,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -126,7 +120,10 @@ def _attend_block(
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
-    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
+    if FP8_QK == 1 and F8_PTR:
+        k = _load_e4m3(k_cache_ptr, row_off[None, :] + tl.arange(0, HEAD_DIM)[:, None], n_mask[None, :], MASKED)
+    else:
+        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
     if FP8_QK == 2:  # interpreter: its FP8 dot is not exact; the same e4m3 values widened instead
         k = k.to(tl.float32)
     if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
@@ -158,17 +155,14 @@ def _attend_block(
         if USE_WINDOW:
             valid = valid & (pos[None, :] > q_pos[:, None] - window)
         if TREE:
-            valid = valid & _tree_visible(pos, t_bits, t_start)
+            valid = valid & tree_visible(pos, t_bits, t_start)
         qk = tl.where(valid, qk, float("-inf"))
-    p, alpha, m_new, l_i = _softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
+    p, alpha, m_new, l_i = softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
     if FP8_PV > 0:  # [BLOCK_N, D] e4m3 codes as stored, straight to the dot
-        offs_d = tl.arange(0, HEAD_DIM)
-        ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :]
-        if MASKED:
-            v = tl.load(ptrs, mask=n_mask[:, None], other=0)
-        else:
-            v = tl.load(ptrs)
-        v = v.to(tl.float8e4nv, bitcast=True)
+        # bytes bitcast in registers: the copy stays asynchronous (pipelined); an e4m3 pointer would make
+        # it a plain load, since fp8 wgmma takes B contiguous along the keys and V's rows must be transposed
+        v = _load_e4m3(v_cache_ptr, row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], n_mask[:, None], MASKED,
+                       False)
         pv = p * vs[None, :]  # <= the row's largest key scale; masked keys have scale 0
         r = tl.max(pv, 1)
         r = tl.where(r > 0.0, r, 1.0)
@@ -182,48 +176,6 @@ def _attend_block(
         v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT,
                         FAST_CVT)
         acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_new(
-    q, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt, stride_nvt, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    WIDEN: tl.constexpr, in_dtype: tl.constexpr, TREE: tl.constexpr = False, t_bits=0, t_rel0=0,
-):
-    """One online-softmax step over the chunk's own keys ``j0 .. j0 + BLOCK_N - 1`` (0 = the
-    chunk's first new token), read from the contiguous new K/V rows ``nk_base + j * stride_nkt``
-    (no block table, never quantized). ``q [M, D]``: the query rows as computed (``in_dtype``,
-    float32 if ``WIDEN``), unscaled; ``tok [M]``: each row's token in the chunk. ``MASKED``: the
-    causal (``j <= tok``) and ``j < q_len`` masks, for the diagonal steps only."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    j = j0 + offs_n
-    rows_k = j.to(tl.int64) * stride_nkt
-    rows_v = j.to(tl.int64) * stride_nvt
-    if MASKED:
-        n_mask = j < q_len
-        k = tl.load(nk_base + rows_k[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-    else:
-        k = tl.load(nk_base + rows_k[None, :] + offs_d[:, None])
-    k = k.to(in_dtype)
-    if WIDEN:
-        k = k.to(tl.float32)
-    qk = tl.dot(q, k, input_precision=DOT_PREC)
-    if MASKED:
-        valid = n_mask[None, :] & (j[None, :] <= tok[:, None])
-        if TREE:  # chunk key j sits at tree index j + t_rel0
-            valid = valid & _tree_visible(j, t_bits, -t_rel0)
-        qk = tl.where(valid, qk, float("-inf"))
-    p, alpha, m_new, l_i = _softmax_step(qk, qk_scale, m_i, l_i, False)  # log2 units
-    if MASKED:
-        v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    else:
-        v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :])
-    v = v.to(in_dtype)
-    if WIDEN:
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -245,6 +197,7 @@ def _prefill_kernel(
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TREE: tl.constexpr = False,
     FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
+    PREFIX_STAGES: tl.constexpr = 0,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -288,10 +241,10 @@ def _prefill_kernel(
             own_full = 0
         own_hi = tl.where(live, tl.minimum(t0 + BLOCK_Q, q_len), 0)
         for j0 in range(0, own_full, BLOCK_N):
-            acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
+            acc, m_i, l_i = attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
                                         stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, WIDEN, q_dtype)
         for j0 in range(own_full, own_hi, BLOCK_N):
-            acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
+            acc, m_i, l_i = attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
                                         stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, WIDEN, q_dtype,
                                         TREE, t_bits, ctx - t_start)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
@@ -339,12 +292,20 @@ def _prefill_kernel(
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_ch
-    for n0 in range(kv_lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
-            kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, False, False, 0, 0, FP8_QK, FP8_PV, PAGE_TILES)
+    if PREFIX_STAGES > 0:  # the pipeliner spends a stage on the block-table load: one more keeps K/V 2 steps ahead
+        for n0 in tl.range(kv_lo, full_end, BLOCK_N, num_stages=PREFIX_STAGES):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+                q_lim, False, False, 0, 0, FP8_QK, FP8_PV, PAGE_TILES)
+    else:
+        for n0 in range(kv_lo, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+                q_lim, False, False, 0, 0, FP8_QK, FP8_PV, PAGE_TILES)
     for n0 in range(full_end, kv_hi_q, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
@@ -412,7 +373,12 @@ PREFILL_CONFIGS = {
 #: at most 2^-4 relative error per term, so ``|error| <= 2^-4 (P |V|) / l`` per output element).
 #: ``page_tiles``: the paged keys' block-table entries read once per page of a tile, not per key.
 #: (The two FP8 paths: the cached prefix only; the chunk's own keys are read exact in the query dtype.)
-PREFILL_PATHS = {"fp8_qk": False, "fp8_pv": False, "page_tiles": False}
+#: ``prefix_stages``: software-pipeline stages of the paged-prefix loop (0: the config's). Triton's
+#: pipeliner splits a loop's stages between the block-table load and the K/V loads it feeds
+#: (``(num_stages - 1) // 2`` steps of latency each), so at 3 stages the prefix keeps one K/V tile
+#: in flight where the chunk's own keys keep two; 5 gives it two (sm_90 GPU IR:
+#: ``benchmarks/ptx_prefill.py``). Dropped where its third K/V buffer would not fit shared memory.
+PREFILL_PATHS = {"fp8_qk": False, "fp8_pv": False, "page_tiles": False, "prefix_stages": 0}
 
 
 def _operand_kind(kv_fmt: int) -> str:
@@ -471,6 +437,7 @@ def prefill_attention(
     fp8_qk: bool | None = None,
     fp8_pv: bool | None = None,
     page_tiles: bool | None = None,
+    prefix_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -507,6 +474,8 @@ def prefill_attention(
             ``kv_load.CODE_PATHS["fast_cvt"]``).
         fp8_pv / page_tiles: path overrides (default ``PREFILL_PATHS``): P V as an FP8 dot (as
             ``fp8_qk``: e4m3 caches only); block-table entries read once per page of a key tile.
+        prefix_stages: path override (default ``PREFILL_PATHS``): pipeline stages of the unmasked
+            paged-prefix loop (0: the launch's ``num_stages``).
 
     Returns ``out``. No host synchronisation.
     """
@@ -548,6 +517,11 @@ def prefill_attention(
     fp8_pv = PREFILL_PATHS["fp8_pv"] if fp8_pv is None else fp8_pv
     fp8_pv = (1 if on_cuda else 2) if (fp8_pv and fp8_ok and (bn >= 32 or not on_cuda)) else 0  # keys: the dot's K
     page_tiles = PREFILL_PATHS["page_tiles"] if page_tiles is None else page_tiles
+    prefix_stages = int(PREFILL_PATHS["prefix_stages"] if prefix_stages is None else prefix_stages)
+    limit = _max_shared_bytes(query.device.index) if on_cuda else 0
+    bufs = (prefix_stages - 1) // 2 + 1  # K/V buffers the pipeliner allocates (see PREFILL_PATHS)
+    if limit and (bm + 2 * bufs * bn) * d * 2 + 2048 > limit:
+        prefix_stages = 0
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -566,7 +540,7 @@ def prefill_attention(
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt,
         HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv, TREE=tree,
-        FP8_QK=fp8_qk, FP8_PV=fp8_pv, PAGE_TILES=bool(page_tiles),
+        FP8_QK=fp8_qk, FP8_PV=fp8_pv, PAGE_TILES=bool(page_tiles), PREFIX_STAGES=prefix_stages,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out
