@@ -97,7 +97,6 @@ def _attend_block(
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
     RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
     FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
-    F8_PTR: tl.constexpr = True,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -120,7 +119,7 @@ def _attend_block(
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
-    if FP8_QK == 1 and F8_PTR:
+    if FP8_QK == 1:
         k = _load_e4m3(k_cache_ptr, row_off[None, :] + tl.arange(0, HEAD_DIM)[:, None], n_mask[None, :], MASKED)
     else:
         k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
@@ -158,7 +157,7 @@ def _attend_block(
             valid = valid & tree_visible(pos, t_bits, t_start)
         qk = tl.where(valid, qk, float("-inf"))
     p, alpha, m_new, l_i = softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
-    if FP8_PV > 0:  # [BLOCK_N, D] e4m3 codes as stored, straight to the dot
+    if FP8_PV > 0:  # [BLOCK_N, D] e4m3 codes as stored, not converted
         # bytes bitcast in registers: the copy stays asynchronous (pipelined); an e4m3 pointer would make
         # it a plain load, since fp8 wgmma takes B contiguous along the keys and V's rows must be transposed
         v = _load_e4m3(v_cache_ptr, row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], n_mask[:, None], MASKED,
@@ -392,6 +391,12 @@ def _max_shared_bytes(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_dots(device_index: int) -> bool:
+    """Whether this GPU has e4m3 tensor-core dots (sm_89 and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool, kv_fmt: int = 0,
             device_index: int | None = None):
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for the packed tile (``PREFILL_CONFIGS``).
@@ -512,7 +517,7 @@ def prefill_attention(
     fast_cvt = use_fast_cvt(kv_fmt)
     fp8_qk = PREFILL_PATHS["fp8_qk"] if fp8_qk is None else fp8_qk
     # Hopper's FP8 dot takes K >= 32: smaller heads keep the converted path
-    fp8_ok = kv_fmt == 1 and kv_residual is None and not fast_cvt
+    fp8_ok = kv_fmt == 1 and kv_residual is None and not fast_cvt and (not on_cuda or _fp8_dots(query.device.index))
     fp8_qk = (1 if on_cuda else 2) if (fp8_qk and fp8_ok and (d >= 32 or not on_cuda)) else 0
     fp8_pv = PREFILL_PATHS["fp8_pv"] if fp8_pv is None else fp8_pv
     fp8_pv = (1 if on_cuda else 2) if (fp8_pv and fp8_ok and (bn >= 32 or not on_cuda)) else 0  # keys: the dot's K
