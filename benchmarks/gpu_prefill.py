@@ -22,8 +22,8 @@
 - ``chunk``: the paged-prefix path alone: the last ``CHUNK``-token chunk of a ``--chunk-seqs``
   prompt (32K, 128K) over the rest of it cached (where chunked prefill spends most of a long
   prompt's attention), per KV dtype, the default paths against the new ``PREFILL_PATHS`` switches
-  (``CHUNK_PATHS``: FP8 Q K^T and P V dots, the prefix loop's pipeline depth), in that order until
-  ``--chunk-budget`` seconds have passed. FLOPs ``4 * H * d * (n * (S - n) + n^2 / 2)``.
+  (``CHUNK_PATHS``: FP8 Q K^T and P V dots, the prefix loop's pipeline depth), each path at every
+  length, in that order until ``--chunk-budget`` seconds have passed. FLOPs ``4 * H * d * (n * (S - n) + n^2 / 2)``.
 - ``w5``: ``benchmarks/workloads.py --workload w5`` for bf16 and fp8_e4m3 KV, each in its own
   process (32,768 and 130,944-token prompts + 128 output tokens: TTFT and ms/token).
 
@@ -65,8 +65,8 @@ SWEEP_QUICK = {
 #: telling first (the budget may stop the list)
 CHUNK_PATHS = {
     "bfloat16": [{}, {"prefix_stages": 5}],
-    "fp8_e4m3": [{}, {"fp8_qk": True, "fp8_pv": True}, {"fp8_qk": True, "fp8_pv": True, "prefix_stages": 5},
-                 {"fp8_qk": True}],
+    "fp8_e4m3": [{}, {"fp8_qk": True, "fp8_pv": True, "prefix_stages": 5}, {"prefix_stages": 5},
+                 {"fp8_qk": True, "fp8_pv": True}, {"fp8_qk": True}],
 }
 
 
@@ -312,30 +312,31 @@ def sweep_part(a, out_dir: str, peak: float) -> None:
 
 def chunk_part(a, out_dir: str, peak: float) -> None:
     """The last ``CHUNK``-token chunk of each ``--chunk-seqs`` prompt over the rest of it cached
-    (the chunk's own keys from its rows), per KV dtype and ``CHUNK_PATHS`` entry; rows after
-    ``--chunk-budget`` seconds are recorded as skipped."""
+    (the chunk's own keys from its rows), per KV dtype and ``CHUNK_PATHS`` entry, each path (one
+    compile) timed at every length before the next; rows after ``--chunk-budget`` seconds are
+    recorded as skipped."""
     import torch
 
     from kvserve.attention.triton import prefill_attention
 
     cuda = a.device == "cuda"
     t0 = time.time()
-    for s in a.chunk_seqs:
-        for kv in a.kv_dtypes:
-            paths_list = CHUNK_PATHS.get(kv, [{}])
-            if time.time() - t0 > a.chunk_budget:
-                for paths in paths_list:
-                    _record(out_dir, dict(part="chunk", seq=s, kv_dtype=kv, paths=paths or "default", skipped="budget"))
-                continue
+    for kv in a.kv_dtypes:
+        paths_list = CHUNK_PATHS.get(kv, [{}])
+        if time.time() - t0 > a.chunk_budget:
+            for paths in paths_list:
+                _record(out_dir, dict(part="chunk", kv_dtype=kv, paths=paths or "default", skipped="budget"))
+            continue
+        runs = []  # per length: (seq, prompt, cached, chunk, out, lens, qsl, flops, [ref])
+        for s in a.chunk_seqs:
             p = Prompt(s, kv, a.device, *a.shape)
             n = min(CHUNK, s)
             c = s - n
-            out = torch.empty_like(p.q[c:])
-            lens = torch.tensor([s], dtype=torch.int32, device=a.device)
-            qsl = torch.tensor([0, n], dtype=torch.int32, device=a.device)
-            flops = 4 * p.h * p.d * (n * c + n * n / 2)
-            ref = None
-            for paths in paths_list:
+            runs.append((s, p, c, n, torch.empty_like(p.q[c:]), torch.tensor([s], dtype=torch.int32, device=a.device),
+                         torch.tensor([0, n], dtype=torch.int32, device=a.device),
+                         4 * p.h * p.d * (n * c + n * n / 2), [None]))
+        for paths in paths_list:
+            for s, p, c, n, out, lens, qsl, flops, ref in runs:
                 tag = dict(part="chunk", seq=s, kv_dtype=kv, chunk=n, cached=c, paths=paths or "default")
                 if time.time() - t0 > a.chunk_budget:
                     _record(out_dir, dict(tag, skipped="budget"))
@@ -348,16 +349,16 @@ def chunk_part(a, out_dir: str, peak: float) -> None:
                     if peak:
                         rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
                     if s <= 32768 and (p.fmt is not None or not cuda):  # the FP8 paths' error at the real shape
-                        if ref is None:
-                            ref = _sdpa_ref_rows(p, c)
-                        rec["max_err"] = round((out.float() - ref).abs().max().item(), 5)
+                        if ref[0] is None:
+                            ref[0] = _sdpa_ref_rows(p, c)
+                        rec["max_err"] = round((out.float() - ref[0]).abs().max().item(), 5)
                 except Exception as e:  # noqa: BLE001 - one path's failure must not stop the rest
                     rec = dict(tag, error=repr(e)[:300])
                     traceback.print_exc()
                 _record(out_dir, rec)
-            del p, out, ref
-            if cuda:
-                torch.cuda.empty_cache()
+        del runs
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def _sdpa_ref_rows(p: "Prompt", r0: int):

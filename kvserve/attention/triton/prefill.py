@@ -475,8 +475,9 @@ def prefill_attention(
             ``[num_tokens]`` ancestor bits per query row and int32 ``[R]`` the position of bit 0
             per request; keys at or past ``tree_start`` are seen where the row's bit is set.
             Not with a sliding window or exact own blocks (ValueError).
-        fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only (not with ``kv_residual``, or with the integer-built e4m3 codes of
-            ``kv_load.CODE_PATHS["fast_cvt"]``).
+        fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only
+            (not with ``kv_residual``, with the integer-built e4m3 codes of
+            ``kv_load.CODE_PATHS["fast_cvt"]``, or on GPUs before sm_89: the converted path instead).
         fp8_pv / page_tiles: path overrides (default ``PREFILL_PATHS``): P V as an FP8 dot (as
             ``fp8_qk``: e4m3 caches only); block-table entries read once per page of a key tile.
         prefix_stages: path override (default ``PREFILL_PATHS``): pipeline stages of the unmasked
