@@ -37,6 +37,11 @@ constexpr ``TREE``): each query row carries int64 ancestor bits; keys at positio
 of its request are seen only where bit ``pos - tree_start`` is set (SpecInfer's tree attention,
 arXiv:2305.09781). Every step over those keys is masked; off, the path costs nothing.
 
+FP8 tensor-core dots on an e4m3 prefix (``PREFILL_PATHS``; constexprs ``FP8_QK`` / ``FP8_PV``): Q K^T
+on the K codes with the query rounded to e4m3 per row, P V on the V codes with P times the key
+scales spread per row over e4m3's range (FlashAttention-3, Shah et al., arXiv:2407.08608).
+``round_e4m3`` is the shared e4m3 rounding for the interpreter's emulation of both.
+
 Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): each head's sink logit is one more
 term of its softmax denominator with no value, so the running max starts at the sink (in
 log2 units) and the running sum at 1 instead of ``-inf`` and 0.
