@@ -19,11 +19,16 @@
   ``--sweep-seqs`` (32K), bf16 and fp8, whole and in ``--sweep-chunk`` chunks over the cached
   prefix; a ``sweep_best`` record per (seq, KV dtype, pattern): the figures that choose
   ``prefill.PREFILL_CONFIGS`` / ``PREFILL_PATHS``.
+- ``chunk``: the paged-prefix path alone: the last ``CHUNK``-token chunk of a ``--chunk-seqs``
+  prompt (32K, 128K) over the rest of it cached (where chunked prefill spends most of a long
+  prompt's attention), per KV dtype, the default paths against the new ``PREFILL_PATHS`` switches
+  (``CHUNK_PATHS``: FP8 Q K^T and P V dots, the prefix loop's pipeline depth), each path at every
+  length, in that order until ``--chunk-budget`` seconds have passed. FLOPs ``4 * H * d * (n * (S - n) + n^2 / 2)``.
 - ``w5``: ``benchmarks/workloads.py --workload w5`` for bf16 and fp8_e4m3 KV, each in its own
   process (32,768 and 130,944-token prompts + 128 output tokens: TTFT and ms/token).
 
 Usage (GPU machine, repo root):
-    PYTHONPATH=. python3 benchmarks/gpu_prefill.py --out $OUT/prefill --parts peak,kernel,sweep,w5
+    PYTHONPATH=. python3 benchmarks/gpu_prefill.py --out $OUT/prefill --parts peak,kernel,sweep,chunk,w5
     python3 benchmarks/gpu_prefill.py --cpu-smoke     # tiny shapes, interpreter kernels, CPU
 Appends one JSON record per figure to --out/prefill.json; prints a table last.
 """
@@ -46,13 +51,22 @@ HBM_BYTES_PER_S = 4.8e12
 SWEEP = [None, (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
 #: kernel paths swept with each config (``prefill.PREFILL_PATHS``): the defaults (``{}``) and, for
 #: e4m3 caches, the FP8 Q K^T dot (each one compile)
-SWEEP_PATHS = [{}, {"fp8_qk": True}]
+SWEEP_PATHS = [{}, {"fp8_qk": True}, {"fp8_qk": True, "fp8_pv": True}, {"prefix_stages": 5}, {"page_tiles": True}]
 #: ``--sweep-set quick`` (run.sh's one call, about 30 s): per KV dtype the default config with each
 #: path, and the neighbours that decide the table's entry ((config, paths); None: the default)
 SWEEP_QUICK = {
     "bfloat16": [(None, {}), ((128, 64, 8, 3), {}), ((128, 128, 8, 2), {})],
     "fp8_e4m3": [(None, {}), (None, {"fp8_qk": True}),
                  ((128, 64, 8, 2), {}), ((128, 128, 8, 3), {})],
+}
+
+
+#: ``chunk`` part: per KV dtype, the default paths (first) and the switches against them, most
+#: telling first (the budget may stop the list)
+CHUNK_PATHS = {
+    "bfloat16": [{}, {"prefix_stages": 5}],
+    "fp8_e4m3": [{}, {"fp8_qk": True, "fp8_pv": True, "prefix_stages": 5}, {"prefix_stages": 5},
+                 {"fp8_qk": True, "fp8_pv": True}, {"fp8_qk": True}],
 }
 
 
@@ -296,6 +310,79 @@ def sweep_part(a, out_dir: str, peak: float) -> None:
                 torch.cuda.empty_cache()
 
 
+def chunk_part(a, out_dir: str, peak: float) -> None:
+    """The last ``CHUNK``-token chunk of each ``--chunk-seqs`` prompt over the rest of it cached
+    (the chunk's own keys from its rows), per KV dtype and ``CHUNK_PATHS`` entry, each path (one
+    compile) timed at every length before the next; rows after ``--chunk-budget`` seconds are
+    recorded as skipped."""
+    import torch
+
+    from kvserve.attention.triton import prefill_attention
+
+    cuda = a.device == "cuda"
+    t0 = time.time()
+    for kv in a.kv_dtypes:
+        paths_list = CHUNK_PATHS.get(kv, [{}])
+        if time.time() - t0 > a.chunk_budget:
+            for paths in paths_list:
+                _record(out_dir, dict(part="chunk", kv_dtype=kv, paths=paths or "default", skipped="budget"))
+            continue
+        runs = []  # per length: (seq, prompt, cached, chunk, out, lens, qsl, flops, [ref])
+        for s in a.chunk_seqs:
+            p = Prompt(s, kv, a.device, *a.shape)
+            n = min(CHUNK, s)
+            c = s - n
+            runs.append((s, p, c, n, torch.empty_like(p.q[c:]), torch.tensor([s], dtype=torch.int32, device=a.device),
+                         torch.tensor([0, n], dtype=torch.int32, device=a.device),
+                         4 * p.h * p.d * (n * c + n * n / 2), [None]))
+        for paths in paths_list:
+            for s, p, c, n, out, lens, qsl, flops, ref in runs:
+                tag = dict(part="chunk", seq=s, kv_dtype=kv, chunk=n, cached=c, paths=paths or "default")
+                if time.time() - t0 > a.chunk_budget:
+                    _record(out_dir, dict(tag, skipped="budget"))
+                    continue
+                try:
+                    ms = _time_ms(lambda: prefill_attention(
+                        p.q[c:], p.cache, p.bt, lens, qsl, 0, 1, n, p.d ** -0.5, out=out, kv_format=p.fmt,
+                        new_key=p.k[c:], new_value=p.v[c:], **paths), a.reps, cuda)
+                    rec = dict(tag, ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+                    if peak:
+                        rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
+                    if s <= 32768 and (p.fmt is not None or not cuda):  # the FP8 paths' error at the real shape
+                        if ref[0] is None:
+                            ref[0] = _sdpa_ref_rows(p, c)
+                        rec["max_err"] = round((out.float() - ref[0]).abs().max().item(), 5)
+                except Exception as e:  # noqa: BLE001 - one path's failure must not stop the rest
+                    rec = dict(tag, error=repr(e)[:300])
+                    traceback.print_exc()
+                _record(out_dir, rec)
+        del runs
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _sdpa_ref_rows(p: "Prompt", r0: int):
+    """float32 SDPA of rows ``r0:`` over the prefix as stored (dequantized) and the chunk's own K/V
+    as computed: ``[s - r0, H, d]``."""
+    import torch
+
+    from kvserve.attention.kv_quant import dequantize_pages
+
+    c = dequantize_pages(p.cache, p.d, torch.float32, p.fmt.desc) if p.fmt is not None else p.cache.float()
+    pos = torch.arange(p.s, device=p.device)
+    blocks = p.bt[0, pos // p.bs].long()
+    k, v = c[0, blocks, pos % p.bs].clone(), c[1, blocks, pos % p.bs].clone()
+    k[r0:], v[r0:] = p.k[r0:].float(), p.v[r0:].float()
+    g = p.h // p.hkv
+    q = p.q[r0:].float().transpose(0, 1)  # the last rows against every key: causal from the bottom right
+    k, v = k.transpose(0, 1), v.transpose(0, 1)
+    mask = torch.arange(p.s, device=p.device)[None, :] <= torch.arange(r0, p.s, device=p.device)[:, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # one KV head's query heads at a time (bounded memory if SDPA falls back to its math path)
+    return torch.cat([sdpa(q[i * g:(i + 1) * g], k[i:i + 1].expand(g, -1, -1), v[i:i + 1].expand(g, -1, -1),
+                           attn_mask=mask) for i in range(p.hkv)]).transpose(0, 1)
+
+
 def w5_part(a, out_dir: str) -> None:
     """workloads.py --workload w5 per KV dtype, each in its own process."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -329,6 +416,8 @@ def main() -> None:
     ap.add_argument("--sweep-chunk", type=int, default=CHUNK, help="sweep: the chunked pattern's chunk (tokens)")
     ap.add_argument("--sweep-set", default="full", choices=["full", "quick"],
                     help="sweep: SWEEP x SWEEP_PATHS, or SWEEP_QUICK (the default config's neighbours)")
+    ap.add_argument("--chunk-seqs", default="32768,131072", help="chunk: prompt lengths (the last chunk timed)")
+    ap.add_argument("--chunk-budget", type=float, default=1e9, help="chunk: skip rows after this many seconds")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     a = ap.parse_args()
     a.t0 = time.time()
@@ -342,8 +431,10 @@ def main() -> None:
     a.shape = (H, HKV, D, BS)
     a.decode_ctx = 32768
     a.sweep_seqs = [int(x) for x in a.sweep_seqs.split(",")]
+    a.chunk_seqs = [int(x) for x in a.chunk_seqs.split(",")]
     if a.device == "cpu":  # interpreter: tiny shapes, one rep, one config per path
         a.sizes, a.shape, a.decode_ctx, a.sweep_seqs, a.reps = [40], (4, 2, 16, 4), 40, [40], 1
+        a.chunk_seqs = [40]
         a.sweep_chunk = 16
         CHUNK = 16
         SWEEP[:] = SWEEP[:2]
@@ -358,16 +449,18 @@ def main() -> None:
             kernel_part(a, a.out, peak)
         elif part == "sweep":
             sweep_part(a, a.out, peak)
+        elif part == "chunk":
+            chunk_part(a, a.out, peak)
         elif part == "w5":
             w5_part(a, a.out)
         else:
-            raise SystemExit(f"unknown part {part!r} (peak, kernel, sweep, w5)")
+            raise SystemExit(f"unknown part {part!r} (peak, kernel, sweep, chunk, w5)")
     print("| part | seq | kv | mode | ms | TFLOP/s | of peak |")
     print("|--|--|--|--|--|--|--|")
     for line in open(os.path.join(a.out, "prefill.json")):
         r = json.loads(line)
-        if r["part"] in ("kernel", "sweep", "sweep_best"):
-            what = r.get("mode", f"{r.get('config')} {r.get('paths', '')}")
+        if r["part"] in ("kernel", "sweep", "sweep_best", "chunk"):
+            what = r.get("mode", f"{r['config']} {r.get('paths', '')}" if "config" in r else r.get("paths"))
             ms = r.get("ms", r.get("error", r.get("skipped", "")))
             print(f"| {r['part']} | {r['seq']} | {r['kv_dtype']} | {what} "
                   f"{r.get('pattern', '')} | {ms} | {r.get('tflops', '')} | {r.get('frac_of_peak', '')} |")

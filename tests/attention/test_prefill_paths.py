@@ -1,7 +1,7 @@
 """The prefill kernel against the float reference (Triton interpreter on the CPU, tiny shapes):
 key tiles spanning several pages, one page, or part of one; chunks over cached prefixes of several
-pages; both the chunk-K/V path and the all-pages path; the FP8 Q K^T dot (``PREFILL_PATHS``'s
-``fp8_qk``); the tile config table (``PREFILL_CONFIGS``)."""
+pages; both the chunk-K/V path and the all-pages path; the FP8 Q K^T and P V dots and the
+other ``PREFILL_PATHS`` switches; the tile config table (``PREFILL_CONFIGS``)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,52 @@ def test_config_table_and_shared_memory_fallback(monkeypatch):
     assert _config(128, torch.bfloat16, 4, False, 0, 0) == (128, 64, 8, 2)
     monkeypatch.setattr(pf, "_max_shared_bytes", lambda i: 232448)  # an H100 / H200
     assert _config(128, torch.bfloat16, 4, False, 0, 0) == PREFILL_CONFIGS[("16bit", "d<=128")]
+
+
+@pytest.mark.parametrize("new_kv,page_tiles", [(True, False), (False, True)])
+def test_fp8_pv_dot_within_e4m3_bound(new_kv, page_tiles):
+    """e4m3 cache, chunks over cached prefixes, GQA (3 query heads a KV head), P V as an FP8 dot
+    (``fp8_pv``): each term ``p_j s_j`` is rounded to e4m3 after its row is spread over e4m3's
+    range, at most 2^-4 relative error, so per output element ``|out - ref| <= 2^-4 (P |V|) / l``
+    (``ref``: float attention over the cache as stored, the chunk's own keys as computed; ``P |V|
+    / l`` the same attention over ``|V|``). The error must also show (the path is really taken)."""
+    d, hkv, h, bs = 32, 2, 6, 4
+    meta, cache, q, k, v, fmt = _batch("fp8_e4m3", torch.float32, h, hkv, d, bs, seed=11, reqs=REQS)
+    kvf = kv_format_for("fp8_e4m3", d)
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kvf)
+    scale = d ** -0.5
+    kw = dict(new_key=k, new_value=v) if new_kv else {}
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, len(REQS), meta.max_query_len, scale)
+    bn = 32 if torch.cuda.is_available() else None  # the FP8 dot's K is the key tile: >= 32 on Hopper
+    out = prefill_attention(*args, kv_format=kvf, fp8_pv=True, page_tiles=page_tiles, block_n=bn, **kw)
+    base = prefill_attention(*args, kv_format=kvf, **kw)
+    deq = dequantize_pages(cache, d, torch.float32, fmt)
+    no_store = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+    if new_kv:
+        ref = _reference(q, k, v, cache, meta, "fp8_e4m3", d, scale)
+        flat = deq.flatten(1, 2)  # |V| bound over the same keys: the new slots as computed
+        flat[:, meta.slot_mapping] = torch.stack([k, v])
+    else:
+        ref = TorchRefBackend().forward(q, k, v, view_of(deq), no_store, scale)
+    deq[1] = deq[1].abs()
+    bound = TorchRefBackend().forward(q, k, v.abs(), view_of(deq), no_store, scale) * 2.0 ** -4
+    err = (out - ref).abs()
+    assert (err <= bound + 1e-5).all(), (err - bound).max()
+    assert (out - base).abs().max() > 1e-4  # the rounding shows: the FP8 path ran
+    torch.testing.assert_close(base, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bs", [4, 32])
+def test_page_tiles_and_prefix_stages_equal_default_path(bs):
+    """``page_tiles`` reads the block table once per page of a key tile (a tile over 4 pages, or
+    half a page) and ``prefix_stages`` only re-pipelines the prefix loop: the same keys at the same
+    offsets, so the output equals the default path's."""
+    d, hkv, h = 16, 2, 4
+    meta, cache, q, k, v, _ = _batch("float32", torch.float32, h, hkv, d, bs, seed=bs, reqs=REQS)
+    store_kv(k, v, cache, meta.slot_mapping)
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, len(REQS), meta.max_query_len,
+            d ** -0.5)
+    for kw in ({}, dict(new_key=k, new_value=v)):
+        base = prefill_attention(*args, **kw)
+        torch.testing.assert_close(prefill_attention(*args, page_tiles=True, **kw), base, atol=0, rtol=0)
+        torch.testing.assert_close(prefill_attention(*args, prefix_stages=5, **kw), base, atol=0, rtol=0)

@@ -25,7 +25,7 @@ query dtype (no block table; for a quantized cache no codes and no scales: exact
 causal mask on the diagonal steps only; then the cached prefix ``[0, ctx)`` from the pages with
 no causal mask (only ``kv_hi = ctx`` bounds its last step). The softmax scale (and a quantized
 path's per-row query factor) is folded into the running maximum and one FMA per score
-(``_softmax_step``).
+(``prefill_steps.softmax_step``).
 
 Exact own blocks (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexpr
 ``HAS_RESIDUAL``): a row at ``p`` reads cache keys below ``p // B * B`` only, then one extra masked
@@ -36,6 +36,11 @@ Tree verification (speculative decoding with tree drafts, ``kvserve/spec_decode/
 constexpr ``TREE``): each query row carries int64 ancestor bits; keys at positions ``>= tree_start``
 of its request are seen only where bit ``pos - tree_start`` is set (SpecInfer's tree attention,
 arXiv:2305.09781). Every step over those keys is masked; off, the path costs nothing.
+
+FP8 tensor-core dots on an e4m3 prefix (``PREFILL_PATHS``; constexprs ``FP8_QK`` / ``FP8_PV``): Q K^T
+on the K codes with the query rounded to e4m3 per row, P V on the V codes with P times the key
+scales spread per row over e4m3's range (FlashAttention-3, Shah et al., arXiv:2407.08608).
+``round_e4m3`` is the shared e4m3 rounding for the interpreter's emulation of both.
 
 Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): each head's sink logit is one more
 term of its softmax denominator with no value, so the running max starts at the sink (in
@@ -52,39 +57,40 @@ import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
-                                               scaled_scores, use_fast_cvt)
+                                               kv_tile_offsets, load_k_tile, load_scales, load_v_tile,
+                                               prepare_query, pv_update, scaled_scores, use_fast_cvt)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
+from kvserve.attention.triton.prefill_steps import attend_new, softmax_step, tree_visible
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tree_visible(pos, t_bits, t_start):
-    """``[M, N]``: keys ``pos [N]`` the rows see under their ancestor bits ``t_bits [M]`` (int64):
-    below ``t_start`` or past bit 63 always, else where bit ``pos - t_start`` is set."""
-    rel = pos[None, :] - t_start
-    bit = (t_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
-    return (rel < 0) | (rel > 63) | (bit != 0)
+def round_e4m3(x):
+    """``x`` (float32, ``|x| <= 448``) rounded to e4m3's grid (3 mantissa bits, normals from 2^-6,
+    subnormal steps of 2^-9), kept in float32: the interpreter's e4m3 cast drops a rounding carry."""
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)
+    return tl.floor(x / step + 0.5) * step
 
 
 @triton.jit
-def _softmax_step(s, row_scale, m_i, l_i, ROW_VEC: tl.constexpr):
-    """Online-softmax update for the logits ``row_scale * s`` (log2 units; ``s [M, N]`` fp32 with
-    masked entries ``-inf``; ``row_scale > 0``, a scalar or ``[M]`` if ``ROW_VEC``). The scale is
-    folded into the row maximum and the exponent's one FMA (as the FlashAttention-2 Triton
-    tutorial), not a separate multiply of the tile. Returns ``(p, alpha, m_new, l_new)``."""
-    if ROW_VEC:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows fully masked so far
-        p = tl.exp2(s * row_scale[:, None] - m_safe[:, None])
+def _load_e4m3(cache_ptr, offs, mask, MASKED: tl.constexpr, F8_PTR: tl.constexpr = True):
+    """e4m3 codes at byte offsets ``offs`` of the byte cache as ``tl.float8e4nv`` (masked: 0).
+    ``F8_PTR``: loaded through an e4m3 pointer, so the asynchronous copy lands in shared memory
+    as the dot's operand (a byte load bitcast in registers goes through registers and back)."""
+    if F8_PTR:
+        ptrs = cache_ptr.to(tl.pointer_type(tl.float8e4nv)) + offs
+        if MASKED:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s * row_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return p, alpha, m_new, l_i
+        if MASKED:
+            x = tl.load(cache_ptr + offs, mask=mask, other=0)
+        else:
+            x = tl.load(cache_ptr + offs)
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -95,7 +101,7 @@ def _attend_block(
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
     RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
-    FP8_QK: tl.constexpr = 0,
+    FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -103,16 +109,25 @@ def _attend_block(
     a row sees cache keys below ``q_lim [M]`` (its own block's start) instead of up to ``q_pos``.
     ``FP8_QK`` (e4m3 codes): K is the codes as stored (``tl.float8e4nv``, no conversion) and
     ``q`` the query rounded to e4m3 per row: Q K^T is an FP8 tensor-core dot (2: the same values
-    widened to float32, for the interpreter)."""
+    widened to float32, for the interpreter). ``FP8_PV`` (e4m3 codes): P V as an e4m3 dot on the V
+    codes as stored, P times the keys' scales rounded to e4m3 after each row is spread over e4m3's
+    range (FlashAttention-3's FP8 recipe, Shah et al., arXiv:2407.08608; row factor on the product).
+    ``PAGE_TILES``: the block table read once per page of the tile, not once per key."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
     if USE_WINDOW:  # n0 is rounded down: never load keys below the tile's window (freed blocks)
         n_mask = n_mask & (pos >= kv_min)
-    row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
+    if PAGE_TILES:  # n0 is a multiple of BLOCK_N; keys past kv_hi read page 0 and are masked
+        row_off = kv_tile_offsets(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
+    else:
+        row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
-    k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
+    if FP8_QK == 1:
+        k = _load_e4m3(k_cache_ptr, row_off[None, :] + tl.arange(0, HEAD_DIM)[:, None], n_mask[None, :], MASKED)
+    else:
+        k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
     if FP8_QK == 2:  # interpreter: its FP8 dot is not exact; the same e4m3 values widened instead
         k = k.to(tl.float32)
     if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
@@ -144,54 +159,27 @@ def _attend_block(
         if USE_WINDOW:
             valid = valid & (pos[None, :] > q_pos[:, None] - window)
         if TREE:
-            valid = valid & _tree_visible(pos, t_bits, t_start)
+            valid = valid & tree_visible(pos, t_bits, t_start)
         qk = tl.where(valid, qk, float("-inf"))
-    p, alpha, m_new, l_i = _softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
-    # [BLOCK_N, D]
-    v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT, FAST_CVT)
-    acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_new(
-    q, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt, stride_nvt, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-    WIDEN: tl.constexpr, in_dtype: tl.constexpr, TREE: tl.constexpr = False, t_bits=0, t_rel0=0,
-):
-    """One online-softmax step over the chunk's own keys ``j0 .. j0 + BLOCK_N - 1`` (0 = the
-    chunk's first new token), read from the contiguous new K/V rows ``nk_base + j * stride_nkt``
-    (no block table, never quantized). ``q [M, D]``: the query rows as computed (``in_dtype``,
-    float32 if ``WIDEN``), unscaled; ``tok [M]``: each row's token in the chunk. ``MASKED``: the
-    causal (``j <= tok``) and ``j < q_len`` masks, for the diagonal steps only."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    j = j0 + offs_n
-    rows_k = j.to(tl.int64) * stride_nkt
-    rows_v = j.to(tl.int64) * stride_nvt
-    if MASKED:
-        n_mask = j < q_len
-        k = tl.load(nk_base + rows_k[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-    else:
-        k = tl.load(nk_base + rows_k[None, :] + offs_d[:, None])
-    k = k.to(in_dtype)
-    if WIDEN:
-        k = k.to(tl.float32)
-    qk = tl.dot(q, k, input_precision=DOT_PREC)
-    if MASKED:
-        valid = n_mask[None, :] & (j[None, :] <= tok[:, None])
-        if TREE:  # chunk key j sits at tree index j + t_rel0
-            valid = valid & _tree_visible(j, t_bits, -t_rel0)
-        qk = tl.where(valid, qk, float("-inf"))
-    p, alpha, m_new, l_i = _softmax_step(qk, qk_scale, m_i, l_i, False)  # log2 units
-    if MASKED:
-        v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    else:
-        v = tl.load(nv_base + rows_v[:, None] + offs_d[None, :])
-    v = v.to(in_dtype)
-    if WIDEN:
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
+    p, alpha, m_new, l_i = softmax_step(qk, row_scale, m_i, l_i, ROW_VEC)
+    if FP8_PV > 0:  # [BLOCK_N, D] e4m3 codes as stored, not converted
+        # bytes bitcast in registers: the copy stays asynchronous (pipelined); an e4m3 pointer would make
+        # it a plain load, since fp8 wgmma takes B contiguous along the keys and V's rows must be transposed
+        v = _load_e4m3(v_cache_ptr, row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], n_mask[:, None], MASKED,
+                       False)
+        pv = p * vs[None, :]  # <= the row's largest key scale; masked keys have scale 0
+        r = tl.max(pv, 1)
+        r = tl.where(r > 0.0, r, 1.0)
+        pv = pv * (448.0 / r)[:, None]  # each row's largest term at e4m3's maximum
+        if FP8_PV == 2:  # interpreter: the same e4m3 values in float32
+            d = tl.dot(round_e4m3(pv), v.to(tl.float32), input_precision="ieee")
+        else:
+            d = tl.dot(pv.to(tl.float8e4nv), v)
+        acc = acc * alpha[:, None] + d * (r * (1.0 / 448.0))[:, None]
+    else:  # [BLOCK_N, D]
+        v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, in_dtype, KV_FMT,
+                        FAST_CVT)
+        acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
     return acc, m_new, l_i
 
 
@@ -212,7 +200,8 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, KV_FMT: tl.constexpr = 0,
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TREE: tl.constexpr = False,
-    FP8_QK: tl.constexpr = 0,
+    FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
+    PREFIX_STAGES: tl.constexpr = 0,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -256,10 +245,10 @@ def _prefill_kernel(
             own_full = 0
         own_hi = tl.where(live, tl.minimum(t0 + BLOCK_Q, q_len), 0)
         for j0 in range(0, own_full, BLOCK_N):
-            acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
+            acc, m_i, l_i = attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
                                         stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, False, DOT_PREC, WIDEN, q_dtype)
         for j0 in range(own_full, own_hi, BLOCK_N):
-            acc, m_i, l_i = _attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
+            acc, m_i, l_i = attend_new(q_new, acc, m_i, l_i, j0, tok, q_len, nk_base, nv_base, stride_nkt,
                                         stride_nvt, qk_scale, HEAD_DIM, BLOCK_N, True, DOT_PREC, WIDEN, q_dtype,
                                         TREE, t_bits, ctx - t_start)
     # tl.dot operand dtype: K/V/P cast to it (quantized codes: float16, exact)
@@ -268,9 +257,7 @@ def _prefill_kernel(
     if FP8_QK > 0:  # the row-normalised query (|q| <= 1) spread over e4m3's range (max 448) and rounded to it
         q_scale = q_scale * (1.0 / 448.0)
         if FP8_QK == 2:  # interpreter (its e4m3 cast drops a rounding carry): round to 3 mantissa bits here
-            x = q.to(tl.float32) * 448.0
-            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # normals from 2^-6
-            q = tl.floor(x / step + 0.5) * step
+            q = round_e4m3(q.to(tl.float32) * 448.0)
         else:
             q = (q.to(tl.float32) * 448.0).to(tl.float8e4nv)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
@@ -309,18 +296,26 @@ def _prefill_kernel(
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_ch
-    for n0 in range(kv_lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
-            kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, False, False, 0, 0, FP8_QK)
+    if PREFIX_STAGES > 0:  # the pipeliner spends a stage on the block-table load: one more keeps K/V 2 steps ahead
+        for n0 in tl.range(kv_lo, full_end, BLOCK_N, num_stages=PREFIX_STAGES):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+                q_lim, False, False, 0, 0, FP8_QK, FP8_PV, PAGE_TILES)
+    else:
+        for n0 in range(kv_lo, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+                q_lim, False, False, 0, 0, FP8_QK, FP8_PV, PAGE_TILES)
     for n0 in range(full_end, kv_hi_q, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n0, kv_min, kv_hi_q, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
             kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
             HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
-            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start, FP8_QK)
+            q_lim, HAS_RESIDUAL, TREE, t_bits, t_start, FP8_QK, FP8_PV, PAGE_TILES)
     if HAS_RESIDUAL:  # keys [own0, kv_hi) exact (kv_exact), against q reloaded in the compute dtype
         q_ex = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh
                        + offs_d[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
@@ -377,8 +372,17 @@ PREFILL_CONFIGS = {
 #: benchmark can switch them for a whole engine run; ``prefill_attention``'s arguments override):
 #: ``fp8_qk``: e4m3 caches compute Q K^T as an FP8 tensor-core dot (the query rounded to e4m3 per
 #: row, the per-token key scales on the score columns; about 2^-4 relative error per query element
-#: on top of the cache's own, so off unless asked for).
-PREFILL_PATHS = {"fp8_qk": False}
+#: on top of the cache's own, so off unless asked for). ``fp8_pv``: e4m3 caches compute P V as an
+#: FP8 dot on the V codes (P times the key scales, each row spread over e4m3's range and rounded:
+#: at most 2^-4 relative error per term, so ``|error| <= 2^-4 (P |V|) / l`` per output element).
+#: ``page_tiles``: the paged keys' block-table entries read once per page of a tile, not per key.
+#: (The two FP8 paths: the cached prefix only; the chunk's own keys are read exact in the query dtype.)
+#: ``prefix_stages``: software-pipeline stages of the paged-prefix loop (0: the config's). Triton's
+#: pipeliner splits a loop's stages between the block-table load and the K/V loads it feeds
+#: (``(num_stages - 1) // 2`` steps of latency each), so at 3 stages the prefix keeps one K/V tile
+#: in flight where the chunk's own keys keep two; 5 gives it two (sm_90 GPU IR:
+#: ``benchmarks/ptx_prefill.py``). Dropped where its third K/V buffer would not fit shared memory.
+PREFILL_PATHS = {"fp8_qk": False, "fp8_pv": False, "page_tiles": False, "prefix_stages": 0}
 
 
 def _operand_kind(kv_fmt: int) -> str:
@@ -390,6 +394,12 @@ def _max_shared_bytes(device_index: int) -> int:
     """Shared memory one block may use on this GPU (opt-in maximum); 0 if torch does not say."""
     props = torch.cuda.get_device_properties(device_index)
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_dots(device_index: int) -> bool:
+    """Whether this GPU has e4m3 tensor-core dots (sm_89 and later)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def _config(head_dim: int, dtype: torch.dtype, group: int, interpret: bool, kv_fmt: int = 0,
@@ -435,6 +445,9 @@ def prefill_attention(
     tree_mask: torch.Tensor | None = None,
     tree_start: torch.Tensor | None = None,
     fp8_qk: bool | None = None,
+    fp8_pv: bool | None = None,
+    page_tiles: bool | None = None,
+    prefix_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -467,8 +480,13 @@ def prefill_attention(
             ``[num_tokens]`` ancestor bits per query row and int32 ``[R]`` the position of bit 0
             per request; keys at or past ``tree_start`` are seen where the row's bit is set.
             Not with a sliding window or exact own blocks (ValueError).
-        fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only (not with ``kv_residual``, or with the integer-built e4m3 codes of
-            ``kv_load.CODE_PATHS["fast_cvt"]``).
+        fp8_qk: path override (default ``PREFILL_PATHS``): Q K^T as an FP8 dot; e4m3 caches only
+            (not with ``kv_residual``, with the integer-built e4m3 codes of
+            ``kv_load.CODE_PATHS["fast_cvt"]``, or on GPUs before sm_89: the converted path instead).
+        fp8_pv / page_tiles: path overrides (default ``PREFILL_PATHS``): P V as an FP8 dot (as
+            ``fp8_qk``: e4m3 caches only); block-table entries read once per page of a key tile.
+        prefix_stages: path override (default ``PREFILL_PATHS``): pipeline stages of the unmasked
+            paged-prefix loop (0: the launch's ``num_stages``).
 
     Returns ``out``. No host synchronisation.
     """
@@ -505,8 +523,16 @@ def prefill_attention(
     fast_cvt = use_fast_cvt(kv_fmt)
     fp8_qk = PREFILL_PATHS["fp8_qk"] if fp8_qk is None else fp8_qk
     # Hopper's FP8 dot takes K >= 32: smaller heads keep the converted path
-    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and kv_fmt == 1 and kv_residual is None and not fast_cvt
-                                       and (d >= 32 or not on_cuda)) else 0
+    fp8_ok = kv_fmt == 1 and kv_residual is None and not fast_cvt and (not on_cuda or _fp8_dots(query.device.index))
+    fp8_qk = (1 if on_cuda else 2) if (fp8_qk and fp8_ok and (d >= 32 or not on_cuda)) else 0
+    fp8_pv = PREFILL_PATHS["fp8_pv"] if fp8_pv is None else fp8_pv
+    fp8_pv = (1 if on_cuda else 2) if (fp8_pv and fp8_ok and (bn >= 32 or not on_cuda)) else 0  # keys: the dot's K
+    page_tiles = PREFILL_PATHS["page_tiles"] if page_tiles is None else page_tiles
+    prefix_stages = int(PREFILL_PATHS["prefix_stages"] if prefix_stages is None else prefix_stages)
+    limit = _max_shared_bytes(query.device.index) if on_cuda else 0
+    bufs = (prefix_stages - 1) // 2 + 1  # K/V buffers the pipeliner allocates (see PREFILL_PATHS)
+    if limit and (bm + 2 * bufs * bn) * d * 2 + 2048 > limit:
+        prefix_stages = 0
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
@@ -525,7 +551,7 @@ def prefill_attention(
         WIDEN=query.dtype == torch.bfloat16 and query.device.type != "cuda", KV_FMT=kv_fmt,
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt,
         HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv, TREE=tree,
-        FP8_QK=fp8_qk,
+        FP8_QK=fp8_qk, FP8_PV=fp8_pv, PAGE_TILES=bool(page_tiles), PREFIX_STAGES=prefix_stages,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out
