@@ -353,6 +353,17 @@ def analyse(ns, res: dict) -> dict:
         a, b = p99(window(*first, key)), p99(window(*last, key))
         lat[key] = dict(first_p99=a, last_p99=b, ratio=(b / a if a and b else None),
                         all_p50=statistics.median([r[key] for r in recs if r.get(key)] or [0]))
+    # Per window: the p99s beside the window's mix (long prompts drive TPOT's tail), so a
+    # first-vs-last difference can be told apart from a trend.
+    long_lo = _span(ns.long_len)[0]
+    windows = []
+    t = 0.0
+    while t < ns.duration:
+        done = [r for r in recs if r["outcome"] == "completed" and t <= r["start"] < t + ns.window_s]
+        windows.append(dict(start_s=t, completed=len(done), long=sum(r.get("prompt_len", 0) >= long_lo for r in done),
+                            p99_ttft=p99([r["ttft"] for r in done if r["ttft"] is not None]),
+                            p99_tpot=p99([r["tpot"] for r in done if r["tpot"] is not None])))
+        t += ns.window_s
     after = [s for s in samples if s["t"] >= warm]
 
     def growth(key):
@@ -377,7 +388,7 @@ def analyse(ns, res: dict) -> dict:
         checks[f"p99_{key}_drift"] = r is None or r <= 1.0 + ns.drift
     hard = [k for k in checks if not (ns.cpu_smoke and k.startswith("p99_"))]
     errors = sorted({r["error"] for r in recs if r["outcome"] == "failed" and r["error"]})[:10]
-    return dict(outcomes=outcomes, requests=len(recs), latency=lat, rss_growth_mib=rss_g, gpu_growth_mib=gpu_g,
+    return dict(outcomes=outcomes, requests=len(recs), latency=lat, windows=windows, rss_growth_mib=rss_g, gpu_growth_mib=gpu_g,
                 idle_after_drain=idle, tier_usage_end=tier_end, checks=checks,
                 passed=all(checks[k] for k in hard), failing_errors=errors,
                 preemptions=(samples[-1].get("preemptions") if samples else None))
