@@ -69,6 +69,21 @@ def _tree_visible(pos, t_bits, t_start):
 
 
 @triton.jit
+def e4m3_operand(x, EMU: tl.constexpr):
+    """``x`` (float32, ``|x| <= 448``: scaled to e4m3's range by the caller) rounded to the nearest
+    e4m3 value (3 mantissa bits: relative error <= 2^-4 from 2^-6 up, absolute <= 2^-10 below),
+    as an FP8 ``tl.dot`` operand (``tl.float8e4nv``). ``EMU`` (the interpreter, whose e4m3 cast
+    drops a rounding carry and whose FP8 dot is not exact): the same values as float32, rounded
+    here (ties away from zero instead of to even)."""
+    if EMU:
+        step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # normals from 2^-6
+        y = tl.floor(x / step + 0.5) * step
+    else:
+        y = x.to(tl.float8e4nv)
+    return y
+
+
+@triton.jit
 def _softmax_step(s, row_scale, m_i, l_i, ROW_VEC: tl.constexpr):
     """Online-softmax update for the logits ``row_scale * s`` (log2 units; ``s [M, N]`` fp32 with
     masked entries ``-inf``; ``row_scale > 0``, a scalar or ``[M]`` if ``ROW_VEC``). The scale is
@@ -267,12 +282,7 @@ def _prefill_kernel(
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     if FP8_QK > 0:  # the row-normalised query (|q| <= 1) spread over e4m3's range (max 448) and rounded to it
         q_scale = q_scale * (1.0 / 448.0)
-        if FP8_QK == 2:  # interpreter (its e4m3 cast drops a rounding carry): round to 3 mantissa bits here
-            x = q.to(tl.float32) * 448.0
-            step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)  # normals from 2^-6
-            q = tl.floor(x / step + 0.5) * step
-        else:
-            q = (q.to(tl.float32) * 448.0).to(tl.float8e4nv)
+        q = e4m3_operand(q.to(tl.float32) * 448.0, FP8_QK == 2)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
