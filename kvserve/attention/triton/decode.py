@@ -35,6 +35,28 @@ Exact own block (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexp
 ``[own, seq_len)`` exactly, one tile of ``max(16, B)`` keys (``kv_exact.attend_exact``), so the
 partition of the splits, and hence any ``num_splits``, is unchanged.
 
+FP8 dots (e4m3 caches, ``DECODE_PATHS["fp8_dot"]`` or ``fp8_dot=True``; constexpr ``FP8_DOT``): the
+K and V codes reach the MMAs as e4m3, unconverted; the scales are folded in, as FlashAttention-3's
+FP8 forward (Shah et al., arXiv:2407.08608) does with per-tensor ones. Q K^T: each query row divided
+by its largest magnitude, times 448 and rounded to e4m3 (prefill's ``FP8_QK``, ``e4m3_operand``);
+the row's factor and each key's scale ``ks_j`` multiply the fp32 scores. P V: V's per-token scale
+``s_j`` joins the logit as ``log2 s_j``, so the running maximum is that of ``p_j s_j`` and
+``exp2(logit - max)`` in [0, 1] is ``p_j s_j`` up to the row's factor: times 448, rounded to e4m3,
+it is the P operand (no per-tile maximum of the scales); the running sum adds those values
+``/ s_j`` (unrounded), and the output is ``acc / (448 l)``. On CUDA the query rows are padded to 64
+so that Triton emits ``wgmma`` (FP8 ``mma.sync`` is not used on sm_90); the interpreter
+(``FP8_DOT`` 2) rounds the same way in float32 and multiplies exactly.
+Error bound (u = 2^-4, e4m3's unit roundoff with 3 mantissa bits; below 2^-6 the absolute error
+is at most 2^-10): with the weights ``w`` of the exact softmax (sinks included in its
+denominator), ``v_j = s_j c_j`` the cache's values, ``O = sum_j w_j v_j`` and ``n`` keys,
+(1) the query's rounding moves every logit (natural units) by at most
+``delta = scale * sum_i (u |q_i| + 2^-10 max|q| / 448) |k_ji|``, so
+``|dO| <= (e^(2 delta) - 1) sum_j w_j |v_j - O|``; (2) P's rounding adds, against the rounded
+query's weights ``w'``, ``|dO| <= u sum_j w'_j |v_j| + 2^-10 n max_j w'_j s_j`` (the second term:
+entries of P below e4m3's normals, relative to each step's running maximum; with splits it holds
+per split and so for the merge). Both per output element (tests/attention/test_decode_fp8_dot.py
+checks them). The cache's own quantization error is not included (the conversion path has it too).
+
 Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): one extra logit per head in the
 softmax denominator, with no value. With one split the running max / sum start from it; with
 several the reduce kernel adds ``2^(sink - max)`` to the combined denominator once.
@@ -48,15 +70,17 @@ import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
 # the config table lives in decode_configs.py; its names stay importable from here
-from kvserve.attention.triton.decode_configs import (DECODE_CONFIGS, DecodeConfig, _config, _num_sms,  # noqa: F401
-                                                     choose_num_splits, configs_to_compile, decode_config,
-                                                     decode_warmup_configs, programs_bucket)
+from kvserve.attention.triton.decode_configs import (DECODE_CONFIGS, DECODE_PATHS, FP8_DOT_CONFIGS,  # noqa: F401
+                                                     DecodeConfig, _config, _num_sms, choose_num_splits,
+                                                     configs_to_compile, decode_config, decode_warmup_configs,
+                                                     programs_bucket, use_fp8_dot)
 from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
                                                kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
                                                kv_tile_offsets, load_k_tile, load_scales, load_v_tile, merge_lanes,
                                                prepare_query, pv_update, hadamard_rotate, scaled_scores, split_lanes,
                                                use_fast_cvt, use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
+from kvserve.attention.triton.prefill import e4m3_operand
 
 _LOG2E = 1.4426950408889634
 
@@ -81,7 +105,7 @@ def _decode_split_kernel(
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
     UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
-    FUSE_REDUCE: tl.constexpr = False,
+    FUSE_REDUCE: tl.constexpr = False, FP8_DOT: tl.constexpr = 0,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,9 +127,14 @@ def _decode_split_kernel(
         q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     if HAS_RESIDUAL:  # the own block's exact keys meet q in the compute dtype (kv_exact)
         q_ex = q.to(tl.float32 if WIDEN else q_ptr.dtype.element_ty)
-    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
+    # FP8_DOT (e4m3 codes; 2: the interpreter, e4m3 values widened to float32 and dots in ieee)
+    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, tl.float32 if FP8_DOT > 0 else in_dtype)
     op_dtype: tl.constexpr = tl.float32 if WIDEN else in_dtype  # WIDEN: interpreter only (numpy dot, no bf16)
-    q = q.to(op_dtype)
+    if FP8_DOT > 0:  # |q| <= 1 spread over e4m3's range and rounded to it (prefill's FP8_QK)
+        q = e4m3_operand(q * 448.0, FP8_DOT == 2)
+        q_scale = q_scale * (1.0 / 448.0)
+    else:
+        q = q.to(op_dtype)
     # LANE_SPLIT (4-/2-bit codes): lane i of every byte holds elements LANES * c + i, so
     # q . k = sum_i q[:, i::LANES] . lane_i: one dot per lane, no interleaving of the codes;
     # V likewise, one accumulator per lane, interleaved once at the end.
@@ -170,7 +199,14 @@ def _decode_split_kernel(
             row_off = kv_tile_offsets(bt_row, n0, end_q, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
         else:
             row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
-        if LANES == 1:
+        if FP8_DOT == 1:  # the codes as stored, loaded as e4m3 (a bitcast of loaded bytes would take
+            # the tile through registers to the MMA's shared-memory layout)
+            k = tl.load(k_cache_ptr.to(tl.pointer_type(tl.float8e4nv)) + row_off[None, :] + offs_d[:, None],
+                        mask=n_mask[None, :], other=0.0)
+        elif FP8_DOT == 2:  # interpreter: the same values widened, exact
+            k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, False, tl.float8e4nv,
+                            KV_FMT).to(tl.float32)
+        elif LANES == 1:
             k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
                             FAST_CVT)
         if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
@@ -180,7 +216,17 @@ def _decode_split_kernel(
             vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
         else:
             ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
-        if LANES > 1:
+        if FP8_DOT > 0:
+            # V's per-token scales join the logits (log2 s_j), so that p_j s_j / max is exp2 of
+            # (logit - running max) in [0, 1]: scaled by 448 it is the e4m3 P operand, no per-tile
+            # maximum of the scales needed; the sum's terms are those / s_j (masked keys: s_j 1)
+            vs1 = tl.where(n_mask, vs, 1.0)
+            if FP8_DOT == 1:
+                qk = tl.dot(q, k)
+            else:
+                qk = tl.dot(q, k, input_precision="ieee")
+            qk = qk * q_scale[:, None] * ks[None, :] + tl.log2(vs1)[None, :]
+        elif LANES > 1:
             rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [C, BLOCK_N]
             if I8QK:
                 k0, k1, k2, k3 = code_lanes_i8(rk, BITS)
@@ -205,8 +251,21 @@ def _decode_split_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if LANES > 1:
+        if FP8_DOT > 0:
+            l_i = l_i * alpha + tl.sum(p * (1.0 / vs1)[None, :], 1)
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8_DOT > 0:  # P V on the codes: acc in units of 448 (undone at the end)
+            p8 = e4m3_operand(p * 448.0, FP8_DOT == 2)
+            # V as bytes, bitcast in registers: an FP8 MMA takes V's rows transposed (K-major), which
+            # Triton writes to shared memory from registers; loaded as bytes the tile still comes
+            # through the software pipeline (cp.async), loaded as e4m3 it would not
+            v = load_code_bytes(v_cache_ptr, row_off, n_mask, HEAD_DIM, True, True).to(tl.float8e4nv, bitcast=True)
+            if FP8_DOT == 1:
+                acc = tl.dot(p8, v, acc * alpha[:, None])
+            else:
+                acc = tl.dot(p8, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        elif LANES > 1:
             rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [BLOCK_N, C]
             pv = (p * vs[None, :]).to(in_dtype).to(op_dtype)
             v0, v1, v2, v3 = code_lanes(rv, BITS, op_dtype, FAST_CVT, UNPACK)
@@ -225,7 +284,8 @@ def _decode_split_kernel(
     if LANES > 1:
         acc = merge_lanes(acc0, acc1, acc2, acc3, LANES) + acc_z[:, None]
     empty = l_i == 0.0
-    o = acc * (CODE_SCALE / tl.where(empty, 1.0, l_i))[:, None]
+    OUT_SCALE: tl.constexpr = 1.0 / 448.0 if FP8_DOT > 0 else CODE_SCALE
+    o = acc * (OUT_SCALE / tl.where(empty, 1.0, l_i))[:, None]
     if ROTATE:  # linear, so each split's partial output may be rotated back before the reduce
         o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
                             SPLIT=not WIDEN and FP16_DOT)
@@ -367,6 +427,7 @@ def decode_attention(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     page_tile: bool | None = None,
     fuse_reduce: bool | None = None,
+    fp8_dot: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -407,6 +468,10 @@ def decode_attention(
             log-sum-exp (base 2; -inf for an empty split) there, ``out`` is not written and
             stage 2 is skipped: the caller merges them with other partial states (cascade
             attention, ``kvserve/attention/triton/cascade.py``; sinks are then its to add).
+        fp8_dot: path override (default ``DECODE_PATHS["fp8_dot"]``, which applies where it can):
+            Q K^T and P V as FP8 tensor-core dots on the e4m3 codes (the module docstring gives
+            the error bound). ValueError if True for a cache that is not ``fp8_e4m3``, with
+            ``rotate`` or ``kv_residual``, with head_size < 32 or ``block_n`` < 32 on CUDA.
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -423,12 +488,15 @@ def decode_attention(
     assert block_size >= 2 or not kv_fmt, "quantized caches: scales are read as 4-byte words"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    fast_cvt = use_fast_cvt(kv_fmt, fast_cvt)
+    fp8_dot = use_fp8_dot(kv_fmt, d, not interpret, fp8_dot, plain=not rotate and kv_residual is None)
+    fast_cvt = use_fast_cvt(kv_fmt, fast_cvt) and not fp8_dot
     lane_split = use_lane_split(kv_fmt, d, lane_split)
     unpack_code = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32, unpack) if lane_split else 0
     cfg = decode_config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, num_decodes, hkv,
-                        _num_sms(query.device))
+                        _num_sms(query.device), fp8_dot)
     block_n, num_warps, num_stages = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    if fp8_dot and not interpret and block_n < 32:
+        raise ValueError(f"fp8_dot: block_n must be >= 32 on CUDA (the P V dot's K), got {block_n}")
     page_tile = cfg.page_tile if page_tile is None else page_tile
     fuse_reduce = cfg.fuse_reduce if fuse_reduce is None else fuse_reduce
     if num_splits is None:  # a window layer reads at most `window` keys per request
@@ -463,7 +531,7 @@ def decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
         query if sinks is None else sinks, seq_lens if counters is None else counters,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        GROUP=group, G_PAD=max(64 if fp8_dot and not interpret else 16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1 and partials is None,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
@@ -472,6 +540,7 @@ def decode_attention(
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
         PAGE_TILE=bool(page_tile), FUSE_REDUCE=bool(fuse_reduce) and counters is not None,
+        FP8_DOT=(2 if interpret else 1) if fp8_dot else 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and partials is None and counters is None:
