@@ -114,10 +114,10 @@ def test_fp8_dot_refuses_other_caches(name):
 
 
 def test_fp8_dot_switch_and_configs(monkeypatch):
-    """Off by default; the module switch takes e4m3 caches only (others keep their path, no error);
-    an FP8 MMA's K >= 32 on CUDA; its own tile table, 64 padded query rows on CUDA."""
-    assert dc.DECODE_PATHS["fp8_dot"] is False
-    assert not dc.use_fp8_dot(1, 128, True)
+    """The module switch (off: the conversion path) takes e4m3 caches only (others keep their path,
+    no error); an FP8 MMA's K >= 32 on CUDA; its own tile table."""
+    monkeypatch.setitem(dc.DECODE_PATHS, "fp8_dot", False)
+    assert not dc.use_fp8_dot(1, 128, True) and dc.use_fp8_dot(1, 128, True, override=True)
     monkeypatch.setitem(dc.DECODE_PATHS, "fp8_dot", True)
     assert dc.use_fp8_dot(1, 128, True) and dc.use_fp8_dot(1, 16, False)
     assert not dc.use_fp8_dot(0, 128, True) and not dc.use_fp8_dot(2, 128, True)
