@@ -15,7 +15,7 @@ FP8's per-token scales); the copy rate is a device-to-device copy measured in th
 
 FP8 KV also runs the FP8-dot path (``decode.DECODE_PATHS["fp8_dot"]``: e4m3 tensor-core dots on the
 codes, no conversion) right after the defaults, before the conversion sweep: its default tile
-(``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES``, each record's ``max_err`` against the conversion
+(``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES`` (both layouts: keys or query rows as the MMAs' rows), each record's ``max_err`` against the conversion
 path's default output and ``max_err_sdpa`` against SDPA; the table sets the two paths side by side.
 
 Correctness: the default config's output against SDPA over the dequantized pages (two
@@ -47,8 +47,10 @@ TILES = {
     "bfloat16": [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 4), (128, 8, 2), (32, 4, 4)],
     "fp8_e4m3": [(64, 2, 5), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
 }
-# FP8-dot path tiles (e4m3 only; 4+ warps: Triton's e4m3 wgmma), timed before the conversion sweep
-FP8_DOT_TILES = [(32, 4, 4), (64, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 6)]
+# FP8-dot path tiles (block_n, warps, stages, fp8_keys_rows), e4m3 only, timed before the conversion
+# sweep; 4+ warps (Triton's e4m3 wgmma); keys as the MMAs' rows: block_n >= 64 (wgmma's M)
+FP8_DOT_TILES = [(64, 4, 3, True), (128, 4, 3, True), (128, 8, 3, True), (64, 4, 5, True),
+                 (32, 4, 4, False), (64, 4, 3, False), (64, 8, 3, False)]
 # (num_splits, fuse_reduce) swept per batch (None: the config's)
 SPLITS = {512: [(None, None)], 64: [(None, None), (2, False), (4, True)],
           1: [(None, False), (None, True), (64, True), (16, False)]}
@@ -299,6 +301,8 @@ def run(args) -> list[dict]:
         full["num_splits"] = kw.get("num_splits") or dec.choose_num_splits(
             lay.batch, hkv, lay.ctx, sms, full["block_n"], cfg.waves, cfg.max_splits)
         full["fp8_dot"] = bool(kw.get("fp8_dot"))
+        if full["fp8_dot"]:
+            full["fp8_keys_rows"] = cfg.fp8_keys_rows if kw.get("fp8_keys_rows") is None else kw["fp8_keys_rows"]
         return full
 
     # The FP8-dot path (e4m3 layers): its default, then its tiles (batch 1: page tiles too).
@@ -308,11 +312,13 @@ def run(args) -> list[dict]:
         if lay.fmt.kernel_code != 1:
             continue
         fp8_sweep.append((key, fp8_default, "fp8_dot default"))
-        tiles = [(16, 1, 1)] if args.cpu_smoke else FP8_DOT_TILES
+        tiles = [(16, 1, 1, True), (16, 1, 1, False)] if args.cpu_smoke else FP8_DOT_TILES
         for tile in tiles:
             for page_tile in ((False, True) if key[1] == 1 and tile == tiles[0] else (False,)):
-                kw = dict(block_n=tile[0], num_warps=tile[1], num_stages=tile[2], page_tile=page_tile, fp8_dot=True)
-                fp8_sweep.append((key, kw, f"fp8_dot {tile[0]}x{tile[1]}x{tile[2]}{' pt' if page_tile else ''}"))
+                kw = dict(block_n=tile[0], num_warps=tile[1], num_stages=tile[2], page_tile=page_tile, fp8_dot=True,
+                          fp8_keys_rows=tile[3])
+                fp8_sweep.append((key, kw, f"fp8_dot {tile[0]}x{tile[1]}x{tile[2]}{' keys' if tile[3] else ''}"
+                                           f"{' pt' if page_tile else ''}"))
 
     # The sweep, most likely tiles first, both dtypes at each step: the budget may cut it.
     sweep = []
@@ -402,7 +408,8 @@ def run(args) -> list[dict]:
         df, bb, fd, fb = b["default"], b["best"], b.get("fp8_dot_default", {}), b["fp8_dot_best"]
         bucket = dec.programs_bucket(batch, hkv, sms)
         cfg = dec.FP8_DOT_CONFIGS[bucket]._asdict()
-        cfg.update({k: fb[k] for k in ("block_n", "num_warps", "num_stages", "page_tile") if fb.get(k) is not None})
+        cfg.update({k: fb[k] for k in ("block_n", "num_warps", "num_stages", "page_tile", "fp8_keys_rows")
+                    if fb.get(k) is not None})
         entry = f"{bucket!r}: DecodeConfig({', '.join(f'{k}={cfg[k]!r}' for k in cfg)})"
         fp8_lines.append(f"    {entry},  # {batch} x {ctx}: {fb.get('ms')} ms, {fb.get('copy_fraction')} of the copy "
                          f"rate (conversion path {bb.get('ms')} ms)")

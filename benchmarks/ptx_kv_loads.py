@@ -170,8 +170,10 @@ def main() -> None:
                 fp8_dot = unpack == "fp8_dot"
                 unpack_code = 0 if fp8_dot else use_unpack(code, True, True, unpack)
                 bn, warps, stages = decode._config(D, torch.bfloat16, False, code, lane_split, unpack_code)
+                keys_rows = False
                 if fp8_dot:
-                    bn, warps, stages = decode.FP8_DOT_CONFIGS[ns.fp8_dot_bucket][:3]
+                    cfg = decode.FP8_DOT_CONFIGS[ns.fp8_dot_bucket]
+                    bn, warps, stages, keys_rows = cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.fp8_keys_rows
                 ck = _compile(
                     decode._decode_split_kernel,
                     dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, block_tables_ptr="*i32",
@@ -179,10 +181,11 @@ def main() -> None:
                          part_lse_ptr="*fp32", qk_scale="fp32", window="i32", num_splits="i32", **res_ptrs,
                          sinks_ptr="*bf16", counter_ptr="*i32"),
                     dict(**q, **cs, **o, stride_bt=513, **res_ints),
-                    dict(GROUP=H // HKV, G_PAD=64 if fp8_dot else 16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn,
+                    dict(GROUP=H // HKV, G_PAD=64 if fp8_dot and not keys_rows else 16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn,
                          DIRECT=direct, USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0,
                          FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False, HAS_RESIDUAL=residual,
-                         EXACT_N=BS, UNPACK=unpack_code, FP8_DOT=int(fp8_dot)),
+                         EXACT_N=BS, UNPACK=unpack_code, FP8_DOT=int(fp8_dot),
+                         FP8_T=keys_rows),
                     no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
                 label = f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}wx{stages}s"
                 _show(label + (f" {'path' if code == 1 else 'unpack'}={unpack}" if len(unpacks) > 1 else ""), ck, ns)

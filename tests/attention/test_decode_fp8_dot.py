@@ -1,8 +1,8 @@
 """The decode kernel's FP8-dot path for e4m3 caches (``decode.DECODE_PATHS["fp8_dot"]``; Triton
-interpreter on the CPU, tiny shapes): paged over random block tables, GQA, one split with sinks and
-several with a sliding window, against the float64 reference over the dequantized cache within the
-error bound derived in ``kvserve/attention/triton/decode.py`` (e4m3: 3 mantissa bits); the path
-switch and its refusal of other caches."""
+interpreter on the CPU, tiny shapes): paged over random block tables, GQA, one split with sinks,
+several with a sliding window, the keys as the MMAs' rows, against the float64 reference over the
+dequantized cache within the error bound derived in ``kvserve/attention/triton/decode.py`` (e4m3:
+3 mantissa bits); the path switch and its refusal of other caches."""
 
 from __future__ import annotations
 
@@ -73,11 +73,12 @@ def _reference(q, cache, bt, lens, d, bs, scale, window=None, sinks=None):
     return tuple(torch.stack(t) for t in outs)
 
 
-@pytest.mark.parametrize("q_dtype,splits,window,with_sinks", [
-    (torch.float32, 1, None, True),      # the direct path, sinks starting the running max
-    (torch.bfloat16, 3, 20, False),      # three splits merged by the reduce kernel, a sliding window
+@pytest.mark.parametrize("q_dtype,splits,window,with_sinks,keys_rows", [
+    (torch.float32, 1, None, True, False),   # the direct path, sinks starting the running max
+    (torch.bfloat16, 3, 20, False, False),   # three splits merged by the reduce kernel, a sliding window
+    (torch.float32, 2, None, True, True),    # the keys as the MMAs' rows (FP8_T)
 ])
-def test_fp8_dot_within_e4m3_bound(q_dtype, splits, window, with_sinks):
+def test_fp8_dot_within_e4m3_bound(q_dtype, splits, window, with_sinks, keys_rows):
     h, hkv, d, bs = 8, 2, 32, 8  # GQA: 4 query heads per KV head
     lens = [37, 5, 64] if splits == 1 else [50, 23]
     gen = torch.Generator().manual_seed(11 + splits)
@@ -90,7 +91,7 @@ def test_fp8_dot_within_e4m3_bound(q_dtype, splits, window, with_sinks):
     decode_attention(q.to(DEV), cache.to(DEV), bt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
                      torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV), len(lens), max(lens), scale,
                      window, out=out, num_splits=splits, kv_format=fmt,
-                     sinks=None if sinks is None else sinks.to(DEV), fp8_dot=True)
+                     sinks=None if sinks is None else sinks.to(DEV), fp8_dot=True, fp8_keys_rows=keys_rows)
     got = out.double().cpu()
     exact, rounded, bound, p_bound = _reference(q, cache, bt, lens, d, bs, scale, window, sinks)
     slack = 1e-5 + (2.0 ** -8 * exact.abs() if q_dtype == torch.bfloat16 else 0)  # the output's own rounding

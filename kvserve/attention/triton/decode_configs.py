@@ -51,7 +51,9 @@ class DecodeConfig(NamedTuple):
     entries read once per page of the tile, ``kv_tile_offsets``, instead of once per key), and
     the split rule (``choose_num_splits``'s ``waves`` and ``max_splits``); ``fuse_reduce``: with
     several splits, the last program of each (request, KV head) to finish merges the splits
-    (an atomic count per pair), no reduce launch."""
+    (an atomic count per pair), no reduce launch; ``fp8_keys_rows`` (the FP8-dot path only): the
+    keys as the MMAs' rows (``decode_fp8._fp8_step_keys_rows``) instead of the query rows padded
+    to 64."""
 
     block_n: int
     num_warps: int
@@ -60,6 +62,7 @@ class DecodeConfig(NamedTuple):
     waves: int = 2
     max_splits: int = 32
     fuse_reduce: bool = False
+    fp8_keys_rows: bool = False
 
 
 #: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
@@ -91,15 +94,16 @@ DECODE_CONFIGS: dict[tuple[int, str], DecodeConfig] = {
 DECODE_PATHS = {"fp8_dot": False}
 
 #: ``DECODE_CONFIGS``' tiles for the FP8-dot path of e4m3 caches, by programs bucket (head_dim
-#: <= 128 on CUDA). The query rows are padded to 64 there: with 4 or 8 warps Triton (3.7, sm_90)
-#: then emits e4m3 ``wgmma`` for both dots (with 2 warps it takes ``mma.sync``, which on sm_90
-#: converts FP8 operands to float16 first). Not yet measured: 32 keys x 4 warps x 4 stages is the
-#: tile with the fewest registers (168 per thread, no spills; 64 x 4 x 3: 255) in the sm_90 PTX
-#: (``benchmarks/ptx_kv_loads.py --fp8-dot --regs``); the GPU sweep decides.
+#: <= 128 on CUDA). Triton (3.7, sm_90) emits e4m3 ``wgmma`` for both dots with 4+ warps and 64
+#: MMA rows (with 2 warps it takes ``mma.sync``, which on sm_90 converts FP8 operands to float16
+#: first): either the keys are the rows (``fp8_keys_rows``, ``BLOCK_N`` >= 64; the softmax over
+#: the GROUP query rows padded to 16) or the query rows, padded to 64 (4x the softmax work). Not yet
+#: measured: keys as rows, 64 x 4 warps x 3 stages (167 registers per thread, no spills, in the
+#: sm_90 PTX: ``benchmarks/ptx_kv_loads.py --fp8-dot --regs``); the GPU sweep decides.
 FP8_DOT_CONFIGS: dict[str, DecodeConfig] = {
-    "few": DecodeConfig(32, 4, 4),
-    "mid": DecodeConfig(32, 4, 4),
-    "many": DecodeConfig(32, 4, 4),
+    "few": DecodeConfig(64, 4, 3, fp8_keys_rows=True),
+    "mid": DecodeConfig(64, 4, 3, fp8_keys_rows=True),
+    "many": DecodeConfig(64, 4, 3, fp8_keys_rows=True),
 }
 
 
