@@ -15,8 +15,9 @@ FP8's per-token scales); the copy rate is a device-to-device copy measured in th
 
 FP8 KV also runs the FP8-dot path (``decode.DECODE_PATHS["fp8_dot"]``: e4m3 tensor-core dots on the
 codes, no conversion) right after the defaults, before the conversion sweep: its default tile
-(``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES`` (both layouts: keys or query rows as the MMAs' rows), each record's ``max_err`` against the conversion
-path's default output and ``max_err_sdpa`` against SDPA; the table sets the two paths side by side.
+(``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES`` (both layouts: keys or query rows as the MMAs' rows),
+each record's ``max_err`` against the conversion path's default output and ``max_err_sdpa`` against
+SDPA; the table sets the two paths side by side.
 
 Correctness: the default config's output against SDPA over the dequantized pages (two
 requests); every other config against the default's output.

@@ -181,10 +181,10 @@ def main() -> None:
                          part_lse_ptr="*fp32", qk_scale="fp32", window="i32", num_splits="i32", **res_ptrs,
                          sinks_ptr="*bf16", counter_ptr="*i32"),
                     dict(**q, **cs, **o, stride_bt=513, **res_ints),
-                    dict(GROUP=H // HKV, G_PAD=64 if fp8_dot and not keys_rows else 16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn,
-                         DIRECT=direct, USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0,
-                         FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False, HAS_RESIDUAL=residual,
-                         EXACT_N=BS, UNPACK=unpack_code, FP8_DOT=int(fp8_dot),
+                    dict(GROUP=H // HKV, G_PAD=64 if fp8_dot and not keys_rows else 16, HEAD_DIM=D, BLOCK_SIZE=BS,
+                         BLOCK_N=bn, DIRECT=direct, USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code,
+                         FP16_DOT=code > 0, FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False,
+                         HAS_RESIDUAL=residual, EXACT_N=BS, UNPACK=unpack_code, FP8_DOT=int(fp8_dot),
                          FP8_T=keys_rows),
                     no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
                 label = f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}wx{stages}s"
