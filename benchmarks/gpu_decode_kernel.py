@@ -13,6 +13,12 @@ layer's pages when one copy would fit in L2. GB/s counts the cache bytes read (K
 FP8's per-token scales); the copy rate is a device-to-device copy measured in the same run
 (bytes read + written per second, as the step profile's 4.29 TB/s).
 
+FP8 KV also runs the FP8-dot path (``decode.DECODE_PATHS["fp8_dot"]``: e4m3 tensor-core dots on the
+codes, no conversion) right after the defaults, before the conversion sweep: its default tile
+(``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES`` (both layouts: keys or query rows as the MMAs' rows),
+each record's ``max_err`` against the conversion path's default output and ``max_err_sdpa`` against
+SDPA; the table sets the two paths side by side.
+
 Correctness: the default config's output against SDPA over the dequantized pages (two
 requests); every other config against the default's output.
 
@@ -42,6 +48,10 @@ TILES = {
     "bfloat16": [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 4), (128, 8, 2), (32, 4, 4)],
     "fp8_e4m3": [(64, 2, 5), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
 }
+# FP8-dot path tiles (block_n, warps, stages, fp8_keys_rows), e4m3 only, timed before the conversion
+# sweep; 4+ warps (Triton's e4m3 wgmma); keys as the MMAs' rows: block_n >= 64 (wgmma's M)
+FP8_DOT_TILES = [(64, 4, 3, True), (128, 4, 3, True), (128, 8, 3, True), (64, 4, 5, True),
+                 (32, 4, 4, False), (64, 4, 3, False), (64, 8, 3, False)]
 # (num_splits, fuse_reduce) swept per batch (None: the config's)
 SPLITS = {512: [(None, None)], 64: [(None, None), (2, False), (4, True)],
           1: [(None, False), (None, True), (64, True), (16, False)]}
@@ -189,6 +199,7 @@ def _variant(task) -> str:
     kernel's split-count class (tasks with equal keys would compile the same binaries)."""
     dtype, kw, old_path = task
     n = kw.get("num_splits", 1)
+    kw = {k: v for k, v in kw.items() if v or k != "fp8_dot"}  # fp8_dot False: the conversion path's key
     fused = bool(kw.get("fuse_reduce"))
     s_pad = 1 if n == 1 or fused else max(2, 1 << (n - 1).bit_length())
     k = {k: v for k, v in kw.items() if k != "num_splits"}
@@ -245,16 +256,20 @@ def run(args) -> list[dict]:
     dtypes = args.dtypes.split(",")
     best: dict[tuple, dict] = {}
 
-    def measure(layer, fn, kw, ref_out, tag, **extra):
+    def measure(layer, fn, kw, ref_out, tag, sdpa=None, **extra):
         r = dict(part="kernel", kv_cache_dtype=layer.desc.name, batch=layer.batch, ctx=layer.ctx, config=tag,
-                 **extra)
+                 path="fp8_dot" if kw.get("fp8_dot") else "convert", **extra)
         try:
             layer.out.fill_(float("nan"))
             layer.call(fn, 0, **kw)
             got = layer.out[:2].float()
             err = (got - ref_out).abs().max().item()
             tol = 2e-2 if layer.q.dtype == torch.bfloat16 else 1e-3
+            if kw.get("fp8_dot"):  # e4m3 query and P: up to ~2^-4 of the values' scale (randn; decode.py's bound)
+                tol = 2.0 ** -4
             r.update(ok=bool(torch.isfinite(layer.out).all()) and err < tol, max_err=round(err, 6))
+            if sdpa is not None:
+                r["max_err_sdpa"] = round((got - sdpa).abs().max().item(), 6)
             if cuda:
                 ms = time_graph(layer, fn, kw)
                 gbs = layer.bytes_read / (ms * 1e-3) / 1e9
@@ -268,6 +283,7 @@ def run(args) -> list[dict]:
 
     layers: dict[tuple, Layer] = {}
     refs: dict[tuple, object] = {}
+    sdpa_refs: dict[tuple, object] = {}
     for dtype in dtypes:
         for batch, ctx in shapes:
             lay = layers[(dtype, batch, ctx)] = Layer(dtype, batch, ctx, h, hkv, d, bs, device, l2)
@@ -277,14 +293,33 @@ def run(args) -> list[dict]:
     def resolved(lay, kw):
         """``kw`` with every launch choice decode_attention would make filled in (the precompile
         workers' tiny layers must compile the same variants)."""
-        cfg = dec.decode_config(d, lay.q.dtype, not cuda, lay.fmt.kernel_code, False, 0, lay.batch, hkv, sms)
+        cfg = dec.decode_config(d, lay.q.dtype, not cuda, lay.fmt.kernel_code, False, 0, lay.batch, hkv, sms,
+                                bool(kw.get("fp8_dot")))
         full = dict(block_n=kw.get("block_n") or cfg.block_n, num_warps=kw.get("num_warps") or cfg.num_warps,
                     num_stages=kw.get("num_stages") or cfg.num_stages,
                     page_tile=cfg.page_tile if kw.get("page_tile") is None else kw["page_tile"],
                     fuse_reduce=cfg.fuse_reduce if kw.get("fuse_reduce") is None else kw["fuse_reduce"])
         full["num_splits"] = kw.get("num_splits") or dec.choose_num_splits(
             lay.batch, hkv, lay.ctx, sms, full["block_n"], cfg.waves, cfg.max_splits)
+        full["fp8_dot"] = bool(kw.get("fp8_dot"))
+        if full["fp8_dot"]:
+            full["fp8_keys_rows"] = cfg.fp8_keys_rows if kw.get("fp8_keys_rows") is None else kw["fp8_keys_rows"]
         return full
+
+    # The FP8-dot path (e4m3 layers): its default, then its tiles (batch 1: page tiles too).
+    fp8_default = dict(fp8_dot=True)
+    fp8_sweep = []
+    for key, lay in layers.items():
+        if lay.fmt.kernel_code != 1:
+            continue
+        fp8_sweep.append((key, fp8_default, "fp8_dot default"))
+        tiles = [(16, 1, 1, True), (16, 1, 1, False)] if args.cpu_smoke else FP8_DOT_TILES
+        for tile in tiles:
+            for page_tile in ((False, True) if key[1] == 1 and tile == tiles[0] else (False,)):
+                kw = dict(block_n=tile[0], num_warps=tile[1], num_stages=tile[2], page_tile=page_tile, fp8_dot=True,
+                          fp8_keys_rows=tile[3])
+                fp8_sweep.append((key, kw, f"fp8_dot {tile[0]}x{tile[1]}x{tile[2]}{' keys' if tile[3] else ''}"
+                                           f"{' pt' if page_tile else ''}"))
 
     # The sweep, most likely tiles first, both dtypes at each step: the budget may cut it.
     sweep = []
@@ -307,7 +342,7 @@ def run(args) -> list[dict]:
         tasks = [(k[0], resolved(layers[k], {}), None) for k in layers]
         tasks += [(k[0], {"num_splits": resolved(layers[k], {})["num_splits"]}, args.old_kernel)
                   for k in layers if args.old_kernel]
-        tasks += [(k[0], resolved(layers[k], kw), None) for k, kw, _ in sweep]
+        tasks += [(k[0], resolved(layers[k], kw), None) for k, kw, _ in fp8_sweep + sweep]
         uniq = list({_variant(t): t for t in tasks}.values())
         tc = time.time()
         n_ok = precompile(uniq, args.precompile_workers, (h, hkv, d, bs), device)
@@ -321,7 +356,20 @@ def run(args) -> list[dict]:
             best[key]["old"] = measure(lay, old, {}, refs[key], "old")
         if r.get("ok"):  # every other config is checked against the default's output
             lay.call(dec.decode_attention, 0)
+            sdpa_refs[key] = refs[key]
             refs[key] = lay.out[:2].float().clone()
+    for key, kw, tag in fp8_sweep:  # max_err: against the conversion path's output
+        if cuda and time.time() - t0 > args.budget:
+            break
+        r = measure(layers[key], dec.decode_attention, kw, refs[key], tag, sdpa=sdpa_refs.get(key),
+                    **{k: v for k, v in kw.items() if k != "fp8_dot"})
+        b = best[key]
+        if kw is fp8_default:
+            b["fp8_dot_default"] = r
+        if r.get("ok") and r.get("ms") and r["ms"] < b.get("fp8_dot_best", {}).get("ms", float("inf")):
+            b["fp8_dot_best"] = r
+        elif "fp8_dot_best" not in b:
+            b["fp8_dot_best"] = r
     for key, kw, tag in sweep:
         if cuda and time.time() - t0 > args.budget:
             _record(out_dir, dict(part="budget", measured=sum(r.get("part") == "kernel" for r in recs),
@@ -350,6 +398,32 @@ def run(args) -> list[dict]:
               f"{od.get('ms')} | {od.get('copy_fraction')} |")
     print("\nDECODE_CONFIGS entries of the best configs (kvserve/attention/triton/decode_configs.py):")
     print("\n".join(table_lines))
+    fp8_lines = []
+    print("\nFP8 KV, the two paths side by side (max_err: the FP8-dot output against the conversion path's)")
+    print("| batch x ctx | convert default ms | of copy | convert best ms | of copy | fp8_dot default ms | of copy |"
+          " fp8_dot best config | ms | GB/s | of copy | max_err | max_err_sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (dtype, batch, ctx), b in best.items():
+        if "fp8_dot_best" not in b:
+            continue
+        df, bb, fd, fb = b["default"], b["best"], b.get("fp8_dot_default", {}), b["fp8_dot_best"]
+        bucket = dec.programs_bucket(batch, hkv, sms)
+        cfg = dec.FP8_DOT_CONFIGS[bucket]._asdict()
+        cfg.update({k: fb[k] for k in ("block_n", "num_warps", "num_stages", "page_tile", "fp8_keys_rows")
+                    if fb.get(k) is not None})
+        entry = f"{bucket!r}: DecodeConfig({', '.join(f'{k}={cfg[k]!r}' for k in cfg)})"
+        fp8_lines.append(f"    {entry},  # {batch} x {ctx}: {fb.get('ms')} ms, {fb.get('copy_fraction')} of the copy "
+                         f"rate (conversion path {bb.get('ms')} ms)")
+        _record(out_dir, dict(part="fp8_dot", batch=batch, ctx=ctx, convert_default=df, convert_best=bb,
+                              fp8_dot_default=fd or None, fp8_dot_best=fb, copy_gb_s=rec["copy_gb_s"],
+                              fp8_dot_configs_entry=entry))
+        print(f"| {batch} x {ctx} | {df.get('ms')} | {df.get('copy_fraction')} | {bb.get('ms')} | "
+              f"{bb.get('copy_fraction')} | {fd.get('ms')} | {fd.get('copy_fraction')} | {fb.get('config')} | "
+              f"{fb.get('ms')} | {fb.get('gb_s')} | {fb.get('copy_fraction')} | {fb.get('max_err')} | "
+              f"{fb.get('max_err_sdpa')} |")
+    if fp8_lines:
+        print("\nFP8_DOT_CONFIGS entries of the best FP8-dot tiles (decode_configs.py; the path itself: DECODE_PATHS):")
+        print("\n".join(fp8_lines))
     bad = [r for r in recs if not r.get("ok")]
     if bad:
         print(f"not ok: {len(bad)} records ({', '.join(sorted({str(r.get('config')) for r in bad}))})",

@@ -14,12 +14,13 @@ int32 pointers: ``kv_load.kv_scale_index``) as Triton's GPU IR has them after pi
 the tile shape and the bytes per thread per access (from the layout's ``sizePerThread``),
 with counts (prologue copies of the pipeline included).
 ``--regs`` adds registers / spill bytes per thread from ``ptxas -v`` (Triton's bundled ptxas);
+``--fp8-dot`` the e4m3 decode kernel's FP8-dot path too (``decode.DECODE_PATHS``);
 ``--ops`` static counts of shared-memory, conversion and unpacking instructions; ``--unpack``
 the int4/int2 decode variants compiled (``kv_load.CODE_PATHS["unpack"]``); ``--dump DIR`` each
 kernel's TTGIR and PTX.
 
 Usage: PYTHONPATH=. python3 benchmarks/ptx_kv_loads.py [--dtypes bfloat16,fp8_e4m3,int8,int4,int2] [--regs]
-    [--ops] [--unpack int32,asm,asm_i8qk] [--dump DIR]
+    [--ops] [--unpack int32,asm,asm_i8qk] [--fp8-dot [--fp8-dot-bucket many]] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _compile(kern, ptrs: dict, ints: dict, consts: dict, no_spec=(), num_warps=4
                 if v % 16 == 0 and n not in no_spec:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[n], constexprs[(i,)] = "constexpr", consts[n]
+            sig[n], constexprs[(i,)] = "constexpr", consts[n] if n in consts else kern.params[i].default
     target = GPUTarget("cuda", 90, 32)
     opts = make_backend(target).parse_options(dict(num_warps=num_warps, num_stages=num_stages))
     return triton.compile(ASTSource(fn=kern, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
@@ -136,6 +137,10 @@ def main() -> None:
                     "instructions in the PTX")
     ap.add_argument("--unpack", default="int32,asm", help="int4/int2 decode: the kv_load.CODE_PATHS "
                     "'unpack' variants to compile (default %(default)s)")
+    ap.add_argument("--fp8-dot", action="store_true", help="fp8_e4m3 decode: also the FP8-dot path "
+                    "(decode.DECODE_PATHS['fp8_dot']) with its FP8_DOT_CONFIGS tile")
+    ap.add_argument("--fp8-dot-bucket", default="many", choices=("few", "mid", "many"),
+                    help="the FP8_DOT_CONFIGS entry compiled with --fp8-dot (default %(default)s)")
     ap.add_argument("--dump", default="", help="write each kernel's TTGIR and PTX into this directory")
     ns = ap.parse_args()
     for name in ns.dtypes.split(","):
@@ -158,29 +163,38 @@ def main() -> None:
         res_ints = dict(stride_rs=2 * BS * HKV * D, stride_rr=HKV * D, stride_rh=D, stride_nkt=HKV * D,
                         stride_nkh=D, stride_nvt=HKV * D, stride_nvh=D)
         unpacks = ns.unpack.split(",") if code >= 4 and lane_split else ["int32"]
+        if code == 1 and ns.fp8_dot:  # e4m3: the conversion path, then the FP8-dot path
+            unpacks = ["int32", "fp8_dot"]
         for direct in (False, True):
             for unpack in unpacks:
-                unpack_code = use_unpack(code, True, True, unpack)
+                fp8_dot = unpack == "fp8_dot"
+                unpack_code = 0 if fp8_dot else use_unpack(code, True, True, unpack)
                 bn, warps, stages = decode._config(D, torch.bfloat16, False, code, lane_split, unpack_code)
+                keys_rows = False
+                if fp8_dot:
+                    cfg = decode.FP8_DOT_CONFIGS[ns.fp8_dot_bucket]
+                    bn, warps, stages, keys_rows = cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.fp8_keys_rows
                 ck = _compile(
                     decode._decode_split_kernel,
                     dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, block_tables_ptr="*i32",
                          seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16", part_out_ptr="*fp32",
-                         part_lse_ptr="*fp32", qk_scale="fp32", window="i32", num_splits="i32", **res_ptrs),
+                         part_lse_ptr="*fp32", qk_scale="fp32", window="i32", num_splits="i32", **res_ptrs,
+                         sinks_ptr="*bf16", counter_ptr="*i32"),
                     dict(**q, **cs, **o, stride_bt=513, **res_ints),
-                    dict(GROUP=H // HKV, G_PAD=16, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_N=bn, DIRECT=direct,
-                         USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0,
-                         FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False, HAS_RESIDUAL=residual,
-                         EXACT_N=BS, UNPACK=unpack_code),
+                    dict(GROUP=H // HKV, G_PAD=64 if fp8_dot and not keys_rows else 16, HEAD_DIM=D, BLOCK_SIZE=BS,
+                         BLOCK_N=bn, DIRECT=direct, USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code,
+                         FP16_DOT=code > 0, FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False,
+                         HAS_RESIDUAL=residual, EXACT_N=BS, UNPACK=unpack_code, FP8_DOT=int(fp8_dot),
+                         FP8_T=keys_rows),
                     no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
                 label = f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}wx{stages}s"
-                _show(label + (f" unpack={unpack}" if len(unpacks) > 1 else ""), ck, ns)
+                _show(label + (f" {'path' if code == 1 else 'unpack'}={unpack}" if len(unpacks) > 1 else ""), ck, ns)
         bm, bn, warps, stages = prefill._config(D, torch.bfloat16, H // HKV, False)
         ck = _compile(
             prefill._prefill_kernel,
             dict(q_ptr="*bf16", k_cache_ptr=pk, v_cache_ptr=pk, out_ptr="*bf16", block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", window="i32", req_offset="i32",
-                 **res_ptrs),
+                 **res_ptrs, sinks_ptr="*bf16", tree_mask_ptr="*i64", tree_start_ptr="*i32"),
             dict(**q, **cs, **o, stride_bt=513, **res_ints),
             dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=bm, BLOCK_Q=bm // (H // HKV), BLOCK_N=bn,
                  USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0,

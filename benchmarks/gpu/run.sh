@@ -82,7 +82,7 @@ dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96
 ray-tp:150:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
-decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside (gpu_decode_kernel.py)
+decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside, fp8 KV FP8-dot path rows (gpu_decode_kernel.py)
 "
 
 if [ "${1:-}" = "--list" ] || [ $# = 0 ]; then

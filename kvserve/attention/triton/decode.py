@@ -35,6 +35,31 @@ Exact own block (``kv_residual``, ``kvserve/attention/kv_residual.py``; constexp
 ``[own, seq_len)`` exactly, one tile of ``max(16, B)`` keys (``kv_exact.attend_exact``), so the
 partition of the splits, and hence any ``num_splits``, is unchanged.
 
+FP8 dots (e4m3 caches, ``DECODE_PATHS["fp8_dot"]`` or ``fp8_dot=True``; constexpr ``FP8_DOT``): the
+K and V codes reach the MMAs as e4m3, unconverted; the scales are folded in, as FlashAttention-3's
+FP8 forward (Shah et al., arXiv:2407.08608) does with per-tensor ones. Q K^T: each query row divided
+by its largest magnitude, times 448 and rounded to e4m3 (prefill's ``FP8_QK``, ``e4m3_operand``);
+the row's factor and each key's scale ``ks_j`` multiply the fp32 scores. P V: V's per-token scale
+``s_j`` joins the logit as ``log2 s_j``, so the running maximum is that of ``p_j s_j`` and
+``exp2(logit - max)`` in [0, 1] is ``p_j s_j`` up to the row's factor: times 448, rounded to e4m3,
+it is the P operand (no per-tile maximum of the scales); the running sum adds those values
+``/ s_j`` (unrounded), and the output is ``acc / (448 l)``. Triton emits e4m3 ``wgmma`` on sm_90
+(not ``mma.sync``: that converts FP8 operands to float16 there) for 64 MMA rows and 4+ warps: the
+keys (constexpr ``FP8_T``, ``DecodeConfig.fp8_keys_rows``: ``S^T = K q^T``, ``O^T += V^T P^T``, the
+softmax over the query rows padded to 16, its reductions along axis 0) or the query rows padded to
+64 (4x the softmax's element-wise work). Steps: ``decode_fp8.py``. The interpreter (``FP8_DOT`` 2)
+rounds the same way in float32 and multiplies exactly.
+Error bound (u = 2^-4, e4m3's unit roundoff with 3 mantissa bits; below 2^-6 the absolute error
+is at most 2^-10): with the weights ``w`` of the exact softmax (sinks included in its
+denominator), ``v_j = s_j c_j`` the cache's values, ``O = sum_j w_j v_j`` and ``n`` keys,
+(1) the query's rounding moves every logit (natural units) by at most
+``delta = scale * sum_i (u |q_i| + 2^-10 max|q| / 448) |k_ji|``, so
+``|dO| <= (e^(2 delta) - 1) sum_j w_j |v_j - O|``; (2) P's rounding adds, against the rounded
+query's weights ``w'``, ``|dO| <= u sum_j w'_j |v_j| + 2^-10 n max_j w'_j s_j`` (the second term:
+entries of P below e4m3's normals, relative to each step's running maximum; with splits it holds
+per split and so for the merge). Both per output element (tests/attention/test_decode_fp8_dot.py
+checks them). The cache's own quantization error is not included (the conversion path has it too).
+
 Learned attention sinks (gpt-oss; constexpr ``HAS_SINKS``): one extra logit per head in the
 softmax denominator, with no value. With one split the running max / sum start from it; with
 several the reduce kernel adds ``2^(sink - max)`` to the combined denominator once.
@@ -48,15 +73,18 @@ import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
 # the config table lives in decode_configs.py; its names stay importable from here
-from kvserve.attention.triton.decode_configs import (DECODE_CONFIGS, DecodeConfig, _config, _num_sms,  # noqa: F401
-                                                     choose_num_splits, configs_to_compile, decode_config,
-                                                     decode_warmup_configs, programs_bucket)
+from kvserve.attention.triton.decode_configs import (DECODE_CONFIGS, DECODE_PATHS, FP8_DOT_CONFIGS,  # noqa: F401
+                                                     DecodeConfig, _config, _num_sms, choose_num_splits,
+                                                     configs_to_compile, decode_config, decode_warmup_configs,
+                                                     programs_bucket, use_fp8_dot)
 from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
                                                kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
                                                kv_tile_offsets, load_k_tile, load_scales, load_v_tile, merge_lanes,
                                                prepare_query, pv_update, hadamard_rotate, scaled_scores, split_lanes,
                                                use_fast_cvt, use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
+from kvserve.attention.triton.decode_fp8 import _fp8_step, _fp8_step_keys_rows
+from kvserve.attention.triton.prefill import e4m3_operand
 
 _LOG2E = 1.4426950408889634
 
@@ -81,7 +109,7 @@ def _decode_split_kernel(
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, LANE_SPLIT: tl.constexpr = False,
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
     UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
-    FUSE_REDUCE: tl.constexpr = False,
+    FUSE_REDUCE: tl.constexpr = False, FP8_DOT: tl.constexpr = 0, FP8_T: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,9 +131,14 @@ def _decode_split_kernel(
         q = hadamard_rotate(q, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN else q_ptr.dtype.element_ty)
     if HAS_RESIDUAL:  # the own block's exact keys meet q in the compute dtype (kv_exact)
         q_ex = q.to(tl.float32 if WIDEN else q_ptr.dtype.element_ty)
-    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
+    # FP8_DOT (e4m3 codes; 2: the interpreter, e4m3 values widened to float32 and dots in ieee)
+    q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, tl.float32 if FP8_DOT > 0 else in_dtype)
     op_dtype: tl.constexpr = tl.float32 if WIDEN else in_dtype  # WIDEN: interpreter only (numpy dot, no bf16)
-    q = q.to(op_dtype)
+    if FP8_DOT > 0:  # |q| <= 1 spread over e4m3's range and rounded to it (prefill's FP8_QK)
+        q = e4m3_operand(q * 448.0, FP8_DOT == 2)
+        q_scale = q_scale * (1.0 / 448.0)
+    else:
+        q = q.to(op_dtype)
     # LANE_SPLIT (4-/2-bit codes): lane i of every byte holds elements LANES * c + i, so
     # q . k = sum_i q[:, i::LANES] . lane_i: one dot per lane, no interleaving of the codes;
     # V likewise, one accumulator per lane, interleaved once at the end.
@@ -161,6 +194,9 @@ def _decode_split_kernel(
                 BLOCK_SIZE, HEAD_DIM, EXACT_N, USE_WINDOW, DOT_PREC, 1.0 / CODE_SCALE)
         if LANES > 1:  # the exact part joins the per-lane accumulators
             acc0, acc1, acc2, acc3 = split_lanes(acc, LANES)
+    if FP8_T:  # keys as the MMA's rows: S^T = K q^T, O^T += V^T P^T (the GROUP query rows are its N)
+        q_t = tl.trans(q)
+        acc_t = tl.zeros([HEAD_DIM, G_PAD], tl.float32)
     for n0 in range(start, end_q, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end_q
@@ -170,7 +206,7 @@ def _decode_split_kernel(
             row_off = kv_tile_offsets(bt_row, n0, end_q, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
         else:
             row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, True)
-        if LANES == 1:
+        if FP8_DOT == 0 and LANES == 1:
             k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
                             FAST_CVT)
         if KV_FMT > 0:  # per-key scales, one vector load per page; the same entries for K and V
@@ -180,52 +216,63 @@ def _decode_split_kernel(
             vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
         else:
             ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
-        if LANES > 1:
-            rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [C, BLOCK_N]
-            if I8QK:
-                k0, k1, k2, k3 = code_lanes_i8(rk, BITS)
-                qki = tl.dot(q0, k0, out_dtype=tl.int32)
-                qki = tl.dot(q1, k1, qki, out_dtype=tl.int32)
-                if LANES == 4:
-                    qki = tl.dot(q2, k2, qki, out_dtype=tl.int32)
-                    qki = tl.dot(q3, k3, qki, out_dtype=tl.int32)
-                qk = qki.to(tl.float32)
+        if FP8_DOT > 0:  # e4m3 codes straight to the MMAs (module docstring)
+            if FP8_T:
+                acc_t, m_i, l_i = _fp8_step_keys_rows(q_t, acc_t, m_i, l_i, k_cache_ptr, v_cache_ptr, row_off, n_mask,
+                                                      q_scale, ks, vs, HEAD_DIM, FP8_DOT)
             else:
-                k0, k1, k2, k3 = code_lanes(rk, BITS, op_dtype, FAST_CVT, UNPACK)
-                qk = tl.dot(q0, k0, input_precision=DOT_PREC)
-                qk = tl.dot(q1, k1, qk, input_precision=DOT_PREC)
+                acc, m_i, l_i = _fp8_step(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, row_off, n_mask, q_scale, ks, vs,
+                                          HEAD_DIM, FP8_DOT)
+        else:
+            if LANES > 1:
+                rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [C, BLOCK_N]
+                if I8QK:
+                    k0, k1, k2, k3 = code_lanes_i8(rk, BITS)
+                    qki = tl.dot(q0, k0, out_dtype=tl.int32)
+                    qki = tl.dot(q1, k1, qki, out_dtype=tl.int32)
+                    if LANES == 4:
+                        qki = tl.dot(q2, k2, qki, out_dtype=tl.int32)
+                        qki = tl.dot(q3, k3, qki, out_dtype=tl.int32)
+                    qk = qki.to(tl.float32)
+                else:
+                    k0, k1, k2, k3 = code_lanes(rk, BITS, op_dtype, FAST_CVT, UNPACK)
+                    qk = tl.dot(q0, k0, input_precision=DOT_PREC)
+                    qk = tl.dot(q1, k1, qk, input_precision=DOT_PREC)
+                    if LANES == 4:
+                        qk = tl.dot(q2, k2, qk, input_precision=DOT_PREC)
+                        qk = tl.dot(q3, k3, qk, input_precision=DOT_PREC)
+                qk = qk * q_scale[:, None] * ks[None, :] + q_sum[:, None] * kz[None, :]
+            else:
+                qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if LANES > 1:
+                rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [BLOCK_N, C]
+                pv = (p * vs[None, :]).to(in_dtype).to(op_dtype)
+                v0, v1, v2, v3 = code_lanes(rv, BITS, op_dtype, FAST_CVT, UNPACK)
+                acc0 = tl.dot(pv, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
+                acc1 = tl.dot(pv, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
                 if LANES == 4:
-                    qk = tl.dot(q2, k2, qk, input_precision=DOT_PREC)
-                    qk = tl.dot(q3, k3, qk, input_precision=DOT_PREC)
-            qk = qk * q_scale[:, None] * ks[None, :] + q_sum[:, None] * kz[None, :]
-        else:
-            qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if LANES > 1:
-            rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [BLOCK_N, C]
-            pv = (p * vs[None, :]).to(in_dtype).to(op_dtype)
-            v0, v1, v2, v3 = code_lanes(rv, BITS, op_dtype, FAST_CVT, UNPACK)
-            acc0 = tl.dot(pv, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
-            acc1 = tl.dot(pv, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
-            if LANES == 4:
-                acc2 = tl.dot(pv, v2, acc2 * alpha[:, None], input_precision=DOT_PREC)
-                acc3 = tl.dot(pv, v3, acc3 * alpha[:, None], input_precision=DOT_PREC)
-            acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
-        else:
-            v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
-                            FAST_CVT)
-            acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
-        m_i = m_new
+                    acc2 = tl.dot(pv, v2, acc2 * alpha[:, None], input_precision=DOT_PREC)
+                    acc3 = tl.dot(pv, v3, acc3 * alpha[:, None], input_precision=DOT_PREC)
+                acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
+            else:
+                v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
+                                FAST_CVT)
+                acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
+            m_i = m_new
 
     if LANES > 1:
         acc = merge_lanes(acc0, acc1, acc2, acc3, LANES) + acc_z[:, None]
+    if FP8_T:
+        acc = tl.trans(acc_t)
     empty = l_i == 0.0
-    o = acc * (CODE_SCALE / tl.where(empty, 1.0, l_i))[:, None]
+    OUT_SCALE: tl.constexpr = 1.0 / 448.0 if FP8_DOT > 0 else CODE_SCALE
+    o = acc * (OUT_SCALE / tl.where(empty, 1.0, l_i))[:, None]
     if ROTATE:  # linear, so each split's partial output may be rotated back before the reduce
         o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
                             SPLIT=not WIDEN and FP16_DOT)
@@ -367,6 +414,8 @@ def decode_attention(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     page_tile: bool | None = None,
     fuse_reduce: bool | None = None,
+    fp8_dot: bool | None = None,
+    fp8_keys_rows: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -407,6 +456,13 @@ def decode_attention(
             log-sum-exp (base 2; -inf for an empty split) there, ``out`` is not written and
             stage 2 is skipped: the caller merges them with other partial states (cascade
             attention, ``kvserve/attention/triton/cascade.py``; sinks are then its to add).
+        fp8_dot: path override (default ``DECODE_PATHS["fp8_dot"]``, which applies where it can):
+            Q K^T and P V as FP8 tensor-core dots on the e4m3 codes (the module docstring gives
+            the error bound). ValueError if True for a cache that is not ``fp8_e4m3``, with
+            ``rotate`` or ``kv_residual``, with head_size < 32 or ``block_n`` < 32 on CUDA.
+        fp8_keys_rows: the FP8-dot path's layout override (default the config's
+            ``fp8_keys_rows``): the keys as the MMAs' rows (the softmax over GROUP query rows
+            padded to 16) instead of the query rows padded to 64.
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -423,14 +479,18 @@ def decode_attention(
     assert block_size >= 2 or not kv_fmt, "quantized caches: scales are read as 4-byte words"
     group = num_heads // hkv
     interpret = query.device.type != "cuda"
-    fast_cvt = use_fast_cvt(kv_fmt, fast_cvt)
+    fp8_dot = use_fp8_dot(kv_fmt, d, not interpret, fp8_dot, plain=not rotate and kv_residual is None)
+    fast_cvt = use_fast_cvt(kv_fmt, fast_cvt) and not fp8_dot
     lane_split = use_lane_split(kv_fmt, d, lane_split)
     unpack_code = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32, unpack) if lane_split else 0
     cfg = decode_config(d, query.dtype, interpret, kv_fmt, lane_split, unpack_code, num_decodes, hkv,
-                        _num_sms(query.device))
+                        _num_sms(query.device), fp8_dot)
     block_n, num_warps, num_stages = block_n or cfg.block_n, num_warps or cfg.num_warps, num_stages or cfg.num_stages
+    if fp8_dot and not interpret and block_n < 32:
+        raise ValueError(f"fp8_dot: block_n must be >= 32 on CUDA (the P V dot's K), got {block_n}")
     page_tile = cfg.page_tile if page_tile is None else page_tile
     fuse_reduce = cfg.fuse_reduce if fuse_reduce is None else fuse_reduce
+    keys_rows = fp8_dot and bool(cfg.fp8_keys_rows if fp8_keys_rows is None else fp8_keys_rows)
     if num_splits is None:  # a window layer reads at most `window` keys per request
         span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_decodes, hkv, span, _num_sms(query.device), block_n, cfg.waves,
@@ -463,7 +523,8 @@ def decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         *res_t, *res_s,
         query if sinks is None else sinks, seq_lens if counters is None else counters,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        GROUP=group, HEAD_DIM=d,
+        G_PAD=max(64 if fp8_dot and not keys_rows and not interpret else 16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, BLOCK_N=block_n, DIRECT=num_splits == 1 and partials is None,
         USE_WINDOW=sliding_window is not None,
         DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
@@ -472,6 +533,7 @@ def decode_attention(
         ROTATE=rotate, HAS_RESIDUAL=kv_residual is not None,
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
         PAGE_TILE=bool(page_tile), FUSE_REDUCE=bool(fuse_reduce) and counters is not None,
+        FP8_DOT=(2 if interpret else 1) if fp8_dot else 0, FP8_T=keys_rows,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and partials is None and counters is None:

@@ -51,7 +51,9 @@ class DecodeConfig(NamedTuple):
     entries read once per page of the tile, ``kv_tile_offsets``, instead of once per key), and
     the split rule (``choose_num_splits``'s ``waves`` and ``max_splits``); ``fuse_reduce``: with
     several splits, the last program of each (request, KV head) to finish merges the splits
-    (an atomic count per pair), no reduce launch."""
+    (an atomic count per pair), no reduce launch; ``fp8_keys_rows`` (the FP8-dot path only): the
+    keys as the MMAs' rows (``decode_fp8._fp8_step_keys_rows``) instead of the query rows padded
+    to 64."""
 
     block_n: int
     num_warps: int
@@ -60,6 +62,7 @@ class DecodeConfig(NamedTuple):
     waves: int = 2
     max_splits: int = 32
     fuse_reduce: bool = False
+    fp8_keys_rows: bool = False
 
 
 #: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
@@ -82,6 +85,42 @@ DECODE_CONFIGS: dict[tuple[int, str], DecodeConfig] = {
 }
 
 
+#: Defaults of the decode kernel's optional paths, read at each launch (a module dict so a benchmark
+#: can switch them for a whole engine run; ``decode_attention``'s arguments override): ``fp8_dot``:
+#: e4m3 caches compute Q K^T and P V as FP8 tensor-core dots on the codes as stored (the query and
+#: P rounded to e4m3, the per-token scales folded into the scores and the softmax; error bound in
+#: ``decode.py``), instead of converting the codes to float16. Off until the GPU sweep decides
+#: (``decode-kernel`` part, docs/benchmarks/decode-kernel.md).
+DECODE_PATHS = {"fp8_dot": False}
+
+#: ``DECODE_CONFIGS``' tiles for the FP8-dot path of e4m3 caches, by programs bucket (head_dim
+#: <= 128 on CUDA). Triton (3.7, sm_90) emits e4m3 ``wgmma`` for both dots with 4+ warps and 64
+#: MMA rows (with 2 warps it takes ``mma.sync``, which on sm_90 converts FP8 operands to float16
+#: first): either the keys are the rows (``fp8_keys_rows``, ``BLOCK_N`` >= 64; the softmax over
+#: the GROUP query rows padded to 16) or the query rows, padded to 64 (4x the softmax work). Not yet
+#: measured: keys as rows, 64 x 4 warps x 3 stages (167 registers per thread, no spills, in the
+#: sm_90 PTX: ``benchmarks/ptx_kv_loads.py --fp8-dot --regs``); the GPU sweep decides.
+FP8_DOT_CONFIGS: dict[str, DecodeConfig] = {
+    "few": DecodeConfig(64, 4, 3, fp8_keys_rows=True),
+    "mid": DecodeConfig(64, 4, 3, fp8_keys_rows=True),
+    "many": DecodeConfig(64, 4, 3, fp8_keys_rows=True),
+}
+
+
+def use_fp8_dot(kv_fmt: int, head_dim: int, on_cuda: bool, override: bool | None = None,
+                plain: bool = True) -> bool:
+    """Whether a launch takes the FP8-dot path: asked for (``override``, else ``DECODE_PATHS``) and
+    possible: e4m3 codes (``KV_FMT`` 1), ``plain`` (no in-kernel rotation, no exact own block) and,
+    on CUDA, ``head_dim >= 32`` (an FP8 MMA's K). The module default applies where it can; an
+    explicit ``override=True`` that cannot apply raises ValueError."""
+    want = DECODE_PATHS["fp8_dot"] if override is None else bool(override)
+    possible = kv_fmt == 1 and plain and (head_dim >= 32 or not on_cuda)
+    if want and override and not possible:
+        raise ValueError(f"fp8_dot needs an fp8_e4m3 KV cache (got kernel code {kv_fmt}), no rotation or exact "
+                         f"own blocks (plain={plain}) and on CUDA head_size >= 32 (got {head_dim})")
+    return bool(want and possible)
+
+
 def programs_bucket(num_decodes: int, num_kv_heads: int, num_sms: int) -> str:
     """``DECODE_CONFIGS``' programs bucket of a batch: "few", "mid" or "many"."""
     programs = num_decodes * num_kv_heads
@@ -89,10 +128,13 @@ def programs_bucket(num_decodes: int, num_kv_heads: int, num_sms: int) -> str:
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int, lane_split: bool,
-                  unpack: int, num_decodes: int, num_kv_heads: int, num_sms: int) -> DecodeConfig:
-    """The launch config of a batch: ``DECODE_CONFIGS`` where it applies, else ``_config``'s
-    tile with the default split rule."""
+                  unpack: int, num_decodes: int, num_kv_heads: int, num_sms: int,
+                  fp8_dot: bool = False) -> DecodeConfig:
+    """The launch config of a batch: ``DECODE_CONFIGS`` where it applies (``FP8_DOT_CONFIGS`` on the
+    FP8-dot path), else ``_config``'s tile with the default split rule."""
     bucket = programs_bucket(num_decodes, num_kv_heads, num_sms)
+    if fp8_dot and not interpret:  # FP8 operands: any query dtype; BLOCK_N >= 32 (the P V dot's K)
+        return FP8_DOT_CONFIGS[bucket] if head_dim <= 128 else DecodeConfig(32, 4, 2)
     if not interpret and head_dim <= 128 and dtype != torch.float32 and kv_fmt <= 3:
         return DECODE_CONFIGS[(1 if kv_fmt else 2, bucket)]
     return DecodeConfig(*_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack, bucket == "few"))
@@ -109,16 +151,19 @@ def decode_warmup_configs(query: torch.Tensor, kv_cache: torch.Tensor,
     interpret = query.device.type != "cuda"
     lane_split = use_lane_split(kv_fmt, d)
     unpack = use_unpack(kv_fmt, not interpret, query.dtype != torch.float32) if lane_split else 0
-    return configs_to_compile(d, query.dtype, interpret, kv_fmt, lane_split, unpack, hkv, _num_sms(query.device))
+    fp8_dot = use_fp8_dot(kv_fmt, d, not interpret)
+    return configs_to_compile(d, query.dtype, interpret, kv_fmt, lane_split, unpack, hkv, _num_sms(query.device),
+                              fp8_dot)
 
 
 def configs_to_compile(head_dim: int, dtype: torch.dtype, interpret: bool, kv_fmt: int, lane_split: bool,
-                       unpack: int, num_kv_heads: int, num_sms: int) -> list[tuple[DecodeConfig, tuple[int, ...]]]:
+                       unpack: int, num_kv_heads: int, num_sms: int,
+                       fp8_dot: bool = False) -> list[tuple[DecodeConfig, tuple[int, ...]]]:
     """``decode_warmup_configs`` from ``decode_config``'s arguments."""
     seen: dict[DecodeConfig, bool] = {}
     for programs in (1, num_sms, 8 * num_sms):  # the smallest batch of each bucket
         cfg = decode_config(head_dim, dtype, interpret, kv_fmt, lane_split, unpack,
-                            triton.cdiv(programs, num_kv_heads), num_kv_heads, num_sms)
+                            triton.cdiv(programs, num_kv_heads), num_kv_heads, num_sms, fp8_dot)
         seen[cfg] = seen.get(cfg, False) or cfg.waves * num_sms > programs  # choose_num_splits may split
     # one split count per compiled class: the direct path, then S_PAD 2, 4, .. of the reduce kernel
     # (a fused reduce: one split variant)

@@ -74,6 +74,19 @@ def round_e4m3(x):
 
 
 @triton.jit
+def e4m3_operand(x, EMU: tl.constexpr):
+    """``x`` (float32, ``|x| <= 448``: scaled to e4m3's range by the caller) rounded to the nearest
+    e4m3 value (relative error <= 2^-4 from 2^-6 up, absolute <= 2^-10 below) as an FP8 ``tl.dot``
+    operand (``tl.float8e4nv``). ``EMU`` (the interpreter, whose e4m3 cast drops a rounding carry
+    and whose FP8 dot is not exact): the same values as float32 (``round_e4m3``)."""
+    if EMU:
+        y = round_e4m3(x)
+    else:
+        y = x.to(tl.float8e4nv)
+    return y
+
+
+@triton.jit
 def _load_e4m3(cache_ptr, offs, mask, MASKED: tl.constexpr, F8_PTR: tl.constexpr = True):
     """e4m3 codes at byte offsets ``offs`` of the byte cache as ``tl.float8e4nv`` (masked: 0).
     ``F8_PTR``: loaded through an e4m3 pointer, so the asynchronous copy lands in shared memory
@@ -256,10 +269,7 @@ def _prefill_kernel(
     q, q_scale, q_sum = prepare_query(q, qk_scale, KV_FMT, in_dtype)
     if FP8_QK > 0:  # the row-normalised query (|q| <= 1) spread over e4m3's range (max 448) and rounded to it
         q_scale = q_scale * (1.0 / 448.0)
-        if FP8_QK == 2:  # interpreter (its e4m3 cast drops a rounding carry): round to 3 mantissa bits here
-            q = round_e4m3(q.to(tl.float32) * 448.0)
-        else:
-            q = (q.to(tl.float32) * 448.0).to(tl.float8e4nv)
+        q = e4m3_operand(q.to(tl.float32) * 448.0, FP8_QK == 2)
     CODE_SCALE: tl.constexpr = 256.0 if (KV_FMT == 1 and FAST_CVT) else 1.0  # kv_load._byte_codes: e4m3 / 256
     q_scale = q_scale * CODE_SCALE
     if WIDEN:  # interpreter only: its numpy dot cannot multiply bf16
