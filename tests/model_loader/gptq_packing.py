@@ -66,7 +66,7 @@ def quantize_rtn(w: torch.Tensor, q: dict, perm: torch.Tensor | None = None):
 def dequant(qv, scales, zeros, g_idx) -> torch.Tensor:
     """The reference: ``w[n, k] = scales[g_idx[k], n] * (q[n, k] - zeros[g_idx[k], n])`` in float32."""
     gi = g_idx.long()
-    return scales.float()[gi].t() * (qv.float() - zeros.float()[gi].t())
+    return scales.float().t()[:, gi] * (qv.float() - zeros.float().t()[:, gi])  # [N, K], contiguous
 
 
 def pack_words(v: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
