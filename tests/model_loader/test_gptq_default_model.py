@@ -33,8 +33,7 @@ QUANT = dict(quant_method="gptq", bits=4, group_size=64, sym=True, desc_act=Fals
 PREFIX = "You are a helpful assistant. Answer in one short sentence and do not repeat the question."
 PROMPTS = ["The capital of France is", "def fibonacci(n):", PREFIX + " Largest planet?"]
 HIT = PREFIX + " Spider legs?"
-MAX_TOKENS = 8  # tokens are this test's cost (module doc); the prefix-hit request alone decodes 4
-HIT_TOKENS = 4
+MAX_TOKENS, HIT_TOKENS = 8, 4  # generated tokens are this test's cost (module doc)
 pytestmark = pytest.mark.slow  # the real model (its fixture skips when the package is missing)
 
 
