@@ -2,17 +2,9 @@
 
 The checkpoints are made by this test from a seeded random tiny Llama: each decoder projection is
 quantized with min/max round-to-nearest (the values need not be calibrated: the test checks the storage
-format, not the quantizer) and packed exactly as the reference tools write it:
-
-* GPTQ (AutoGPTQ ``QuantLinear.pack`` / GPTQModel): ``qweight`` int32 ``[K / p, N]`` with ``p = 32 / bits``
-  values per word packed along K from the low bits up (field ``j`` of row ``i`` = input feature
-  ``p*i + j``); ``qzeros`` int32 ``[G, N / p]`` packed along N the same way, holding ``z - 1`` (the v1
-  convention) or ``z`` (``checkpoint_format: gptq_v2``); ``scales`` float16 ``[G, N]``; ``g_idx`` int32
-  ``[K]``, the group of each input feature. With ``desc_act`` the groups are formed in a permuted
-  (activation) order, so ``g_idx`` is not sorted, while ``qweight`` stays in the original feature order.
-* AWQ (AutoAWQ ``WQLinear_GEMM.from_linear``, version "gemm"): ``qweight`` int32 ``[K, N / 8]`` and
-  ``qzeros`` int32 ``[G, N / 8]`` packed along N in the interleaved order ``(0, 2, 4, 6, 1, 3, 5, 7)``
-  (field ``i`` of word ``c`` = column ``8c + order[i]``), ``scales`` float16 ``[G, N]``.
+format, not the quantizer) and packed exactly as the reference tools write it (``gptq_packing``: AutoGPTQ /
+GPTQModel's GPTQ v1/v2 with ``g_idx`` and ``desc_act``, AutoAWQ's "gemm" with its interleaved nibble order;
+its docstring gives the layouts).
 
 Both dequantize as ``w = scales * (q - z)``. The reference is that dequantization written into a dense
 float32 HF model: kvserve's unpacked weights must equal it exactly and its greedy tokens (batched, and
@@ -30,13 +22,13 @@ from safetensors.torch import save_file
 
 from kvserve.layers.quantization import QuantizedLinear
 from kvserve.model_loader.gptq_awq import Decoded, GptqAwqConfig, _to_weight, decode_layer
+from tests.model_loader.gptq_packing import add_quantization_config, pack_layer
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
            architectures=["LlamaForCausalLM"])
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
         "mlp.up_proj", "mlp.down_proj")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # name -> quantization_config (written to config.json)
 VARIANTS = {
     "gptq_g32_sym": dict(quant_method="gptq", bits=4, group_size=32, sym=True, desc_act=False),
@@ -46,54 +38,6 @@ VARIANTS = {
     "gptq8_g32": dict(quant_method="gptq", bits=8, group_size=32, sym=False, desc_act=True),
     "awq_g32": dict(quant_method="awq", bits=4, group_size=32, zero_point=True, version="gemm"),
 }
-
-
-def _quantize(w: torch.Tensor, q: dict, perm: torch.Tensor):
-    """Min/max RTN per group -> (q uint8 [N, K] in feature order, scales fp16 [G, N], zeros int [G, N], g_idx [K]).
-
-    ``perm``: the activation order (GPTQ's ``desc_act`` sorts by the Hessian diagonal of the layer's input,
-    so projections reading the same input -- q/k/v, gate/up -- share it).
-    """
-    n, k = w.shape
-    bits = q["bits"]
-    maxq = (1 << bits) - 1
-    g = k if q["group_size"] == -1 else q["group_size"]
-    if not q.get("desc_act"):
-        perm = torch.arange(k)
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[perm] = (torch.arange(k) // g).to(torch.int32)  # the i-th column in activation order -> group i // g
-    wp = w[:, perm].reshape(n, k // g, g)
-    if q.get("sym", False):
-        scale = (wp.abs().amax(-1) / ((maxq + 1) // 2 - 1)).half().float()
-        zero = torch.full_like(scale, (maxq + 1) // 2)
-    else:
-        lo, hi = wp.amin(-1), wp.amax(-1)
-        scale = ((hi - lo) / maxq).half().float()
-        # v1 stores z - 1, so z = 0 would wrap (AutoGPTQ's known overflow): keep z >= 1 there
-        zmin = 1 if q["quant_method"] == "gptq" and q.get("checkpoint_format", "gptq") == "gptq" else 0
-        zero = (-lo / scale).round().clamp(zmin, maxq)
-    qp = ((wp / scale[..., None]).round() + zero[..., None]).clamp(0, maxq).reshape(n, k)
-    qv = torch.empty_like(qp)
-    qv[:, perm] = qp
-    return qv.to(torch.uint8), scale.t().half().contiguous(), zero.t().to(torch.int64).contiguous(), g_idx
-
-
-def _dequant(qv, scales, zeros, g_idx) -> torch.Tensor:
-    """The reference: ``w[n, k] = scales[g_idx[k], n] * (q[n, k] - zeros[g_idx[k], n])`` in float32."""
-    gi = g_idx.long()
-    return scales.float()[gi].t() * (qv.float() - zeros.float()[gi].t())
-
-
-def _pack_words(v: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
-    """Pack int ``v`` along ``dim`` into int32 words, field j from the low bits (``order``: AWQ's field->column)."""
-    p = 32 // bits
-    v = v.to(torch.int64).movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // p, p)
-    if order is not None:
-        v = v[..., list(order)]  # field i holds column order[i]
-    word = sum(((v[..., j] & ((1 << bits) - 1)) << (bits * j)) for j in range(p))
-    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
-    return word.movedim(-1, dim).contiguous()
 
 
 def make_checkpoint(root: str, name: str, hf_model) -> tuple[str, dict]:
@@ -106,27 +50,12 @@ def make_checkpoint(root: str, name: str, hf_model) -> tuple[str, dict]:
         if key.endswith(".weight") and layer.split(".", 3)[-1] in PROJ:
             inp = layer.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
             perm = perms.setdefault(inp, torch.randperm(t.shape[1], generator=gen))
-            qv, sc, z, gi = _quantize(t.float(), q, perm)
-            ref[layer] = _dequant(qv, sc, z, gi)
-            bits = q["bits"]
-            if q["quant_method"] == "gptq":
-                stored = z - 1 if q.get("checkpoint_format", "gptq") == "gptq" else z
-                tensors[f"{layer}.qweight"] = _pack_words(qv.t(), bits, 0)
-                tensors[f"{layer}.qzeros"] = _pack_words(stored, bits, 1)
-                tensors[f"{layer}.g_idx"] = gi
-            else:
-                tensors[f"{layer}.qweight"] = _pack_words(qv.t(), bits, 1, AWQ_ORDER)
-                tensors[f"{layer}.qzeros"] = _pack_words(z, bits, 1, AWQ_ORDER)
-            tensors[f"{layer}.scales"] = sc
+            ref[layer] = pack_layer(tensors, layer, t, q, perm)
         else:
             tensors[key] = t.contiguous()
     path = os.path.join(root, name)
     hf_model.config.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = q
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    add_quantization_config(path, q)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return path, ref
 

@@ -3,7 +3,7 @@
 A tiny random Qwen3-MoE written by transformers is quantized here: the attention projections and every
 expert's gate/up/down projection (stored per expert, ``mlp.experts.{e}.gate_proj.qweight`` ..., as
 GPTQModel / AutoGPTQ and AutoAWQ write MoE checkpoints; the router ``mlp.gate`` stays dense, as those
-tools leave it), packed with ``test_gptq_awq``'s packers (its docstring gives the formats and their
+tools leave it), packed with ``gptq_packing``'s packers (its docstring gives the formats and their
 sources). kvserve's greedy tokens, batched, must equal transformers' on the dequantized dense model
 (float32). Tensor / expert parallel slices of the packed experts sum to the whole layer; bad expert
 tensors are start-up errors naming the tensor and shape.
@@ -12,18 +12,17 @@ tensors are start-up errors naming the tensor and shape.
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_gptq_awq import AWQ_ORDER, _dequant, _pack_words, _quantize
 from torch import nn
 
 from kvserve.distributed import parallel_state
 from kvserve.layers.moe import FusedMoE, fused_experts_torch
 from kvserve.model_loader.gptq_awq import GptqAwqConfig, GptqAwqLoader
+from tests.model_loader.gptq_packing import add_quantization_config, pack_layer
 
 VARIANTS = {
     "gptq_g32_sym": dict(quant_method="gptq", bits=4, group_size=32, sym=True, desc_act=False),
@@ -40,18 +39,7 @@ def _pack(layer: str, w: torch.Tensor, q: dict, tensors: dict, perm=None) -> tor
     with ``desc_act``); returns the dequantized weight."""
     if perm is None:
         perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0] + len(layer)))
-    qv, sc, z, gi = _quantize(w.float(), q, perm)
-    bits = q["bits"]
-    if q["quant_method"] == "gptq":
-        stored = z - 1 if q.get("checkpoint_format", "gptq") == "gptq" else z  # v1: z - 1
-        tensors[f"{layer}.qweight"] = _pack_words(qv.t(), bits, 0)
-        tensors[f"{layer}.qzeros"] = _pack_words(stored, bits, 1)
-        tensors[f"{layer}.g_idx"] = gi
-    else:
-        tensors[f"{layer}.qweight"] = _pack_words(qv.t(), bits, 1, AWQ_ORDER)
-        tensors[f"{layer}.qzeros"] = _pack_words(z, bits, 1, AWQ_ORDER)
-    tensors[f"{layer}.scales"] = sc
-    return _dequant(qv, sc, z, gi)
+    return pack_layer(tensors, layer, w, q, perm)
 
 
 def _expert_tensors(prefix: str, gate_up: torch.Tensor, down: torch.Tensor, q: dict, tensors: dict):
@@ -89,11 +77,7 @@ def make_checkpoint(root: str, name: str, hf_model) -> tuple[str, nn.Module]:
             tensors[key] = t.contiguous()
     path = os.path.join(root, name)
     hf_model.config.save_pretrained(path)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = q
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    add_quantization_config(path, q)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return path, ref
 
