@@ -234,3 +234,30 @@ def test_tensor_parallel_2_equals_one_rank(ckpts):
         assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, sp, use_tqdm=False)] == want
     finally:
         tp.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["awq_g32"])
+def test_kvserve_serve_answers_with_the_offline_tokens(ckpts, name, tmp_path):
+    """``kvserve serve`` on a quantized checkpoint (auto-detected from config.json): the completion's
+    greedy token ids equal the offline ``LLM``'s on the same checkpoint, streamed and unary."""
+    import json
+
+    import httpx
+
+    from kvserve import SamplingParams
+    from tests.utils import RemoteServer
+
+    path = ckpts[1][name][0]
+    want = [o.outputs[0].token_ids for o in _llm(path).generate(
+        PROMPTS[:2],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
+    args = [path, "--skip-tokenizer-init", "--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-model-len", "128"]
+    with RemoteServer.serve(args, tmp_path / "serve.log") as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+        assert c.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == list(want[0])
+        with c.stream("POST", "/v1/completions", json=dict(body, prompt=PROMPTS[1], stream=True)) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert [t for k in chunks for x in k["choices"] for t in x["token_ids"]] == list(want[1])
+        assert "quantization awq" in srv.read_log()
