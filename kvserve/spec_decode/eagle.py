@@ -191,7 +191,10 @@ class EagleProposer(Proposer):
                              row_start) -> None:
         """Keep this step's target features: request ``req_ids[i]`` computed positions
         ``starts[i] .. starts[i] + query_lens[i] - 1`` in rows ``row_start[i] ..`` of ``hidden``
-        ``[T, hidden]`` (EAGLE-3: the target's ``aux_hidden_states`` rows, concatenated)."""
+        ``[T, hidden]`` (EAGLE-3: the target's ``aux_hidden_states`` rows, concatenated).
+        Nothing is kept while speculation is off (``k == 0``): the head restarts when it resumes."""
+        if self.k <= 0:
+            return
         if self.eagle3:
             aux = self.target.model.aux_hidden_states
             hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
