@@ -110,11 +110,11 @@ def test_measured_cost_drafting_faster_turns_on_and_picks_k():
 
 def test_probes_refresh_both_estimates():
     pol = _timed(4, 5, 1.0, {4: 1.2}, probe_plain_every=10, probe_spec_every=20, probe_len=3)
-    ks = _run(pol, 16, 26)  # on: 10 steps at k=4, a 3-step plain probe, 10 more, probe
-    assert ks == [4] * 10 + [0] * 3 + [4] * 10 + [0] * 3 and pol.num_probes == 2
+    ks = _run(pol, 16, 36)  # on: 10 steps at k=4, a 3-step plain probe, 20 more (backoff), probe
+    assert ks == [4] * 10 + [0] * 3 + [4] * 20 + [0] * 3 and pol.num_probes == 2
     pol = _timed(1, 4, 1.0, {4: 2.5, 1: 1.6}, probe_plain_every=10, probe_spec_every=20, probe_len=3)
-    ks = _run(pol, 16, 46)  # off: every 20 steps a 3-step probe at k=1
-    assert ks == [0] * 20 + [1] * 3 + [0] * 20 + [1] * 3
+    ks = _run(pol, 16, 66)  # off: after 20 steps a 3-step probe at k=1, then after 40
+    assert ks == [0] * 20 + [1] * 3 + [0] * 40 + [1] * 3
     # a bucket missing the other mode's estimate is probed after probe_warmup steps
     pol = _timed(4, 5, 1.0, {4: 1.2}, probe_warmup=5, probe_len=2)
     pol.observe_step(40, 4, 1.0)  # bucket 32-63: spec measured only

@@ -35,7 +35,8 @@ the batch grows the step becomes compute-bound and rejected drafts cost real thr
   ``j``. Neither estimate goes stale: every ``probe_plain_every`` steps with drafts the policy
   runs ``probe_len`` steps without, and every ``probe_spec_every`` steps off it runs
   ``probe_len`` steps at ``k = 1`` (a missing estimate in the current bucket is probed after
-  ``probe_warmup`` steps). Until both estimates of a bucket exist the roofline decides.
+  ``probe_warmup`` steps); while the choice holds, each probe doubles the interval (up to 8x),
+  so a steady state pays well under 1% for them. Until both estimates of a bucket exist the roofline decides.
   Probes never override the batch band: above ``max_batch`` speculation stays off.
 
 The scheduler asks ``num_speculative_tokens(batch_size)`` once per step and caps every
@@ -101,6 +102,8 @@ class DynamicSpeculation:
         self._since_probe = 0  # steps in the current mode since the last probe / mode change
         self._probe_left = 0  # steps left in the running probe
         self._probe_k = 0  # the running probe's k (0: a plain probe)
+        self._backoff = 1  # probe interval multiplier: doubles per probe that changes nothing
+        self.max_backoff = 8
         self.num_probes = 0
 
     @staticmethod
@@ -191,9 +194,9 @@ class DynamicSpeculation:
             return min(self._probe_k, self.k), "probe"
         b = self.bucket(batch_size)
         if k > 0:
-            every = self.probe_plain_every if b in self.step_seconds else self.probe_warmup
+            every = self.probe_plain_every * self._backoff if b in self.step_seconds else self.probe_warmup
             return (0, "start") if self._since_probe >= every else (k, "rule")
-        every = self.probe_spec_every if self.spec_step_seconds.get(b) else self.probe_warmup
+        every = self.probe_spec_every * self._backoff if self.spec_step_seconds.get(b) else self.probe_warmup
         return (1, "start") if self._since_probe >= every else (0, "rule")
 
     def _band(self, batch_size: int) -> bool:
@@ -209,6 +212,7 @@ class DynamicSpeculation:
         k, kind = self._plan(batch_size, self.enabled)
         if kind == "start":
             self.num_probes += 1
+            self._backoff = min(2 * self._backoff, self.max_backoff)
             self._probe_k, self._probe_left = k, self.probe_len - 1
             if not self._probe_left:
                 self._since_probe = 0
@@ -220,7 +224,7 @@ class DynamicSpeculation:
             on = k > 0
             if self._timed and self._measured_choice(batch_size) is not None:
                 if on != self._measured_on:
-                    self._since_probe = 0
+                    self._since_probe, self._backoff = 0, 1
                 self._measured_on = on
             self._since_probe += 1
         return k
