@@ -127,3 +127,20 @@ def test_no_step_times_or_band_off_means_no_probes():
     pol = _timed(4, 5, 1.0, {4: 1.2}, probe_spec_every=2, probe_warmup=1)
     pol.max_batch, pol.on_batch = 32, 24
     assert _run(pol, 64, 10) == [0] * 10 and pol.num_probes == 0  # the batch band is a hard off
+
+
+def test_peek_predicts_every_step_under_random_load():
+    """The engine overlaps a step only when ``peek`` says it has no drafts: ``peek`` must equal
+    the next ``num_speculative_tokens`` through band changes, probes and cost updates."""
+    import random
+
+    rng = random.Random(0)
+    pol = DynamicSpeculation(k_max=4, max_batch=40, probe_plain_every=7, probe_spec_every=11, probe_warmup=3)
+    for _ in range(2000):
+        b = rng.choice([1, 2, 5, 9, 17, 30, 35, 41, 64])
+        k = pol.peek(b)
+        assert pol.num_speculative_tokens(b) == k
+        if k:
+            pol.observe(k, rng.randint(0, k))
+        pol.observe_step(b, k, rng.uniform(0.5, 1.5) * (1 + 0.4 * k))
+    assert pol.num_probes > 10 and pol.step_seconds and pol.spec_step_seconds
