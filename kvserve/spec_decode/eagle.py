@@ -214,11 +214,12 @@ class EagleProposer(Proposer):
     def propose(self, requests: list, batch) -> list[list[int]]:
         k = self.k
         out: list[list[int]] = [[] for _ in requests]
-        if k <= 0:  # speculation off for now: keep no backlog (the head restarts when it resumes)
-            for req in requests:
+        if k <= 0:  # speculation off: nothing is recorded now, so the head restarts when it resumes;
+            for req in requests:  # its KV blocks go back to the pool meanwhile
                 st = self.states.get(req.req_id)
                 if st is not None:
-                    self._drop_backlog(st)
+                    self._reset(st)
+                    st.pend = None
             return out
         rows = []  # (index, state, tokens, first pair to feed, pairs after feeding)
         for i, req in enumerate(requests):

@@ -174,6 +174,15 @@ def test_tiny_target_eagle3_dynamic_async_off_then_on(tiny_target, tmp_path):
             assert pend() == before
 
     proposer.record_hidden_states = spy
+    orig_propose = proposer.propose
+
+    def propose_spy(requests, batch):
+        out = orig_propose(requests, batch)
+        if proposer.k == 0:  # off: the head's blocks go back to its pool (it restarts later)
+            assert all(not proposer.states[r.req_id].blocks for r in requests if r.req_id in proposer.states)
+        return out
+
+    proposer.propose = propose_spy
     # The random head accepts nothing, so measured step times would (rightly) keep speculation
     # off; the policy gets scripted times instead (drafting pays), the band decides on / off.
     policy, steps = core.scheduler.spec_policy, []
