@@ -273,16 +273,13 @@ class EngineArgs:
             raise ValueError("--kv-eviction-policy: KV tiers / transfer (--kv-offloading-size, --kv-transfer-config) "
                              "are not supported with bounded KV")
         async_sched = (device == "cuda") if self.async_scheduling is None else self.async_scheduling
-        stateful = spec_config is not None and spec_config.method in ("draft_model", "eagle", "eagle3",
-                                                                    "deepseek_mtp")
-        if spec_config is not None and (not spec_config.dynamic or stateful):
+        if spec_config is not None and not spec_config.dynamic:
             async_sched = False  # drafts of step N are needed to schedule step N+1
         if pp > 1:
             async_sched = False  # earlier stages get step N's tokens with step N + 1 (TokenRelay)
-        # Dynamic speculation with a stateless proposer (n-gram) keeps async scheduling: steps
-        # overlap while the policy has it off (large batches), and run one at a time while it is
-        # on (EngineCore._needs_host_tokens). Proposers with their own KV (draft model, EAGLE)
-        # follow every step synchronously.
+        # Dynamic speculation keeps async scheduling: steps overlap while the policy has it off
+        # (large batches), and run one at a time while it is on (EngineCore._needs_host_tokens).
+        # Proposers with their own state (draft model, EAGLE, MTP) restart it after an off period.
 
         model_config = ModelConfig(
             model=model_path, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,

@@ -207,6 +207,8 @@ class EngineCore:
         if self.max_concurrent_batches > 1:
             self._batch_queue = collections.deque()
             self.scheduler.skip_in_flight = True
+        # Dynamic speculation's measured step cost: (when the last step's result was in, its kind).
+        self._step_clock: tuple[Optional[float], Optional[int]] = (None, None)
         # MoE models: tokens routed per expert since start (summed over layers), as last read.
         self.moe_expert_tokens: Optional[list[int]] = None
 
@@ -351,6 +353,7 @@ class EngineCore:
                 if sched.kv_connector_metadata or self.scheduler.has_kv_transfers():
                     # e.g. a swap-out with nothing else to run, or a poll of KV transfers
                     return self._update(sched, self.executor.execute_model(sched).get())
+                self._step_clock = (None, None)  # idle: the next interval is no step's cost
                 return EngineCoreOutputs()
             return self._update(sched, self.executor.execute_model(sched).get())
         prev = self._in_flight
@@ -364,6 +367,8 @@ class EngineCore:
         elif not sched.is_empty:
             self._in_flight = (sched, self.executor.execute_model(sched))
         if prev is None:
+            if self._in_flight is None:
+                self._step_clock = (None, None)
             return polled or EngineCoreOutputs()
         res = self._update(prev[0], prev[1].get())
         if polled is not None:
@@ -399,7 +404,21 @@ class EngineCore:
                     return True
         return False
 
+    def _time_step(self, sched: SchedulerOutput) -> None:
+        """Report a decode step's wall time to the dynamic speculation policy: the time since the
+        previous step's result (with async scheduling, a step's share of the overlapped loop),
+        for steps of the same kind as the previous one (a mode change's step is no steady cost)."""
+        policy = self.scheduler.spec_policy
+        now = time.perf_counter()
+        last, last_kind = self._step_clock
+        kind = decode_step_kind(sched)
+        if last is not None and kind is not None and kind == last_kind:
+            policy.observe_step(len(sched.num_scheduled_tokens), kind, now - last)
+        self._step_clock = (now, kind)
+
     def _update(self, sched: SchedulerOutput, runner_out) -> EngineCoreOutputs:
+        if self.scheduler.spec_policy is not None and sched.num_scheduled_tokens:
+            self._time_step(sched)
         updated = self.scheduler.update_from_output(sched, runner_out)
         if getattr(runner_out, "moe_expert_tokens", None) is not None:
             self.moe_expert_tokens = runner_out.moe_expert_tokens
@@ -431,3 +450,16 @@ class EngineCore:
         """Stop the workers and release every tensor of the engine (KV cache, model, CUDA
         graphs, buffers); idempotent. Later ``add_request`` calls raise RuntimeError."""
         self._finalizer()
+
+
+def decode_step_kind(sched: SchedulerOutput) -> Optional[int]:
+    """A step's kind for the measured cost: its ``k`` when every request decodes one token plus
+    drafts and some verify drafts, 0 for a pure decode step with speculation off, None else
+    (prefill chunks; a step allowed drafts that none had: the first after speculation resumes)."""
+    spec = sched.scheduled_spec_decode_tokens
+    for rid, n in sched.num_scheduled_tokens.items():
+        if n != 1 + len(spec.get(rid, ())):
+            return None
+    if spec:
+        return int(sched.num_speculative_tokens or max(len(d) for d in spec.values()))
+    return 0 if sched.num_speculative_tokens == 0 else None

@@ -191,7 +191,10 @@ class EagleProposer(Proposer):
                              row_start) -> None:
         """Keep this step's target features: request ``req_ids[i]`` computed positions
         ``starts[i] .. starts[i] + query_lens[i] - 1`` in rows ``row_start[i] ..`` of ``hidden``
-        ``[T, hidden]`` (EAGLE-3: the target's ``aux_hidden_states`` rows, concatenated)."""
+        ``[T, hidden]`` (EAGLE-3: the target's ``aux_hidden_states`` rows, concatenated).
+        Nothing is kept while speculation is off (``k == 0``): the head restarts when it resumes."""
+        if self.k <= 0:
+            return
         if self.eagle3:
             aux = self.target.model.aux_hidden_states
             hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
@@ -211,11 +214,12 @@ class EagleProposer(Proposer):
     def propose(self, requests: list, batch) -> list[list[int]]:
         k = self.k
         out: list[list[int]] = [[] for _ in requests]
-        if k <= 0:  # speculation off for now: keep no backlog (the head restarts when it resumes)
-            for req in requests:
+        if k <= 0:  # speculation off: nothing is recorded now, so the head restarts when it resumes;
+            for req in requests:  # its KV blocks go back to the pool meanwhile
                 st = self.states.get(req.req_id)
                 if st is not None:
-                    self._drop_backlog(st)
+                    self._reset(st)
+                    st.pend = None
             return out
         rows = []  # (index, state, tokens, first pair to feed, pairs after feeding)
         for i, req in enumerate(requests):

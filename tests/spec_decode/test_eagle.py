@@ -143,6 +143,68 @@ def test_tiny_target_dynamic_off_then_on(tiny_target, tmp_path):
     assert all(s.pend is None or len(s.pend) <= 1 for s in proposer.states.values())
 
 
+def test_tiny_target_eagle3_dynamic_async_off_then_on(tiny_target, tmp_path):
+    """EAGLE-3 with dynamic speculation keeps async scheduling: 8 requests with
+    dynamic_max_batch=4 (on for the first step, off while many run, on again as they finish);
+    while off the head records no hidden states; the engine reports step times to the policy;
+    greedy outputs equal no speculation's and no head or target block leaks."""
+    path, cfg = tiny_target
+    save_random_eagle_head(str(tmp_path), cfg, eagle3=True, seed=4, std=0.2)
+    common = dict(model=path, skip_tokenizer_init=True, dtype="float32", kv_cache_memory="16MiB",
+                  disable_log_stats=True, async_scheduling=True)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 64, (10,), generator=g).tolist() for _ in range(8)]
+    sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6,) * 5 + (30,) * 3]
+    ref = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, sps, use_tqdm=False)]
+    spec = LLM(**common, speculative_config={"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 2,
+                                             "dynamic_max_batch": 4})
+    core = spec.llm_engine.engine_core
+    assert core.async_scheduling
+    proposer = core.model_runner.proposer
+    ks, orig = [], proposer.record_hidden_states
+
+    def pend():
+        return {r: (s.pend_start, None if s.pend is None else len(s.pend)) for r, s in proposer.states.items()}
+
+    def spy(*a):
+        before = pend()
+        orig(*a)
+        ks.append(proposer.k)
+        if proposer.k == 0:  # off: nothing kept
+            assert pend() == before
+
+    proposer.record_hidden_states = spy
+    orig_propose = proposer.propose
+
+    def propose_spy(requests, batch):
+        out = orig_propose(requests, batch)
+        if proposer.k == 0:  # off: the head's blocks go back to its pool (it restarts later)
+            assert all(not proposer.states[r.req_id].blocks for r in requests if r.req_id in proposer.states)
+        return out
+
+    proposer.propose = propose_spy
+    # The random head accepts nothing, so measured step times would (rightly) keep speculation
+    # off; the policy gets scripted times instead (drafting pays), the band decides on / off.
+    policy, steps = core.scheduler.spec_policy, []
+    real = policy.observe_step
+
+    def scripted(batch_size, k, seconds):
+        steps.append((batch_size, k))
+        real(batch_size, k, 0.5 if k else 1.0)
+
+    policy.observe_step = scripted
+    out = spec.generate(prompts, sps, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert ks[0] > 0 and 0 in ks and ks[-1] > 0  # on, off under load, on again at the end
+    assert spec.llm_engine.stats.num_draft_tokens > 0
+    kinds = {k for _, k in steps}
+    assert 0 in kinds and kinds - {0}  # the engine timed decode steps of both kinds
+    spec.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert len(proposer.free_blocks) + sum(len(s.blocks) for s in proposer.states.values()) == \
+        proposer.num_blocks - 1
+    assert core.kv_cache_manager.usage == 0.0
+
+
 @pytest.fixture(scope="module")
 def chat_prompts(llm):
     tok = llm.get_tokenizer()
