@@ -52,8 +52,8 @@ from kvserve.attention.kv_rotation import rotate as rotate_rows
 from kvserve.attention.metadata import AttentionMetadataBuilder
 from kvserve.attention.triton.decode import _num_sms, choose_num_splits, decode_attention
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               load_k_tile, load_scales, load_v_tile, prepare_query, pv_update,
-                                               scaled_scores, use_fast_cvt)
+                                               load_k_tile, load_scales, load_v_tile, online_softmax, prepare_query,
+                                               pv_update, scaled_scores, use_fast_cvt)
 from kvserve.core.kv_cache_spec import KVCacheGroup
 
 _LOG2E = 1.4426950408889634
@@ -250,11 +250,7 @@ def _cascade_prefix_kernel(
             ks, kz, vs, vz = qk_scale, qk_scale, qk_scale, qk_scale
         qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = online_softmax(qk, m_i, l_i)
         v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT, FAST_CVT)
         acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
         m_i = m_new

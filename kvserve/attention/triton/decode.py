@@ -80,8 +80,8 @@ from kvserve.attention.triton.decode_configs import (DECODE_CONFIGS, DECODE_PATH
 from kvserve.attention.triton.kv_load import (cache_strides, code_lanes, code_lanes_i8, kernel_cache_args,
                                                kv_row_offsets, kv_scale_index, load_code_bytes, load_code_bytes_t,
                                                kv_tile_offsets, load_k_tile, load_scales, load_v_tile, merge_lanes,
-                                               prepare_query, pv_update, hadamard_rotate, scaled_scores, split_lanes,
-                                               use_fast_cvt, use_lane_split, use_unpack)
+                                               online_softmax, prepare_query, pv_update, hadamard_rotate,
+                                               scaled_scores, split_lanes, use_fast_cvt, use_lane_split, use_unpack)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
 from kvserve.attention.triton.decode_fp8 import _fp8_step, _fp8_step_keys_rows
 from kvserve.attention.triton.prefill import e4m3_operand
@@ -245,11 +245,7 @@ def _decode_split_kernel(
             else:
                 qk = scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC, KV_FMT)  # [G_PAD, BLOCK_N], log2 units
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax(qk, m_i, l_i)
             if LANES > 1:
                 rv = load_code_bytes(v_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [BLOCK_N, C]
                 pv = (p * vs[None, :]).to(in_dtype).to(op_dtype)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.triton.kv_load import online_softmax
+
 
 @triton.jit
 def load_exact_tile(res_ptr, new_ptr, pos, mask, ctx, rslot, new_row0, kvh,
@@ -66,11 +68,7 @@ def attend_exact(
     if USE_WINDOW:
         valid = valid & (pos[None, :] > q_pos[:, None] - window)
     qk = tl.where(valid, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(qk, m_i, l_i)
     v = load_exact_tile(res_v_ptr, new_v_ptr, pos, kmask, ctx, rslot, new_row0, kvh, stride_rs, stride_rr,
                         stride_rh, stride_nvt, stride_nvh, BLOCK_SIZE, HEAD_DIM, False, q.dtype)
     pv = tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)

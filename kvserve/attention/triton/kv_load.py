@@ -491,6 +491,20 @@ def scaled_scores(q, k, q_scale, q_sum, ks, kz, DOT_PREC: tl.constexpr, KV_FMT: 
 
 
 @triton.jit
+def online_softmax(qk, m_i, l_i):
+    """One online-softmax step (FlashAttention-2, arXiv:2307.08691) over scores ``qk [M, N]``
+    (float32, log2 units, masked entries ``-inf``) with running max ``m_i [M]`` and sum ``l_i [M]``.
+    Rows masked so far keep a 0 shift (no NaN). Returns ``(p [M, N], alpha [M], m_new, l_new)``:
+    the caller rescales its accumulator by ``alpha`` and adds ``p V``."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
 def pv_update(acc, p, v, vs, vz, DOT_PREC: tl.constexpr, KV_FMT: tl.constexpr, in_dtype: tl.constexpr):
     """``acc + P V`` for probabilities ``p [M, BLOCK_N]`` (fp32) and the V tile ``v [BLOCK_N, D]``
     (``load_v_tile``). Quantized: ``sum_j p_j (s_j c_j + m_j) = (sum_j p_j s_j c_j) + sum_j p_j m_j``:
