@@ -286,7 +286,7 @@ class EagleProposer(Proposer):
         from kvserve.spec_decode.tree import draft_tree
 
         feats = self._forward(rows, ids, pos, hid, qlens, seq)
-        return draft_tree(self, rows, feats[torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)])
+        return draft_tree(self, rows, feats[torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)], k)
 
     def _draft_eager(self, rows, ids: np.ndarray, pos: np.ndarray, hid: torch.Tensor, qlens: list[int],
                      seq: list[int], k: int) -> np.ndarray:

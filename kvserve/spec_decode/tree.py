@@ -264,9 +264,9 @@ def tree_pool(head, feats: torch.Tensor, topk: int, depth: int, forward) -> tupl
     return torch.cat(pool_tok, 1), torch.cat(pool_score, 1).float(), torch.cat(pool_parent, 1)
 
 
-def draft_tree(prop, rows, feats: torch.Tensor) -> np.ndarray:
+def draft_tree(prop, rows, feats: torch.Tensor, depth: int) -> np.ndarray:
     """EAGLE-2 tree drafting, eager (``EagleProposer``'s path when the tree graphs don't fit):
-    ``tree_pool`` with one head forward per depth over the frontier (``_tree_forward``).
+    ``tree_pool`` of ``depth`` with one head forward per depth over the frontier (``_tree_forward``).
     Returns int64 ``[R, 3, P]`` (host): per request the pool's tokens, parents and ranks
     (``pool_ranks``), for ``finish_tree``."""
     tot = np.array([r[4] for r in rows], dtype=np.int64)
@@ -275,7 +275,7 @@ def draft_tree(prop, rows, feats: torch.Tensor) -> np.ndarray:
         K = ids.shape[0] // len(rows)  # topk, or the draft vocabulary if smaller
         return _tree_forward(prop, rows, ids, tot + d - 1, (d - 1) * K, K, hidden, bits)
 
-    tok, score, parent = tree_pool(prop.head, feats, prop.tree_topk, prop.k, forward)
+    tok, score, parent = tree_pool(prop.head, feats, prop.tree_topk, depth, forward)
     return torch.stack([tok, parent, pool_ranks(score)], 1).cpu().numpy()
 
 

@@ -99,3 +99,23 @@ def test_tree_draft_graphs_equal_eager_and_lossless(setup, eagle3, topk, depth):
         proposer.num_blocks - 1
     proposer.release_cuda_graphs()
     assert proposer.draft_graphs is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tree_draft_graphs_equal_eager(setup):
+    """On a GPU: the engine captures the tree draft graphs; every graphed tree draft equals the
+    eager one from the same head KV, and greedy outputs equal an eager engine without speculation."""
+    common, heads, prompts, sp, _ = setup
+    common = dict(common, device="cuda", max_num_batched_tokens=64, kv_cache_memory="64MiB")
+    common.pop("cpu_threads")
+    ref = [o.outputs[0].token_ids for o in LLM(**common, enforce_eager=True).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(**common, speculative_config={"method": "eagle3", "model": heads[True], "num_speculative_tokens": 3,
+                                            "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 9,
+                                            "dynamic": False})
+    proposer = llm.llm_engine.engine_core.model_runner.proposer
+    assert proposer.draft_graphs is not None and not proposer.draft_graphs.eager
+    calls: list = []
+    _compare_both_ways(proposer, calls)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert len(calls) >= 4
