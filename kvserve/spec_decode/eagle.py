@@ -17,7 +17,8 @@ the first computed position (quality only; verification keeps outputs exact).
 Drafts are greedy point proposals, verified losslessly at any temperature (``rejection_sampler``).
 On CUDA the ``k`` draft steps of a decode step replay captured graphs (``draft_graphs.py``);
 the first draft after a prefill chunk runs eagerly.
-With ``speculative_eagle_topk > 1`` the head drafts trees instead (EAGLE-2; ``tree.py``; eager).
+With ``speculative_eagle_topk > 1`` the head drafts trees instead (EAGLE-2; ``tree.py``; on CUDA
+captured per batch size, topk and depth, ``tree_graphs.py``).
 """
 
 from __future__ import annotations

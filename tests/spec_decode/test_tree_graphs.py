@@ -45,6 +45,19 @@ def setup(tmp_path_factory):
     return common, heads, prompts, sp, ref
 
 
+def test_pool_ranks_select_as_select_tree():
+    """The device ranks (a stable sort, ties in pool order) pick the same nodes as ``select_tree``."""
+    from kvserve.spec_decode.tree import pool_ranks, select_ranked, select_tree
+
+    tok = np.array([10, 11, 12, 13, 14, 15, 16])
+    score = np.array([-0.1, -0.5, -0.5, -0.3, -0.5, -0.7, -0.5], dtype=np.float32)
+    parent = np.array([-1, -1, -1, 0, 0, 1, 3])
+    rank = pool_ranks(torch.from_numpy(score)[None])[0].numpy()
+    assert rank.tolist() == [0, 2, 3, 1, 4, 6, 5]
+    for n in range(1, 8):
+        assert select_ranked(tok, rank, parent, n) == select_tree(tok, score, parent, n)
+
+
 def _compare_both_ways(proposer, calls: list) -> None:
     """Wrap ``_draft_tree``: a call the graphs serve runs eagerly and through the graphs from the
     same head KV; pools (the trees) and KV must agree (the graph's result is kept)."""
