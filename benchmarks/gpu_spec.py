@@ -23,7 +23,7 @@ Parts (``--parts``, comma-separated):
   batch 1 and 16 for k = 1..4, and engine ms/token with the draft graphs off vs on
   (``draft_graph_cost.py``; about 40 s). Then the same for EAGLE-2 tree drafts (topk 4, depth 4,
   16 nodes): one tree draft eager vs its CUDA graph at batch 1 and 16, depth 2 and 4, and engine
-  ms/token with the tree draft graphs off vs on (``measure_tree``).
+  ms/token with the tree draft graphs off vs on (``measure_tree``; about 40 s more).
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 benchmarks/gpu_spec.py --out $OUT --parts verify,batch1,load,tree
