@@ -8,7 +8,11 @@ weights accept (almost) nothing, so only the cost side is measured:
   ``--ctx`` pairs of head context), eager (``_draft_eager``) vs the captured graph
   (``DraftGraphRunner.run``): ms per call and per draft step (host included, as the engine pays);
 - ``engine``: ms per output token of ``b`` concurrent greedy requests in the engine (target
-  decode / verify graphed in both) with the draft graphs off vs on.
+  decode / verify graphed in both) with the draft graphs off vs on;
+- ``tree`` (``measure_tree``; EAGLE-2 tree drafts, ``speculative_eagle_topk > 1``): one proposer
+  call's tree draft of depth ``k`` (the candidate pool back on the host) eager
+  (``_draft_tree_eager``) vs the captured tree graph (``TreeDraftGraphRunner.run``), and the
+  engine's ms per token with the tree draft graphs off vs on.
 
 One engine of ``num_speculative_tokens = max(ks)`` serves every ``k`` (the proposer drafts
 ``k``; the verify step replays the smallest captured ``q >= 1 + k``).
@@ -28,33 +32,38 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
-def _rows(proposer, b: int, ctx: int):
-    """``b`` synthetic head states of ``ctx`` pairs each (blocks from the head's pool)."""
+def _rows(proposer, b: int, ctx: int, extra: int = 8):
+    """``b`` synthetic head states of ``ctx`` pairs each (blocks from the head's pool, ``extra``
+    slots past them for the drafts)."""
     from kvserve.spec_decode.eagle import _EagleState
 
     rows = []
     for i in range(b):
         st = _EagleState()
         st.base, st.n = 1, ctx - 1  # not at position 0 (MTP's first pair drafts eagerly)
-        if not proposer._ensure_blocks(st, ctx + 8):
+        if not proposer._ensure_blocks(st, ctx + extra):
             raise RuntimeError("head KV pool too small for the benchmark rows")
         rows.append((i, st, None, ctx - 1, ctx))
     return rows
 
 
-def draft_cost(proposer, dev: str, batches, ks, ctx: int, iters: int) -> list[dict]:
-    """Per (batch, k): ms of a proposer call's draft steps eager and graphed."""
+def draft_cost(proposer, dev: str, batches, ks, ctx: int, iters: int, tree: bool = False) -> list[dict]:
+    """Per (batch, k): ms of a proposer call's draft steps (``tree``: tree draft of depth k)
+    eager and graphed."""
     out = []
     g = proposer.draft_graphs
+    eager_fn = proposer._draft_tree_eager if tree else proposer._draft_eager
     for b in batches:
-        rows = _rows(proposer, b, ctx)
+        rows = _rows(proposer, b, ctx, extra=max(ks) * max(proposer.tree_topk, 1) + 8 if tree else 8)
         ids = np.random.randint(3, 200, size=b).astype(np.int64)  # in every vocabulary here
         pos = np.full(b, ctx - 1, dtype=np.int64)
         hid = torch.randn(b, proposer.feature_size, device=proposer.device, dtype=proposer.head.dtype) * 0.1
         qlens, seq = [1] * b, [ctx] * b
         for k in ks:
-            rec = dict(part="draft_cost", batch=b, k=k, ctx=ctx)
-            for name, fn in (("eager", lambda: proposer._draft_eager(rows, ids, pos, hid, qlens, seq, k)),
+            rec = dict(part="draft_tree_cost" if tree else "draft_cost", batch=b, k=k, ctx=ctx)
+            if tree:
+                rec["topk"] = proposer.tree_topk
+            for name, fn in (("eager", lambda: eager_fn(rows, ids, pos, hid, qlens, seq, k)),
                              ("graph", (lambda: g.run(proposer._block_tables(rows), ids, pos, hid, qlens, seq, k))
                               if g is not None and g.can_run(b, qlens, k) else None)):
                 if fn is None:
@@ -77,7 +86,7 @@ def draft_cost(proposer, dev: str, batches, ks, ctx: int, iters: int) -> list[di
     return out
 
 
-def engine_cost(llm, dev: str, batches, ks, prompt_len: int, max_tokens: int) -> list[dict]:
+def engine_cost(llm, dev: str, batches, ks, prompt_len: int, max_tokens: int, part: str = "draft_engine") -> list[dict]:
     """Per (batch, k, draft graphs off/on): ms per output token of ``batch`` greedy requests."""
     from kvserve import SamplingParams
 
@@ -105,7 +114,7 @@ def engine_cost(llm, dev: str, batches, ks, prompt_len: int, max_tokens: int) ->
                 ttft = max((r.metrics.first_token_time - r.metrics.arrival_time)
                            if getattr(r.metrics, "first_token_time", None) else 0.0 for r in res)
                 st = llm.llm_engine.stats
-                out.append(dict(part="draft_engine", batch=b, k=k, draft=mode, decode_tokens=max_tokens,
+                out.append(dict(part=part, batch=b, k=k, draft=mode, decode_tokens=max_tokens,
                                 ms_per_token=round((wall - ttft) * 1e3 / max(max_tokens - 1, 1), 3),
                                 drafts=st.num_drafts - s0, draft_tokens=st.num_draft_tokens - d0,
                                 accepted_tokens=st.num_accepted_tokens - a0))
@@ -129,15 +138,35 @@ def measure(llm, dev: str, smoke: bool, label: str) -> list[dict]:
     return recs
 
 
+def measure_tree(llm, dev: str, smoke: bool, label: str) -> list[dict]:
+    """``measure`` for an engine drafting EAGLE-2 trees: the tree draft eager vs graphed per
+    (batch, depth) and the engine's ms per token at the configured depth, graphs off vs on."""
+    proposer = llm.llm_engine.engine_core.model_runner.proposer
+    if proposer.draft_graphs is None and dev != "cuda":
+        proposer.capture_cuda_graphs(eager=True)
+    batches = (1, 4) if smoke else (1, 16)
+    depth = proposer.num_speculative_tokens
+    ks = sorted({2, depth})
+    with torch.inference_mode():
+        recs = draft_cost(proposer, dev, batches, ks, ctx=32 if smoke else 512, iters=3 if smoke else 20, tree=True)
+    recs += engine_cost(llm, dev, batches, (depth,), prompt_len=16 if smoke else 128, max_tokens=8 if smoke else 48,
+                        part="draft_tree_engine")
+    for r in recs:
+        r["model"], r["topk"] = label, proposer.tree_topk
+    return recs
+
+
 def table(recs: list[dict]) -> list[str]:
     """Markdown rows for the figures of ``measure``."""
     lines = []
     for r in recs:
-        if r.get("part") == "draft_cost":
-            lines.append(f"| {r['model']} draft b={r['batch']} k={r['k']} | eager {r['eager_ms']} ms, graph "
+        if r.get("part") in ("draft_cost", "draft_tree_cost"):
+            kind = f"tree topk={r['topk']} depth" if "topk" in r else "draft"
+            lines.append(f"| {r['model']} {kind} b={r['batch']} k={r['k']} | eager {r['eager_ms']} ms, graph "
                          f"{r.get('graph_ms')} ms ({r.get('speedup')}x); per step {r['eager_ms_per_step']} / "
                          f"{r.get('graph_ms_per_step')} ms |")
-        elif r.get("part") == "draft_engine":
-            lines.append(f"| {r['model']} engine b={r['batch']} k={r['k']} drafts {r['draft']} | "
+        elif r.get("part") in ("draft_engine", "draft_tree_engine"):
+            kind = f"engine tree topk={r['topk']}" if "topk" in r else "engine"
+            lines.append(f"| {r['model']} {kind} b={r['batch']} k={r['k']} drafts {r['draft']} | "
                          f"{r['ms_per_token']} ms/token (accepted {r['accepted_tokens']}/{r['draft_tokens']}) |")
     return lines

@@ -21,7 +21,9 @@ Parts (``--parts``, comma-separated):
 * ``draft`` (not in the default ``--parts``): EAGLE-3 on a SmolLM2-135M-shaped target (dummy
   weights, random head): the draft steps eager vs captured in CUDA graphs, ms per call at
   batch 1 and 16 for k = 1..4, and engine ms/token with the draft graphs off vs on
-  (``draft_graph_cost.py``; about 40 s).
+  (``draft_graph_cost.py``; about 40 s). Then the same for EAGLE-2 tree drafts (topk 4, depth 4,
+  16 nodes): one tree draft eager vs its CUDA graph at batch 1 and 16, depth 2 and 4, and engine
+  ms/token with the tree draft graphs off vs on (``measure_tree``; about 40 s more).
 
 Usage (GPU machine, repo root):
     PYTHONPATH=. python3 benchmarks/gpu_spec.py --out $OUT --parts verify,batch1,load,tree
@@ -244,7 +246,21 @@ def draft(tmp: str, dev: str, smoke: bool) -> list[dict]:
                speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 2 if smoke else 4,
                                    "dynamic": False})
     try:
-        return measure(llm, dev, smoke, "eagle3 smollm2-135m" if not smoke else "eagle3 tiny")
+        recs = measure(llm, dev, smoke, "eagle3 smollm2-135m" if not smoke else "eagle3 tiny")
+    finally:
+        llm.shutdown()
+        del llm
+        _free(dev)
+    from draft_graph_cost import measure_tree
+
+    depth = 2 if smoke else 4
+    llm = _llm(path, dev, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024,
+               kv_cache_memory="64MiB" if smoke else "4GiB", **(dict(cpu_threads=1) if smoke else {}),
+               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": depth,
+                                   "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 4 * depth + 1,
+                                   "dynamic": False})
+    try:
+        return recs + measure_tree(llm, dev, smoke, "eagle3 smollm2-135m" if not smoke else "eagle3 tiny")
     finally:
         llm.shutdown()
         del llm
@@ -397,7 +413,7 @@ def main() -> None:
                        "torch": torch.__version__, "records": records}, f, indent=1)
     print("\n| part | config | figure |\n|---|---|---|")
     for r in records:
-        if r.get("part") in ("draft_cost", "draft_engine") and "error" not in r:
+        if r.get("part") in ("draft_cost", "draft_engine", "draft_tree_cost", "draft_tree_engine") and "error" not in r:
             from draft_graph_cost import table
 
             print(table([r])[0])

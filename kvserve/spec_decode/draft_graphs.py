@@ -93,6 +93,7 @@ class DraftGraphRunner:
         self.graphs: dict[tuple[int, int], object] = {}
         self.pool = None
         self._host: tuple[list[int], list[int]] | None = None  # eager: this replay's true lengths
+        self._kind = ""  # for the log line
 
     # ---- the captured function -------------------------------------------------------------
     def _meta(self, bs: int, q: int, slots: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor,
@@ -104,16 +105,23 @@ class DraftGraphRunner:
             max_query_len=q, max_seq_len=max(seq_cpu) if seq_cpu is not None else length,
             num_decodes=bs if q == 1 else 0)
 
-    def _steps(self, bs: int, k: int) -> None:
-        """Step 0 over ``bs`` padded requests, then ``k - 1`` decode steps; drafts into ``self.drafts``."""
-        q, bsz, t = self.q, self.block_size, bs * self.q
+    def _step0(self, bs: int) -> torch.Tensor:
+        """Step 0 over ``bs`` padded requests: the head's features ``[bs, hidden]`` at each
+        request's last real row."""
+        q, t = self.q, bs * self.q
         host = self._host if self.eager else None
-        seq0 = self.seq_lens[:bs]
         meta = self._meta(bs, q, self.slot_mapping[:t], self.qsl_pad[:bs + 1], self.seq_lens_pad[:bs],
                           None if host is None else host[0])
         with forward_context([meta]):
             feats = self.head(self.input_ids[:t], self.positions[:t], self.hidden[:t])
-        feats = feats.index_select(0, self.last_rows[:bs])
+        return feats.index_select(0, self.last_rows[:bs])
+
+    def _steps(self, bs: int, k: int) -> None:
+        """Step 0 over ``bs`` padded requests, then ``k - 1`` decode steps; drafts into ``self.drafts``."""
+        bsz = self.block_size
+        host = self._host if self.eager else None
+        seq0 = self.seq_lens[:bs]
+        feats = self._step0(bs)
         tok = self.head.greedy_tokens(feats)
         self.drafts[:bs, 0].copy_(tok)
         tables = self.block_tables[:bs]
@@ -129,6 +137,10 @@ class DraftGraphRunner:
             self.drafts[:bs, j].copy_(tok)
 
     # ---- capture / replay -----------------------------------------------------------------
+    def _key(self, bs: int, k: int) -> tuple:
+        """The graph of ``bs`` padded requests drafting ``k`` steps."""
+        return (bs, k)
+
     @torch.inference_mode()
     def capture(self) -> None:
         """A graph per (size, k), largest first, sharing one memory pool (CUDA), or the
@@ -137,7 +149,7 @@ class DraftGraphRunner:
         if self.eager:
             for k in range(1, self.max_k + 1):
                 for bs in self.sizes:
-                    self.graphs[(bs, k)] = _EagerGraph(lambda bs=bs, k=k: self._steps(bs, k))
+                    self.graphs[self._key(bs, k)] = _EagerGraph(lambda bs=bs, k=k: self._steps(bs, k))
             return
         free_before = torch.cuda.mem_get_info()[0]
         for k in range(self.max_k, 0, -1):
@@ -149,10 +161,10 @@ class DraftGraphRunner:
                     self._steps(bs, k)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[(bs, k)] = graph
+                self.graphs[self._key(bs, k)] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d draft CUDA graphs (batch sizes %d..%d, k 1..%d) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], self.max_k, time.perf_counter() - t0,
+        logger.info("captured %d draft CUDA graphs%s (batch sizes %d..%d, k 1..%d) in %.1f s, %.2f GiB",
+                    len(self.graphs), self._kind, self.sizes[0], self.sizes[-1], self.max_k, time.perf_counter() - t0,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def release(self) -> None:
@@ -179,6 +191,12 @@ class DraftGraphRunner:
             k: drafts per request.
         Returns the drafts ``[R, k]`` int64 (host).
         """
+        self._replay(block_tables, ids, pos, hidden, qlens, seq_lens, k)
+        return self.drafts[:len(qlens), :k].cpu().numpy()
+
+    def _replay(self, block_tables: np.ndarray, ids: np.ndarray, pos: np.ndarray, hidden: torch.Tensor,
+                qlens: list[int], seq_lens: list[int], k: int) -> None:
+        """Pack the inputs into the static buffers (one host-to-device copy) and replay."""
         r, q, bsz = len(qlens), self.q, self.block_size
         bs = self.sizes[bisect.bisect_left(self.sizes, r)]
         t = bs * q
@@ -216,5 +234,4 @@ class DraftGraphRunner:
         self.hidden.index_copy_(0, dev[offs[-2]:offs[-1]], hidden.to(self.hidden.dtype))
         if self.eager:
             self._host = (seq_pad.tolist(), seq_tot.tolist())
-        self.graphs[(bs, k)].replay()
-        return self.drafts[:r, :k].cpu().numpy()
+        self.graphs[self._key(bs, k)].replay()

@@ -17,7 +17,8 @@ the first computed position (quality only; verification keeps outputs exact).
 Drafts are greedy point proposals, verified losslessly at any temperature (``rejection_sampler``).
 On CUDA the ``k`` draft steps of a decode step replay captured graphs (``draft_graphs.py``);
 the first draft after a prefill chunk runs eagerly.
-With ``speculative_eagle_topk > 1`` the head drafts trees instead (EAGLE-2; ``tree.py``; eager).
+With ``speculative_eagle_topk > 1`` the head drafts trees instead (EAGLE-2; ``tree.py``; on CUDA
+captured per batch size, topk and depth, ``tree_graphs.py``).
 """
 
 from __future__ import annotations
@@ -141,12 +142,15 @@ class EagleProposer(Proposer):
                     self.num_blocks, self.block_size)
 
     def capture_cuda_graphs(self, eager: bool = False) -> None:
-        """Capture the head's ``k`` draft steps per batch size (``draft_graphs.py``); ``eager``:
+        """Capture the head's ``k`` draft steps per batch size (``draft_graphs.py``; tree drafts:
+        per batch size, topk and depth, ``tree_graphs.py``); ``eager``:
         the CPU stand-in that runs the same static-buffer path without CUDA (tests)."""
         from kvserve.spec_decode.draft_graphs import DraftGraphRunner
+        from kvserve.spec_decode.tree_graphs import TreeDraftGraphRunner
 
         sc = self.config.scheduler_config
-        self.draft_graphs = DraftGraphRunner(self, sc.max_num_seqs, self.num_speculative_tokens, sc.max_model_len,
+        runner = TreeDraftGraphRunner if self.tree_topk > 1 else DraftGraphRunner
+        self.draft_graphs = runner(self, sc.max_num_seqs, self.num_speculative_tokens, sc.max_model_len,
                                              self.feature_size, eager=eager)
         self.draft_graphs.capture()
 
@@ -247,12 +251,10 @@ class EagleProposer(Proposer):
         hid = torch.cat([st.pend[f - st.pend_start:f - st.pend_start + tot - st.n] for _, st, _, f, tot in rows])
         qlens = [tot - st.n for _, st, _, _, tot in rows]
         seq = [tot for *_, tot in rows]
-        if self.tree_topk > 1:  # EAGLE-2 tree drafts (eager)
-            from kvserve.spec_decode.tree import draft_tree
+        if self.tree_topk > 1:  # EAGLE-2 tree drafts (kvserve/spec_decode/tree.py)
+            from kvserve.spec_decode.tree import finish_tree
 
-            feats = self._forward(rows, ids, pos, hid, qlens, seq)
-            feats = feats[torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)]
-            return draft_tree(self, requests, rows, feats, out)
+            return finish_tree(self, requests, rows, self._draft_tree(rows, ids, pos, hid, qlens, seq, k), out)
         d = self._draft(rows, ids, pos, hid, qlens, seq, k)
         for r, (i, st, toks, f, tot) in enumerate(rows):
             out[i] = d[r].tolist()
@@ -270,6 +272,22 @@ class EagleProposer(Proposer):
         if g is not None and g.can_run(len(rows), qlens, k) and self._graph_ready(rows):
             return g.run(self._block_tables(rows), ids, pos, hid, qlens, seq, k)
         return self._draft_eager(rows, ids, pos, hid, qlens, seq, k)
+
+    def _draft_tree(self, rows, ids: np.ndarray, pos: np.ndarray, hid: torch.Tensor, qlens: list[int],
+                    seq: list[int], k: int) -> np.ndarray:
+        """A tree of depth ``k`` per row (arguments as ``_draft``): the candidate pool ``[R, 3, P]``
+        (tokens, parents, ranks; ``tree.finish_tree``), through the tree CUDA graphs when they fit."""
+        g = self.draft_graphs
+        if g is not None and g.can_run(len(rows), qlens, k) and self._graph_ready(rows):
+            return g.run(self._block_tables(rows), ids, pos, hid, qlens, seq, k)
+        return self._draft_tree_eager(rows, ids, pos, hid, qlens, seq, k)
+
+    def _draft_tree_eager(self, rows, ids: np.ndarray, pos: np.ndarray, hid: torch.Tensor, qlens: list[int],
+                          seq: list[int], k: int) -> np.ndarray:
+        from kvserve.spec_decode.tree import draft_tree
+
+        feats = self._forward(rows, ids, pos, hid, qlens, seq)
+        return draft_tree(self, rows, feats[torch.from_numpy(np.cumsum(qlens) - 1).to(self.device)], k)
 
     def _draft_eager(self, rows, ids: np.ndarray, pos: np.ndarray, hid: torch.Tensor, qlens: list[int],
                      seq: list[int], k: int) -> np.ndarray:

@@ -199,40 +199,53 @@ def select_tree(tok: np.ndarray, score: np.ndarray, parent: np.ndarray, num_node
     -1 for the root's children); a child's score never exceeds its parent's, so the best nodes
     (ties to the shallower) always include their ancestors. Returns ``(tokens, parents)`` in pool
     order (topological), parents as indices into the returned list."""
-    order = np.argsort(-score, kind="stable")[:num_nodes]
-    keep = np.sort(order)
+    rank = np.empty(len(score), dtype=np.int64)
+    rank[np.argsort(-score, kind="stable")] = np.arange(len(score))
+    return select_ranked(tok, rank, parent, num_nodes)
+
+
+def select_ranked(tok: np.ndarray, rank: np.ndarray, parent: np.ndarray, num_nodes: int) -> tuple[list, list]:
+    """``select_tree`` given each pool node's rank ``[P]`` int64 (0: the best score; ties in pool
+    order, as ``pool_ranks`` computes them on the device)."""
+    keep = np.flatnonzero(rank < num_nodes)
     where = {int(p): j for j, p in enumerate(keep)}
     return [int(tok[p]) for p in keep], [where[int(parent[p])] if parent[p] >= 0 else -1 for p in keep]
+
+
+def pool_ranks(score: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R, P]``: each pool node's place when sorting ``score`` ``[R, P]`` descending, ties
+    kept in pool order (a stable sort; no host sync, so it runs inside a CUDA graph)."""
+    order = torch.sort(-score.float(), dim=1, stable=True).indices
+    pos = torch.arange(score.shape[1], device=score.device).expand_as(order)
+    return torch.empty_like(order).scatter_(1, order, pos)
 
 
 def _map_tokens(head, idx: torch.Tensor) -> torch.Tensor:
     return idx + head.d2t[idx] if head.eagle3 else idx
 
 
-def draft_tree(prop, requests: list, rows, feats: torch.Tensor, out: list) -> list:
-    """EAGLE-2 tree drafting for ``EagleProposer.propose``: ``feats`` ``[R, hidden]`` are the head's
-    outputs at each row's last context pair. At depth 1 the root's top ``K`` tokens are the
-    frontier; at each later depth the head runs once over the frontier (``K`` rows per request,
-    each attending to the head's context and its own ancestors through a tree mask), every
+def tree_pool(head, feats: torch.Tensor, topk: int, depth: int, forward) -> tuple[torch.Tensor, ...]:
+    """EAGLE-2's candidate pool, on the device without host syncs (the eager and the CUDA-graph
+    tree paths share it). ``feats`` ``[R, hidden]``: the head's outputs at each request's last
+    context pair. At depth 1 the root's top ``topk`` tokens are the frontier; at each later depth
+    ``d`` the head runs once over the frontier, ``forward(d, ids [R*K], hidden [R*K, H], bits [R*K])``
+    (node ``j`` of request ``r`` in the head's local slot ``tot[r] + (d - 1) * K + j``, seeing the
+    head's context and the slots of its ancestor bits, bit ``b`` = slot ``tot[r] + b``), every
     frontier node offers its top ``K`` children (cumulative log-prob), and the best ``K`` of those
-    ``K * K`` form the next frontier. The best ``speculative_num_draft_tokens - 1`` nodes of all
-    candidates are the tree. Fills ``out`` (tokens per request) and the proposer's trees."""
-    head, K, depth = prop.head, prop.tree_topk, prop.k
-    num_nodes = min(prop.config.speculative_config.speculative_num_draft_tokens - 1, prop.num_drafts_allowed)
-    R, dev = len(rows), prop.device
+    ``K * K`` form the next frontier. Returns the pool in level order: tokens, scores (float32)
+    and parents (pool indices, -1: the root), each ``[R, K + (depth - 1) * K * K]``."""
+    R, dev = feats.shape[0], feats.device
     lp = torch.log_softmax(head.compute_logits(feats), dim=-1).clamp_(max=0.0)  # children never outscore parents
-    score, idx = lp.topk(min(K, lp.shape[-1]), dim=-1)  # [R, K]
+    score, idx = lp.topk(min(topk, lp.shape[-1]), dim=-1)  # [R, K]
     K = score.shape[1]
     tok = _map_tokens(head, idx)
     pool_tok, pool_score, pool_parent = [tok], [score], [torch.full((R, K), -1, dtype=torch.long, device=dev)]
     front_pool = torch.arange(K, device=dev).expand(R, K)  # pool index of each frontier node
     front_in = feats.unsqueeze(1).expand(R, K, feats.shape[-1])  # features fed with each node
     front_bits = (1 << torch.arange(K, device=dev, dtype=torch.long)).expand(R, K)  # head slots it sees
-    tot = np.array([r[4] for r in rows], dtype=np.int64)
     pool_n = K
     for d in range(1, depth):
-        f = _tree_forward(prop, rows, tok.reshape(-1), tot + d - 1, (d - 1) * K, K, front_in.reshape(R * K, -1),
-                          front_bits.reshape(-1))
+        f = forward(d, tok.reshape(-1), front_in.reshape(R * K, -1), front_bits.reshape(-1))
         lp = torch.log_softmax(head.compute_logits(f), dim=-1).clamp_(max=0.0)  # [R * K, V]
         s, ix = lp.topk(K, dim=-1)
         cand = (score.unsqueeze(-1) + s.view(R, K, K)).view(R, K * K)
@@ -248,11 +261,31 @@ def draft_tree(prop, requests: list, rows, feats: torch.Tensor, out: list) -> li
         pool_n += K * K
         front_in = f.view(R, K, -1).gather(1, src.unsqueeze(-1).expand(R, K, f.shape[-1]))
         front_bits = front_bits.gather(1, src) | (1 << (d * K + torch.arange(K, device=dev, dtype=torch.long)))
-    P_tok = torch.cat(pool_tok, 1).cpu().numpy()
-    P_score = torch.cat(pool_score, 1).float().cpu().numpy()
-    P_parent = torch.cat(pool_parent, 1).cpu().numpy()
+    return torch.cat(pool_tok, 1), torch.cat(pool_score, 1).float(), torch.cat(pool_parent, 1)
+
+
+def draft_tree(prop, rows, feats: torch.Tensor, depth: int) -> np.ndarray:
+    """EAGLE-2 tree drafting, eager (``EagleProposer``'s path when the tree graphs don't fit):
+    ``tree_pool`` of ``depth`` with one head forward per depth over the frontier (``_tree_forward``).
+    Returns int64 ``[R, 3, P]`` (host): per request the pool's tokens, parents and ranks
+    (``pool_ranks``), for ``finish_tree``."""
+    tot = np.array([r[4] for r in rows], dtype=np.int64)
+
+    def forward(d, ids, hidden, bits):
+        K = ids.shape[0] // len(rows)  # topk, or the draft vocabulary if smaller
+        return _tree_forward(prop, rows, ids, tot + d - 1, (d - 1) * K, K, hidden, bits)
+
+    tok, score, parent = tree_pool(prop.head, feats, prop.tree_topk, depth, forward)
+    return torch.stack([tok, parent, pool_ranks(score)], 1).cpu().numpy()
+
+
+def finish_tree(prop, requests: list, rows, pool: np.ndarray, out: list) -> list:
+    """The best ``speculative_num_draft_tokens - 1`` nodes of each request's pool (``pool``
+    ``[R, 3, P]`` from ``draft_tree`` or the tree graphs) are its tree: fills ``out`` (tokens per
+    request) and the proposer's trees, and drops the head's fed features."""
+    num_nodes = min(prop.config.speculative_config.speculative_num_draft_tokens - 1, prop.num_drafts_allowed)
     for r, (i, st, toks, f0, total) in enumerate(rows):
-        d_tok, d_par = select_tree(P_tok[r], P_score[r], P_parent[r], num_nodes)
+        d_tok, d_par = select_ranked(pool[r, 0], pool[r, 2], pool[r, 1], num_nodes)
         out[i] = d_tok
         prop.trees[requests[i].req_id] = (d_tok, d_par)
         st.n = total
