@@ -212,3 +212,19 @@ def cpu_subset(cases, keep):
     """``cases`` (tuples of parameter values) with every one not in ``keep`` made ``gpu_only``."""
     keep = set(keep)
     return [c if c in keep else gpu_only(*c) for c in cases]
+
+
+def save_random_causal_lm(path, cfg, std: float, seed: int = 0) -> str:
+    """A transformers model from ``cfg`` (float32) with every matrix redrawn from N(0, ``std``)
+    (so greedy choices are not near-ties), saved to ``path``; returns ``str(path)``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, std)
+    model.save_pretrained(path)
+    return str(path)

@@ -8,6 +8,7 @@ are checked against the eager drafts the same way."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,27 +50,32 @@ def mtp_setup(tmp_path_factory):
     return dict(model=str(path), block_size=4, max_model_len=64), {"method": "deepseek_mtp"}, prompts, 24
 
 
-def _compare_both_ways(proposer, calls: list, atol: float = 1e-5) -> None:
-    """Wrap ``_draft``: a call the graphs serve runs eagerly and through the graphs from the
-    same head KV; drafts and KV must agree (the graph's result is kept)."""
+def compare_both_ways(proposer, calls: list, atol: float = 1e-5, tree: bool = False) -> None:
+    """Wrap ``_draft`` (``tree``: ``_draft_tree``): a call the graphs serve runs eagerly and through
+    the graphs from the same head KV; drafts (trees: tokens, parents, ranks) and KV must agree (the
+    graph's result is kept)."""
     kv = attention_layers(proposer.head)[0].kv.cache
     graphs = proposer.draft_graphs
+    eager_draft = proposer._draft_tree_eager if tree else proposer._draft_eager
 
     def both(rows, ids, pos, hid, qlens, seq, k):
         if not (graphs.can_run(len(rows), qlens, k) and proposer._graph_ready(rows)):
-            return proposer._draft_eager(rows, ids, pos, hid, qlens, seq, k)
+            return eager_draft(rows, ids, pos, hid, qlens, seq, k)
         before = kv.clone()
-        eager = proposer._draft_eager(rows, ids, pos, hid, qlens, seq, k)
+        eager = eager_draft(rows, ids, pos, hid, qlens, seq, k)
         kv_eager = kv.clone()
         kv.copy_(before)
         got = graphs.run(proposer._block_tables(rows), ids, pos, hid, qlens, seq, k)
-        assert (got == eager).all(), (got, eager)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(eager))
         # block 0 is the null block: padding rows may write it on one path and not the other
         torch.testing.assert_close(kv[1:], kv_eager[1:], atol=atol, rtol=atol)
         calls.append((len(rows), max(qlens), k))
         return got
 
-    proposer._draft = both
+    if tree:
+        proposer._draft_tree = both
+    else:
+        proposer._draft = both
 
 
 @pytest.mark.parametrize("setup", ["mtp_setup", "eagle3_setup"])
@@ -84,7 +90,7 @@ def test_static_buffer_draft_path_equals_dynamic(setup, request):
     proposer.capture_cuda_graphs(eager=True)
     assert sorted({k for _, k in proposer.draft_graphs.graphs}) == list(range(1, K + 1))
     calls: list = []
-    _compare_both_ways(proposer, calls)
+    compare_both_ways(proposer, calls)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     # Decode steps went through the static path, batched (padded to a captured size).
@@ -116,7 +122,7 @@ def test_cuda_draft_graphs_equal_eager(setup, request):
     assert not proposer.draft_graphs.eager
     calls: list = []
     # MLA: the eager step 0 of uneven new pairs takes the expanded path, the graph the absorbed one
-    _compare_both_ways(proposer, calls, atol=1e-4)
+    compare_both_ways(proposer, calls, atol=1e-4)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert len(calls) >= 4

@@ -12,6 +12,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.models.llama_eagle import load_eagle_head, save_random_eagle_head
+from tests.utils import save_random_causal_lm
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "kvserve", "spec_decode", "data", "eagle-smollm2-135m")
 
@@ -28,18 +29,8 @@ def _tiny_cfg(**kw):
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     cfg = _tiny_cfg()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    d = tmp_path_factory.mktemp("tiny_eagle_target")
-    model.save_pretrained(d)
-    return str(d), cfg
+    return save_random_causal_lm(tmp_path_factory.mktemp("tiny_eagle_target"), cfg, std=0.3), cfg
 
 
 @pytest.mark.parametrize("eagle3,fmt", [(False, "safetensors"), (False, "bin"), (True, "safetensors")])

@@ -15,6 +15,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.models.llama_eagle import save_random_eagle_head
 from kvserve.spec_decode import Proposer, register_proposer
 from kvserve.spec_decode.tree import select_tree, tree_ancestor_bits, tree_depths, walk_tree
+from tests.utils import save_random_causal_lm
 
 
 def test_tree_helpers():
@@ -37,20 +38,12 @@ def test_tree_helpers():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
                       architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.5)
-    d = tmp_path_factory.mktemp("tiny_tree")
-    model.save_pretrained(d)
-    return str(d)
+    return save_random_causal_lm(tmp_path_factory.mktemp("tiny_tree"), cfg, std=0.5)
 
 
 class _TreeScript(Proposer):
@@ -197,20 +190,12 @@ def test_tree_config_checks(tiny_model):
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
                       architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    d = tmp_path_factory.mktemp("tiny_tree_target")
-    model.save_pretrained(d)
-    return str(d), cfg
+    return save_random_causal_lm(tmp_path_factory.mktemp("tiny_tree_target"), cfg, std=0.3), cfg
 
 
 def test_eagle3_tree_greedy_lossless_prefix_preempted_no_leaks(tiny_target, tmp_path):

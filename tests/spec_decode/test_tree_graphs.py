@@ -13,24 +13,16 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.layers.attention import attention_layers
 from kvserve.models.llama_eagle import save_random_eagle_head
+from tests.spec_decode.test_draft_graphs import compare_both_ways
 from tests.spec_decode.test_eagle import _tiny_cfg
+from tests.utils import save_random_causal_lm
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     cfg = _tiny_cfg()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    target = tmp_path_factory.mktemp("tg_target")
-    model.save_pretrained(target)
+    target = save_random_causal_lm(tmp_path_factory.mktemp("tg_target"), cfg, std=0.3)
     heads = {}
     for eagle3 in (True, False):
         h = tmp_path_factory.mktemp("tg_head3" if eagle3 else "tg_head1")
@@ -58,29 +50,6 @@ def test_pool_ranks_select_as_select_tree():
         assert select_ranked(tok, rank, parent, n) == select_tree(tok, score, parent, n)
 
 
-def _compare_both_ways(proposer, calls: list) -> None:
-    """Wrap ``_draft_tree``: a call the graphs serve runs eagerly and through the graphs from the
-    same head KV; pools (the trees) and KV must agree (the graph's result is kept)."""
-    kv = attention_layers(proposer.head)[0].kv.cache
-    graphs = proposer.draft_graphs
-
-    def both(rows, ids, pos, hid, qlens, seq, k):
-        if not (graphs.can_run(len(rows), qlens, k) and proposer._graph_ready(rows)):
-            return proposer._draft_tree_eager(rows, ids, pos, hid, qlens, seq, k)
-        before = kv.clone()
-        eager = proposer._draft_tree_eager(rows, ids, pos, hid, qlens, seq, k)
-        kv_eager = kv.clone()
-        kv.copy_(before)
-        got = graphs.run(proposer._block_tables(rows), ids, pos, hid, qlens, seq, k)
-        np.testing.assert_array_equal(got, eager)  # tokens, parents, ranks
-        torch.testing.assert_close(kv[1:], kv_eager[1:], atol=1e-5, rtol=1e-5)  # block 0: padding's
-        fed = [q for q, s in zip(qlens, seq) if s > q]  # pairs fed after a verify (not a first draft)
-        calls.append((len(rows), max(fed, default=0), k))
-        return got
-
-    proposer._draft_tree = both
-
-
 @pytest.mark.parametrize("eagle3,topk,depth", [(True, 2, 4), (False, 3, 3), (True, 4, 2)])
 def test_tree_draft_graphs_equal_eager_and_lossless(setup, eagle3, topk, depth):
     common, heads, prompts, sp, ref = setup
@@ -93,7 +62,7 @@ def test_tree_draft_graphs_equal_eager_and_lossless(setup, eagle3, topk, depth):
     graphs = proposer.draft_graphs
     assert {(t, d) for _, t, d in graphs.graphs} == {(topk, d) for d in range(1, depth + 1)}
     calls: list = []
-    _compare_both_ways(proposer, calls)
+    compare_both_ways(proposer, calls, tree=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)  # several requests (padded to a captured size)
     assert [o.outputs[0].token_ids for o in outs] == ref
     # batched (padded to a captured size); after an accepted draft, step 0 fed 1 + accepted pairs
@@ -128,7 +97,7 @@ def test_cuda_tree_draft_graphs_equal_eager(setup):
     proposer = llm.llm_engine.engine_core.model_runner.proposer
     assert proposer.draft_graphs is not None and not proposer.draft_graphs.eager
     calls: list = []
-    _compare_both_ways(proposer, calls)
+    compare_both_ways(proposer, calls, tree=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert len(calls) >= 4
