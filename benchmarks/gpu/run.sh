@@ -48,7 +48,7 @@ kv-quant-engine:300:quantized-KV decode step b64 x 8k, batch-1 decode and W1 per
 weight-quant:240:quantized weights: linear kernels and W2 per format vs roofline (gpu_weight_quant.py)
 int4-gemm:150:W4A16 GEMM alone at the 8B projections, M 1..256, tuned per shape, vs bf16 and tinygemm, GB/s vs copy (gpu_w4a16.py)
 int4-w2:200:W2 batch-1 decode, 8B shape: int4, awq, gptq on the Triton W4A16 GEMM, int4 on tinygemm, bf16 (workloads.py)
-int4-offline:580:offline ISL/OSL 1000/1000, 8B shape, 256 requests: int4 vs bf16 vs fp8 (gpu_w4a16.py)
+int4-offline:340:offline ISL/OSL 1000/1000, 8B shape, 256 requests: int4 vs bf16 vs fp8 (gpu_w4a16.py)
 int4-moe:140:GPTQ INT4 experts vs bf16, Qwen3-30B-A3B shape: fused MoE kernel T=1..256, batch-1 ms/token, batch-64 tok/s (gpu_int4_moe.py)
 spec:510:speculative decoding: verify-step cost, batch-1 speedups, W1-like load, EAGLE-3 draft steps eager vs CUDA graphs, tree verify cost (gpu_spec.py; SPEC_PARTS picks)
 tiers:300:KV tiers at the 8B shape: bandwidth, multi-turn, zero reuse, swap, persistence (kv_tiers.py)
@@ -81,6 +81,7 @@ step-profile:70:batch-512 (and 1024) x ~2K decode step, 8B shape, FP8 KV: host m
 dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96 QPS (gpu_data_parallel.py)
 ray-tp:150:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
+spec-policy:200:the shipped EAGLE head on the default model (real weights): batch 16/64 dynamic speculation vs none, batch-1 k=4 vs none (gpu_eagle3_train.py --head)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
 decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside, fp8 KV FP8-dot path rows (gpu_decode_kernel.py)
 "
@@ -172,7 +173,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         --out "$d/w2_int4_tinygemm.json"
       # shellcheck disable=SC2086
       py $B/workloads.py $w2a --out "$d/w2_none.json" ;;
-    int4-offline) py $B/gpu_w4a16.py --out "$d" --parts offline --formats int4,bf16,fp8 --offline-deadline 380 ;;
+    int4-offline) py $B/gpu_w4a16.py --out "$d" --parts offline --formats int4,bf16,fp8 --offline-deadline $(( ${LIMIT:-340} - 110 )) ;;
     int4-moe) py $B/gpu_int4_moe.py --out "$d" --deadline $(( ${LIMIT:-90} - 5 )) ;;
     spec) for s in ${SPEC_PARTS:-verify batch1 load draft tree}; do py $B/gpu_spec.py --out "$d/$s" --parts $s; done ;;
     tiers)
@@ -241,6 +242,11 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \
         KVSERVE_DEFAULT_GGUF=$(bash "$ROOT/benchmarks/gpu/gguf_parts.sh" join) && export KVSERVE_DEFAULT_GGUF
       py $B/gpu_eagle3_train.py --out "$d" --head-out "$OUT/eagle3-head" --deadline $(( ${LIMIT:-300} - 15 )) ;;
+    spec-policy)  # the default GGUF from the carried pieces, as eagle3-train
+      [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \
+        KVSERVE_DEFAULT_GGUF=$(bash "$ROOT/benchmarks/gpu/gguf_parts.sh" join) && export KVSERVE_DEFAULT_GGUF
+      py $B/gpu_eagle3_train.py --out "$d" --head kvserve/spec_decode/data/eagle-smollm2-135m --method eagle \
+        --plan batch,none,k4 --deadline $(( ${LIMIT:-200} - 10 )) ;;
     decode-kernel)  # the kernel of 0fa5af9 (before the config table) beside: KVSERVE_BASELINE's, or from git
       local old=/tmp/decode_old.py
       if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/decode.py" $old
