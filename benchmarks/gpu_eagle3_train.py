@@ -123,7 +123,8 @@ def run(ns) -> dict:
 
     def batched(llm, prompts):
         sp = SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        # warm-up at this batch size (first-use compiles would otherwise land in a 0.5 s run)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         s0 = _stats(llm)
         if dev == "cuda":
             torch.cuda.synchronize()

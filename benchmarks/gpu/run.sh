@@ -17,7 +17,7 @@
 #                           KVSERVE_BASELINE_COMMIT=<sha> names it in the JSON
 #   WORKLOAD_ARGS="..."     extra workloads.py arguments (e.g. "--kv-cache-dtype fp8_e4m3")
 # Other settings: KVSERVE_COMMIT (recorded in the JSON when git metadata is absent or stale),
-# GPU_TESTS (the test paths of part tests-cuda). Wheels in .whl/ and NIXL in .whl_nixl/ (as
+# GPU_TESTS (the test paths of part tests-cuda), INT4_W2_FORMATS (part int4-w2's Triton-GEMM formats). Wheels in .whl/ and NIXL in .whl_nixl/ (as
 # the device README says) are installed into /tmp/site first when present.
 # Part ray-tp unpacks Ray from .whl_ray/ (bash benchmarks/gpu/ray_bundle.sh: ~31 MiB, carried as .whl_ray).
 set -u
@@ -164,7 +164,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
     int4-gemm) py $B/gpu_w4a16.py --out "$d" --parts gemm --sweep --sweep-s 50 ;;
     int4-w2)  # batch 1: max_num_seqs=4 captures 3 graphs, not 35 (the batch-1 step is the same)
       local w2a="--workload w2 --engine-arg max_num_seqs=4"
-      for q in int4 awq gptq; do
+      for q in ${INT4_W2_FORMATS:-int4 awq gptq}; do
         # shellcheck disable=SC2086
         KVSERVE_INT4_KERNEL=w4a16 py $B/workloads.py $w2a --engine-arg quantization=$q --out "$d/w2_$q.json"
       done

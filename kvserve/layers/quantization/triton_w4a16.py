@@ -76,15 +76,18 @@ class Config(NamedTuple):
     reduce: int = 0
 
 
-#: Whether this GEMM beat tinygemm (``_weight_int4pack_mm``) end to end: W2 at the Llama-3.1-8B shape on an
-#: H200 (``benchmarks/gpu/run.sh int4-w2``). The CUDA default of ``--quantization int4`` and of 4-bit GPTQ/AWQ
-#: in bf16 follows it (``default_int4_kernel``); ``KVSERVE_INT4_KERNEL=w4a16|tinygemm`` overrides.
-BEATS_TINYGEMM = False
+#: The CUDA kernel of ``--quantization int4`` and of 4-bit GPTQ/AWQ in bf16 (``KVSERVE_INT4_KERNEL=w4a16|tinygemm``
+#: overrides). tinygemm (``_weight_int4pack_mm``) is ~10-30% faster at M = 1 on the small projections, but
+#: 2x slower at M = 16 and 20x at M = 256 (gate_up 2,059 vs 94 us bf16, H200), and its packing offers no
+#: dequantize + cuBLAS path for large M: on tinygemm, the 8B shape's offline ISL/OSL 1000/1000 with 256
+#: requests ran at 982 output tok/s (H200, docs/benchmarks/weight-quant.md). This GEMM covers M <= ``MAX_M``
+#: and dequantizes for cuBLAS above, so it is the default at every batch size.
+DEFAULT_INT4_KERNEL = "w4a16"
 
 
 def default_int4_kernel() -> str:
-    """``"w4a16"`` (this GEMM) when measured faster than tinygemm (``BEATS_TINYGEMM``), else ``"tinygemm"``."""
-    return "w4a16" if BEATS_TINYGEMM else "tinygemm"
+    """The default CUDA INT4 kernel: ``"w4a16"`` (this GEMM) or ``"tinygemm"`` (``DEFAULT_INT4_KERNEL``)."""
+    return DEFAULT_INT4_KERNEL
 
 
 #: ``(M bucket, N, K) -> Config`` measured on an H200: ``benchmarks/gpu_w4a16.py --sweep`` (run.sh part
