@@ -87,7 +87,9 @@ def _attend_block(
     codes as stored, P times the keys' scales rounded to e4m3 after each row is spread over e4m3's
     range (FlashAttention-3's FP8 recipe, Shah et al., arXiv:2407.08608; row factor on the product).
     ``PAGE_TILES``: the block table read once per page of the tile, not once per key. ``PRE_IDS``
-    (unmasked steps): the tile's block-table ids ``pg`` / ``pg_sc`` given (``tile_pages``), not loaded."""
+    (unmasked steps): the tile's block-table ids ``pg`` / ``pg_sc`` given (``tile_pages``), not loaded;
+    16-bit and ``FP8_QK`` K tiles are then loaded ``[BLOCK_N, D]`` as V and transposed, so the ids
+    are needed in one register layout (sm_90: no second id load, no spill)."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
@@ -101,7 +103,14 @@ def _attend_block(
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
-    if FP8_QK == 1:
+    if PRE_IDS and (FP8_QK == 1 or KV_FMT == 0):  # [BLOCK_N, D] as V, transposed: the ids in V's layout only
+        if FP8_QK == 1:
+            k = tl.trans(_load_e4m3(k_cache_ptr, row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], n_mask[:, None],
+                                    False))
+        else:
+            k = tl.trans(tl.load(k_cache_ptr + row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :] * stride_cd))
+            k = k.to(tl.float32) if WIDEN else k.to(in_dtype)
+    elif FP8_QK == 1:
         k = _load_e4m3(k_cache_ptr, row_off[None, :] + tl.arange(0, HEAD_DIM)[:, None], n_mask[None, :], MASKED)
     else:
         k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
