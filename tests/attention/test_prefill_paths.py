@@ -128,14 +128,16 @@ def test_page_tiles_and_prefix_stages_equal_default_path(bs):
 
 
 @pytest.mark.parametrize("name,q_dtype,bs", [
-    ("float32", torch.float32, 4),      # a 16-key tile spans 4 pages
+    ("bfloat16", torch.bfloat16, 4),    # a 16-key tile spans 4 pages
     ("fp8_e4m3", torch.float32, 8),     # 2 pages a tile; per-page scale words from the carried ids
 ])
 def test_prefetch_ids_equals_default_path(name, q_dtype, bs):
     """``prefetch_ids``: the unmasked prefix loop loads the next tile's block-table ids a step ahead
     and carries them; the same keys at the same offsets, so the output equals the default path's
     bit for bit, with and without the chunk's own K/V rows, under a shuffled block table (a wrong
-    tile's ids would read other keys). The prefix of 50 keys spans 3 unmasked 16-key steps."""
+    tile's ids would read other keys), and the reference. bf16: the K tile loaded ``[keys, d]`` and
+    transposed; e4m3: the scale words from the carried per-page ids. The prefix of 50 keys spans 3
+    unmasked 16-key steps."""
     d, hkv, h = 16, 2, 4
     reqs = REQS[1:]
     meta, cache, q, k, v, fmt = _batch(name, q_dtype, h, hkv, d, bs, seed=5 + bs, reqs=reqs)
@@ -151,4 +153,4 @@ def test_prefetch_ids_equals_default_path(name, q_dtype, bs):
         return
     ref = TorchRefBackend().forward(q, k, v, view_of(cache), dataclasses.replace(
         meta, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -109,7 +109,9 @@ def _attend_block(
                                     False))
         else:
             k = tl.trans(tl.load(k_cache_ptr + row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :] * stride_cd))
-            k = k.to(tl.float32) if WIDEN else k.to(in_dtype)
+            k = k.to(in_dtype)
+            if WIDEN:
+                k = k.to(tl.float32)
     elif FP8_QK == 1:
         k = _load_e4m3(k_cache_ptr, row_off[None, :] + tl.arange(0, HEAD_DIM)[:, None], n_mask[None, :], MASKED)
     else:
