@@ -22,8 +22,10 @@
 - ``chunk``: the paged-prefix path alone: the last ``CHUNK``-token chunk of a ``--chunk-seqs``
   prompt (32K, 128K) over the rest of it cached (where chunked prefill spends most of a long
   prompt's attention), per KV dtype, the default paths against the new ``PREFILL_PATHS`` switches
-  (``CHUNK_PATHS``: FP8 Q K^T and P V dots, the prefix loop's pipeline depth), each path at every
-  length, in that order until ``--chunk-budget`` seconds have passed. FLOPs ``4 * H * d * (n * (S - n) + n^2 / 2)``.
+  (``CHUNK_PATHS``: the block-table ids prefetched a step ahead, the converted FP8 path), each path
+  at every length, in that order until ``--chunk-budget`` seconds have passed; prompts past 32K also
+  time their last 32K chunk (``CHUNK_LONG``, a lone prompt's chunk in W5). FLOPs
+  ``4 * H * d * (n * (S - n) + n^2 / 2)``.
 - ``w5``: ``benchmarks/workloads.py --workload w5`` for bf16 and fp8_e4m3 KV, each in its own
   process (32,768 and 130,944-token prompts + 128 output tokens: TTFT and ms/token).
 
@@ -51,7 +53,8 @@ HBM_BYTES_PER_S = 4.8e12
 SWEEP = [None, (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
 #: kernel paths swept with each config (``prefill.PREFILL_PATHS``): the defaults (``{}``) and, for
 #: e4m3 caches, the FP8 Q K^T dot (each one compile)
-SWEEP_PATHS = [{}, {"fp8_qk": True}, {"fp8_qk": True, "fp8_pv": True}, {"prefix_stages": 5}, {"page_tiles": True}]
+SWEEP_PATHS = [{}, {"fp8_qk": True}, {"fp8_qk": True, "fp8_pv": True}, {"prefix_stages": 5}, {"page_tiles": True},
+               {"prefetch_ids": True}]
 #: ``--sweep-set quick`` (run.sh's one call, about 30 s): per KV dtype the default config with each
 #: path, and the neighbours that decide the table's entry ((config, paths); None: the default)
 SWEEP_QUICK = {
@@ -63,11 +66,15 @@ SWEEP_QUICK = {
 
 #: ``chunk`` part: per KV dtype, the default paths (first) and the switches against them, most
 #: telling first (the budget may stop the list)
+#: (``prefix_stages=5`` and ``fp8_pv`` were measured on 2026-11-29 and did not pay: see
+#: docs/benchmarks/long-context.md; ``{"fp8_qk": False}``: the converted FP8 path, exact queries)
 CHUNK_PATHS = {
-    "bfloat16": [{}, {"prefix_stages": 5}],
-    "fp8_e4m3": [{}, {"fp8_qk": True, "fp8_pv": True, "prefix_stages": 5}, {"prefix_stages": 5},
-                 {"fp8_qk": True, "fp8_pv": True}, {"fp8_qk": True}],
+    "bfloat16": [{}, {"prefetch_ids": True}],
+    "fp8_e4m3": [{}, {"prefetch_ids": True}, {"fp8_qk": False, "prefetch_ids": True}, {"fp8_qk": False}],
 }
+#: ``chunk`` part: prompts longer than this also time their last chunk of this many tokens (a
+#: lone long prompt's chunk in W5: ``--max-num-batched-tokens 32768``)
+CHUNK_LONG = 32768
 
 
 def _record(out_dir: str, rec: dict) -> None:
@@ -327,14 +334,15 @@ def chunk_part(a, out_dir: str, peak: float) -> None:
             for paths in paths_list:
                 _record(out_dir, dict(part="chunk", kv_dtype=kv, paths=paths or "default", skipped="budget"))
             continue
-        runs = []  # per length: (seq, prompt, cached, chunk, out, lens, qsl, flops, [ref])
+        runs = []  # per (length, chunk): (seq, prompt, cached, chunk, out, lens, qsl, flops, [ref])
         for s in a.chunk_seqs:
             p = Prompt(s, kv, a.device, *a.shape)
-            n = min(CHUNK, s)
-            c = s - n
-            runs.append((s, p, c, n, torch.empty_like(p.q[c:]), torch.tensor([s], dtype=torch.int32, device=a.device),
-                         torch.tensor([0, n], dtype=torch.int32, device=a.device),
-                         4 * p.h * p.d * (n * c + n * n / 2), [None]))
+            for n in [min(CHUNK, s)] + ([CHUNK_LONG] if s > CHUNK_LONG else []):
+                c = s - n
+                runs.append((s, p, c, n, torch.empty_like(p.q[c:]),
+                             torch.tensor([s], dtype=torch.int32, device=a.device),
+                             torch.tensor([0, n], dtype=torch.int32, device=a.device),
+                             4 * p.h * p.d * (n * c + n * n / 2), [None]))
         for paths in paths_list:
             for s, p, c, n, out, lens, qsl, flops, ref in runs:
                 tag = dict(part="chunk", seq=s, kv_dtype=kv, chunk=n, cached=c, paths=paths or "default")
@@ -348,7 +356,8 @@ def chunk_part(a, out_dir: str, peak: float) -> None:
                     rec = dict(tag, ms=round(ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 1))
                     if peak:
                         rec["frac_of_peak"] = round(rec["tflops"] / peak, 3)
-                    if s <= 32768 and (p.fmt is not None or not cuda):  # the FP8 paths' error at the real shape
+                    # the FP8 paths' error at the real shape
+                    if s <= 32768 and n == min(CHUNK, s) and (p.fmt is not None or not cuda):
                         if ref[0] is None:
                             ref[0] = _sdpa_ref_rows(p, c)
                         rec["max_err"] = round((out.float() - ref[0]).abs().max().item(), 5)
@@ -402,7 +411,7 @@ def w5_part(a, out_dir: str) -> None:
 
 
 def main() -> None:
-    global CHUNK
+    global CHUNK, CHUNK_LONG
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/kvserve-prefill")
     ap.add_argument("--parts", default="peak,kernel,sweep,w5")
@@ -437,6 +446,7 @@ def main() -> None:
         a.chunk_seqs = [40]
         a.sweep_chunk = 16
         CHUNK = 16
+        CHUNK_LONG = 32
         SWEEP[:] = SWEEP[:2]
     os.makedirs(a.out, exist_ok=True)
     peak = 0.0
@@ -463,7 +473,8 @@ def main() -> None:
             what = r.get("mode", f"{r['config']} {r.get('paths', '')}" if "config" in r else r.get("paths"))
             ms = r.get("ms", r.get("error", r.get("skipped", "")))
             print(f"| {r['part']} | {r['seq']} | {r['kv_dtype']} | {what} "
-                  f"{r.get('pattern', '')} | {ms} | {r.get('tflops', '')} | {r.get('frac_of_peak', '')} |")
+                  f"{r.get('pattern', r.get('chunk', ''))} | {ms} | {r.get('tflops', '')} | "
+                  f"{r.get('frac_of_peak', '')} |")
         elif r["part"] == "w5":
             for n, f in r.get("prompts", {}).items():
                 print(f"| w5 | {n} | {r['kv_dtype']} | TTFT {f['ttft_s']} s | {f['ms_per_token']} ms/token | | |")

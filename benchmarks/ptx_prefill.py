@@ -30,8 +30,10 @@ VARIANTS = [
     ("bf16", "bfloat16", {}),
     ("bf16 page_tiles", "bfloat16", dict(PAGE_TILES=True)),
     ("bf16 prefix_stages=5", "bfloat16", dict(PREFIX_STAGES=5)),
+    ("bf16 prefetch_ids", "bfloat16", dict(PREFETCH_IDS=True)),
     ("fp8", "fp8_e4m3", {}),
     ("fp8 fp8_qk", "fp8_e4m3", dict(FP8_QK=1)),
+    ("fp8 fp8_qk prefetch_ids", "fp8_e4m3", dict(FP8_QK=1, PREFETCH_IDS=True)),
     ("fp8 fp8_qk+fp8_pv", "fp8_e4m3", dict(FP8_QK=1, FP8_PV=1)),
     ("fp8 fp8_qk+fp8_pv page_tiles", "fp8_e4m3", dict(FP8_QK=1, FP8_PV=1, PAGE_TILES=True)),
     ("fp8 prefix_stages=5", "fp8_e4m3", dict(PREFIX_STAGES=5)),
@@ -90,7 +92,7 @@ def main() -> None:
             {**dict(GROUP=H // HKV, HEAD_DIM=D, BLOCK_SIZE=BS, BLOCK_M=bm, BLOCK_Q=bm // (H // HKV), BLOCK_N=bn,
                  USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code, FP16_DOT=code > 0, FAST_CVT=False,
                  HAS_RESIDUAL=False, HAS_SINKS=False, NEW_KV=True, TREE=False, FP8_QK=0, FP8_PV=0,
-                 PAGE_TILES=False, PREFIX_STAGES=0), **extra},
+                 PAGE_TILES=False, PREFIX_STAGES=0, PREFETCH_IDS=False), **extra},
             no_spec=("window", "req_offset", "stride_bt"), num_warps=warps, num_stages=ns.stages or stages)
         ptx = ck.asm["ptx"]
         print(f"{label:34s} {bm}x{bn}x{warps}w{ns.stages or stages}s {_regs(ptx)} shared={ck.metadata.shared}B "

@@ -236,7 +236,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/prefill.py" $old
       else git show "${PREFILL_BASELINE_COMMIT:-0fa5af9}:kvserve/attention/triton/prefill.py" > $old 2>/dev/null || old=""; fi
       py $B/gpu_prefill.py --out "$d" --parts peak,sweep,w5,chunk,kernel --reps 2 --sweep-set quick --budget 35 \
-        --chunk-budget 14 ${old:+--old-kernel $old} ;;
+        --chunk-budget 20 ${old:+--old-kernel $old} ;;
     eagle3-train)  # the head (~20 MB, two files) lies outside results.tgz: the tool brings back <= 16 MiB a file
       # the default GGUF from the pieces carried by earlier calls (benchmarks/gpu/gguf_parts.sh), if not given
       [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \

@@ -125,3 +125,32 @@ def test_page_tiles_and_prefix_stages_equal_default_path(bs):
         base = prefill_attention(*args, **kw)
         torch.testing.assert_close(prefill_attention(*args, page_tiles=True, **kw), base, atol=0, rtol=0)
         torch.testing.assert_close(prefill_attention(*args, prefix_stages=5, **kw), base, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name,q_dtype,bs", [
+    ("bfloat16", torch.bfloat16, 4),    # a 16-key tile spans 4 pages
+    ("fp8_e4m3", torch.float32, 8),     # 2 pages a tile; per-page scale words from the carried ids
+])
+def test_prefetch_ids_equals_default_path(name, q_dtype, bs):
+    """``prefetch_ids``: the unmasked prefix loop loads the next tile's block-table ids a step ahead
+    and carries them; the same keys at the same offsets, so the output equals the default path's
+    bit for bit, with and without the chunk's own K/V rows, under a shuffled block table (a wrong
+    tile's ids would read other keys), and the reference. bf16: the K tile loaded ``[keys, d]`` and
+    transposed; e4m3: the scale words from the carried per-page ids. The prefix of 50 keys spans 3
+    unmasked 16-key steps."""
+    d, hkv, h = 16, 2, 4
+    reqs = REQS[1:]
+    meta, cache, q, k, v, fmt = _batch(name, q_dtype, h, hkv, d, bs, seed=5 + bs, reqs=reqs)
+    kvf = kv_format_for(name, d) if fmt.quantized else None
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kvf)
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, len(reqs), meta.max_query_len,
+            d ** -0.5)
+    for kw in ([dict(new_key=k, new_value=v)] if fmt.quantized else [{}, dict(new_key=k, new_value=v)]):
+        base = prefill_attention(*args, kv_format=kvf, prefetch_ids=False, **kw)
+        out = prefill_attention(*args, kv_format=kvf, prefetch_ids=True, **kw)
+        torch.testing.assert_close(out, base, atol=0, rtol=0)
+    if fmt.quantized:
+        return
+    ref = TorchRefBackend().forward(q, k, v, view_of(cache), dataclasses.replace(
+        meta, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

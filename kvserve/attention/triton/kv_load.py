@@ -168,22 +168,30 @@ def kv_scale_index(bt_row, n0, kv_end, kv_head_off, stride_cb, stride_co, BLOCK_
     the load is an asynchronous copy pipelined with the codes (2-byte loads are not). Every
     index lies in a real page (pages at or past ``kv_end``, the end of the request's keys,
     read page 0): no load mask needed."""
+    NP: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
+    pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
+    if MASKED:
+        page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0)
+    else:
+        page = tl.load(bt_row + pidx)
+    return kv_scale_words(page, n0, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N, HEAD_DIM, KV_FMT)
+
+
+@triton.jit
+def kv_scale_words(page, n0, kv_head_off, stride_cb, stride_co, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr):
+    """``kv_scale_index`` from the tile's page ids ``page [NP]`` (int32) already loaded."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     SB: tl.constexpr = 4 if KV_FMT >= 4 else 2  # scale bytes per row
     CB: tl.constexpr = HEAD_DIM * BITS // 8
     NP: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
     SLOTS: tl.constexpr = BLOCK_N // NP
-    pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
-    if MASKED:
-        page = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_row + pidx).to(tl.int64)
     kvh = kv_head_off // CB
     # the head's scales, page-relative, in words (page, codes region and rows are 4-byte multiples)
     base = (BLOCK_SIZE * stride_co) // 4 + kvh * (BLOCK_SIZE * SB // 4)
     if NP == 1:  # BLOCK_N <= BLOCK_SIZE: one page, keys from n0 % BLOCK_SIZE (a multiple of BLOCK_N)
         base += tl.multiple_of((n0 % BLOCK_SIZE) * SB // 4, BLOCK_N * SB // 4)
-    return page[:, None] * (stride_cb // 4) + base + tl.arange(0, SLOTS * SB // 4)[None, :]
+    return page.to(tl.int64)[:, None] * (stride_cb // 4) + base + tl.arange(0, SLOTS * SB // 4)[None, :]
 
 
 @triton.jit

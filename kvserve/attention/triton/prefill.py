@@ -57,53 +57,13 @@ import triton.language as tl
 
 from kvserve.attention.kv_format import KVCacheFormat
 from kvserve.attention.triton.kv_load import (cache_strides, kernel_cache_args, kv_row_offsets, kv_scale_index,
-                                               kv_tile_offsets, load_k_tile, load_scales, load_v_tile,
+                                               kv_scale_words, kv_tile_offsets, load_k_tile, load_scales, load_v_tile,
                                                prepare_query, pv_update, scaled_scores, use_fast_cvt)
 from kvserve.attention.triton.kv_exact import attend_exact, residual_args
-from kvserve.attention.triton.prefill_steps import attend_new, softmax_step, tree_visible
+from kvserve.attention.triton.prefill_steps import (attend_new, e4m3_operand, load_e4m3 as _load_e4m3,  # noqa: F401
+                                                    round_e4m3, softmax_step, tile_pages, tree_visible)
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def round_e4m3(x):
-    """``x`` (float32, ``|x| <= 448``) rounded to e4m3's grid (3 mantissa bits, normals from 2^-6,
-    subnormal steps of 2^-9), kept in float32: the interpreter's e4m3 cast drops a rounding carry."""
-    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)
-    return tl.floor(x / step + 0.5) * step
-
-
-@triton.jit
-def e4m3_operand(x, EMU: tl.constexpr):
-    """``x`` (float32, ``|x| <= 448``: scaled to e4m3's range by the caller) rounded to the nearest
-    e4m3 value (relative error <= 2^-4 from 2^-6 up, absolute <= 2^-10 below) as an FP8 ``tl.dot``
-    operand (``tl.float8e4nv``). ``EMU`` (the interpreter, whose e4m3 cast drops a rounding carry
-    and whose FP8 dot is not exact): the same values as float32 (``round_e4m3``)."""
-    if EMU:
-        y = round_e4m3(x)
-    else:
-        y = x.to(tl.float8e4nv)
-    return y
-
-
-@triton.jit
-def _load_e4m3(cache_ptr, offs, mask, MASKED: tl.constexpr, F8_PTR: tl.constexpr = True):
-    """e4m3 codes at byte offsets ``offs`` of the byte cache as ``tl.float8e4nv`` (masked: 0).
-    ``F8_PTR``: loaded through an e4m3 pointer, so the asynchronous copy lands in shared memory
-    as the dot's operand (a byte load bitcast in registers goes through registers and back)."""
-    if F8_PTR:
-        ptrs = cache_ptr.to(tl.pointer_type(tl.float8e4nv)) + offs
-        if MASKED:
-            x = tl.load(ptrs, mask=mask, other=0.0)
-        else:
-            x = tl.load(ptrs)
-    else:
-        if MASKED:
-            x = tl.load(cache_ptr + offs, mask=mask, other=0)
-        else:
-            x = tl.load(cache_ptr + offs)
-        x = x.to(tl.float8e4nv, bitcast=True)
-    return x
 
 
 @triton.jit
@@ -115,6 +75,7 @@ def _attend_block(
     in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0, FAST_CVT: tl.constexpr = False, q_lim=0,
     RESIDUAL: tl.constexpr = False, TREE: tl.constexpr = False, t_bits=0, t_start=0,
     FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
+    PRE_IDS: tl.constexpr = False, pg=0, pg_sc=0,
 ):
     """One online-softmax step over keys ``[n0, n0 + BLOCK_N)``; ``MASKED`` applies the
     causal / window / ``kv_hi`` masks (off for tiles every row sees in full). ``n0`` is a
@@ -125,27 +86,45 @@ def _attend_block(
     widened to float32, for the interpreter). ``FP8_PV`` (e4m3 codes): P V as an e4m3 dot on the V
     codes as stored, P times the keys' scales rounded to e4m3 after each row is spread over e4m3's
     range (FlashAttention-3's FP8 recipe, Shah et al., arXiv:2407.08608; row factor on the product).
-    ``PAGE_TILES``: the block table read once per page of the tile, not once per key."""
+    ``PAGE_TILES``: the block table read once per page of the tile, not once per key. ``PRE_IDS``
+    (unmasked steps): the tile's block-table ids ``pg`` / ``pg_sc`` given (``tile_pages``), not loaded;
+    16-bit and ``FP8_QK`` K tiles are then loaded ``[BLOCK_N, D]`` as V and transposed, so the ids
+    are needed in one register layout (sm_90: no second id load, no spill)."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = n0 + offs_n
     n_mask = pos < kv_hi
     if USE_WINDOW:  # n0 is rounded down: never load keys below the tile's window (freed blocks)
         n_mask = n_mask & (pos >= kv_min)
-    if PAGE_TILES:  # n0 is a multiple of BLOCK_N; keys past kv_hi read page 0 and are masked
+    if PRE_IDS:  # ids loaded a step ahead by the caller
+        row_off = pg.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head_off
+    elif PAGE_TILES:  # n0 is a multiple of BLOCK_N; keys past kv_hi read page 0 and are masked
         row_off = kv_tile_offsets(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N)
     else:
         row_off = kv_row_offsets(bt_row, pos, n_mask, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, MASKED)
     K_DTYPE: tl.constexpr = tl.float8e4nv if FP8_QK > 0 else in_dtype
     # [D, BLOCK_N]
-    if FP8_QK == 1:
+    if PRE_IDS and (FP8_QK == 1 or KV_FMT == 0):  # [BLOCK_N, D] as V, transposed: the ids in V's layout only
+        if FP8_QK == 1:
+            k = tl.trans(_load_e4m3(k_cache_ptr, row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], n_mask[:, None],
+                                    False))
+        else:
+            k = tl.trans(tl.load(k_cache_ptr + row_off[:, None] + tl.arange(0, HEAD_DIM)[None, :] * stride_cd))
+            k = k.to(in_dtype)
+            if WIDEN:
+                k = k.to(tl.float32)
+    elif FP8_QK == 1:
         k = _load_e4m3(k_cache_ptr, row_off[None, :] + tl.arange(0, HEAD_DIM)[:, None], n_mask[None, :], MASKED)
     else:
         k = load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, MASKED, WIDEN, K_DTYPE, KV_FMT, FAST_CVT)
     if FP8_QK == 2:  # interpreter: its FP8 dot is not exact; the same e4m3 values widened instead
         k = k.to(tl.float32)
     if KV_FMT > 0:  # per-key scales (one vector load per page), the same entries for K and V
-        sc_idx = kv_scale_index(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
-                                HEAD_DIM, KV_FMT, MASKED)
+        if PRE_IDS:
+            sc_idx = kv_scale_words(pg_sc, n0, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                                    KV_FMT)
+        else:
+            sc_idx = kv_scale_index(bt_row, n0, kv_hi, kv_head_off, stride_cb, stride_co, BLOCK_SIZE, BLOCK_N,
+                                    HEAD_DIM, KV_FMT, MASKED)
         ks, kz = load_scales(k_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
         vs, vz = load_scales(v_cache_ptr, sc_idx, n_mask, KV_FMT, BLOCK_N)
     else:
@@ -214,7 +193,7 @@ def _prefill_kernel(
     FP16_DOT: tl.constexpr = False, FAST_CVT: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False,
     HAS_SINKS: tl.constexpr = False, NEW_KV: tl.constexpr = False, TREE: tl.constexpr = False,
     FP8_QK: tl.constexpr = 0, FP8_PV: tl.constexpr = 0, PAGE_TILES: tl.constexpr = False,
-    PREFIX_STAGES: tl.constexpr = 0,
+    PREFIX_STAGES: tl.constexpr = 0, PREFETCH_IDS: tl.constexpr = False,
 ):
     req = tl.program_id(0) + req_offset
     # the last tiles see the most keys: launched first, so the short ones fill the tail of the grid
@@ -306,7 +285,18 @@ def _prefill_kernel(
 
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_head_off = kvh * stride_ch
-    if PREFIX_STAGES > 0:  # the pipeliner spends a stage on the block-table load: one more keeps K/V 2 steps ahead
+    if PREFETCH_IDS:  # tile i+1's block-table ids loaded during step i and carried: K/V addresses off no load
+        pg, pg_sc = tile_pages(bt_row, kv_lo, full_end, BLOCK_SIZE, BLOCK_N, KV_FMT > 0)
+        for n0 in range(kv_lo, full_end, BLOCK_N):
+            pg_nxt, pg_sc_nxt = tile_pages(bt_row, n0 + BLOCK_N, full_end, BLOCK_SIZE, BLOCK_N, KV_FMT > 0)
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
+                kv_head_off, stride_cb, stride_co, stride_cd, q_scale, q_sum,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, DOT_PREC, WIDEN, in_dtype, KV_FMT, FAST_CVT,
+                q_lim, False, False, 0, 0, FP8_QK, FP8_PV, False, True, pg, pg_sc)
+            pg = pg_nxt
+            pg_sc = pg_sc_nxt
+    elif PREFIX_STAGES > 0:  # the pipeliner spends a stage on the block-table load: one more keeps K/V 2 steps ahead
         for n0 in tl.range(kv_lo, full_end, BLOCK_N, num_stages=PREFIX_STAGES):
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, n0, kv_min, kv_hi, q_pos, window, bt_row, k_cache_ptr, v_cache_ptr,
@@ -395,7 +385,10 @@ PREFILL_CONFIGS = {
 #: (``(num_stages - 1) // 2`` steps of latency each), so at 3 stages the prefix keeps one K/V tile
 #: in flight where the chunk's own keys keep two; 5 gives it two (sm_90 GPU IR:
 #: ``benchmarks/ptx_prefill.py``). Dropped where its third K/V buffer would not fit shared memory.
-PREFILL_PATHS = {"fp8_qk": True, "fp8_pv": False, "page_tiles": False, "prefix_stages": 0}
+#: ``prefetch_ids``: the unmasked prefix loop loads tile i+1's block-table ids during step i and
+#: carries them (``prefill_steps.tile_pages``), so the pipeliner sees no load feeding the K/V
+#: addresses and keeps the own keys' depth (3 stages: 2 K/V tiles in flight in 3 buffers).
+PREFILL_PATHS = {"fp8_qk": True, "fp8_pv": False, "page_tiles": False, "prefix_stages": 0, "prefetch_ids": False}
 
 
 def _operand_kind(kv_fmt: int) -> str:
@@ -461,6 +454,7 @@ def prefill_attention(
     fp8_pv: bool | None = None,
     page_tiles: bool | None = None,
     prefix_stages: int | None = None,
+    prefetch_ids: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention for requests ``req_offset .. req_offset + num_reqs - 1``.
 
@@ -500,6 +494,10 @@ def prefill_attention(
             ``fp8_qk``: e4m3 caches only); block-table entries read once per page of a key tile.
         prefix_stages: path override (default ``PREFILL_PATHS``): pipeline stages of the unmasked
             paged-prefix loop (0: the launch's ``num_stages``).
+        prefetch_ids: path override (default ``PREFILL_PATHS``): the unmasked paged-prefix loop
+            loads the next key tile's block-table ids one step ahead (``tile_pages``); same
+            keys, same arithmetic, so the same output. Takes precedence over ``page_tiles`` /
+            ``prefix_stages`` in that loop.
 
     Returns ``out``. No host synchronisation.
     """
@@ -542,6 +540,7 @@ def prefill_attention(
     fp8_pv = PREFILL_PATHS["fp8_pv"] if fp8_pv is None else fp8_pv
     fp8_pv = (1 if on_cuda else 2) if (fp8_pv and fp8_ok and (bn >= 32 or not on_cuda)) else 0  # keys: the dot's K
     page_tiles = PREFILL_PATHS["page_tiles"] if page_tiles is None else page_tiles
+    prefetch_ids = bool(PREFILL_PATHS.get("prefetch_ids", False) if prefetch_ids is None else prefetch_ids)
     prefix_stages = int(PREFILL_PATHS["prefix_stages"] if prefix_stages is None else prefix_stages)
     limit = _max_shared_bytes(query.device.index) if on_cuda else 0
     bufs = (prefix_stages - 1) // 2 + 1  # K/V buffers the pipeliner allocates (see PREFILL_PATHS)
@@ -566,6 +565,7 @@ def prefill_attention(
         FP16_DOT=kv_fmt > 0 and query.dtype != torch.float32, FAST_CVT=fast_cvt,
         HAS_RESIDUAL=kv_residual is not None, HAS_SINKS=sinks is not None, NEW_KV=new_kv, TREE=tree,
         FP8_QK=fp8_qk, FP8_PV=fp8_pv, PAGE_TILES=bool(page_tiles), PREFIX_STAGES=prefix_stages,
+        PREFETCH_IDS=prefetch_ids,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
     return out

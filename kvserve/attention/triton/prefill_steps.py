@@ -1,6 +1,8 @@
 """Steps of the prefill kernel (``prefill.py``) shared by its key loops: the online-softmax update,
-the tree-verification mask, and one step over the chunk's own keys from their contiguous K/V rows
-(``NEW_KV``). Algorithm: FlashAttention-2 (Dao, arXiv:2307.08691)."""
+the tree-verification mask, one step over the chunk's own keys from their contiguous K/V rows
+(``NEW_KV``), the e4m3 operand helpers of the FP8 dots, and the block-table ids of a key tile
+(``tile_pages``: prefetched one step ahead by the paged-prefix loop). Algorithm: FlashAttention-2
+(Dao, arXiv:2307.08691)."""
 
 from __future__ import annotations
 
@@ -76,3 +78,62 @@ def attend_new(
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(in_dtype).to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
+
+
+@triton.jit
+def round_e4m3(x):
+    """``x`` (float32, ``|x| <= 448``) rounded to e4m3's grid (3 mantissa bits, normals from 2^-6,
+    subnormal steps of 2^-9), kept in float32: the interpreter's e4m3 cast drops a rounding carry."""
+    step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.015625))) - 3.0)
+    return tl.floor(x / step + 0.5) * step
+
+
+@triton.jit
+def e4m3_operand(x, EMU: tl.constexpr):
+    """``x`` (float32, ``|x| <= 448``: scaled to e4m3's range by the caller) rounded to the nearest
+    e4m3 value (relative error <= 2^-4 from 2^-6 up, absolute <= 2^-10 below) as an FP8 ``tl.dot``
+    operand (``tl.float8e4nv``). ``EMU`` (the interpreter, whose e4m3 cast drops a rounding carry
+    and whose FP8 dot is not exact): the same values as float32 (``round_e4m3``)."""
+    if EMU:
+        y = round_e4m3(x)
+    else:
+        y = x.to(tl.float8e4nv)
+    return y
+
+
+@triton.jit
+def load_e4m3(cache_ptr, offs, mask, MASKED: tl.constexpr, F8_PTR: tl.constexpr = True):
+    """e4m3 codes at byte offsets ``offs`` of the byte cache as ``tl.float8e4nv`` (masked: 0).
+    ``F8_PTR``: loaded through an e4m3 pointer, so the asynchronous copy lands in shared memory
+    as the dot's operand (a byte load bitcast in registers goes through registers and back)."""
+    if F8_PTR:
+        ptrs = cache_ptr.to(tl.pointer_type(tl.float8e4nv)) + offs
+        if MASKED:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    else:
+        if MASKED:
+            x = tl.load(cache_ptr + offs, mask=mask, other=0)
+        else:
+            x = tl.load(cache_ptr + offs)
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x
+
+
+@triton.jit
+def tile_pages(bt_row, n0, kv_end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SCALES: tl.constexpr):
+    """Block-table ids of keys ``n0 .. n0 + BLOCK_N - 1`` of one request: ``[BLOCK_N]`` int32, one per
+    key (for ``kv_load.kv_row_offsets``' addresses), and with ``SCALES`` ``[NP]`` int32, one per page
+    of the tile (``kv_load.kv_scale_words``; else 0). Keys and pages at or past ``kv_end`` read 0
+    (page 0, never used unmasked). The paged-prefix loop loads the next tile's ids with this during
+    the current step and carries them, so the K/V addresses of a step no longer hang off a load in
+    the same iteration, which is what limited Triton's pipeliner to one K/V tile in flight."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pg = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < kv_end, other=0)
+    pg_sc = 0
+    if SCALES:
+        NP: tl.constexpr = BLOCK_N // BLOCK_SIZE if BLOCK_N > BLOCK_SIZE else 1
+        pidx = n0 // BLOCK_SIZE + tl.arange(0, NP)
+        pg_sc = tl.load(bt_row + pidx, mask=pidx * BLOCK_SIZE < kv_end, other=0)
+    return pg, pg_sc
