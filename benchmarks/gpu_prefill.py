@@ -69,8 +69,9 @@ SWEEP_QUICK = {
 #: (``prefix_stages=5`` and ``fp8_pv`` were measured on 2026-11-29 and did not pay: see
 #: docs/benchmarks/long-context.md; ``{"fp8_qk": False}``: the converted FP8 path, exact queries)
 CHUNK_PATHS = {
-    "bfloat16": [{}, {"prefetch_ids": True}],
-    "fp8_e4m3": [{}, {"prefetch_ids": True}, {"fp8_qk": False, "prefetch_ids": True}, {"fp8_qk": False}],
+    "bfloat16": [{"prefetch_ids": False}, {"prefetch_ids": True}],
+    "fp8_e4m3": [{"prefetch_ids": False}, {"prefetch_ids": True}, {"fp8_qk": False, "prefetch_ids": True},
+                 {"fp8_qk": False, "prefetch_ids": False}],
 }
 #: ``chunk`` part: prompts longer than this also time their last chunk of this many tokens (a
 #: lone long prompt's chunk in W5: ``--max-num-batched-tokens 32768``)

@@ -388,7 +388,7 @@ PREFILL_CONFIGS = {
 #: ``prefetch_ids``: the unmasked prefix loop loads tile i+1's block-table ids during step i and
 #: carries them (``prefill_steps.tile_pages``), so the pipeliner sees no load feeding the K/V
 #: addresses and keeps the own keys' depth (3 stages: 2 K/V tiles in flight in 3 buffers).
-PREFILL_PATHS = {"fp8_qk": True, "fp8_pv": False, "page_tiles": False, "prefix_stages": 0, "prefetch_ids": False}
+PREFILL_PATHS = {"fp8_qk": True, "fp8_pv": False, "page_tiles": False, "prefix_stages": 0, "prefetch_ids": True}
 
 
 def _operand_kind(kv_fmt: int) -> str:
@@ -540,7 +540,8 @@ def prefill_attention(
     fp8_pv = PREFILL_PATHS["fp8_pv"] if fp8_pv is None else fp8_pv
     fp8_pv = (1 if on_cuda else 2) if (fp8_pv and fp8_ok and (bn >= 32 or not on_cuda)) else 0  # keys: the dot's K
     page_tiles = PREFILL_PATHS["page_tiles"] if page_tiles is None else page_tiles
-    prefetch_ids = bool(PREFILL_PATHS.get("prefetch_ids", False) if prefetch_ids is None else prefetch_ids)
+    # on the GPU by default (2 prefix K/V tiles in flight); the interpreter keeps the plain loop unless asked
+    prefetch_ids = bool((PREFILL_PATHS["prefetch_ids"] and on_cuda) if prefetch_ids is None else prefetch_ids)
     prefix_stages = int(PREFILL_PATHS["prefix_stages"] if prefix_stages is None else prefix_stages)
     limit = _max_shared_bytes(query.device.index) if on_cuda else 0
     bufs = (prefix_stages - 1) // 2 + 1  # K/V buffers the pipeliner allocates (see PREFILL_PATHS)
