@@ -46,7 +46,7 @@ DTYPES = ["bfloat16", "fp8_e4m3"]
 # (block_n, num_warps, num_stages) tiles swept per dtype; each with page_tile off and on
 TILES = {
     "bfloat16": [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 4), (128, 8, 2), (32, 4, 4)],
-    "fp8_e4m3": [(64, 2, 5), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
+    "fp8_e4m3": [(64, 2, 5), (128, 8, 2), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
 }
 # FP8-dot path tiles (block_n, warps, stages, fp8_keys_rows, fp8_pv), e4m3 only, timed before the
 # conversion sweep; 4+ warps (Triton's e4m3 wgmma); keys as the MMAs' rows: block_n >= 64 (wgmma's M).
