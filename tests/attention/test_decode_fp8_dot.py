@@ -1,8 +1,9 @@
 """The decode kernel's FP8-dot path for e4m3 caches (``decode.DECODE_PATHS["fp8_dot"]``; Triton
 interpreter on the CPU, tiny shapes): paged over random block tables, GQA, one split with sinks,
-several with a sliding window, the keys as the MMAs' rows, against the float64 reference over the
-dequantized cache within the error bound derived in ``kvserve/attention/triton/decode.py`` (e4m3:
-3 mantissa bits); the path switch and its refusal of other caches."""
+several with a sliding window, the keys as the MMAs' rows, Q K^T only (``fp8_pv`` False: V converted,
+the query's rounding the only error), against the float64 reference over the dequantized cache
+within the error bound derived in ``kvserve/attention/triton/decode.py`` (e4m3: 3 mantissa bits);
+the path switch and its refusal of other caches."""
 
 from __future__ import annotations
 
@@ -141,3 +142,9 @@ def test_fp8_dot_switch_and_configs(monkeypatch):
     assert dc.decode_config(256, torch.float32, False, 1, False, 0, 1, 8, 132, fp8_dot=True).block_n >= 32
     warm = dc.configs_to_compile(128, torch.bfloat16, False, 1, False, 0, 8, 132, fp8_dot=True)
     assert {c for c, _ in warm} == set(dc.FP8_DOT_CONFIGS.values())
+    # Q K^T only (fp8_pv False) is a tile's choice: picked per bucket and warmed as its own variant
+    qk_only = dc.DecodeConfig(64, 4, 5, fp8_keys_rows=True, fp8_pv=False)
+    monkeypatch.setitem(dc.FP8_DOT_CONFIGS, "many", qk_only)
+    assert dc.decode_config(128, torch.bfloat16, False, 1, False, 0, 512, 8, 132, fp8_dot=True) == qk_only
+    warm = dc.configs_to_compile(128, torch.bfloat16, False, 1, False, 0, 8, 132, fp8_dot=True)
+    assert qk_only in {c for c, _ in warm}
