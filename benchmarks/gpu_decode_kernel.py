@@ -17,7 +17,9 @@ FP8 KV also runs the FP8-dot path (``decode.DECODE_PATHS["fp8_dot"]``: e4m3 tens
 codes, no conversion) right after the defaults, before the conversion sweep: its default tile
 (``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES`` (both layouts: keys or query rows as the MMAs' rows),
 each record's ``max_err`` against the conversion path's default output and ``max_err_sdpa`` against
-SDPA; the table sets the two paths side by side.
+SDPA; the table sets the two paths side by side. ``FP8_DOT_TILES`` lead with Q K^T only
+(``fp8_pv`` False, V converted); then ``V_BYTES_TILES``, the conversion path with V's codes read
+as bytes into the P V operand (``DecodeConfig.v_bytes``), which count as conversion configs.
 
 Correctness: the default config's output against SDPA over the dequantized pages (two
 requests); every other config against the default's output.
@@ -55,6 +57,8 @@ TILES = {
 FP8_DOT_TILES = [(128, 4, 3, True, False), (64, 4, 3, True, False), (64, 4, 5, True, False),
                  (128, 8, 3, True, False), (64, 8, 3, True, False), (64, 4, 3, False, False),
                  (128, 4, 3, True, True)]
+# the conversion path with V read as bytes (DecodeConfig.v_bytes): None is the table's tile
+V_BYTES_TILES = [None, (64, 4, 3), (128, 4, 3)]
 # (num_splits, fuse_reduce) swept per batch (None: the config's)
 SPLITS = {512: [(None, None)], 64: [(None, None), (2, False), (4, True)],
           1: [(None, False), (None, True), (64, True), (16, False)]}
@@ -186,7 +190,7 @@ def table_entry(dec, best: dict, default: dict, batch: int, hkv: int, sms: int) 
     becomes ``max_splits`` with enough ``waves`` to reach it."""
     cfg = dict(default.get("default") or {})
     if best is not default:
-        for k in ("block_n", "num_warps", "num_stages", "page_tile", "fuse_reduce"):
+        for k in ("block_n", "num_warps", "num_stages", "page_tile", "fuse_reduce", "v_bytes"):
             if best.get(k) is not None:
                 cfg[k] = best[k]
         if best.get("num_splits"):
@@ -306,6 +310,8 @@ def run(args) -> list[dict]:
         full["num_splits"] = kw.get("num_splits") or dec.choose_num_splits(
             lay.batch, hkv, lay.ctx, sms, full["block_n"], cfg.waves, cfg.max_splits)
         full["fp8_dot"] = bool(kw.get("fp8_dot"))
+        if kw.get("v_bytes") or cfg.v_bytes:
+            full["v_bytes"] = cfg.v_bytes if kw.get("v_bytes") is None else kw["v_bytes"]
         if full["fp8_dot"]:
             full["fp8_keys_rows"] = cfg.fp8_keys_rows if kw.get("fp8_keys_rows") is None else kw["fp8_keys_rows"]
             full["fp8_pv"] = cfg.fp8_pv if kw.get("fp8_pv") is None else kw["fp8_pv"]
@@ -332,6 +338,12 @@ def run(args) -> list[dict]:
                 fp8_sweep.append((key, kw, f"{'fp8_dot' if tile[4] else 'fp8_qk'} {tile[0]}x{tile[1]}x{tile[2]}"
                                            f"{' keys' if tile[3] else ''}{' pt' if page_tile else ''}"
                                            f"{f' s{splits} fused' if splits else ''}"))
+        # the conversion path with V's codes read as bytes into the P V operand (no float16 copy)
+        for tile in ([None] if args.cpu_smoke else V_BYTES_TILES):
+            kw = dict(v_bytes=True)
+            if tile:
+                kw.update(block_n=tile[0], num_warps=tile[1], num_stages=tile[2])
+            fp8_sweep.append((key, kw, f"v_bytes {'%dx%dx%d' % tile if tile else 'default tile'}"))
 
     # The sweep, most likely tiles first, both dtypes at each step: the budget may cut it.
     sweep = []
@@ -376,6 +388,10 @@ def run(args) -> list[dict]:
         r = measure(layers[key], dec.decode_attention, kw, refs[key], tag, sdpa=sdpa_refs.get(key),
                     **{k: v for k, v in kw.items() if k != "fp8_dot"})
         b = best[key]
+        if not kw.get("fp8_dot"):  # v_bytes: a conversion-path config
+            if r.get("ok") and r.get("ms") and r["ms"] < b["best"].get("ms", float("inf")):
+                b["best"] = r
+            continue
         if kw is fp8_default:
             b["fp8_dot_default"] = r
         if r.get("ok") and r.get("ms") and r["ms"] < b.get("fp8_dot_best", {}).get("ms", float("inf")):

@@ -7,6 +7,7 @@ direct (one-split) variant. Rows: bf16 and the e4m3 conversion path at their ``D
 tiles, then the FP8-dot path's tiles (``fp8_qk``: Q K^T only on e4m3, ``DecodeConfig.fp8_pv``
 False; ``fp8_dot``: P V on e4m3 too). ``bufs`` lists the pipeline's shared-memory buffers from
 the TTGIR (``NxSHAPE``: N buffers of a tile; 1 means the load is not in flight across steps),
+``v_bytes``: the conversion path with V read as bytes into the operand layout (``DecodeConfig.v_bytes``),
 ``waits`` the ``async_wait`` counts. Results: docs/benchmarks/decode-kernel.md.
 
 Usage: PYTHONPATH=. python3 benchmarks/ptx_decode_fp8.py [--regs]
@@ -23,10 +24,12 @@ from ptx_kv_loads import _compile, _op_counts, _regs  # sets up the compile-only
 from kvserve.attention.triton import decode
 
 H, HKV, D, BS = 32, 8, 128, 16
-# (label, block_n, warps, stages, fp8_dot, keys_rows, fp8_pv); fp8_dot None: bf16 KV
+# (label, block_n, warps, stages, fp8_dot, keys_rows, fp8_pv[, v_bytes]); fp8_dot None: bf16 KV
 ROWS = [
     ("bf16 default", 64, 2, 4, None, False, True),
     ("fp8 conversion default", 64, 2, 5, False, False, True),
+    ("fp8 conversion v_bytes", 64, 2, 5, False, False, True, True),
+    ("fp8 conversion v_bytes", 64, 4, 3, False, False, True, True),
     ("fp8 fp8_qk keys", 64, 4, 3, True, True, False),
     ("fp8 fp8_qk keys", 64, 4, 5, True, True, False),
     ("fp8 fp8_qk keys", 128, 4, 3, True, True, False),
@@ -45,7 +48,7 @@ def main() -> None:
     res_ptrs = dict(res_k_ptr="*bf16", res_v_ptr="*bf16", new_k_ptr="*bf16", new_v_ptr="*bf16", res_slots_ptr="*i32")
     res_ints = dict(stride_rs=2 * BS * HKV * D, stride_rr=HKV * D, stride_rh=D, stride_nkt=HKV * D, stride_nkh=D,
                     stride_nvt=HKV * D, stride_nvh=D)
-    for label, bn, warps, stages, fp8_dot, keys_rows, fp8_pv in ROWS:
+    for label, bn, warps, stages, fp8_dot, keys_rows, fp8_pv, *v_bytes in ROWS:
         bf16 = fp8_dot is None
         if bf16:
             cs, pk = dict(stride_cb=BS * HKV * D, stride_co=HKV * D, stride_ch=D, stride_cd=1), "*bf16"
@@ -60,7 +63,7 @@ def main() -> None:
             dict(GROUP=H // HKV, G_PAD=64 if fp8_dot and not keys_rows else 16, HEAD_DIM=D, BLOCK_SIZE=BS,
                  BLOCK_N=bn, DIRECT=True, USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=0 if bf16 else 1,
                  FP16_DOT=not bf16, FAST_CVT=False, LANE_SPLIT=False, ROTATE=False, HAS_RESIDUAL=False, EXACT_N=BS,
-                 UNPACK=0, FP8_DOT=int(bool(fp8_dot)), FP8_T=keys_rows, FP8_PV=fp8_pv),
+                 UNPACK=0, FP8_DOT=int(bool(fp8_dot)), FP8_T=keys_rows, FP8_PV=fp8_pv, V_BYTES=bool(v_bytes)),
             no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
         ptx, ttgir = ck.asm["ptx"], ck.asm["ttgir"]
         ops = _op_counts(ptx)

@@ -114,7 +114,7 @@ def _decode_split_kernel(
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
     UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
     FUSE_REDUCE: tl.constexpr = False, FP8_DOT: tl.constexpr = 0, FP8_T: tl.constexpr = False,
-    FP8_PV: tl.constexpr = True,
+    FP8_PV: tl.constexpr = True, V_BYTES: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -263,7 +263,7 @@ def _decode_split_kernel(
                 acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
             else:
                 v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
-                                FAST_CVT)
+                                FAST_CVT, V_BYTES)
                 acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
             m_i = m_new
 
@@ -418,6 +418,7 @@ def decode_attention(
     fp8_dot: bool | None = None,
     fp8_keys_rows: bool | None = None,
     fp8_pv: bool | None = None,
+    v_bytes: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -468,6 +469,10 @@ def decode_attention(
         fp8_pv: on the FP8-dot path, P V an e4m3 dot too (default the config's ``fp8_pv``);
             False: Q K^T only on the e4m3 codes, V's codes converted to float16 and P V a float16
             dot (only the query's rounding in the error bound). Ignored off the FP8-dot path.
+        v_bytes: 8-bit caches on the conversion path (default the config's ``v_bytes``): V's codes
+            read from shared memory as bytes straight into the P V operand layout and converted
+            there, instead of a float16 copy through shared memory (``kv_load._code_rows``). Same
+            values either way.
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -540,6 +545,7 @@ def decode_attention(
         PAGE_TILE=bool(page_tile), FUSE_REDUCE=bool(fuse_reduce) and counters is not None,
         FP8_DOT=(2 if interpret else 1) if fp8_dot else 0, FP8_T=keys_rows,
         FP8_PV=not fp8_dot or bool(cfg.fp8_pv if fp8_pv is None else fp8_pv),
+        V_BYTES=bool(cfg.v_bytes if v_bytes is None else v_bytes),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and partials is None and counters is None:

@@ -54,7 +54,9 @@ class DecodeConfig(NamedTuple):
     (an atomic count per pair), no reduce launch; ``fp8_keys_rows`` (the FP8-dot path only): the
     keys as the MMAs' rows (``decode_fp8._fp8_step_keys_rows``) instead of the query rows padded
     to 64; ``fp8_pv`` (the FP8-dot path only): P V an e4m3 dot too; False: Q K^T only on the e4m3
-    codes, V converted to float16 and P V a float16 dot (prefill's ``fp8_qk`` alone)."""
+    codes, V converted to float16 and P V a float16 dot (prefill's ``fp8_qk`` alone); ``v_bytes``
+    (8-bit codes, the conversion path): V's codes read from shared memory as bytes into the P V
+    operand layout and converted there (``kv_load._code_rows``), no float16 copy of the tile."""
 
     block_n: int
     num_warps: int
@@ -65,6 +67,7 @@ class DecodeConfig(NamedTuple):
     fuse_reduce: bool = False
     fp8_keys_rows: bool = False
     fp8_pv: bool = True
+    v_bytes: bool = False
 
 
 #: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
