@@ -17,7 +17,9 @@ FP8 KV also runs the FP8-dot path (``decode.DECODE_PATHS["fp8_dot"]``: e4m3 tens
 codes, no conversion) right after the defaults, before the conversion sweep: its default tile
 (``FP8_DOT_CONFIGS``) and ``FP8_DOT_TILES`` (both layouts: keys or query rows as the MMAs' rows),
 each record's ``max_err`` against the conversion path's default output and ``max_err_sdpa`` against
-SDPA; the table sets the two paths side by side.
+SDPA; the table sets the two paths side by side. ``FP8_DOT_TILES`` lead with Q K^T only
+(``fp8_pv`` False, V converted); then ``V_BYTES_TILES``, the conversion path with V's codes read
+as bytes into the P V operand (``DecodeConfig.v_bytes``), which count as conversion configs.
 
 Correctness: the default config's output against SDPA over the dequantized pages (two
 requests); every other config against the default's output.
@@ -46,12 +48,17 @@ DTYPES = ["bfloat16", "fp8_e4m3"]
 # (block_n, num_warps, num_stages) tiles swept per dtype; each with page_tile off and on
 TILES = {
     "bfloat16": [(64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 4), (128, 8, 2), (32, 4, 4)],
-    "fp8_e4m3": [(64, 2, 5), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
+    "fp8_e4m3": [(64, 2, 5), (128, 8, 2), (64, 4, 3), (128, 4, 3), (128, 2, 4), (64, 4, 4), (32, 2, 6)],
 }
-# FP8-dot path tiles (block_n, warps, stages, fp8_keys_rows), e4m3 only, timed before the conversion
-# sweep; 4+ warps (Triton's e4m3 wgmma); keys as the MMAs' rows: block_n >= 64 (wgmma's M)
-FP8_DOT_TILES = [(64, 4, 3, True), (128, 4, 3, True), (128, 8, 3, True), (64, 4, 5, True),
-                 (32, 4, 4, False), (64, 4, 3, False), (64, 8, 3, False)]
+# FP8-dot path tiles (block_n, warps, stages, fp8_keys_rows, fp8_pv), e4m3 only, timed before the
+# conversion sweep; 4+ warps (Triton's e4m3 wgmma); keys as the MMAs' rows: block_n >= 64 (wgmma's M).
+# fp8_pv False (Q K^T only on e4m3, V converted to float16) first; of the e4m3 P V tiles only the
+# best of the fp8_dot_h200 run (128 x 4 x 3, keys as rows) stays, as the yardstick.
+FP8_DOT_TILES = [(128, 4, 3, True, False), (64, 4, 3, True, False), (64, 4, 5, True, False),
+                 (128, 8, 3, True, False), (64, 8, 3, True, False), (64, 4, 3, False, False),
+                 (128, 4, 3, True, True)]
+# the conversion path with V read as bytes (DecodeConfig.v_bytes): None is the table's tile
+V_BYTES_TILES = [None, (64, 4, 3), (128, 4, 3)]
 # (num_splits, fuse_reduce) swept per batch (None: the config's)
 SPLITS = {512: [(None, None)], 64: [(None, None), (2, False), (4, True)],
           1: [(None, False), (None, True), (64, True), (16, False)]}
@@ -183,7 +190,7 @@ def table_entry(dec, best: dict, default: dict, batch: int, hkv: int, sms: int) 
     becomes ``max_splits`` with enough ``waves`` to reach it."""
     cfg = dict(default.get("default") or {})
     if best is not default:
-        for k in ("block_n", "num_warps", "num_stages", "page_tile", "fuse_reduce"):
+        for k in ("block_n", "num_warps", "num_stages", "page_tile", "fuse_reduce", "v_bytes"):
             if best.get(k) is not None:
                 cfg[k] = best[k]
         if best.get("num_splits"):
@@ -258,7 +265,8 @@ def run(args) -> list[dict]:
 
     def measure(layer, fn, kw, ref_out, tag, sdpa=None, **extra):
         r = dict(part="kernel", kv_cache_dtype=layer.desc.name, batch=layer.batch, ctx=layer.ctx, config=tag,
-                 path="fp8_dot" if kw.get("fp8_dot") else "convert", **extra)
+                 path=("fp8_dot" if kw.get("fp8_pv", True) else "fp8_qk") if kw.get("fp8_dot") else "convert",
+                 **extra)
         try:
             layer.out.fill_(float("nan"))
             layer.call(fn, 0, **kw)
@@ -302,24 +310,40 @@ def run(args) -> list[dict]:
         full["num_splits"] = kw.get("num_splits") or dec.choose_num_splits(
             lay.batch, hkv, lay.ctx, sms, full["block_n"], cfg.waves, cfg.max_splits)
         full["fp8_dot"] = bool(kw.get("fp8_dot"))
+        if kw.get("v_bytes") or cfg.v_bytes:
+            full["v_bytes"] = cfg.v_bytes if kw.get("v_bytes") is None else kw["v_bytes"]
         if full["fp8_dot"]:
             full["fp8_keys_rows"] = cfg.fp8_keys_rows if kw.get("fp8_keys_rows") is None else kw["fp8_keys_rows"]
+            full["fp8_pv"] = cfg.fp8_pv if kw.get("fp8_pv") is None else kw["fp8_pv"]
         return full
 
-    # The FP8-dot path (e4m3 layers): its default, then its tiles (batch 1: page tiles too).
+    # The FP8-dot path (e4m3 layers): its default, then its tiles (batch 1: page tiles too; fp8_pv
+    # False: Q K^T only on e4m3).
     fp8_default = dict(fp8_dot=True)
     fp8_sweep = []
     for key, lay in layers.items():
         if lay.fmt.kernel_code != 1:
             continue
         fp8_sweep.append((key, fp8_default, "fp8_dot default"))
-        tiles = [(16, 1, 1, True), (16, 1, 1, False)] if args.cpu_smoke else FP8_DOT_TILES
+        tiles = ([(16, 1, 1, True, False), (16, 1, 1, False, False), (16, 1, 1, True, True)] if args.cpu_smoke
+                 else FP8_DOT_TILES)
         for tile in tiles:
-            for page_tile in ((False, True) if key[1] == 1 and tile == tiles[0] else (False,)):
+            first = key[1] == 1 and tile == tiles[0]  # batch 1: page tiles, and twice the splits (fused merge)
+            for page_tile, splits in ([(False, None), (True, None), (False, 64), (True, 64)] if first else
+                                      [(False, None)]):
                 kw = dict(block_n=tile[0], num_warps=tile[1], num_stages=tile[2], page_tile=page_tile, fp8_dot=True,
-                          fp8_keys_rows=tile[3])
-                fp8_sweep.append((key, kw, f"fp8_dot {tile[0]}x{tile[1]}x{tile[2]}{' keys' if tile[3] else ''}"
-                                           f"{' pt' if page_tile else ''}"))
+                          fp8_keys_rows=tile[3], fp8_pv=tile[4])
+                if splits:
+                    kw.update(num_splits=2 if args.cpu_smoke else splits, fuse_reduce=True)
+                fp8_sweep.append((key, kw, f"{'fp8_dot' if tile[4] else 'fp8_qk'} {tile[0]}x{tile[1]}x{tile[2]}"
+                                           f"{' keys' if tile[3] else ''}{' pt' if page_tile else ''}"
+                                           f"{f' s{splits} fused' if splits else ''}"))
+        # the conversion path with V's codes read as bytes into the P V operand (no float16 copy)
+        for tile in ([None] if args.cpu_smoke else V_BYTES_TILES):
+            kw = dict(v_bytes=True)
+            if tile:
+                kw.update(block_n=tile[0], num_warps=tile[1], num_stages=tile[2])
+            fp8_sweep.append((key, kw, f"v_bytes {'%dx%dx%d' % tile if tile else 'default tile'}"))
 
     # The sweep, most likely tiles first, both dtypes at each step: the budget may cut it.
     sweep = []
@@ -364,6 +388,10 @@ def run(args) -> list[dict]:
         r = measure(layers[key], dec.decode_attention, kw, refs[key], tag, sdpa=sdpa_refs.get(key),
                     **{k: v for k, v in kw.items() if k != "fp8_dot"})
         b = best[key]
+        if not kw.get("fp8_dot"):  # v_bytes: a conversion-path config
+            if r.get("ok") and r.get("ms") and r["ms"] < b["best"].get("ms", float("inf")):
+                b["best"] = r
+            continue
         if kw is fp8_default:
             b["fp8_dot_default"] = r
         if r.get("ok") and r.get("ms") and r["ms"] < b.get("fp8_dot_best", {}).get("ms", float("inf")):
@@ -409,8 +437,11 @@ def run(args) -> list[dict]:
         df, bb, fd, fb = b["default"], b["best"], b.get("fp8_dot_default", {}), b["fp8_dot_best"]
         bucket = dec.programs_bucket(batch, hkv, sms)
         cfg = dec.FP8_DOT_CONFIGS[bucket]._asdict()
-        cfg.update({k: fb[k] for k in ("block_n", "num_warps", "num_stages", "page_tile", "fp8_keys_rows")
-                    if fb.get(k) is not None})
+        cfg.update({k: fb[k] for k in ("block_n", "num_warps", "num_stages", "page_tile", "fp8_keys_rows", "fp8_pv",
+                                       "fuse_reduce") if fb.get(k) is not None})
+        if fb.get("num_splits"):  # an explicit split count: max_splits, with the waves to reach it
+            n = fb["num_splits"]
+            cfg["max_splits"], cfg["waves"] = n, max(1, math.ceil(n * batch * hkv / sms))
         entry = f"{bucket!r}: DecodeConfig({', '.join(f'{k}={cfg[k]!r}' for k in cfg)})"
         fp8_lines.append(f"    {entry},  # {batch} x {ctx}: {fb.get('ms')} ms, {fb.get('copy_fraction')} of the copy "
                          f"rate (conversion path {bb.get('ms')} ms)")

@@ -14,7 +14,8 @@ int32 pointers: ``kv_load.kv_scale_index``) as Triton's GPU IR has them after pi
 the tile shape and the bytes per thread per access (from the layout's ``sizePerThread``),
 with counts (prologue copies of the pipeline included).
 ``--regs`` adds registers / spill bytes per thread from ``ptxas -v`` (Triton's bundled ptxas);
-``--fp8-dot`` the e4m3 decode kernel's FP8-dot path too (``decode.DECODE_PATHS``);
+``--fp8-dot`` the e4m3 decode kernel's FP8-dot path too (``decode.DECODE_PATHS``; ``fp8_qk``: Q K^T
+only, ``fp8_pv`` False);
 ``--ops`` static counts of shared-memory, conversion and unpacking instructions; ``--unpack``
 the int4/int2 decode variants compiled (``kv_load.CODE_PATHS["unpack"]``); ``--dump DIR`` each
 kernel's TTGIR and PTX.
@@ -164,10 +165,10 @@ def main() -> None:
                         stride_nkh=D, stride_nvt=HKV * D, stride_nvh=D)
         unpacks = ns.unpack.split(",") if code >= 4 and lane_split else ["int32"]
         if code == 1 and ns.fp8_dot:  # e4m3: the conversion path, then the FP8-dot path
-            unpacks = ["int32", "fp8_dot"]
+            unpacks = ["int32", "fp8_dot", "fp8_qk"]
         for direct in (False, True):
             for unpack in unpacks:
-                fp8_dot = unpack == "fp8_dot"
+                fp8_dot = unpack in ("fp8_dot", "fp8_qk")
                 unpack_code = 0 if fp8_dot else use_unpack(code, True, True, unpack)
                 bn, warps, stages = decode._config(D, torch.bfloat16, False, code, lane_split, unpack_code)
                 keys_rows = False
@@ -185,7 +186,7 @@ def main() -> None:
                          BLOCK_N=bn, DIRECT=direct, USE_WINDOW=False, DOT_PREC="tf32", WIDEN=False, KV_FMT=code,
                          FP16_DOT=code > 0, FAST_CVT=use_fast_cvt(code), LANE_SPLIT=lane_split, ROTATE=False,
                          HAS_RESIDUAL=residual, EXACT_N=BS, UNPACK=unpack_code, FP8_DOT=int(fp8_dot),
-                         FP8_T=keys_rows),
+                         FP8_T=keys_rows, FP8_PV=unpack != "fp8_qk"),
                     no_spec=("window", "num_splits", "stride_bt"), num_warps=warps, num_stages=stages)
                 label = f"{name:9s} decode{'(direct)' if direct else '(split) '} {bn}x{warps}wx{stages}s"
                 _show(label + (f" {'path' if code == 1 else 'unpack'}={unpack}" if len(unpacks) > 1 else ""), ck, ns)

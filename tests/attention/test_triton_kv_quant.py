@@ -267,6 +267,29 @@ def test_decode_code_paths_agree(name, fast_cvt, lane_split, q_dtype):
         torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8"])
+def test_decode_v_bytes_equals_the_word_path(name):
+    """``v_bytes`` (8-bit V codes read as bytes into the operand layout, ``DecodeConfig.v_bytes``)
+    computes the same values as the default 2-byte-word path, and torch_ref's."""
+    gen = torch.Generator().manual_seed(9)
+    bs, h, hkv, d = 8, 4, 2, 32
+    reqs = [(21, 1), (40, 1)]
+    meta, cache = _batch(reqs, bs, hkv, d, name, gen)
+    q, k, v = (torch.randn(len(reqs), n, d, generator=gen).to(DEV) for n in (h, hkv, hkv))
+    store_kv(k, v, cache, meta.slot_mapping, kv_format=kv_format_for(name, d))
+    ref = TorchRefBackend().forward(q, k, v, view_of(cache.clone(), name, d), dataclasses.replace(
+        meta, slot_mapping=torch.full_like(meta.slot_mapping, -1)), d ** -0.5)
+    outs = []
+    for v_bytes in (False, True):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, len(reqs),
+                         meta.max_seq_len, d ** -0.5, out=out, num_splits=2, block_n=16,
+                         kv_format=kv_format_for(name, d), v_bytes=v_bytes)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(outs[1], ref.float(), atol=1e-4, rtol=1e-4)
+
+
 def _run_lane_asm(asm: str, word: int) -> list[int]:
     """Emulates the PTX of ``kv_load._lane_asm`` / ``_lane_asm_i8`` on one input register (4 packed bytes): the
     output registers as 32-bit words (each two float16)."""

@@ -132,7 +132,8 @@ class TritonBackend(AttentionBackend):
                     decode_attention(q, kv_cache, bt, lens, qsl, 1, 1, 1.0, window, num_splits=splits, rotate=rotate,
                                      kv_format=fmt, sinks=kv.sinks, block_n=cfg.block_n, num_warps=cfg.num_warps,
                                      num_stages=cfg.num_stages, page_tile=cfg.page_tile,
-                                     fuse_reduce=cfg.fuse_reduce, fp8_keys_rows=cfg.fp8_keys_rows, **res)
+                                     fuse_reduce=cfg.fuse_reduce, fp8_keys_rows=cfg.fp8_keys_rows,
+                                     fp8_pv=cfg.fp8_pv, v_bytes=cfg.v_bytes, **res)
             chunk = {}  # the variant that reads the chunk's own K/V (the one _attend runs)
             if not res and kv.rotation is None and (fmt.kernel_code or kv_cache.dtype == dtype):
                 chunk = dict(new_key=new, new_value=new)

@@ -49,6 +49,10 @@ keys (constexpr ``FP8_T``, ``DecodeConfig.fp8_keys_rows``: ``S^T = K q^T``, ``O^
 softmax over the query rows padded to 16, its reductions along axis 0) or the query rows padded to
 64 (4x the softmax's element-wise work). Steps: ``decode_fp8.py``. The interpreter (``FP8_DOT`` 2)
 rounds the same way in float32 and multiplies exactly.
+With ``FP8_PV`` False (``fp8_pv=False``, ``DecodeConfig.fp8_pv``) only Q K^T is an e4m3 dot:
+V's codes are converted to float16 and P V is the conversion path's float16 dot (V's scales on P;
+float16 operands may be MN-major in shared memory, so V needs no transpose), and bound (1) below is
+the whole error (plus float16's rounding of ``p_j s_j``, relative 2^-11, as on the conversion path).
 Error bound (u = 2^-4, e4m3's unit roundoff with 3 mantissa bits; below 2^-6 the absolute error
 is at most 2^-10): with the weights ``w`` of the exact softmax (sinks included in its
 denominator), ``v_j = s_j c_j`` the cache's values, ``O = sum_j w_j v_j`` and ``n`` keys,
@@ -110,6 +114,7 @@ def _decode_split_kernel(
     ROTATE: tl.constexpr = False, HAS_RESIDUAL: tl.constexpr = False, EXACT_N: tl.constexpr = 16,
     UNPACK: tl.constexpr = 0, HAS_SINKS: tl.constexpr = False, PAGE_TILE: tl.constexpr = False,
     FUSE_REDUCE: tl.constexpr = False, FP8_DOT: tl.constexpr = 0, FP8_T: tl.constexpr = False,
+    FP8_PV: tl.constexpr = True, V_BYTES: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -219,10 +224,10 @@ def _decode_split_kernel(
         if FP8_DOT > 0:  # e4m3 codes straight to the MMAs (module docstring)
             if FP8_T:
                 acc_t, m_i, l_i = _fp8_step_keys_rows(q_t, acc_t, m_i, l_i, k_cache_ptr, v_cache_ptr, row_off, n_mask,
-                                                      q_scale, ks, vs, HEAD_DIM, FP8_DOT)
+                                                      q_scale, ks, vs, HEAD_DIM, FP8_DOT, FP8_PV)
             else:
                 acc, m_i, l_i = _fp8_step(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, row_off, n_mask, q_scale, ks, vs,
-                                          HEAD_DIM, FP8_DOT)
+                                          HEAD_DIM, FP8_DOT, FP8_PV)
         else:
             if LANES > 1:
                 rk = load_code_bytes_t(k_cache_ptr, row_off, n_mask, CL, True, UNPACK > 0)  # [C, BLOCK_N]
@@ -258,7 +263,7 @@ def _decode_split_kernel(
                 acc_z = acc_z * alpha + tl.sum(p * vz[None, :], 1)
             else:
                 v = load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM, True, WIDEN, in_dtype, KV_FMT,
-                                FAST_CVT)
+                                FAST_CVT, V_BYTES)
                 acc = pv_update(acc * alpha[:, None], p, v, vs, vz, DOT_PREC, KV_FMT, in_dtype)
             m_i = m_new
 
@@ -267,7 +272,7 @@ def _decode_split_kernel(
     if FP8_T:
         acc = tl.trans(acc_t)
     empty = l_i == 0.0
-    OUT_SCALE: tl.constexpr = 1.0 / 448.0 if FP8_DOT > 0 else CODE_SCALE
+    OUT_SCALE: tl.constexpr = 1.0 / 448.0 if (FP8_DOT > 0 and FP8_PV) else CODE_SCALE
     o = acc * (OUT_SCALE / tl.where(empty, 1.0, l_i))[:, None]
     if ROTATE:  # linear, so each split's partial output may be rotated back before the reduce
         o = hadamard_rotate(o, HEAD_DIM, DOT_PREC, tl.float32 if WIDEN or not FP16_DOT else tl.bfloat16,
@@ -412,6 +417,8 @@ def decode_attention(
     fuse_reduce: bool | None = None,
     fp8_dot: bool | None = None,
     fp8_keys_rows: bool | None = None,
+    fp8_pv: bool | None = None,
+    v_bytes: bool | None = None,
 ) -> torch.Tensor:
     """Attention for the first ``num_decodes`` requests (one query row each).
 
@@ -459,6 +466,13 @@ def decode_attention(
         fp8_keys_rows: the FP8-dot path's layout override (default the config's
             ``fp8_keys_rows``): the keys as the MMAs' rows (the softmax over GROUP query rows
             padded to 16) instead of the query rows padded to 64.
+        fp8_pv: on the FP8-dot path, P V an e4m3 dot too (default the config's ``fp8_pv``);
+            False: Q K^T only on the e4m3 codes, V's codes converted to float16 and P V a float16
+            dot (only the query's rounding in the error bound). Ignored off the FP8-dot path.
+        v_bytes: 8-bit caches on the conversion path (default the config's ``v_bytes``): V's codes
+            read from shared memory as bytes straight into the P V operand layout and converted
+            there, instead of a float16 copy through shared memory (``kv_load._code_rows``). Same
+            values either way.
 
     Returns ``out``. No host synchronisation (CUDA-graph capturable for fixed host ints).
     """
@@ -530,6 +544,8 @@ def decode_attention(
         EXACT_N=max(16, triton.next_power_of_2(block_size)), UNPACK=unpack_code, HAS_SINKS=sinks is not None,
         PAGE_TILE=bool(page_tile), FUSE_REDUCE=bool(fuse_reduce) and counters is not None,
         FP8_DOT=(2 if interpret else 1) if fp8_dot else 0, FP8_T=keys_rows,
+        FP8_PV=not fp8_dot or bool(cfg.fp8_pv if fp8_pv is None else fp8_pv),
+        V_BYTES=bool(cfg.v_bytes if v_bytes is None else v_bytes),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and partials is None and counters is None:

@@ -53,7 +53,10 @@ class DecodeConfig(NamedTuple):
     several splits, the last program of each (request, KV head) to finish merges the splits
     (an atomic count per pair), no reduce launch; ``fp8_keys_rows`` (the FP8-dot path only): the
     keys as the MMAs' rows (``decode_fp8._fp8_step_keys_rows``) instead of the query rows padded
-    to 64."""
+    to 64; ``fp8_pv`` (the FP8-dot path only): P V an e4m3 dot too; False: Q K^T only on the e4m3
+    codes, V converted to float16 and P V a float16 dot (prefill's ``fp8_qk`` alone); ``v_bytes``
+    (8-bit codes, the conversion path): V's codes read from shared memory as bytes into the P V
+    operand layout and converted there (``kv_load._code_rows``), no float16 copy of the tile."""
 
     block_n: int
     num_warps: int
@@ -63,6 +66,8 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 32
     fuse_reduce: bool = False
     fp8_keys_rows: bool = False
+    fp8_pv: bool = True
+    v_bytes: bool = False
 
 
 #: Decode configs on CUDA for head_dim <= 128, 16-bit queries and plain 16-bit or 8-bit KV,
@@ -90,7 +95,8 @@ DECODE_CONFIGS: dict[tuple[int, str], DecodeConfig] = {
 #: e4m3 caches compute Q K^T and P V as FP8 tensor-core dots on the codes as stored (the query and
 #: P rounded to e4m3, the per-token scales folded into the scores and the softmax; error bound in
 #: ``decode.py``), instead of converting the codes to float16. Off until the GPU sweep decides
-#: (``decode-kernel`` part, docs/benchmarks/decode-kernel.md).
+#: (``decode-kernel`` part, docs/benchmarks/decode-kernel.md). Whether P V is an e4m3 dot too is the
+#: tile's (``DecodeConfig.fp8_pv`` in ``FP8_DOT_CONFIGS``).
 DECODE_PATHS = {"fp8_dot": False}
 
 #: ``DECODE_CONFIGS``' tiles for the FP8-dot path of e4m3 caches, by programs bucket (head_dim

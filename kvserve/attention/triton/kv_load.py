@@ -212,12 +212,17 @@ def load_scales(cache_ptr, sc_idx, n_mask, KV_FMT: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit
 def _code_rows(cache_ptr, row_off, n_mask, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr, MASKED: tl.constexpr,
-               out_dtype: tl.constexpr, FAST_CVT: tl.constexpr = False):
+               out_dtype: tl.constexpr, FAST_CVT: tl.constexpr = False, V_BYTES: tl.constexpr = False):
     """Codes ``[BLOCK_N, HEAD_DIM]`` as ``out_dtype`` values (the V tile, not scaled): each
-    key's ``C`` contiguous bytes at ``row_off``, unpacked; masked keys are 0."""
+    key's ``C`` contiguous bytes at ``row_off``, unpacked; masked keys are 0. ``V_BYTES`` (8-bit
+    codes, no ``FAST_CVT``): loaded as bytes and converted element-wise, so the compiler reads them
+    from shared memory straight into the dot operand's layout (byte-wide shared loads: the operand
+    registers hold consecutive keys) and converts there, with no float16 copy through shared memory."""
     BITS: tl.constexpr = 4 if KV_FMT == 4 else (2 if KV_FMT == 5 else 8)
     CB: tl.constexpr = HEAD_DIM * BITS // 8
-    if KV_FMT <= 3:
+    if KV_FMT <= 3 and V_BYTES and not FAST_CVT:
+        x = _byte_codes(load_code_bytes(cache_ptr, row_off, n_mask, CB, MASKED, True), KV_FMT, out_dtype, False)
+    elif KV_FMT <= 3:
         # 8-bit codes read as 2-byte words and split in registers (join + reshape): converted
         # in the load's layout, the tile reaches the dot operand as 16-bit values (transposing
         # loads); converted in the operand layout, it would take byte-wide shared loads.
@@ -463,12 +468,13 @@ def load_k_tile(k_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr,
 @triton.jit
 def load_v_tile(v_cache_ptr, row_off, n_mask, stride_cd, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
                 WIDEN: tl.constexpr, in_dtype: tl.constexpr, KV_FMT: tl.constexpr = 0,
-                FAST_CVT: tl.constexpr = False):
+                FAST_CVT: tl.constexpr = False, V_BYTES: tl.constexpr = False):
     """V, ``[BLOCK_N, HEAD_DIM]`` in ``in_dtype`` (float32 if ``WIDEN``); masked keys are 0.
-    Quantized formats: the codes, not scaled (the caller folds the scales into P)."""
+    Quantized formats: the codes, not scaled (the caller folds the scales into P); ``V_BYTES``:
+    ``_code_rows``'."""
     offs_d = tl.arange(0, HEAD_DIM)
     if KV_FMT > 0:
-        v = _code_rows(v_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED, in_dtype, FAST_CVT)
+        v = _code_rows(v_cache_ptr, row_off, n_mask, HEAD_DIM, KV_FMT, MASKED, in_dtype, FAST_CVT, V_BYTES)
     else:
         ptrs = v_cache_ptr + row_off[:, None] + offs_d[None, :] * stride_cd
         if MASKED:
