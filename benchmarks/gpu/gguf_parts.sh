@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default model's GGUF (98 MB) is larger than what one device call carries (64 MiB with the
 # tree). Compress it (xz) and split it into two ignored folders here, carry one per call on a warm
-# machine (ignored paths stay between calls there), and let run.sh's eagle3-train and spec-policy parts put it back.
+# machine (ignored paths stay between calls there), and let run.sh's eagle3-train, spec-policy and spec-edit parts put it back.
 #
 #   bash benchmarks/gpu/gguf_parts.sh split   # here: .gguf_part1/ .gguf_part2/ (~45 MB each)
 #   bash benchmarks/gpu/gguf_parts.sh join    # on the GPU machine: /tmp/default.gguf, prints its path

@@ -82,6 +82,7 @@ dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96
 ray-tp:150:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
 spec-policy:200:the shipped EAGLE head on the default model (real weights): batch 16/64 dynamic speculation vs none, batch-1 k=4 vs none (gpu_eagle3_train.py --head)
+spec-edit:150:default model (real weights), batch 1: n-gram and suffix decoding on code edits, repeated edits and chat vs none (spec_decode_cpu.py --device cuda)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
 decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside, fp8 KV FP8-dot path rows (gpu_decode_kernel.py)
 "
@@ -247,6 +248,12 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         KVSERVE_DEFAULT_GGUF=$(bash "$ROOT/benchmarks/gpu/gguf_parts.sh" join) && export KVSERVE_DEFAULT_GGUF
       py $B/gpu_eagle3_train.py --out "$d" --head kvserve/spec_decode/data/eagle-smollm2-135m --method eagle \
         --plan batch,none,k4 --deadline $(( ${LIMIT:-200} - 10 )) ;;
+    spec-edit)  # the default GGUF from the carried pieces, as eagle3-train
+      [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \
+        KVSERVE_DEFAULT_GGUF=$(bash "$ROOT/benchmarks/gpu/gguf_parts.sh" join) && export KVSERVE_DEFAULT_GGUF
+      py $B/spec_decode_cpu.py --device cuda --model "${KVSERVE_DEFAULT_GGUF:?the default GGUF}" \
+        --workloads edit,repeat,chat --ks 4 --suffix-ks 4,8 --edit-prompts 6 --chat-prompts 6 --max-tokens 256 \
+        --out "$d/spec_decode_cuda.json" ;;
     decode-kernel)  # the kernel of 0fa5af9 (before the config table) beside: KVSERVE_BASELINE's, or from git
       local old=/tmp/decode_old.py
       if [ -n "${KVSERVE_BASELINE:-}" ]; then cp "$KVSERVE_BASELINE/kvserve/attention/triton/decode.py" $old
