@@ -56,6 +56,9 @@ from kvserve.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerStats", "RequestUpdate"]
 
+#: ``allocate_slots``'s answer for a request that needs no new block (one group; never mutated).
+_NO_NEW_BLOCKS = ([],)
+
 
 @dataclass
 class SchedulerStats:
@@ -266,6 +269,10 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         bounded, k_max = self._bounded, self._k_max
         running = self.running
         chunk_cap = self._prefill_cap()
+        # Most decodes neither cross a block boundary nor fill a block (1 in block_size does):
+        # their allocate_slots is a no-op, tested here inline (KVCacheManager.fits_in_held_blocks).
+        held = self.kv.plain_req_blocks
+        bs = self.kv.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -290,6 +297,13 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             k = self._num_drafts(req, n, budget) if k_max else 0
             # allocate_slots changes nothing when blocks are short: retry with the drafts dropped,
             # then preempting the worst request (this one last) until it fits.
+            if held is not None and (st := held.get(req.request_id)) is not None \
+                    and c + n + k <= len(st.blocks) * bs and c + n + k < st.cache_at:
+                new_blocks[req.request_id] = _NO_NEW_BLOCKS
+                scheduled.append((req, n, k))
+                budget -= n + k
+                i += 1
+                continue
             while (blocks := self.kv.allocate_slots(req, n + k)) is None:
                 if k:
                     k = 0
