@@ -400,7 +400,7 @@ class EngineCore:
             if r.num_pending_tokens:
                 sp = r.sampling_params
                 if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty \
-                        or r.num_output_tokens < sp.min_tokens or r.structured_output is not None:
+                        or len(r.output_token_ids) < sp.min_tokens or r.structured_output is not None:
                     return True
         return False
 

@@ -335,13 +335,15 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         grammar_reqs: list[Request] = []
         c_ids, c_blocks, c_computed, c_tokens = (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                                  cached.new_token_ids)
+        no_new = _NO_NEW_BLOCKS
         for j, (req, n, k) in enumerate(scheduled):
             rid = req.request_id
             c = req.num_computed_tokens
             if j < num_cached:
                 c_ids.append(rid)
                 blocks = new_blocks[rid]
-                c_blocks.append(tuple([b.block_id for b in g] for g in blocks) if any(blocks) else None)
+                c_blocks.append(None if blocks is no_new or not any(blocks)
+                                else tuple([b.block_id for b in g] for g in blocks))
                 c_computed.append(c)
                 c_tokens.append([])
             else:
