@@ -75,6 +75,10 @@ class KVCacheManager:
         # A format that keeps the filling block exact (KVFormat.residual) recomputes a partial
         # block instead of reading it from its page: a prefix hit then computes what a cold run does.
         self.block_granular_hits = any(g.spec.format.residual for g in kv_cache_config.groups)
+        # One plain full-attention group: its per-request block states, for the scheduler's
+        # decode fast path (``fits_in_held_blocks``); None where another manager type serves it.
+        self.plain_req_blocks = (self._single._reqs if type(self._single) is SingleTypeKVCacheManager
+                                 else None)
 
     @property
     def bounds_kv(self) -> bool:
@@ -237,6 +241,18 @@ class KVCacheManager:
         if not all(g.can_allocate(request, num_new_tokens, h) for g, h in zip(self.groups, hits)):
             return None
         return tuple(g.allocate_slots(request, num_new_tokens, h) for g, h in zip(self.groups, hits))
+
+    def fits_in_held_blocks(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens)`` would be a no-op returning no new
+        blocks: one plain full-attention group, a running request whose held blocks already
+        hold the tokens and no block of it becoming full (to register). False means "ask
+        ``allocate_slots``", not "does not fit". The scheduler inlines this test (hot)."""
+        reqs = self.plain_req_blocks
+        st = reqs.get(request.request_id) if reqs is not None else None
+        if st is None:
+            return False
+        total = request.num_computed_tokens + num_new_tokens
+        return total <= len(st.blocks) * self.block_size and total < st.cache_at
 
     def rollback(self, request: Request) -> None:
         """Free blocks past ``ceil(num_computed_tokens / block_size)`` in every group (after

@@ -400,7 +400,7 @@ class EngineCore:
             if r.num_pending_tokens:
                 sp = r.sampling_params
                 if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty \
-                        or r.num_output_tokens < sp.min_tokens or r.structured_output is not None:
+                        or len(r.output_token_ids) < sp.min_tokens or r.structured_output is not None:
                     return True
         return False
 
@@ -424,19 +424,26 @@ class EngineCore:
             self.moe_expert_tokens = runner_out.moe_expert_tokens
         outs = EngineCoreOutputs(num_prompt_tokens=sched.num_prompt_tokens)
         n_gen = 0
+        append = outs.outputs.append
+        running = RequestStatus.RUNNING
+        # One output per request every step: positional fields (EngineCoreOutput's order), the
+        # finish reason and prompt logprobs looked at only where they can be set (hot).
         for req, toks, lps in updated:
             n_gen += len(toks)
+            sp = req.sampling_params
+            status = req.status
             plps = None
-            if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if sp.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 plps, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True  # the first token has none
-            outs.outputs.append(EngineCoreOutput(
-                req.request_id, toks, new_logprobs=lps if req.sampling_params.logprobs is not None else None,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                num_cached_tokens=req.num_cached_tokens, first_scheduled_time=req.first_scheduled_time,
-                first_token_time=req.first_token_time, finished_time=req.finished_time,
-                num_preemptions=req.num_preemptions, prompt_logprobs=plps,
-                num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
-                kv_transfer_params=req.kv_transfer_params if req.is_finished else None))
+            if status == running:
+                finish_reason = kv_params = None
+            else:
+                finish_reason = req.finish_reason
+                kv_params = req.kv_transfer_params if status.finished else None
+            append(EngineCoreOutput(
+                req.request_id, toks, lps if sp.logprobs is not None else None, finish_reason, req.stop_reason,
+                req.num_cached_tokens, req.first_scheduled_time, req.first_token_time, req.finished_time,
+                req.num_preemptions, plps, req.num_draft_tokens, req.num_accepted_tokens, kv_params))
         outs.num_generation_tokens = n_gen
         if self.has_urgent_kv_work() and self._in_flight is None:
             # Lend a finished request's blocks now: its consumer may connect before the next step.

@@ -176,10 +176,11 @@ class LLMEngine:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outs = []
         for p in parents:
-            if stream or p.finished:
-                outs.append(self.output_processor.make_output(p))
-            if p.finished:
-                self.output_processor.remove(p)
+            finished = p.finished  # read once: every request is a parent here, every step
+            if stream or finished:
+                outs.append(op.make_output(p))
+            if finished:
+                op.remove(p)
         self._update_stats(res.num_prompt_tokens, res.num_generation_tokens)
         return outs
 

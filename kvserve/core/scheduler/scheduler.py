@@ -56,6 +56,9 @@ from kvserve.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerStats", "RequestUpdate"]
 
+#: ``allocate_slots``'s answer for a request that needs no new block (one group; never mutated).
+_NO_NEW_BLOCKS = ([],)
+
 
 @dataclass
 class SchedulerStats:
@@ -258,7 +261,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         # The worst request sits last, so a victim is never one already scheduled this step.
         self.running.sort(key=self._sort_key)
         scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft tokens)
-        new_blocks: dict[str, object] = {}
+        new_blocks: list = []  # per running request scheduled, its new blocks (allocate_slots')
         preempted = False
 
         # The loop runs once per running request every step: plain locals, no property calls.
@@ -266,14 +269,19 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         bounded, k_max = self._bounded, self._k_max
         running = self.running
         chunk_cap = self._prefill_cap()
+        # Most decodes neither cross a block boundary nor fill a block (1 in block_size does):
+        # their allocate_slots is a no-op, tested here inline (KVCacheManager.fits_in_held_blocks).
+        held = self.kv.plain_req_blocks
+        bs = self.kv.block_size
+        skip_in_flight, max_batch_requests = self.skip_in_flight, self.max_batch_requests
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             pending = req.num_pending_tokens
-            if self.skip_in_flight and pending:
+            if skip_in_flight and pending:
                 i += 1  # its previous step is still in flight
                 continue
-            if self.max_batch_requests is not None and len(scheduled) >= self.max_batch_requests:
+            if max_batch_requests is not None and len(scheduled) >= max_batch_requests:
                 break
             num_tokens = len(req.all_token_ids)
             max_len = self._max_len(req) if bounded else max_model_len
@@ -290,6 +298,13 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             k = self._num_drafts(req, n, budget) if k_max else 0
             # allocate_slots changes nothing when blocks are short: retry with the drafts dropped,
             # then preempting the worst request (this one last) until it fits.
+            if held is not None and (st := held.get(req.request_id)) is not None \
+                    and c + n + k <= len(st.blocks) * bs and c + n + k < st.cache_at:
+                new_blocks.append(_NO_NEW_BLOCKS)
+                scheduled.append((req, n, k))
+                budget -= n + k
+                i += 1
+                continue
             while (blocks := self.kv.allocate_slots(req, n + k)) is None:
                 if k:
                     k = 0
@@ -302,7 +317,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            new_blocks[req.request_id] = blocks
+            new_blocks.append(blocks)
             scheduled.append((req, n, k))
             budget -= n + k
             i += 1
@@ -313,7 +328,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         return self._make_output(out, scheduled, num_cached, new_blocks)
 
     def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_cached: int,
-                     new_blocks: dict) -> SchedulerOutput:
+                     new_blocks: list) -> SchedulerOutput:
         """Advance ``num_computed_tokens`` (and pending tokens) and describe the step as data."""
         cached = out.scheduled_cached_reqs
         nst = out.num_scheduled_tokens
@@ -321,13 +336,15 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         grammar_reqs: list[Request] = []
         c_ids, c_blocks, c_computed, c_tokens = (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                                  cached.new_token_ids)
+        no_new = _NO_NEW_BLOCKS
         for j, (req, n, k) in enumerate(scheduled):
             rid = req.request_id
             c = req.num_computed_tokens
             if j < num_cached:
                 c_ids.append(rid)
-                blocks = new_blocks[rid]
-                c_blocks.append(tuple([b.block_id for b in g] for g in blocks) if any(blocks) else None)
+                blocks = new_blocks[j]
+                c_blocks.append(None if blocks is no_new or not any(blocks)
+                                else tuple([b.block_id for b in g] for g in blocks))
                 c_computed.append(c)
                 c_tokens.append([])
             else:

@@ -70,6 +70,7 @@ class OutputUpdateMixin:
         running_status, preempted_status = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         check_stop = self._check_stop
         draft_ids = output.draft_token_ids
+        bounded, max_model_len = self._bounded, self.config.max_model_len
         for rid, toks in output.sampled_token_ids.items():
             req = requests.get(rid)
             if req is None:
@@ -89,10 +90,16 @@ class OutputUpdateMixin:
             lps = all_lps.get(rid) if all_lps else None
             status = None
             so = req.structured_output
+            out_ids, all_ids, sp = req.output_token_ids, req.all_token_ids, req.sampling_params
             for j, tok in enumerate(toks):
-                req.output_token_ids.append(tok)  # Request.append_output_token, inlined (hot)
-                req.all_token_ids.append(tok)
-                status = check_stop(req, tok)
+                out_ids.append(tok)  # Request.append_output_token, inlined (hot)
+                all_ids.append(tok)
+                # _check_stop's common answer inlined: below every length limit, past min_tokens,
+                # not EOS and no stop token ids (anything else asks _check_stop).
+                if (bounded or (sp.max_tokens is not None and len(out_ids) >= sp.max_tokens)
+                        or len(all_ids) >= max_model_len or len(out_ids) < sp.min_tokens
+                        or tok == req.eos_token_id or sp.stop_token_ids):
+                    status = check_stop(req, tok)
                 if so is not None and status is None and (not so.accept(tok) or so.is_terminated):
                     status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
                 if status is not None:
