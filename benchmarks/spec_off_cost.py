@@ -1,0 +1,146 @@
+"""What speculation costs while it is off: an engine with EAGLE configured and the dynamic policy
+(``"dynamic": true``) at batch sizes above its band (``dynamic_max_batch``, 32), where it drafts
+nothing, against an engine without speculation. SmolLM2-135M shape, dummy bf16 weights, a random
+EAGLE head (acceptance does not matter: nothing is drafted); 256 output tokens per request; each
+configuration in its own process, the whole batch once as warm-up first.
+
+Per configuration: output tok/s, decode steps, and the engine's own counters (patched in the child,
+the engine carries no timers): steps run one at a time (``EngineCore._needs_host_tokens`` true: no
+async overlap), steps that missed the decode CUDA graph (``CUDAGraphRunner.can_run`` false), drafts
+proposed, and the host seconds in the proposer's hooks (``propose``, ``record_hidden_states``).
+
+    PYTHONPATH=. python3 benchmarks/spec_off_cost.py --out $OUT/spec-off
+    PYTHONPATH=. python3 benchmarks/spec_off_cost.py --cpu-smoke --out /tmp/spec-off   # tiny, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def child(ns) -> dict:
+    import torch
+    import transformers
+
+    from gpu_spec import SMOLLM2_135M, TINY, _config_dir, _llm
+    from kvserve import SamplingParams
+    from kvserve.engine import engine_core
+    from kvserve.models.llama_eagle import save_random_eagle_head
+    from kvserve.worker import cuda_graphs
+
+    smoke = ns.cpu_smoke
+    dev = "cpu" if smoke else "cuda"
+    cfg = dict(TINY, num_hidden_layers=4) if smoke else SMOLLM2_135M
+    path = _config_dir(ns.tmp, "off-target", cfg)
+    spec = None
+    if ns.config != "none":
+        head = os.path.join(ns.tmp, "off-eagle-head")
+        save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=False,
+                               draft_vocab_size=256 if smoke else 32000, seed=1, std=0.05)
+        spec = {"method": "eagle", "model": head, "num_speculative_tokens": 4, "dynamic": True}
+    counts = {"sync_steps": 0, "graph_misses": 0, "graph_runs": 0, "proposer_s": 0.0}
+    nh = engine_core.EngineCore._needs_host_tokens
+
+    def needs(self):
+        r = nh(self)
+        counts["sync_steps"] += bool(r)
+        return r
+
+    engine_core.EngineCore._needs_host_tokens = needs
+    cr = cuda_graphs.CUDAGraphRunner.can_run
+
+    def can_run(self, inp):
+        r = cr(self, inp)
+        counts["graph_runs" if r else "graph_misses"] += 1
+        return r
+
+    cuda_graphs.CUDAGraphRunner.can_run = can_run
+    kw = dict(max_model_len=1024, max_num_seqs=64, kv_cache_memory="64MiB" if smoke else "8GiB",
+              async_scheduling=None if ns.async_scheduling == "default" else ns.async_scheduling == "on")
+    if smoke:
+        kw["cpu_threads"] = 1
+    llm = _llm(path, dev, speculative_config=spec, **kw)
+    prop = llm.llm_engine.engine_core.model_runner.proposer
+    if prop is not None:
+        for name in ("propose", "record_hidden_states"):
+            fn = getattr(prop, name)
+
+            def timed(*a, _fn=fn, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    counts["proposer_s"] += time.perf_counter() - t
+
+            setattr(prop, name, timed)
+    n_tok = 16 if smoke else 256
+    out = {}
+    for b in ns.batches:
+        g = torch.Generator().manual_seed(b)
+        prompts = [torch.randint(3, 500, (64,), generator=g).tolist() for _ in range(b)]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        for k in counts:
+            counts[k] = 0
+        s0 = llm.llm_engine.stats.num_drafts
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True), use_tqdm=False)
+        dt = time.perf_counter() - t
+        out[str(b)] = dict(output_tok_s=round(b * n_tok / dt, 1), wall_s=round(dt, 3),
+                           drafts=llm.llm_engine.stats.num_drafts - s0,
+                           proposer_ms_per_step=round(1e3 * counts["proposer_s"] / n_tok, 4),
+                           **{k: v for k, v in counts.items() if k != "proposer_s"})
+    llm.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="/tmp/spec-off")
+    ap.add_argument("--tmp", default="/tmp/kvserve-spec-off")
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--configs", default="none,eagle_dynamic,none:off,eagle_dynamic:off",
+                    help="NAME[:on|off] (async scheduling forced on/off; default: the engine's)")
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # child
+    ap.add_argument("--async-scheduling", default="default", help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ns = ap.parse_args()
+    os.makedirs(ns.tmp, exist_ok=True)
+    if ns.config:
+        print("RESULT " + json.dumps(child(ns)), flush=True)
+        return
+    os.makedirs(ns.out, exist_ok=True)
+    recs = []
+    for c in ns.configs.split(","):
+        name, _, asy = c.partition(":")
+        cmd = [sys.executable, __file__, "--config", name, "--async-scheduling", asy or "default", "--tmp", ns.tmp,
+               "--batches", *map(str, ns.batches)] + (["--cpu-smoke"] if ns.cpu_smoke else [])
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
+        rec = dict(config=name, async_scheduling=asy or "default")
+        rec.update({"batches": json.loads(line[-1][7:])} if line else {"error": p.stderr[-1500:]})
+        recs.append(rec)
+        print(json.dumps(rec), flush=True)
+        with open(os.path.join(ns.out, "spec_off_cost.json"), "w") as f:
+            json.dump(recs, f, indent=1)
+    print("\n| config | async | batch | tok/s | sync steps | graph misses / runs | drafts | proposer ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in recs:
+        for b, x in r.get("batches", {}).items():
+            print(f"| {r['config']} | {r['async_scheduling']} | {b} | {x['output_tok_s']} | {x['sync_steps']} | "
+                  f"{x['graph_misses']} / {x['graph_runs']} | {x['drafts']} | {x['proposer_ms_per_step']} |")
+        if "error" in r:
+            print(f"| {r['config']} | error | {r['error'][-300:]!r} |")
+
+
+if __name__ == "__main__":
+    main()
