@@ -41,11 +41,14 @@ def child(ns) -> dict:
     cfg = dict(TINY, num_hidden_layers=4) if smoke else SMOLLM2_135M
     path = _config_dir(ns.tmp, "off-target", cfg)
     spec = None
-    if ns.config != "none":
+    if ns.config.startswith("eagle"):  # eagle_dynamic (k = 4), eagle1_dynamic (k = 1)
         head = os.path.join(ns.tmp, "off-eagle-head")
         save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=False,
                                draft_vocab_size=256 if smoke else 32000, seed=1, std=0.05)
-        spec = {"method": "eagle", "model": head, "num_speculative_tokens": 4, "dynamic": True}
+        spec = {"method": "eagle", "model": head, "num_speculative_tokens": 1 if ns.config.startswith("eagle1") else 4,
+                "dynamic": True}
+    elif ns.config == "ngram_dynamic":  # stateless: no hidden states, no head
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "dynamic": True}
     counts = {"sync_steps": 0, "graph_misses": 0, "graph_runs": 0, "proposer_s": 0.0}
     nh = engine_core.EngineCore._needs_host_tokens
 
@@ -109,7 +112,8 @@ def main() -> None:
     ap.add_argument("--tmp", default="/tmp/kvserve-spec-off")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--configs", default="none,eagle_dynamic,none:off,eagle_dynamic:off",
-                    help="NAME[:on|off] (async scheduling forced on/off; default: the engine's)")
+                    help="NAME[:on|off]: none, eagle_dynamic (k=4), eagle1_dynamic (k=1), ngram_dynamic (k=4); "
+                         "async scheduling forced on/off (default: the engine's)")
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # child
     ap.add_argument("--async-scheduling", default="default", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-smoke", action="store_true")
