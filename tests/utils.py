@@ -228,3 +228,31 @@ def save_random_causal_lm(path, cfg, std: float, seed: int = 0) -> str:
                 p.normal_(0, std)
     model.save_pretrained(path)
     return str(path)
+
+
+def hf_from_gguf(path: str, dtype=None):
+    """transformers' own loading of a GGUF file (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)``),
+    in eval mode: the reference the real-model tests compare against.
+
+    Two of transformers' costs are memoized while the model loads (the weights are the same: checked once,
+    every state-dict tensor equal): it rebuilds gguf-py's ``TensorNameMap`` (``gguf.get_tensor_name_map``)
+    once per submodule (~400 times for a 30-layer model; ~30-50% of SmolLM2's load on 2 cores), and it
+    parses the file's metadata (``gguf.GGUFReader``: the whole vocabulary, 262k entries for Gemma 3) once for
+    the config and again for the weights. The name map depends only on (architecture, layer count) and a
+    reader only reads its file, so both are shared.
+    """
+    import functools
+
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d, name = os.path.split(path)
+    orig_map, orig_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(orig_map)
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(orig_reader)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype or torch.float32)
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = orig_map, orig_reader
+    return model.eval()
