@@ -30,8 +30,10 @@ def gemma3_tokenizer_dir(gemma3_path, tmp_path_factory) -> str:
     """The GGUF's tokenizer converted once by transformers (~10 s for 262k tokens) and saved,
     so the engine below loads it in ~2 s."""
     from kvserve.model_loader import get_tokenizer
+    from tests.utils import gguf_metadata_parsed_once
 
-    tok = get_tokenizer(gemma3_path, "gguf")
+    with gguf_metadata_parsed_once():  # transformers' conversion parses the vocabulary once, not twice
+        tok = get_tokenizer(gemma3_path, "gguf")
     d = str(tmp_path_factory.mktemp("gemma3_tok"))
     tok.save_pretrained(d)
     return d
