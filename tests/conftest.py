@@ -98,8 +98,6 @@ def llm():
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """transformers' own loading of the same GGUF file: the reference."""
-    from transformers import AutoModelForCausalLM
+    from tests.utils import hf_from_gguf
 
-    d, name = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return model.eval()
+    return hf_from_gguf(smollm2_path)

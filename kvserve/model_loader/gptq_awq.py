@@ -16,7 +16,7 @@ AWQ ("gemm" version, 4 bits):
 
 ``G = K / group_size`` (1 for per channel, ``group_size: -1``). Everything is unpacked to a
 ``GroupQuantWeight`` and repacked into the kernel layout (``PackedGroupQuant``: the Triton W4A16 GEMM on
-CUDA, int4pack on the CPU). ``desc_act``: K is sorted by group at load and the activations are gathered in
+CUDA, int4pack or ``cpu_int4`` on the CPU). ``desc_act``: K is sorted by group at load and the activations are gathered in
 that order at run time. Tensor parallelism: column-parallel layers take their output rows; row-parallel
 layers their input slice, which must hold whole groups (else a ValueError).
 

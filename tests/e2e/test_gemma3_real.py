@@ -5,8 +5,6 @@ generate works."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -32,8 +30,10 @@ def gemma3_tokenizer_dir(gemma3_path, tmp_path_factory) -> str:
     """The GGUF's tokenizer converted once by transformers (~10 s for 262k tokens) and saved,
     so the engine below loads it in ~2 s."""
     from kvserve.model_loader import get_tokenizer
+    from tests.utils import gguf_metadata_parsed_once
 
-    tok = get_tokenizer(gemma3_path, "gguf")
+    with gguf_metadata_parsed_once():  # transformers' conversion parses the vocabulary once, not twice
+        tok = get_tokenizer(gemma3_path, "gguf")
     d = str(tmp_path_factory.mktemp("gemma3_tok"))
     tok.save_pretrained(d)
     return d
@@ -63,13 +63,12 @@ def prompt_ids(gemma3_llm, humaneval_prompts):
 
 
 def test_greedy_equals_transformers(gemma3_path, gemma3_llm, prompt_ids):
-    from transformers import AutoModelForCausalLM
+    from tests.utils import hf_from_gguf
 
     outs = gemma3_llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                                use_tqdm=False)
     ours = [o.outputs[0].token_ids for o in outs]
-    d, name = os.path.split(gemma3_path)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(gemma3_path)  # transformers' own loading of the same file
     ref = []
     with torch.inference_mode():
         for ids in prompt_ids:

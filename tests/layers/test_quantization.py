@@ -111,3 +111,31 @@ def test_quantize_model_replaces_decoder_projections_only():
     assert all(isinstance(layer.mlp.down_proj, QuantizedLinear) for layer in model.model.layers)
     assert not isinstance(model.lm_head, QuantizedLinear)  # the LM head keeps its dense weight
     assert not isinstance(model.model.embed_tokens, QuantizedLinear)
+
+
+@pytest.mark.parametrize("n,k,g", [(24, 96, 32), (7, 33, 33), (40, 256, 128)])
+def test_cpu_int4_dequantizes_bit_for_bit(n, k, g):
+    """The CPU path's weight is the reference dequantization exactly: Int4Weight's ``q * s + m`` and
+    GroupQuantWeight's ``(q - z) * s`` (odd K: one per-channel group), so its matmul is ``F.linear`` on it."""
+    from kvserve.layers.quantization.cpu_int4 import CpuInt4, pack_nibbles, unpack_nibbles
+    from kvserve.layers.quantization.group_quant import PackedGroupQuant, quantize_groupwise
+
+    torch.manual_seed(n + k + g)
+    w = torch.randn(n, k) * 0.1
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q), k), q) and pack_nibbles(q).shape == (n, (k + 1) // 2)
+    x = torch.randn(5, k)
+    gq = quantize_groupwise(w, 4, g, sym=False)
+    p = PackedGroupQuant(gq, torch.device("cpu"), torch.float32)
+    assert isinstance(p.int4, CpuInt4) and torch.equal(p.int4.dequantize(), gq.dequantize())
+    assert torch.equal(p.matmul(x), torch.nn.functional.linear(x, gq.dequantize()))
+    if k % 32 == 0:
+        w4 = quantize_int4(w, g)
+        p4 = PackedInt4(w4, torch.device("cpu"), torch.float32)
+        assert torch.equal(p4.cpu.dequantize(), w4.dequantize())
+        assert torch.equal(p4.matmul(x), torch.nn.functional.linear(x, w4.dequantize()))
+        assert p4.packed.dtype == torch.uint8 and p4.packed.numel() == n * k // 2  # half a byte per weight
+    with pytest.raises(ValueError, match=r"int4 scale must be \[2, 2\]"):
+        CpuInt4(torch.zeros(2, 64, dtype=torch.uint8), torch.ones(2, 3), torch.zeros(2, 2), 32, "affine")
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        CpuInt4(torch.zeros(2, 48, dtype=torch.uint8), torch.ones(2, 1), torch.zeros(2, 1), 32, "zero_point")

@@ -111,8 +111,8 @@ def test_m_above_max_and_bad_group_are_errors():
         tw.gemm(torch.zeros(1, 128), w[:, :8], s, z, 16, 32)
 
 
-def test_packed_group_quant_cpu_uses_int4pack_and_matches():
-    """On the CPU GPTQ/AWQ weights run int4pack (asymmetric, desc_act permutation, per channel)."""
+def test_packed_group_quant_cpu_int4_matches():
+    """On the CPU 4-bit GPTQ/AWQ weights run ``cpu_int4`` (asymmetric, desc_act permutation, per channel)."""
     torch.manual_seed(0)
     wd = torch.randn(48, 128)
     for g, sym in ((32, False), (-1, False), (64, True)):

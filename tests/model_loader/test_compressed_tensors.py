@@ -8,6 +8,7 @@ reference is the library's own decompression of the same checkpoint, saved as a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -63,6 +64,19 @@ def _observe(w: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor, tor
     return calculate_qparams(lo, hi, args)
 
 
+def _llama_to_overwrite(cfg: dict) -> transformers.LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` whose every weight the caller loads next: transformers' random init skipped
+    (~14 s at the default model's 135M on 2 cores), embeddings tied as the config says."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older transformers: initialize (slower, same result after the load)
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(cfg))
+    model.tie_weights()
+    return model
+
+
 def make_checkpoint(root, name: str, seed: int = 0, hf_model=None) -> tuple[str, str]:
     """Quantize a seeded random Llama (or ``hf_model``) with the library; returns (compressed dir, dense dir).
 
@@ -93,10 +107,9 @@ def make_checkpoint(root, name: str, seed: int = 0, hf_model=None) -> tuple[str,
     model.save_pretrained(cdir)
     comp.update_config(cdir)
     comp.decompress_model(model)  # the library's dequantized weights
-    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(
-        {k: v for k, v in dense_cfg.items() if k != "quantization_config"}))
+    dense = _llama_to_overwrite({k: v for k, v in dense_cfg.items() if k != "quantization_config"})
     sd = {k: v for k, v in model.state_dict().items() if k in dense.state_dict()}
-    dense.load_state_dict(sd)
+    dense.load_state_dict(sd)  # strict: every weight
     dense.save_pretrained(ddir)
     return cdir, ddir
 
@@ -320,17 +333,15 @@ def _until_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_default_model_w4a16_greedy_vs_dense(smollm2_path, llm, tmp_path, capsys):
-    """SmolLM2-135M (the default GGUF, dequantized by transformers) quantized W4A16 group 32 by the library."""
+def test_default_model_w4a16_greedy_vs_dense(smollm2_path, llm, hf_smollm2, tmp_path, capsys):
+    """SmolLM2-135M (the default GGUF, dequantized by transformers: the session's ``hf_smollm2``) quantized
+    W4A16 group 32 by the library."""
     from kvserve import LLM, SamplingParams
     from kvserve.model_loader import get_tokenizer
 
-    d, name = os.path.split(smollm2_path)
-    gguf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    cfg = {k: v for k, v in gguf.config.to_dict().items() if k != "quantization_config"}
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(cfg))  # a plain (savable) copy
-    hf.load_state_dict(gguf.state_dict())
-    del gguf
+    cfg = {k: v for k, v in hf_smollm2.config.to_dict().items() if k != "quantization_config"}
+    hf = _llama_to_overwrite(cfg)  # a plain (savable) copy
+    hf.load_state_dict(hf_smollm2.state_dict())  # strict: every weight
     cdir, ddir = make_checkpoint(str(tmp_path), "w4a16_asym", hf_model=hf)
     tok = get_tokenizer(smollm2_path, "gguf")
     prompts = [tok(p)["input_ids"] for p in ("The capital of France is", "def fibonacci(n):",

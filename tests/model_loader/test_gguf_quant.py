@@ -34,7 +34,7 @@ def test_real_q4_1_repack_equals_dequantize_then_quantize(smollm2_path):
         assert torch.equal(q2, w4.q)  # bit for bit in the 4-bit values
         a = PackedInt4(w4, torch.device("cpu"), torch.bfloat16)
         b = PackedInt4(Int4Weight(q2, w4.scale, w4.min, 32), torch.device("cpu"), torch.bfloat16)
-        assert torch.equal(a.packed, b.packed) and torch.equal(a.scales_and_zeros, b.scales_and_zeros)
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors(), strict=True))
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])

@@ -10,9 +10,9 @@ it. kvserve's unpacking of a stored layer must equal that dequantization exactly
 on the GPTQ directory (three prompts batched, then a prefix-cache hit) must equal its own on the dense
 one, and transformers' (teacher-forced: each token the argmax of the logits after the ones before it).
 
-Cost: on the CPU kvserve runs 4-bit GPTQ in float32 with PyTorch's int4pack kernel, whose float32 path
-costs milliseconds per 1536 x 576 projection per token (AVX2; tens of times a dense matmul): every prompt
-and generated token is ~0.3-0.5 s, so the prompts are short and few tokens are generated.
+Cost: on the CPU kvserve runs 4-bit GPTQ by unpacking each projection per call and a dense float32 matmul
+(``cpu_int4``); a decode step still unpacks all 210 projections, so the prompts are short and few tokens
+are generated.
 """
 
 from __future__ import annotations

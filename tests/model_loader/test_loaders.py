@@ -117,11 +117,10 @@ def test_truncated_gguf_raises_value_error(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(hf_smollm2):
+    """(path, format, transformers' model): the session's ``hf_smollm2``, loaded once per worker."""
     path, fmt = resolve_model(None, "auto")
-    d, name = os.path.split(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    return path, fmt, hf
+    return path, fmt, hf_smollm2
 
 
 def test_default_gguf_weights_match_hf(smollm2):

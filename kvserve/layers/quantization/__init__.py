@@ -1,7 +1,8 @@
 """Weight quantization (``--quantization``): which formats exist, where they run, and applying them.
 
 ``int4``: weight-only, group-wise asymmetric INT4 (group 128, or the largest of 64/32 dividing K),
-int4pack kernels on the CPU and CUDA. ``int8``: weight-only per-channel symmetric INT8.
+int4pack (tinygemm) or the Triton W4A16 GEMM on CUDA; on the CPU int4pack with bfloat16 activations, a
+per-call dequantization + dense matmul with float32 (``cpu_int4``). ``int8``: weight-only per-channel symmetric INT8.
 ``fp8``: per-channel FP8 e4m3 weights with per-token dynamic FP8 activations (W8A8: ``torch._scaled_mm``
 above ``fp8_w8a8.W8A8_MIN_M`` rows, the norm before the GEMM emitting the FP8 input; the weight-only
 Triton GEMV below; CUDA compute capability >= 8.9; refused on the CPU, where the op exists but is
@@ -11,7 +12,7 @@ Triton GEMV below; CUDA compute capability >= 8.9; refused on the CPU, where the
 layout (exact) and Q8_0 into per-channel INT8, instead of dequantized (``gguf_quant``).
 ``gptq`` / ``awq`` (and vLLM's ``gptq_marlin`` / ``awq_marlin`` names): pre-quantized GPTQ / AutoAWQ
 checkpoints (auto-detected from config.json), repacked into the Triton W4A16 GEMM's layout on CUDA
-(``triton_w4a16``) and int4pack on the CPU (``model_loader.gptq_awq``, ``group_quant``).
+(``triton_w4a16``) and int4pack / ``cpu_int4`` on the CPU (``model_loader.gptq_awq``, ``group_quant``).
 ``compressed-tensors``: a pre-quantized HF checkpoint (llm-compressor / vLLM format; auto-detected
 from config.json) loaded as stored: INT4 group-wise, INT8 and FP8 per channel
 (``model_loader.compressed_tensors_quant``; its kernels are checked here as int4 / int8 / fp8).

@@ -6,9 +6,11 @@ group of input features, 4 or 8 bits. ``PackedGroupQuant`` places it for a devic
 * CUDA, 4 bits in bfloat16: the kernel ``kernels.int4_kernel`` names (as ``--quantization int4``): tinygemm
   (``PackedInt4``) or the Triton W4A16/W8A16 GEMM (``triton_w4a16``), whichever measured faster; 8 bits and
   other dtypes: the Triton GEMM. It serves M <= 256, its dequantization + cuBLAS above;
-* CPU, 4 bits: PyTorch's int4pack kernel (``PackedInt4``: ``w = q * s + m`` with ``m = -z * s``, exact in
-  float32; per-channel scales repeated over groups of 128/64/32); 8 bits: ``_weight_int8pack_mm`` when
-  symmetric per channel, else the dequantized weight (correct, not smaller).
+* CPU, 4 bits: float32 activations: ``cpu_int4.CpuInt4`` (nibble-packed; each call dequantizes
+  ``(q - z) * s``, bit for bit ``GroupQuantWeight.dequantize``, and runs a dense matmul); bfloat16 /
+  float16: PyTorch's int4pack kernel (``PackedInt4``: ``w = q * s + m`` with ``m = -z * s``; per-channel
+  scales repeated over groups of 128/64/32); 8 bits: ``_weight_int8pack_mm`` when symmetric per channel,
+  else the dequantized weight (correct, not smaller).
 
 Activation order (GPTQ ``desc_act``): the loader sorts K by group (``perm``) so groups are contiguous;
 ``matmul`` then reads ``x[:, perm]`` (one gather of the activations, exact).
@@ -22,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers.quantization.cpu_int4 import CpuInt4
 from kvserve.layers.quantization.kernels import Int4Weight, PackedInt4, PackedInt8, int4_kernel
 
 #: group sizes the loaders accept (-1: one group per output channel)
@@ -95,17 +98,19 @@ class PackedGroupQuant:
         self.bits, self.dtype = w.bits, dtype
         self.perm = w.perm.to(device) if w.perm is not None else None
         self.cuda = device.type == "cuda"
-        self.cuda_triton = False  # the Triton W4A16/W8A16 layout (else int4pack / int8pack / dense)
+        self.cuda_triton = False  # the Triton W4A16/W8A16 layout (else int4 / int8pack / dense)
         self.int4 = self.int8 = None
         self.dense = None
         tinygemm = w.bits == 4 and dtype == torch.bfloat16 and self.cuda and int4_kernel() == "tinygemm"
         if self.cuda and not tinygemm:
             self._init_triton(w, device, dtype)
             self.cuda_triton = True
-        elif w.bits == 4:
+        elif w.bits == 4 and not self.cuda and dtype == torch.float32:  # exactly ``w.dequantize`` per call
+            self.int4 = CpuInt4(w.q, w.scale, w.zeros(), w.group_size, "zero_point", device=device)
+        elif w.bits == 4:  # int4pack: w = q * s + m with m = -z * s; per channel over groups of 128/64/32
             g = w.group_size
             scale, zero, q = w.scale, w.zeros(), w.q
-            if g not in (32, 64, 128, 256):  # per channel: repeat the scale over int4pack-sized groups
+            if g not in (32, 64, 128, 256):
                 q = F.pad(q, (0, (-self.k) % 32))
                 g = next(c for c in (128, 64, 32) if q.shape[1] % c == 0)
                 reps = q.shape[1] // g

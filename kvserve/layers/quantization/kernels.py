@@ -18,7 +18,9 @@ for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, 
 restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
 Triton GEMV is stored only in its packing (one copy: tinygemm's packing is as large); M > MAX_M then
 dequantizes to the activation dtype and uses cuBLAS (a transient ``[N, K]`` copy; prefill-sized M is
-compute-bound, so the dequantization pass is small). The CPU paths are unchanged.
+compute-bound, so the dequantization pass is small). On the CPU with float32 activations INT4 is
+nibble-packed and dequantized per call before a dense matmul (``cpu_int4``: the float32 int4pack kernel is
+10-60x slower at M = 64); with bfloat16 / float16 activations it stays on int4pack (its fast CPU path).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.layers.quantization import fp8_w8a8
+from kvserve.layers.quantization.cpu_int4 import CpuInt4
 
 FP8_MAX = 448.0  # float8_e4m3fn
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -114,9 +117,10 @@ def _round_up(x: int, m: int) -> int:
 
 class PackedInt4:
     """INT4 weights in the int4pack kernel layout of ``device`` (CPU: N padded to 16; CUDA: tinygemm),
-    or on CUDA (default) in the Triton GEMV layout (``triton_gemv.pack_int4``; module doc).
+    or on CUDA (default) in the Triton GEMV layout (``triton_gemv.pack_int4``; module doc); on the CPU
+    with float32 activations as ``cpu_int4.CpuInt4`` (``self.cpu``).
 
-    ``dtype`` is the activation dtype (bfloat16 is the fast one on both; CUDA requires it).
+    ``dtype`` is the activation dtype (bfloat16 is the fast one for int4pack; CUDA requires it).
     """
 
     def __init__(self, w: Int4Weight, device: torch.device, dtype: torch.dtype,
@@ -128,6 +132,7 @@ class PackedInt4:
             raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {g}")
         self.n, self.k, self.group_size = n, k, g
         cuda = device.type == "cuda"
+        self.cpu: CpuInt4 | None = None
         if cuda and dtype != torch.bfloat16:
             raise ValueError("int4 weights on CUDA need --dtype bfloat16 (the tinygemm kernel's type)")
         self.triton = _use_triton(device, "int4")
@@ -150,6 +155,10 @@ class PackedInt4:
             self.scale_t = w.scale.t().contiguous().to(device, sdt)
             self.min_t = w.min.t().contiguous().to(device, sdt)
             self.k_pad = k_q
+            return
+        if not cuda and dtype == torch.float32:  # int4pack has no fast float32 CPU path (cpu_int4)
+            self.cpu = CpuInt4(w.q, w.scale, w.min, g, "affine", in_features=k, device=device)
+            self.packed = self.cpu.packed
             return
         n_pad = _round_up(n, 8 if cuda else 16)
         k_pad = _round_up(k_q, max(128, g) if cuda else g)  # tinygemm: K a multiple of innerKTiles(8) * 16
@@ -180,6 +189,8 @@ class PackedInt4:
                 return tg.wgemv(x, tg.FMT_INT4, self.packed, self.scale_t, self.min_t, self.n, self.group_size)
             wd = tg.int4_dequantize(self.packed, self.scale_t, self.min_t, self.n, self.group_size, x.dtype)
             return F.linear(x, wd[:, : self.k])
+        if self.cpu is not None:
+            return self.cpu.matmul(x)
         if self.k_pad != self.k:
             x = F.pad(x, (0, self.k_pad - self.k))
         if x.is_cuda:
@@ -190,6 +201,8 @@ class PackedInt4:
         return y[:, : self.n] if y.shape[1] != self.n else y
 
     def tensors(self) -> list[torch.Tensor]:
+        if self.cpu is not None:
+            return self.cpu.tensors()
         if self.triton or self.w4a16:
             return [self.packed, self.scale_t, self.min_t]
         return [self.packed, self.scales_and_zeros]
