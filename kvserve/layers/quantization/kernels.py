@@ -10,9 +10,10 @@ features, ``w = scale * q + min`` with ``q`` in ``[0, 15]``. The int4pack kernel
 ``w = (q - 8) * scale + zero``, so ``zero = min + 8 * scale`` (exact algebra; the one rounding
 is of ``scale``/``zero`` to the activation dtype, the kernels' requirement).
 
-On CUDA, INT4 runs tinygemm (``_weight_int4pack_mm``) or the Triton W4A16 GEMM of ``triton_w4a16``,
-whichever measured faster end to end (``int4_kernel``: ``triton_w4a16.BEATS_TINYGEMM``, overridden by
-``KVSERVE_INT4_KERNEL=w4a16|tinygemm``, read at load); the Triton GEMV with ``KVSERVE_TRITON_GEMV``.
+On CUDA, INT4 runs the Triton W4A16 GEMM of ``triton_w4a16`` (dequantize + cuBLAS above its ``MAX_M``) or,
+asked for, tinygemm (``_weight_int4pack_mm``, a batch-1 kernel: ``int4_kernel``,
+``triton_w4a16.DEFAULT_INT4_KERNEL``, overridden by ``KVSERVE_INT4_KERNEL=w4a16|tinygemm``, read at load);
+the Triton GEMV with ``KVSERVE_TRITON_GEMV``.
 On CUDA, M <= ``triton_gemv.MAX_M`` (decode) runs the Triton weight-only GEMV of ``triton_gemv``
 for the formats in ``KVSERVE_TRITON_GEMV`` (read at load; default FP8 and INT8, "1" adds INT4, "0"
 restores the PyTorch kernels). FP8 and INT8 share their storage with the PyTorch path. INT4 with the
