@@ -1,9 +1,10 @@
-"""Host time of a speculative decode step (EAGLE-3, chain drafts), split at the engine's seams.
+"""Host time of a speculative decode step (EAGLE-3, n-gram or suffix; chain drafts), split at the engine's seams.
 
 While speculation is on the engine runs steps one at a time (the drafts of step N are needed
 to schedule step N + 1), so every millisecond of host work in a speculative step is on the
 critical path. This script runs decode steps of a tiny random Llama (6 layers, float32) with a
-random EAGLE-3 head on the CPU, ``k`` drafts per request, and reports per step the calling
+random EAGLE-3 head (``--method eagle3``) or a model-free proposer (``--method ngram`` / ``suffix``:
+prompts of a repeated random span, so lookups find matches) on the CPU, ``k`` drafts per request, and reports per step the calling
 thread's CPU time (``time.thread_time``: the figure that holds on a shared machine) and wall
 time in these buckets:
 
@@ -28,6 +29,7 @@ stand-in (``DraftGraphRunner(eager=True)``: the static-buffer path the GPU repla
 
 Usage:
     PYTHONPATH=. python3 benchmarks/spec_step_host.py --batch 1 16 --k 4 --steps 40 --out <dir>
+    PYTHONPATH=. python3 benchmarks/spec_step_host.py --method ngram --batch 1 16 --k 4 --out <dir>
     PYTHONPATH=. python3 benchmarks/spec_step_host.py --cpu-smoke     # seconds: the script runs
 """
 
@@ -82,8 +84,10 @@ def install_spec_seams(llm) -> SeamTimer:
     t.wrap(runner, "propose", "runner.propose")
     t.wrap(runner_output, "verify", "verify")
     t.wrap(runner_output, "replay_generator", "replay_generator")
-    t.wrap(p, "record_hidden_states", "proposer.record")
     t.wrap(p, "propose", "proposer.propose")
+    if not hasattr(p, "head"):  # a model-free proposer (ngram, suffix): its propose is all of it
+        return t
+    t.wrap(p, "record_hidden_states", "proposer.record")
     for name in ("_ensure_blocks", "_block_tables"):
         if hasattr(p, name):
             t.wrap(p, name, "proposer.blocks")
@@ -113,13 +117,15 @@ def make_llm(a, batch: int, max_len: int):
                 p.normal_(0, 0.1)
     target = os.path.join(tmp, "target")
     model.save_pretrained(target)
-    head = os.path.join(tmp, "head")
-    save_random_eagle_head(head, cfg, eagle3=True, seed=1, std=0.1)
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": a.k, "dynamic": False}
+    spec = {"method": a.method, "num_speculative_tokens": a.k, "dynamic": False}
+    if a.method == "eagle3":
+        head = os.path.join(tmp, "head")
+        save_random_eagle_head(head, cfg, eagle3=True, seed=1, std=0.1)
+        spec["model"] = head
     llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory="64MiB",
               max_num_seqs=max(batch, 1), max_model_len=max_len, disable_log_stats=True, cpu_threads=1,
               enable_prefix_caching=False, speculative_config=spec)
-    if a.draft_graphs:
+    if a.draft_graphs and a.method == "eagle3":
         llm.llm_engine.engine_core.model_runner.proposer.capture_cuda_graphs(eager=True)
     return llm
 
@@ -136,7 +142,12 @@ def profile(a, batch: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     sp = SamplingParams(temperature=a.temperature, seed=a.seed, max_tokens=out_len, ignore_eos=True)
     for _ in range(batch):
-        eng.add_request(None, torch.randint(3, TINY["vocab_size"], (a.context,), generator=g).tolist(), sp)
+        if a.method == "eagle3":
+            prompt = torch.randint(3, TINY["vocab_size"], (a.context,), generator=g).tolist()
+        else:  # an input-grounded prompt: a random span repeated, so that lookups find matches
+            span = torch.randint(3, TINY["vocab_size"], (16,), generator=g).tolist()
+            prompt = (span * (a.context // 16 + 1))[: a.context]
+        eng.add_request(None, prompt, sp)
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         eng.step()
     for _ in range(4):  # the first drafting steps
@@ -160,7 +171,7 @@ def profile(a, batch: int) -> dict:
         b_cpu[BUCKETS.get(k, "other")] += seams_cpu[k]
     device_like = ("forward", "logits", "draft forward")
     drafted = eng.stats.num_draft_tokens - stats0[0]
-    res = dict(batch=batch, running=len(sched.running), k=a.k, steps=n,
+    res = dict(method=a.method, batch=batch, running=len(sched.running), k=a.k, steps=n,
                step_ms=round(sum(walls) / n * 1e3, 3), step_ms_median=round(statistics.median(walls) * 1e3, 3),
                step_cpu_ms=round(sum(b_cpu.values()), 3),
                host_cpu_ms=round(sum(v for k, v in b_cpu.items() if k not in device_like), 3),
@@ -189,6 +200,8 @@ def print_result(r: dict) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "ngram", "suffix"],
+                    help="proposer: eagle3 (a random head), or a model-free lookup over a repeated-span prompt")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=40, help="speculative steps timed per batch")
@@ -202,7 +215,8 @@ def main(argv=None) -> dict:
     if a.cpu_smoke:
         a.batch, a.steps, a.context = [1, 4], 3, 16
     torch.set_num_threads(1)
-    res = dict(device="cpu", shape="tiny-llama-6l (hidden 64, vocab 512) + random EAGLE-3 head", k=a.k,
+    shape = "tiny-llama-6l (hidden 64, vocab 512)" + (" + random EAGLE-3 head" if a.method == "eagle3" else "")
+    res = dict(device="cpu", method=a.method, shape=shape, k=a.k,
                context=a.context, temperature=a.temperature, seed=a.seed, draft_graphs=a.draft_graphs,
                torch=torch.__version__, results=[])
     for b in a.batch:
