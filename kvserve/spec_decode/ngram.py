@@ -56,6 +56,72 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
     return tokens[end + 1: min(end + 1 + k, L)]
 
 
+def suffix_match_lengths(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, max_n: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """For several sequences at once, how far each earlier position matches the sequence's end.
+
+    ``length[b, e]`` is the largest ``n <= max_n`` with ``seq_b[e - n + 1: e + 1] ==
+    seq_b[L_b - n:]`` for ``e <= L_b - 2`` (0 where even the last token differs, and past the
+    row's end). One 2-D comparison per ``n`` over the batch, stopping once no position extends.
+
+    Args:
+        token_ids: int ``[R, W']`` token rows (``W' >= max(lens)``); rows: int ``[B]`` rows to
+            read; lens: int ``[B]`` their lengths; max_n: longest match counted.
+    Returns:
+        ``(T, length)``: the rows' tokens int ``[B, W]`` (``W = max(lens)``) and int
+        ``length`` ``[B, W - 1]``.
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    B = len(lens)
+    W = int(lens.max()) if B else 0
+    T = token_ids[np.asarray(rows, dtype=np.int64)[:, None], np.arange(W)]  # [B, W]
+    E = max(W - 1, 0)  # candidate ends e of an earlier occurrence: 0 .. len - 2
+    ar = np.arange(B)
+    last = T[ar, np.maximum(lens - 1, 0)] if W else np.zeros(B, dtype=T.dtype)
+    alive = (np.arange(E)[None, :] < (lens - 1)[:, None]) & (T[:, :E] == last[:, None])
+    length = alive.astype(np.int64)
+    for j in range(1, min(max_n, E)):
+        if not alive.any():
+            break
+        ref = T[ar, np.maximum(lens - 1 - j, 0)]  # the end's token j back
+        nxt = np.zeros_like(alive)
+        nxt[:, j:] = alive[:, j:] & (T[:, :E - j] == ref[:, None])
+        alive = nxt
+        length += alive
+    return T, length
+
+
+def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, min_n: int, max_n: int,
+                        k: int) -> list[list[int]]:
+    """``ngram_propose`` for several sequences at once: the same drafts, with a fixed number of
+    numpy calls per batch (``suffix_match_lengths``) instead of per-sequence passes.
+
+    Args:
+        token_ids: int ``[R, W]`` token rows (the input batch's; ``W >= max(lens)``).
+        rows: int ``[B]`` rows of ``token_ids`` to draft for; lens: int ``[B]`` their lengths.
+        min_n / max_n: n-gram sizes, ``1 <= min_n <= max_n``; k: most tokens to draft.
+
+    Returns:
+        ``B`` lists of at most ``k`` draft tokens (empty where no n-gram of size ``>= min_n`` recurs).
+    """
+    B = len(rows)
+    out: list[list[int]] = [[] for _ in range(B)]
+    lens = np.asarray(lens, dtype=np.int64)
+    if k <= 0 or B == 0 or int(lens.max()) < max(min_n + 1, 2):
+        return out
+    T, length = suffix_match_lengths(token_ids, rows, lens, max_n)
+    E = length.shape[1]
+    best = length.max(axis=1)
+    good = np.flatnonzero((best >= min_n) & (lens >= min_n + 1))
+    if not len(good):
+        return out
+    # the latest of the longest matches: the last column where the length is the row's best
+    latest = E - 1 - np.argmax((length[good] == best[good, None])[:, ::-1], axis=1)
+    for b, end in zip(good.tolist(), latest.tolist()):
+        out[b] = T[b, end + 1: min(end + 1 + k, int(lens[b]))].tolist()
+    return out
+
+
 class NgramProposer(Proposer):
     """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": n,
     "prompt_lookup_max": m}``: prompt lookup over each request's prompt and output so far.
@@ -74,8 +140,9 @@ class NgramProposer(Proposer):
         k = self.k
         if k <= 0:
             return [[] for _ in requests]
-        out = []
-        for st in requests:
+        if len(requests) == 1:  # one sequence: the candidate-only passes are cheaper than a dense row
+            st = requests[0]
             toks = batch.token_ids[st.row, : batch.num_tokens[st.row]]
-            out.append(ngram_propose(toks, self.min_n, self.max_n, k).tolist())
-        return out
+            return [ngram_propose(toks, self.min_n, self.max_n, k).tolist()]
+        rows = np.fromiter((st.row for st in requests), dtype=np.int64, count=len(requests))
+        return ngram_propose_batch(batch.token_ids, rows, batch.num_tokens[rows], self.min_n, self.max_n, k)
