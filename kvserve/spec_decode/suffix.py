@@ -28,6 +28,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvserve.config import EngineConfig
+from kvserve.spec_decode.ngram import suffix_match_lengths
 from kvserve.spec_decode.proposer import Proposer
 
 #: vLLM's keys and defaults.
@@ -70,9 +71,25 @@ def local_suffix_propose(tokens: np.ndarray, max_depth: int, k: int, factor: flo
         if not alive.any():
             break
     match = int(length.max())
-    pos = cand[length == match]  # every occurrence of the longest pattern
+    return _walk(tokens, cand[length == match], match, k, factor, min_prob)
+
+
+def _walk(tokens: np.ndarray, pos: np.ndarray, match: int, k: int, factor: float, min_prob: float
+          ) -> tuple[list[int], float]:
+    """The frequency-weighted walk after ``pos`` (every end of the longest pattern, ``match``
+    tokens long): ``local_suffix_propose``'s draft and score."""
+    L = len(tokens)
     draft, score, prob = [], 0.0, 1.0
-    for j in range(_max_draft(match, k, factor)):
+    n = _max_draft(match, k, factor)
+    for j in range(n):
+        if len(pos) == 1:  # one occurrence left: the rest is its continuation, each token at `prob`
+            if prob < min_prob:
+                break
+            start = int(pos[0]) + 1 + j
+            for t in tokens[start: start + n - j].tolist():
+                draft.append(t)
+                score += prob
+            break
         nxt = pos + 1 + j
         nxt = nxt[nxt < L]
         if not len(nxt):
@@ -87,6 +104,31 @@ def local_suffix_propose(tokens: np.ndarray, max_depth: int, k: int, factor: flo
         score += prob
         pos = nxt[tokens[nxt] == vals[best]] - 1 - j
     return draft, score
+
+
+def local_suffix_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, max_depth: int, k: int,
+                               factor: float = 1.0, min_prob: float = 0.1) -> list[tuple[list[int], float]]:
+    """``local_suffix_propose`` for several sequences at once (the same drafts and scores): the
+    pattern matching is one 2-D pass per pattern length over the batch
+    (``ngram.suffix_match_lengths``); only the short walks after the matches are per sequence.
+
+    Args:
+        token_ids: int ``[R, W]`` token rows (``W >= max(lens)``); rows: int ``[B]`` rows to
+            draft for; lens: int ``[B]`` their lengths; the rest as ``local_suffix_propose``.
+    Returns:
+        ``B`` pairs ``(draft, score)``.
+    """
+    B = len(rows)
+    out: list[tuple[list[int], float]] = [([], 0.0)] * B
+    lens = np.asarray(lens, dtype=np.int64)
+    if k <= 0 or B == 0 or int(lens.max()) < 2:
+        return out
+    T, length = suffix_match_lengths(token_ids, rows, lens, max_depth)
+    best = length.max(axis=1)
+    for b in np.flatnonzero(best > 0).tolist():
+        m = int(best[b])
+        out[b] = _walk(T[b, :lens[b]], np.flatnonzero(length[b] == m), m, k, factor, min_prob)
+    return out
 
 
 class SuffixTree:
@@ -185,12 +227,19 @@ class SuffixProposer(Proposer):
         k = self.k
         if k <= 0:
             return [[] for _ in requests]
+        if len(requests) == 1:  # one sequence: the candidate-only passes are cheaper than a dense row
+            st = requests[0]
+            local = [local_suffix_propose(batch.token_ids[st.row, : batch.num_tokens[st.row]], self.max_depth, k,
+                                          self.factor, self.min_prob)]
+        else:
+            rows = np.fromiter((st.row for st in requests), dtype=np.int64, count=len(requests))
+            local = local_suffix_propose_batch(batch.token_ids, rows, batch.num_tokens[rows], self.max_depth, k,
+                                               self.factor, self.min_prob)
         out = []
-        for st in requests:
-            toks = batch.token_ids[st.row, : batch.num_tokens[st.row]]
+        for st, (draft, score) in zip(requests, local):
             self._outputs[st.req_id] = st.output_token_ids
-            draft, score = local_suffix_propose(toks, self.max_depth, k, self.factor, self.min_prob)
             if self.max_cached and self._cached:
+                toks = batch.token_ids[st.row, : batch.num_tokens[st.row]]
                 ctx = toks[-self.max_depth:].tolist()
                 g_draft, g_score = self.global_tree.propose(ctx, k, self.factor, self.min_prob)
                 if g_score > score:
