@@ -24,6 +24,8 @@ target distribution).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain, islice
 from typing import Optional
 
 import torch
@@ -45,17 +47,45 @@ class DraftPosition:
         self.generator = state.generator
 
 
+class DraftedTokens(Sequence):
+    """``base + drafts[:n]`` as a read-only sequence, without copying ``base``: a draft row's
+    output tokens. The sampler reads them only for penalties (a copy then) and ``min_tokens``
+    (the length), so most rows never materialize the list. ``base`` must not change while the
+    view is in use (the step's sampler launch)."""
+
+    __slots__ = ("_base", "_drafts", "_n")
+
+    def __init__(self, base: list[int], drafts: list[int], n: int) -> None:
+        self._base, self._drafts, self._n = base, drafts, n
+
+    def __len__(self) -> int:
+        return len(self._base) + self._n
+
+    def __iter__(self):
+        return chain(self._base, islice(self._drafts, self._n))
+
+    def __getitem__(self, i):
+        return list(self)[i] if isinstance(i, slice) or i < 0 or i >= len(self._base) else self._base[i]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, DraftedTokens)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
 def draft_positions(states: list, drafts: list[list[int]], device: torch.device) -> list[DraftPosition]:
     """Sampler rows for requests verifying drafts: ``1 + len(d)`` rows per request, row ``j``
-    as if ``d[:j]`` had been accepted. Seeded random requests get their generator created
-    first so that all their rows draw from it, in order."""
+    as if ``d[:j]`` had been accepted (its output tokens a ``DraftedTokens`` view: no copy of
+    the output per row). Seeded random requests get their generator created first so that all
+    their rows draw from it, in order."""
     out = []
     for st, d in zip(states, drafts):
         sp = st.sampling_params
         if sp.seed is not None and sp.temperature >= GREEDY_EPS:
             get_generator(st, device)
-        base = list(st.output_token_ids)
-        out.extend(DraftPosition(st, base + list(d[:j])) for j in range(len(d) + 1))
+        base = st.output_token_ids
+        out.extend(DraftPosition(st, DraftedTokens(base, d, j)) for j in range(len(d) + 1))
     return out
 
 

@@ -360,14 +360,17 @@ class ModelRunner:
         ends = row_start + inp.query_lens - 1
         # Over the batch with numpy: no per-request Python on the plain (no draft) rows.
         plain = np.flatnonzero(inp.samples & (inp.num_drafts == 0))
-        spec = np.flatnonzero(inp.samples & (inp.num_drafts != 0)).tolist()
+        spec_idx = np.flatnonzero(inp.samples & (inp.num_drafts != 0))
+        spec = spec_idx.tolist()
         if not len(plain) and not spec:
             self._last_rows = {}
             return AsyncModelRunnerOutput([], None, None, None, None, self, prompt_lps)
         rows = ends[plain]
-        if spec:
-            rows = np.concatenate([rows] + [np.arange(int(ends[i]) - int(inp.num_drafts[i]), int(ends[i]) + 1)
-                                            for i in spec])
+        if spec:  # each spec request's last 1 + k rows, in order
+            n = inp.num_drafts[spec_idx] + 1
+            first = ends[spec_idx] - n + 1
+            off = np.cumsum(n) - n
+            rows = np.concatenate([rows, np.arange(int(n.sum())) + np.repeat(first - off, n)])
         if len(rows) == hidden.shape[0] and (rows == np.arange(len(rows))).all():
             logits = self.model.compute_logits(hidden)
         else:
