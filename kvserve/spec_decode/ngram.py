@@ -57,44 +57,56 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 
 def suffix_match_lengths(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, max_n: int
-                         ) -> tuple[np.ndarray, np.ndarray]:
-    """For several sequences at once, how far each earlier position matches the sequence's end.
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For several sequences at once, how far each earlier occurrence of a sequence's last token
+    matches the sequence's end.
 
-    ``length[b, e]`` is the largest ``n <= max_n`` with ``seq_b[e - n + 1: e + 1] ==
-    seq_b[L_b - n:]`` for ``e <= L_b - 2`` (0 where even the last token differs, and past the
-    row's end). One 2-D comparison per ``n`` over the batch, stopping once no position extends.
+    The candidates are the positions ``e <= L_b - 2`` of row ``b`` holding its last token; a
+    candidate's length is the largest ``n <= max_n`` with ``seq_b[e - n + 1: e + 1] ==
+    seq_b[L_b - n:]``. The candidates of all rows are narrowed together: one gather and compare
+    per ``n`` over the batch's surviving candidates (``ngram_propose``'s passes, batched).
 
     Args:
         token_ids: int ``[R, W']`` token rows (``W' >= max(lens)``); rows: int ``[B]`` rows to
             read; lens: int ``[B]`` their lengths; max_n: longest match counted.
     Returns:
-        ``(T, length)``: the rows' tokens int ``[B, W]`` (``W = max(lens)``) and int
-        ``length`` ``[B, W - 1]``.
+        ``(T, cand_row, cand_end, length)``: the rows' tokens int ``[B, max(lens)]``, and per
+        candidate (sorted by row, then position) its row in ``0..B-1``, its position and its
+        match length (int64 ``[C]`` each, ``length >= 1``).
     """
     lens = np.asarray(lens, dtype=np.int64)
     B = len(lens)
     W = int(lens.max()) if B else 0
     T = token_ids[np.asarray(rows, dtype=np.int64)[:, None], np.arange(W)]  # [B, W]
-    E = max(W - 1, 0)  # candidate ends e of an earlier occurrence: 0 .. len - 2
+    E = max(W - 1, 0)
     ar = np.arange(B)
     last = T[ar, np.maximum(lens - 1, 0)] if W else np.zeros(B, dtype=T.dtype)
-    alive = (np.arange(E)[None, :] < (lens - 1)[:, None]) & (T[:, :E] == last[:, None])
-    length = alive.astype(np.int64)
+    cb, ce = np.nonzero((np.arange(E)[None, :] < (lens - 1)[:, None]) & (T[:, :E] == last[:, None]))
+    length = np.ones(len(cb), dtype=np.int64)
+    live = np.arange(len(cb))
     for j in range(1, min(max_n, E)):
-        if not alive.any():
+        e = ce[live] - j
+        keep = e >= 0
+        live, e = live[keep], e[keep]
+        rb = cb[live]
+        live = live[T[rb, e] == T[rb, lens[rb] - 1 - j]]  # the end's token j back (e - j >= 0: in range)
+        if not len(live):
             break
-        ref = T[ar, np.maximum(lens - 1 - j, 0)]  # the end's token j back
-        nxt = np.zeros_like(alive)
-        nxt[:, j:] = alive[:, j:] & (T[:, :E - j] == ref[:, None])
-        alive = nxt
-        length += alive
-    return T, length
+        length[live] += 1
+    return T, cb, ce, length
+
+
+def _row_max(cand_row: np.ndarray, length: np.ndarray, B: int) -> np.ndarray:
+    """int64 ``[B]``: each row's longest candidate match (0 for a row without candidates)."""
+    best = np.zeros(B, dtype=np.int64)
+    np.maximum.at(best, cand_row, length)
+    return best
 
 
 def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarray, min_n: int, max_n: int,
                         k: int) -> list[list[int]]:
     """``ngram_propose`` for several sequences at once: the same drafts, with a fixed number of
-    numpy calls per batch (``suffix_match_lengths``) instead of per-sequence passes.
+    numpy calls per n-gram size for the batch (``suffix_match_lengths``) instead of per sequence.
 
     Args:
         token_ids: int ``[R, W]`` token rows (the input batch's; ``W >= max(lens)``).
@@ -109,15 +121,16 @@ def ngram_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np.ndarra
     lens = np.asarray(lens, dtype=np.int64)
     if k <= 0 or B == 0 or int(lens.max()) < max(min_n + 1, 2):
         return out
-    T, length = suffix_match_lengths(token_ids, rows, lens, max_n)
-    E = length.shape[1]
-    best = length.max(axis=1)
-    good = np.flatnonzero((best >= min_n) & (lens >= min_n + 1))
-    if not len(good):
+    T, cb, ce, length = suffix_match_lengths(token_ids, rows, lens, max_n)
+    best = _row_max(cb, length, B)
+    hit = np.flatnonzero((length == best[cb]) & (best[cb] >= min_n) & (lens[cb] >= min_n + 1))
+    if not len(hit):
         return out
-    # the latest of the longest matches: the last column where the length is the row's best
-    latest = E - 1 - np.argmax((length[good] == best[good, None])[:, ::-1], axis=1)
-    for b, end in zip(good.tolist(), latest.tolist()):
+    # the latest of the longest matches: candidates are sorted by row then position, so a row's
+    # latest hit is the one followed by another row's (or none)
+    hb = cb[hit]
+    last = np.append(hb[1:] != hb[:-1], True)
+    for b, end in zip(hb[last].tolist(), ce[hit[last]].tolist()):
         out[b] = T[b, end + 1: min(end + 1 + k, int(lens[b]))].tolist()
     return out
 

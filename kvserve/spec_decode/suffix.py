@@ -94,15 +94,24 @@ def _walk(tokens: np.ndarray, pos: np.ndarray, match: int, k: int, factor: float
         nxt = nxt[nxt < L]
         if not len(nxt):
             break
-        vals, counts = np.unique(tokens[nxt], return_counts=True)
-        best = int(counts.argmax())
-        p = prob * counts[best] / len(nxt)
+        cont = tokens[nxt]
+        if len(nxt) <= 64:  # few occurrences: counting in Python beats np.unique's sort
+            counts: dict[int, int] = {}
+            for t in cont.tolist():
+                counts[t] = counts.get(t, 0) + 1
+            tok = min(counts, key=lambda t: (-counts[t], t))  # the most frequent, the smallest among ties
+            count = counts[tok]
+        else:
+            vals, cnts = np.unique(cont, return_counts=True)
+            best = int(cnts.argmax())
+            tok, count = int(vals[best]), int(cnts[best])
+        p = prob * count / len(nxt)
         if p < min_prob:
             break
         prob = p
-        draft.append(int(vals[best]))
+        draft.append(tok)
         score += prob
-        pos = nxt[tokens[nxt] == vals[best]] - 1 - j
+        pos = nxt[cont == tok] - 1 - j
     return draft, score
 
 
@@ -123,11 +132,17 @@ def local_suffix_propose_batch(token_ids: np.ndarray, rows: np.ndarray, lens: np
     lens = np.asarray(lens, dtype=np.int64)
     if k <= 0 or B == 0 or int(lens.max()) < 2:
         return out
-    T, length = suffix_match_lengths(token_ids, rows, lens, max_depth)
-    best = length.max(axis=1)
-    for b in np.flatnonzero(best > 0).tolist():
-        m = int(best[b])
-        out[b] = _walk(T[b, :lens[b]], np.flatnonzero(length[b] == m), m, k, factor, min_prob)
+    T, cb, ce, length = suffix_match_lengths(token_ids, rows, lens, max_depth)
+    if not len(cb):
+        return out
+    best = np.zeros(B, dtype=np.int64)
+    np.maximum.at(best, cb, length)
+    hit = length == best[cb]  # every occurrence of each row's longest pattern
+    hb, he = cb[hit], ce[hit]
+    bounds = np.flatnonzero(np.append(True, hb[1:] != hb[:-1]))  # each row's first hit
+    ends = np.append(bounds[1:], len(hb)).tolist()
+    for i, j, b in zip(bounds.tolist(), ends, hb[bounds].tolist()):
+        out[b] = _walk(T[b, :lens[b]], he[i:j], int(best[b]), k, factor, min_prob)
     return out
 
 
