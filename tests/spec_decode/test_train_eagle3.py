@@ -162,7 +162,7 @@ def test_dynamic_policy_on_trained_head_is_lossless(trained):
     outs = llm.generate(trained["prompts"], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                                             for n in lens], use_tqdm=False)
     pol = llm.llm_engine.engine_core.scheduler.spec_policy
-    ks = [pol.peek(b) for b in (1, 4)]
+    ks = [pol.peek(b, measured=False) for b in (1, 4)]  # the rules: step times vary by machine
     st = llm.llm_engine.stats
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [r[:n] for r, n in zip(trained["ref"], lens)]

@@ -229,9 +229,16 @@ class DynamicSpeculation:
             self._since_probe += 1
         return k
 
-    def peek(self, batch_size: int) -> int:
-        """What ``num_speculative_tokens(batch_size)`` would return, without changing state."""
-        return self._plan(batch_size, self._band(batch_size))[0]
+    def peek(self, batch_size: int, measured: bool = True) -> int:
+        """What ``num_speculative_tokens(batch_size)`` would return, without changing state;
+        ``measured=False``: the acceptance rules' choice alone (no step times, no probes)."""
+        if measured:
+            return self._plan(batch_size, self._band(batch_size))[0]
+        timed, self._timed = self._timed, False
+        try:
+            return self._choose(batch_size, self._band(batch_size))
+        finally:
+            self._timed = timed
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """One request's verification: ``num_accepted`` of ``num_draft_tokens`` drafts kept."""
