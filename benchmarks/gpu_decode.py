@@ -128,7 +128,10 @@ def graph_replay_ms(runner, b: int) -> float | None:
     """Device time of the decode forward alone (the CUDA graph of batch ``b``, replayed on
     the last step's inputs; CUDA events), to split a step into kernel time and the rest."""
     gr = runner.graph_runner
-    key = (b, 1) if any(isinstance(k, tuple) for k in getattr(gr, "graphs", {})) else b
+    keys = list(getattr(gr, "graphs", {}))
+    key = b  # older runners: per batch size; then (b, q); now (b, q, aux), the plain graph without aux
+    if keys and isinstance(keys[0], tuple):
+        key = (b, 1) if len(keys[0]) == 2 else (b, 1, False)
     if gr is None or key not in gr.graphs:
         return None
     graph, _ = gr.graphs[key]

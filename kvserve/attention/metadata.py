@@ -149,19 +149,23 @@ class AttentionMetadataBuilder:
         if self.residual is not None:
             self.residual.prepare_for_capture(n, t, dev)
 
-    def capture_metadata(self, bs: int, q: int) -> list[AttentionMetadata]:
+    def capture_metadata(self, bs: int, q: int, seq_lens_cpu: list[int] | None = None) -> list[AttentionMetadata]:
         """Metadata over the static buffers for a captured batch of ``bs`` requests of query
-        length ``q`` (every request at ``max_model_len``: it fixes the decode split count)."""
+        length ``q`` (every request at ``max_model_len``: it fixes the decode split count).
+        ``seq_lens_cpu``: the replayed step's true host lengths instead (the graph runner's CPU
+        stand-in, whose backends read them); the static ``seq_lens`` are then left as copied."""
         st = self._static
-        st["seq_lens"][:bs].fill_(q)
         length = st["max_model_len"]
+        if seq_lens_cpu is None:
+            st["seq_lens"][:bs].fill_(q)
+            seq_lens_cpu = [length] * bs
         metas = [self.metadata_cls(
             slot_mapping=sm[: bs * q], block_tables=bt[:bs], query_start_loc=st["query_start_locs"][q][: bs + 1],
-            seq_lens=st["seq_lens"][:bs], query_lens_cpu=[q] * bs, seq_lens_cpu=[length] * bs,
-            max_query_len=q, max_seq_len=length, num_decodes=bs if q == 1 else 0,
+            seq_lens=st["seq_lens"][:bs], query_lens_cpu=[q] * bs, seq_lens_cpu=list(seq_lens_cpu),
+            max_query_len=q, max_seq_len=max(seq_lens_cpu), num_decodes=bs if q == 1 else 0,
         ) for sm, bt in zip(st["slot_mappings"], st["block_tables"])]
         if self.residual is not None:
-            res = self.residual.capture_metadata(bs, bs * q, [q] * bs, [length] * bs)
+            res = self.residual.capture_metadata(bs, bs * q, [q] * bs, list(seq_lens_cpu))
             for m, on in zip(metas, self.residual_groups):
                 if on:
                     m.residual = res

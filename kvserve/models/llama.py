@@ -176,6 +176,9 @@ class LlamaModel(nn.Module):
     #: Layers whose input (the residual stream entering them) is kept in
     #: ``aux_hidden_states[layer]`` on each forward (EAGLE-3 heads read three); empty: none.
     aux_hidden_state_layers: tuple[int, ...] = ()
+    #: Whether the next forwards keep them: the model runner turns it off for steps after which
+    #: nothing drafts (dynamic speculation off), so those run the plain forward.
+    keep_aux_hidden_states: bool = True
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_model_len: int | None = None) -> None:
         super().__init__()
@@ -206,10 +209,11 @@ class LlamaModel(nn.Module):
         else:
             x = self.embed_tokens(input_ids)
             residual = None
-        aux = self.aux_hidden_state_layers
-        if aux:
-            self.aux_hidden_states = {}
-        elif intermediate is None and self.start_layer == 0 and self.end_layer is None and self._fuse_all_reduce():
+        aux = self.aux_hidden_state_layers if self.keep_aux_hidden_states else ()
+        if self.aux_hidden_state_layers:
+            self.aux_hidden_states = {}  # none kept from an earlier step
+        if (not aux and intermediate is None and self.start_layer == 0 and self.end_layer is None
+                and self._fuse_all_reduce()):
             residual, h = x, self.layers[0].input_layernorm(x)
             norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
             for layer, next_norm in zip(self.layers, norms):

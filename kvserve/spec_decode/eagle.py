@@ -98,6 +98,7 @@ class EagleProposer(Proposer):
         self.aux_layers: tuple[int, ...] = ()
         self.feature_size = 0  # width of the target features the head reads (bind_target)
         self.draft_graphs = None  # DraftGraphRunner (capture_cuda_graphs)
+        self._idle = True  # speculation off and every state reset: a k = 0 propose has nothing to do
 
     # ---- set-up ---------------------------------------------------------------------------
     @property
@@ -199,6 +200,7 @@ class EagleProposer(Proposer):
         Nothing is kept while speculation is off (``k == 0``): the head restarts when it resumes."""
         if self.k <= 0:
             return
+        self._idle = False
         if self.eagle3:
             aux = self.target.model.aux_hidden_states
             hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
@@ -219,11 +221,11 @@ class EagleProposer(Proposer):
         k = self.k
         out: list[list[int]] = [[] for _ in requests]
         if k <= 0:  # speculation off: nothing is recorded now, so the head restarts when it resumes;
-            for req in requests:  # its KV blocks go back to the pool meanwhile
-                st = self.states.get(req.req_id)
-                if st is not None:
+            if not self._idle:  # its KV blocks go back to the pool meanwhile (once: then idle)
+                for st in self.states.values():
                     self._reset(st)
                     st.pend = None
+                self._idle = True
             return out
         rows = []  # (index, state, tokens, first pair to feed, pairs after feeding)
         for i, req in enumerate(requests):

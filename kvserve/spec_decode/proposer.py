@@ -41,6 +41,13 @@ class Proposer(ABC):
         return min(self.num_speculative_tokens, self.num_drafts_allowed)
 
     @property
+    def wants_hidden_states(self) -> bool:
+        """Whether the runner hands over this step's target states: ``uses_hidden_states`` and
+        speculation on (``k > 0``). A step without (dynamic speculation off) runs the plain
+        target forward: no EAGLE-3 mid-layer states are kept."""
+        return self.uses_hidden_states and self.k > 0
+
+    @property
     def needs_eager_target(self) -> bool:
         """Whether the target must run without CUDA graphs (the proposer reads states the
         graphs do not return, e.g. EAGLE-3's mid-layer ones)."""

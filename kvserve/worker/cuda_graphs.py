@@ -53,15 +53,22 @@ class AuxHiddenStates:
                 self.bufs[i] = torch.zeros((self.max_tokens, v.shape[-1]), dtype=v.dtype, device=v.device)
 
     def store(self, t: int) -> None:
-        """Inside the captured forward of ``t`` tokens: copy the kept states into the buffers."""
+        """Inside the captured forward of ``t`` tokens: copy the kept states into the buffers
+        (none when the forward kept none: ``keep_aux_hidden_states`` off)."""
         if self.owner is not None:
             for i, v in self.owner.aux_hidden_states.items():
                 self.bufs[i][:t].copy_(v)
 
-    def publish(self, t: int) -> None:
-        """After a replay of ``t`` rows: the model's ``aux_hidden_states`` are the buffers' rows."""
+    def publish(self, t: int, kept: bool = True) -> None:
+        """After a replay of ``t`` rows: the model's ``aux_hidden_states`` are the buffers' rows
+        (``kept``: the replayed graph copied them; else none)."""
         if self.owner is not None:
-            self.owner.aux_hidden_states = {i: b[:t] for i, b in self.bufs.items()}
+            self.owner.aux_hidden_states = {i: b[:t] for i, b in self.bufs.items()} if kept else {}
+
+    def keep(self, on: bool) -> None:
+        """Whether the model's next forwards keep the states (``LlamaModel.keep_aux_hidden_states``)."""
+        if self.owner is not None:
+            self.owner.keep_aux_hidden_states = on
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -95,6 +102,16 @@ class CUDAGraphRunner:
     (``AttentionMetadataBuilder.prepare_for_capture`` / ``capture_metadata`` /
     ``prepare_for_replay``); this runner owns the token inputs and the graphs.
 
+    A graph's key is ``(padded batch size, q, aux)``. ``aux``: the forward keeps the EAGLE-3
+    mid-layer states (``AuxHiddenStates``). With a model that keeps them, the ``q = 1`` graphs
+    are captured twice: with them for a step after which the proposer drafts, without them
+    (the plain engine's graph) for a step with speculation off; ``q > 1`` graphs verify drafts,
+    so speculation is on and they keep them. Without such a model every key has ``aux`` False.
+
+    ``eager=True`` is the CPU stand-in (tests): nothing is captured; a replay runs the model
+    over the same static buffers and metadata views, with the step's true host lengths (the
+    CPU backends read them). Not for exact-filling-block KV formats (their host slot lists).
+
     Args:
         model: the causal LM (``forward(input_ids [T], positions [T]) -> hidden [T, H]``),
             its attention layers bound to their caches (captured by address).
@@ -105,12 +122,14 @@ class CUDAGraphRunner:
             decode kernel's split count; each request still walks only its own keys).
         device: the CUDA device.
         max_query_len: largest ``q`` (``1 + num_speculative_tokens``).
+        eager: the CPU stand-in (no CUDA).
     """
 
     def __init__(self, model, builder: AttentionMetadataBuilder, max_num_seqs: int,
                  max_blocks_per_group: list[int], max_model_len: int, device: torch.device,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1, eager: bool = False) -> None:
         self.model = model
+        self.eager = eager
         self.builder = builder
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -122,38 +141,61 @@ class CUDAGraphRunner:
         self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
         self.positions = torch.zeros(t, dtype=torch.long, device=device)
         self.sizes = capture_sizes(max_num_seqs)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
         self.aux = AuxHiddenStates(model, t)
+        self.last_key: tuple[int, int, bool] | None = None  # the key of the last replay
 
     def _meta(self, bs: int, q: int) -> list[AttentionMetadata]:
         return self.builder.capture_metadata(bs, q)
 
+    def aux_modes(self, q: int) -> tuple[bool, ...]:
+        """The ``aux`` values captured for query length ``q`` (see the class doc)."""
+        if self.aux.owner is None:
+            return (False,)
+        return (True, False) if q == 1 else (True,)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (size, q), largest first so smaller graphs reuse its memory pool."""
+        """Capture every (size, q, aux), largest first so smaller graphs reuse its memory pool."""
         t0 = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0]
+        free_before = 0 if self.eager else torch.cuda.mem_get_info()[0]
         self.builder.prepare_for_capture(self.max_num_seqs, self.query_lens, self.max_blocks_per_group,
                                          self.max_model_len)
-        for q in reversed(self.query_lens):
-            for bs in reversed(self.sizes):
-                t = bs * q
-                with forward_context(self._meta(bs, q)):
-                    self.model(self.input_ids[:t], self.positions[:t])  # warm-up: compiles kernels
-                self.aux.allocate()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with forward_context(self._meta(bs, q)), torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model(self.input_ids[:t], self.positions[:t])
-                    self.aux.store(t)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[(bs, q)] = (graph, out)
+        try:
+            for q in reversed(self.query_lens):
+                for aux in self.aux_modes(q):
+                    self.aux.keep(aux)
+                    for bs in reversed(self.sizes):
+                        self._capture_one(bs, q, aux)
+        finally:
+            self.aux.keep(True)
+        if self.eager:
+            return
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs (decode batch sizes %d..%d, query lengths %s) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.sizes[-1], self.query_lens, time.perf_counter() - t0,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+
+    def _capture_one(self, bs: int, q: int, aux: bool) -> None:
+        t = bs * q
+        if self.eager:  # the stand-in's warm-up at padding lengths: the aux buffers' shapes
+            with forward_context(self.builder.capture_metadata(bs, q, [q] * bs)):
+                self.model(self.input_ids[:t], self.positions[:t])
+            self.aux.allocate()
+            self.graphs[(bs, q, aux)] = (None, None)
+            return
+        with forward_context(self._meta(bs, q)):
+            self.model(self.input_ids[:t], self.positions[:t])  # warm-up: compiles kernels
+        self.aux.allocate()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with forward_context(self._meta(bs, q)), torch.cuda.graph(graph, pool=self.pool):
+            out = self.model(self.input_ids[:t], self.positions[:t])
+            self.aux.store(t)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[(bs, q, aux)] = (graph, out)
 
     def _query_len(self, inp) -> int | None:
         """The captured q that serves this batch, or None."""
@@ -167,21 +209,30 @@ class CUDAGraphRunner:
         """Whether a step (``BatchInputs``) is all decodes / draft verifications that fit."""
         return self._query_len(inp) is not None
 
-    def run(self, inp, pending: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None):
+    def graph_key(self, inp, aux: bool = False) -> tuple[int, int, bool]:
+        """The captured graph a step replays (``can_run`` must hold): ``(padded batch size, q,
+        aux)``; ``aux``: the proposer reads this step's EAGLE-3 states (ignored without them)."""
+        q = self._query_len(inp)
+        bs = self.sizes[bisect.bisect_left(self.sizes, len(inp.query_lens))]
+        modes = self.aux_modes(q)
+        return bs, q, bool(aux) if len(modes) > 1 else modes[0]
+
+    def run(self, inp, pending: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None, aux: bool = True):
         """Replay the graph of the smallest captured size >= the batch.
 
         Args:
             inp: the step's ``BatchInputs`` (``can_run`` must hold).
             pending: ``(token indices, rows, sampled)``: tokens whose id is ``sampled[row]``
                 on the device (the previous step's output).
+            aux: keep the EAGLE-3 states this step (the proposer drafts after it); False
+                replays the graph without them (``q = 1`` only; ignored without such states).
 
         All inputs travel in one pinned host->device copy. Returns ``(hidden [bs * q, H]`` (a
         view into the graph's output buffer)``, row_start [R])``: request ``i``'s rows begin at
         ``row_start[i]``.
         """
-        q = self._query_len(inp)
+        bs, q, kept = key = self.graph_key(inp, aux)
         r = len(inp.query_lens)
-        bs = self.sizes[bisect.bisect_left(self.sizes, r)]
         t = bs * q
         # Where each real token goes: request i's j-th token at row i * q + j.
         if q == 1:
@@ -211,9 +262,18 @@ class CUDAGraphRunner:
         if k:
             tail = dev[offs[-3]:]
             self.input_ids.index_copy_(0, tail[:k], pending[2].index_select(0, tail[k:]))
-        graph, out = self.graphs[(bs, q)]
-        graph.replay()
-        self.aux.publish(t)
+        self.last_key = key
+        graph, out = self.graphs[key]
+        if self.eager:  # the stand-in: the model over the static buffers, true host lengths
+            seq = np.full(bs, q, dtype=np.int64)
+            seq[:r] = inp.ctx_lens + q
+            self.aux.keep(kept)
+            with forward_context(self.builder.capture_metadata(bs, q, seq.tolist())):
+                out = self.model(self.input_ids[:t], self.positions[:t])
+                self.aux.store(t)
+        else:
+            graph.replay()
+        self.aux.publish(t, kept)
         return out[:t], np.arange(r) * q
 
 
@@ -307,8 +367,10 @@ class PiecewiseCUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, all pieces sharing one memory pool."""
+        """Capture every size, largest first, all pieces sharing one memory pool (with the
+        EAGLE-3 states kept: a prefill chunk's are what a proposer reads)."""
         t0 = time.perf_counter()
+        self.aux.keep(True)  # a recapture may come after a step that turned them off
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         self.pool = torch.cuda.graph_pool_handle()

@@ -171,7 +171,8 @@ class ModelRunner:
         for gr in (self.graph_runner, self.piecewise_runner):
             for g in (getattr(gr, "graphs", None) or {}).values():
                 for graph in (g if isinstance(g, list) else [g[0]]):
-                    graph.reset()
+                    if graph is not None:  # None: the CPU stand-in's
+                        graph.reset()
         self.graph_runner = self.piecewise_runner = None
         if self.proposer is not None:
             self.proposer.release_cuda_graphs()
@@ -249,7 +250,7 @@ class ModelRunner:
             from kvserve.worker.cuda_graphs import CUDAGraphRunner
 
             self.graph_runner = CUDAGraphRunner(self.model, self.attn_builder, gr.max_num_seqs, gr.max_blocks_per_group,
-                                                gr.max_model_len, self.device, max(gr.query_lens))
+                                                gr.max_model_len, self.device, max(gr.query_lens), eager=gr.eager)
             del gr
             self.graph_runner.capture()
 
@@ -302,8 +303,11 @@ class ModelRunner:
         drafts = sched.scheduled_spec_decode_tokens
         grammar = (sched.structured_output_request_ids, sched.grammar_bitmask) \
             if sched.structured_output_request_ids else None
+        # EAGLE-3's mid-layer states only for a step the proposer records (speculation on);
+        # with it off the step runs the plain engine's forward / decode graph.
+        aux = self._keep_aux_states()
         if gr is not None and tree is None and gr.can_run(inp):
-            hidden, row_start = gr.run(inp, pending)
+            hidden, row_start = gr.run(inp, pending, aux)
             self._record_hidden(inp, hidden, row_start)
             if conn is not None:
                 conn.start_save_kv()
@@ -338,10 +342,23 @@ class ModelRunner:
             res.kv_block_mass = mass
         return res
 
+    def _keep_aux_states(self) -> bool:
+        """Whether this step keeps the target's EAGLE-3 mid-layer states: only when the proposer
+        records the step (``Proposer.wants_hidden_states``). Sets the model's switch for an eager
+        forward (piecewise graphs keep them as captured); returns it for the decode graphs."""
+        p = self.proposer
+        if p is None or not p.uses_hidden_states:
+            return False
+        on = p.wants_hidden_states
+        inner = getattr(self.model, "model", None)
+        if getattr(inner, "aux_hidden_state_layers", ()):
+            inner.keep_aux_hidden_states = on
+        return on
+
     def _record_hidden(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> None:
         """Hand the step's target hidden states to a proposer that drafts from them (EAGLE)."""
         p = self.proposer
-        if p is not None and p.uses_hidden_states:
+        if p is not None and p.uses_hidden_states:  # it keeps nothing while k == 0
             p.record_hidden_states(inp.req_ids, inp.seq_lens - inp.query_lens, inp.query_lens, hidden, row_start)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,

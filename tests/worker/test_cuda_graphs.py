@@ -109,7 +109,7 @@ def test_multi_token_graphs_match_eager(tmp_path, kv_dtype):
     llm = LLM(enforce_eager=False, speculative_config={"method": f"scripted_gpu_{kv_dtype}", "num_speculative_tokens": 3},
               **common)
     gr = llm.llm_engine.engine_core.model_runner.graph_runner
-    assert gr is not None and any(q == 4 for (_, q) in gr.graphs)
+    assert gr is not None and any(q == 4 for (_, q, _) in gr.graphs)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == ref
     assert llm.llm_engine.engine_core.scheduler.num_accepted_tokens > 0

@@ -446,8 +446,8 @@ class CascadeMetadataBuilder(AttentionMetadataBuilder):
                 suffix_block_tables=torch.zeros((n, max_blocks_per_group[gi]), **i32),
                 members=torch.zeros(n, **i32), item_first=torch.zeros(m, **i32), item_count=torch.zeros(m, **i32))
 
-    def capture_metadata(self, bs: int, q: int) -> list[AttentionMetadata]:
-        metas = super().capture_metadata(bs, q)
+    def capture_metadata(self, bs: int, q: int, seq_lens_cpu: list[int] | None = None) -> list[AttentionMetadata]:
+        metas = super().capture_metadata(bs, q, seq_lens_cpu)
         if q != 1 or bs < GRAPH_MIN_BATCH:
             return metas
         length = self._static["max_model_len"]

@@ -266,7 +266,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
 
         # The loop runs once per running request every step: plain locals, no property calls.
         max_model_len = cfg.max_model_len
-        bounded, k_max = self._bounded, self._k_max
+        bounded, k_cap = self._bounded, self._k_cap
         running = self.running
         chunk_cap = self._prefill_cap()
         # Most decodes neither cross a block boundary nor fill a block (1 in block_size does):
@@ -295,7 +295,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             if n <= 0:
                 i += 1
                 continue
-            k = self._num_drafts(req, n, budget) if k_max else 0
+            k = self._num_drafts(req, n, budget) if k_cap else 0  # 0 while speculation is off
             # allocate_slots changes nothing when blocks are short: retry with the drafts dropped,
             # then preempting the worst request (this one last) until it fits.
             if held is not None and (st := held.get(req.request_id)) is not None \
