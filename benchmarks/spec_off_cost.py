@@ -9,8 +9,16 @@ the engine carries no timers): steps run one at a time (``EngineCore._needs_host
 async overlap), steps that missed the decode CUDA graph (``CUDAGraphRunner.can_run`` false), drafts
 proposed, and the host seconds in the proposer's hooks (``propose``, ``record_hidden_states``).
 
+``--profile`` then refills the batch and, in steady decode, times each decode-graph replay on the
+device (CUDA events around ``CUDAGraph.replay``) over ``--profile-steps`` x 2 steps, and runs
+``--profile-steps`` steps under ``torch.profiler``: GPU busy / idle per step and the top kernels by
+device time (``step_profile.kernel_table``), so two configurations' steps can be told apart by
+what the device runs and by how long it waits for the host.
+
     PYTHONPATH=. python3 benchmarks/spec_off_cost.py --out $OUT/spec-off
-    PYTHONPATH=. python3 benchmarks/spec_off_cost.py --cpu-smoke --out /tmp/spec-off   # tiny, CPU
+    PYTHONPATH=. python3 benchmarks/spec_off_cost.py --batches 64 --profile \
+        --configs none,eagle_dynamic,ngram_dynamic,eagle1_dynamic --out $OUT/spec-off   # the GPU part
+    PYTHONPATH=. python3 benchmarks/spec_off_cost.py --cpu-smoke --profile --out /tmp/spec-off   # tiny, CPU
 """
 
 from __future__ import annotations
@@ -24,6 +32,60 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+
+def graph_replay_ms(llm, steps: int, cuda: bool) -> dict | None:
+    """Device ms of each CUDA-graph replay over ``steps`` engine steps (CUDA events around
+    ``torch.cuda.CUDAGraph.replay``: the decode graph; a drafting step's draft graphs too)."""
+    if not cuda:
+        return None
+    import torch
+
+    evs = []
+    orig = torch.cuda.CUDAGraph.replay
+
+    def replay(self):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        orig(self)
+        e.record()
+        evs.append((s, e))
+
+    eng = llm.llm_engine
+    torch.cuda.CUDAGraph.replay = replay
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        torch.cuda.CUDAGraph.replay = orig
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in evs)
+    if not ms:
+        return {"replays": 0}
+    return dict(replays=len(ms), mean_ms=round(sum(ms) / len(ms), 4), median_ms=round(ms[len(ms) // 2], 4),
+                min_ms=round(ms[0], 4), max_ms=round(ms[-1], 4))
+
+
+def profile_decode(llm, prompts: list, steps: int, out_dir: str, label: str, cuda: bool) -> dict:
+    """Steady decode of ``prompts`` (a prefix hit: every step a decode): graph replay device times
+    over ``2 * steps`` steps, then ``steps`` steps under ``torch.profiler`` (step_profile's kernel
+    table: ms per step per kernel class, GPU busy / idle, top kernels)."""
+    from step_profile import device_profile
+
+    from kvserve import SamplingParams
+
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True)
+    ids = [eng.add_request(None, p, sp) for p in prompts]
+    for _ in range(6):  # the prefix-hit step and the first decodes (async scheduling settles)
+        eng.step()
+    res = {"graph_replay": graph_replay_ms(llm, 2 * steps, cuda)}
+    res.update(device_profile(llm, steps, out_dir, label))
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return res
 
 
 def child(ns) -> dict:
@@ -102,6 +164,9 @@ def child(ns) -> dict:
                            drafts=llm.llm_engine.stats.num_drafts - s0,
                            proposer_ms_per_step=round(1e3 * counts["proposer_s"] / n_tok, 4),
                            **{k: v for k, v in counts.items() if k != "proposer_s"})
+        if ns.profile:
+            out[str(b)]["profile"] = profile_decode(llm, prompts, 4 if smoke else ns.profile_steps, ns.tmp,
+                                                    f"{ns.config}-{b}", dev == "cuda")
     llm.shutdown()
     return out
 
@@ -117,6 +182,9 @@ def main() -> None:
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # child
     ap.add_argument("--async-scheduling", default="default", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="graph replay device times and a torch.profiler "
+                                                            "kernel table of steady decode steps per configuration")
+    ap.add_argument("--profile-steps", type=int, default=16)
     ns = ap.parse_args()
     os.makedirs(ns.tmp, exist_ok=True)
     if ns.config:
@@ -127,10 +195,12 @@ def main() -> None:
     for c in ns.configs.split(","):
         name, _, asy = c.partition(":")
         cmd = [sys.executable, __file__, "--config", name, "--async-scheduling", asy or "default", "--tmp", ns.tmp,
-               "--batches", *map(str, ns.batches)] + (["--cpu-smoke"] if ns.cpu_smoke else [])
+               "--batches", *map(str, ns.batches), "--profile-steps", str(ns.profile_steps)] + \
+            (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--profile"] if ns.profile else [])
+        t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
-        rec = dict(config=name, async_scheduling=asy or "default")
+        rec = dict(config=name, async_scheduling=asy or "default", process_s=round(time.perf_counter() - t0, 1))
         rec.update({"batches": json.loads(line[-1][7:])} if line else {"error": p.stderr[-1500:]})
         recs.append(rec)
         print(json.dumps(rec), flush=True)
@@ -144,6 +214,27 @@ def main() -> None:
                   f"{x['graph_misses']} / {x['graph_runs']} | {x['drafts']} | {x['proposer_ms_per_step']} |")
         if "error" in r:
             print(f"| {r['config']} | error | {r['error'][-300:]!r} |")
+    if ns.profile:
+        print_profiles(recs)
+
+
+def print_profiles(recs: list[dict]) -> None:
+    """Per configuration and batch: graph replay device ms, GPU busy / idle ms per step, the top kernels."""
+    print("\n| config | async | batch | graph replay device ms (median) | GPU busy ms/step | GPU idle ms/step |")
+    print("|---|---|---|---|---|---|")
+    for r in recs:
+        for b, x in r.get("batches", {}).items():
+            pr = x.get("profile") or {}
+            g = pr.get("graph_replay") or {}
+            print(f"| {r['config']} | {r['async_scheduling']} | {b} | {g.get('median_ms')} | "
+                  f"{pr.get('gpu_busy_ms_per_step')} | {(pr.get('ms_per_step') or {}).get('host gaps (GPU idle)')} |")
+    for r in recs:
+        for b, x in r.get("batches", {}).items():
+            pr = x.get("profile") or {}
+            if pr.get("top_kernels"):
+                print(f"\n{r['config']} ({r['async_scheduling']}), batch {b}: top kernels, ms per step")
+                for k in pr["top_kernels"][:12]:
+                    print(f"  {k['ms_per_step']:8.4f}  {k['name'][:110]}")
 
 
 if __name__ == "__main__":
