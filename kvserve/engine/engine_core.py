@@ -464,6 +464,9 @@ def decode_step_kind(sched: SchedulerOutput) -> Optional[int]:
     drafts and some verify drafts, 0 for a pure decode step with speculation off, None else
     (prefill chunks; a step allowed drafts that none had: the first after speculation resumes)."""
     spec = sched.scheduled_spec_decode_tokens
+    if not spec:  # no drafts (speculation off): one set operation, no per-request Python
+        nst = sched.num_scheduled_tokens
+        return 0 if sched.num_speculative_tokens == 0 and (not nst or set(nst.values()) == {1}) else None
     for rid, n in sched.num_scheduled_tokens.items():
         if n != 1 + len(spec.get(rid, ())):
             return None

@@ -155,3 +155,30 @@ def test_model_forward_without_aux_states_is_the_same_forward(target):
         torch.testing.assert_close(on, off, rtol=0, atol=0)
     finally:
         inner.aux_hidden_state_layers, inner.keep_aux_hidden_states = (), True
+
+
+def test_decode_step_kind_matches_the_per_request_rule():
+    """``decode_step_kind``: its no-draft shortcut gives what the per-request rule gives."""
+    from kvserve.core.sched_output import SchedulerOutput
+    from kvserve.engine.engine_core import decode_step_kind
+
+    def rule(sched):  # the definition: every request computes 1 + its drafts; k or 0 or None
+        spec = sched.scheduled_spec_decode_tokens
+        if any(n != 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+            return None
+        if spec:
+            return int(sched.num_speculative_tokens or max(len(d) for d in spec.values()))
+        return 0 if sched.num_speculative_tokens == 0 else None
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        s = SchedulerOutput()
+        n = int(torch.randint(0, 5, (1,), generator=g))
+        for i in range(n):
+            d = int(torch.randint(0, 3, (1,), generator=g)) if torch.rand(1, generator=g) < 0.3 else 0
+            extra = int(torch.rand(1, generator=g) < 0.15) * 7  # a prefill chunk
+            s.num_scheduled_tokens[f"r{i}"] = 1 + d + extra
+            if d:
+                s.scheduled_spec_decode_tokens[f"r{i}"] = [5] * d
+        s.num_speculative_tokens = [None, 0, 2][int(torch.randint(0, 3, (1,), generator=g))]
+        assert decode_step_kind(s) == rule(s), s
