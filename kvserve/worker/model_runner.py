@@ -343,16 +343,17 @@ class ModelRunner:
         return res
 
     def _keep_aux_states(self) -> bool:
-        """Whether this step keeps the target's EAGLE-3 mid-layer states: only when the proposer
-        records the step (``Proposer.wants_hidden_states``). Sets the model's switch for an eager
-        forward (piecewise graphs keep them as captured); returns it for the decode graphs."""
-        p = self.proposer
-        if p is None or not p.uses_hidden_states:
-            return False
-        on = p.wants_hidden_states
+        """Whether this step keeps the target's EAGLE-3 mid-layer states (a model that has them):
+        with a proposer that reads them, only when it records the step (``Proposer.
+        wants_hidden_states``; not while dynamic speculation is off); always without one. Sets the
+        model's switch for an eager forward (piecewise graphs keep them as captured); returns it
+        for the decode graphs."""
         inner = getattr(self.model, "model", None)
-        if getattr(inner, "aux_hidden_state_layers", ()):
-            inner.keep_aux_hidden_states = on
+        if not getattr(inner, "aux_hidden_state_layers", ()):
+            return False
+        p = self.proposer
+        on = p.wants_hidden_states if p is not None and p.uses_hidden_states else True
+        inner.keep_aux_hidden_states = on
         return on
 
     def _record_hidden(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> None:
