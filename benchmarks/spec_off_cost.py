@@ -35,14 +35,17 @@ sys.path.insert(0, HERE)
 
 
 def graph_replay_ms(llm, steps: int, cuda: bool) -> dict | None:
-    """Device ms of each CUDA-graph replay over ``steps`` engine steps (CUDA events around
-    ``torch.cuda.CUDAGraph.replay``: the decode graph; a drafting step's draft graphs too)."""
+    """Over ``steps`` engine steps: device ms of each CUDA-graph replay (CUDA events around
+    ``torch.cuda.CUDAGraph.replay``: the decode graph; a drafting step's draft graphs too), the
+    wall ms per step, and the host ms per step spent waiting for a step's result
+    (``torch.cuda.Event.synchronize`` in ``AsyncModelRunnerOutput.get``: near 0 when the loop is
+    bound by the host, most of the step when bound by the device)."""
     if not cuda:
         return None
     import torch
 
-    evs = []
-    orig = torch.cuda.CUDAGraph.replay
+    evs, wait = [], [0.0]
+    orig, orig_sync = torch.cuda.CUDAGraph.replay, torch.cuda.Event.synchronize
 
     def replay(self):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,19 +54,30 @@ def graph_replay_ms(llm, steps: int, cuda: bool) -> dict | None:
         e.record()
         evs.append((s, e))
 
+    def synchronize(self):
+        t = time.perf_counter()
+        try:
+            return orig_sync(self)
+        finally:
+            wait[0] += time.perf_counter() - t
+
     eng = llm.llm_engine
-    torch.cuda.CUDAGraph.replay = replay
+    torch.cuda.CUDAGraph.replay, torch.cuda.Event.synchronize = replay, synchronize
+    t0 = time.perf_counter()
     try:
         for _ in range(steps):
             eng.step()
     finally:
-        torch.cuda.CUDAGraph.replay = orig
+        torch.cuda.CUDAGraph.replay, torch.cuda.Event.synchronize = orig, orig_sync
+    wall = time.perf_counter() - t0
     torch.cuda.synchronize()
     ms = sorted(s.elapsed_time(e) for s, e in evs)
-    if not ms:
-        return {"replays": 0}
-    return dict(replays=len(ms), mean_ms=round(sum(ms) / len(ms), 4), median_ms=round(ms[len(ms) // 2], 4),
-                min_ms=round(ms[0], 4), max_ms=round(ms[-1], 4))
+    res = dict(replays=len(ms), wall_ms_per_step=round(wall * 1e3 / steps, 4),
+               host_wait_ms_per_step=round(wait[0] * 1e3 / steps, 4))
+    if ms:
+        res.update(mean_ms=round(sum(ms) / len(ms), 4), median_ms=round(ms[len(ms) // 2], 4),
+                   min_ms=round(ms[0], 4), max_ms=round(ms[-1], 4))
+    return res
 
 
 def profile_decode(llm, prompts: list, steps: int, out_dir: str, label: str, cuda: bool) -> dict:
@@ -157,13 +171,29 @@ def child(ns) -> dict:
         s0 = llm.llm_engine.stats.num_drafts
         if dev == "cuda":
             torch.cuda.synchronize()
+        prof = None
+        if ns.host_calls:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t = time.perf_counter()
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True), use_tqdm=False)
         dt = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+            import pstats
+
+            calls: dict[str, float] = {}
+            for (f, _, n), (_, nc, *_r) in pstats.Stats(prof).stats.items():
+                k = f"{os.path.basename(f)}:{n.split(' at 0x')[0]}"  # no addresses: comparable across processes
+                calls[k] = calls.get(k, 0.0) + nc / n_tok
         out[str(b)] = dict(output_tok_s=round(b * n_tok / dt, 1), wall_s=round(dt, 3),
                            drafts=llm.llm_engine.stats.num_drafts - s0,
                            proposer_ms_per_step=round(1e3 * counts["proposer_s"] / n_tok, 4),
                            **{k: v for k, v in counts.items() if k != "proposer_s"})
+        if prof is not None:  # Python calls per step (cProfile; its timings are not kept: it slows the run)
+            out[str(b)]["host_calls_per_step"] = {k: round(v, 2) for k, v in calls.items() if v >= 1}
         if ns.profile:
             out[str(b)]["profile"] = profile_decode(llm, prompts, 4 if smoke else ns.profile_steps, ns.tmp,
                                                     f"{ns.config}-{b}", dev == "cuda")
@@ -185,6 +215,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="graph replay device times and a torch.profiler "
                                                             "kernel table of steady decode steps per configuration")
     ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--host-calls", action="store_true", help="Python calls per step of the timed run (cProfile); "
+                                                               "printed beside the first configuration's")
     ns = ap.parse_args()
     os.makedirs(ns.tmp, exist_ok=True)
     if ns.config:
@@ -196,7 +228,8 @@ def main() -> None:
         name, _, asy = c.partition(":")
         cmd = [sys.executable, __file__, "--config", name, "--async-scheduling", asy or "default", "--tmp", ns.tmp,
                "--batches", *map(str, ns.batches), "--profile-steps", str(ns.profile_steps)] + \
-            (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--profile"] if ns.profile else [])
+            (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--profile"] if ns.profile else []) + \
+            (["--host-calls"] if ns.host_calls else [])
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
@@ -216,18 +249,38 @@ def main() -> None:
             print(f"| {r['config']} | error | {r['error'][-300:]!r} |")
     if ns.profile:
         print_profiles(recs)
+    if ns.host_calls:
+        print_host_calls(recs)
+        with open(os.path.join(ns.out, "spec_off_cost.json"), "w") as f:
+            json.dump(recs, f, indent=1)
+
+
+def print_host_calls(recs: list[dict]) -> None:
+    """Python calls per step beyond the first configuration's, per configuration and batch."""
+    base = recs[0].get("batches", {}) if recs else {}
+    for r in recs[1:]:
+        for b, x in r.get("batches", {}).items():
+            a, c = (base.get(b) or {}).get("host_calls_per_step", {}), x.get("host_calls_per_step", {})
+            diff = {k: round(c.get(k, 0) - a.get(k, 0), 2) for k in set(a) | set(c)}
+            diff = {k: v for k, v in diff.items() if abs(v) >= 0.5}
+            x["extra_host_calls_per_step"] = round(sum(v for v in diff.values() if v > 0), 1)
+            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:8]
+            print(f"\n{r['config']} batch {b}: {x['extra_host_calls_per_step']} Python calls per step beyond "
+                  f"{recs[0]['config']}'s; most: " + ", ".join(f"{k} {v:+}" for k, v in top))
 
 
 def print_profiles(recs: list[dict]) -> None:
     """Per configuration and batch: graph replay device ms, GPU busy / idle ms per step, the top kernels."""
-    print("\n| config | async | batch | graph replay device ms (median) | GPU busy ms/step | GPU idle ms/step |")
-    print("|---|---|---|---|---|---|")
+    print("\n| config | async | batch | wall ms/step | host waits ms/step | graph replay device ms (median) | "
+          "GPU busy ms/step | GPU idle ms/step (profiled) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in recs:
         for b, x in r.get("batches", {}).items():
             pr = x.get("profile") or {}
             g = pr.get("graph_replay") or {}
-            print(f"| {r['config']} | {r['async_scheduling']} | {b} | {g.get('median_ms')} | "
-                  f"{pr.get('gpu_busy_ms_per_step')} | {(pr.get('ms_per_step') or {}).get('host gaps (GPU idle)')} |")
+            print(f"| {r['config']} | {r['async_scheduling']} | {b} | {g.get('wall_ms_per_step')} | "
+                  f"{g.get('host_wait_ms_per_step')} | {g.get('median_ms')} | {pr.get('gpu_busy_ms_per_step')} | "
+                  f"{(pr.get('ms_per_step') or {}).get('host gaps (GPU idle)')} |")
     for r in recs:
         for b, x in r.get("batches", {}).items():
             pr = x.get("profile") or {}
