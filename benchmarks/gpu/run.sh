@@ -82,7 +82,7 @@ dp:150:two GPUs: data parallel 2 vs 1 behind one server, 8B serving at 64 and 96
 ray-tp:150:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, start-up (gpu_ray_tp.py; Ray from .whl_ray/)
 eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
 spec-policy:200:the shipped EAGLE head on the default model (real weights): batch 16/64 dynamic speculation vs none, batch-1 k=4 vs none (gpu_eagle3_train.py --head)
-spec-off:200:speculation configured but off (dynamic, batch 64 above its band): none vs EAGLE k=4 / k=1 / n-gram tok/s, graph replay device ms, kernel table (spec_off_cost.py --profile; KVSERVE_BASELINE's tree after)
+spec-off:240:speculation configured but off (dynamic, batch 64 above its band): none vs EAGLE k=4 / k=1 / n-gram tok/s, graph replay device ms, kernel table (spec_off_cost.py --profile; KVSERVE_BASELINE's tree after: none, EAGLE k=4)
 spec-edit:150:default model (real weights), batch 1: n-gram and suffix decoding on code edits, repeated edits and chat vs none (spec_decode_cpu.py --device cuda)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
 decode-kernel:90:paged decode kernel alone, 8B layer, b512x2K b64x8K b1x32K, bf16 and fp8 KV: config sweep, GB/s vs copy, old kernel beside, fp8 KV FP8-dot path rows (gpu_decode_kernel.py)
@@ -249,16 +249,13 @@ run_part() {  # run_part <name> <dir>: the commands of one part
         KVSERVE_DEFAULT_GGUF=$(bash "$ROOT/benchmarks/gpu/gguf_parts.sh" join) && export KVSERVE_DEFAULT_GGUF
       py $B/gpu_eagle3_train.py --out "$d" --head kvserve/spec_decode/data/eagle-smollm2-135m --method eagle \
         --plan batch,none,k4 --deadline $(( ${LIMIT:-200} - 10 )) ;;
-    spec-off)  # ~25 s per configuration; KVSERVE_BASELINE's tree (the same script) into $d/baseline
-      local so="--batches 64 --configs none,eagle_dynamic,ngram_dynamic,eagle1_dynamic --profile"
-      # shellcheck disable=SC2086
-      py $B/spec_off_cost.py --out "$d" $so
+    spec-off)  # ~30 s per configuration; KVSERVE_BASELINE's tree (the same script) into $d/baseline
+      py $B/spec_off_cost.py --out "$d" --batches 64 --configs none,eagle_dynamic,ngram_dynamic,eagle1_dynamic --profile
       if [ -n "${KVSERVE_BASELINE:-}" ]; then
         local base
         base=$(cd "$KVSERVE_BASELINE" && pwd)
-        # shellcheck disable=SC2086
         (cd "$base" && PYTHONPATH=$base:$SITE python3 "$ROOT/$B/spec_off_cost.py" --out "$d/baseline" \
-          --tmp /tmp/kvserve-spec-off-base $so)
+          --tmp /tmp/kvserve-spec-off-base --batches 64 --configs none,eagle_dynamic --profile)
       fi ;;
     spec-edit)  # the default GGUF from the carried pieces, as eagle3-train
       [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \
