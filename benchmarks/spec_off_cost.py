@@ -10,7 +10,8 @@ async overlap), steps that missed the decode CUDA graph (``CUDAGraphRunner.can_r
 proposed, and the host seconds in the proposer's hooks (``propose``, ``record_hidden_states``).
 
 ``--profile`` then refills the batch and, in steady decode, times each decode-graph replay on the
-device (CUDA events around ``CUDAGraph.replay``) over ``--profile-steps`` x 2 steps, and runs
+device (CUDA events around ``CUDAGraph.replay``) over ``--profile-steps`` x 2 steps, the host ms
+per engine seam (``step_profile``'s seam timers) over as many, and runs
 ``--profile-steps`` steps under ``torch.profiler``: GPU busy / idle per step and the top kernels by
 device time (``step_profile.kernel_table``), so two configurations' steps can be told apart by
 what the device runs and by how long it waits for the host.
@@ -80,6 +81,24 @@ def graph_replay_ms(llm, steps: int, cuda: bool) -> dict | None:
     return res
 
 
+def host_seams(llm, steps: int) -> dict:
+    """Host ms per step per engine seam over ``steps`` steps (``step_profile``'s exclusive seam
+    timers, plus the proposer, the policy's step timing and the async-overlap check)."""
+    from step_profile import host_profile, install_seams
+
+    core = llm.llm_engine.engine_core
+    timer = install_seams(llm)
+    for obj, attr, name in ((core.model_runner, "propose", "proposer"), (core, "_time_step", "policy timing"),
+                            (core, "_needs_host_tokens", "overlap check")):
+        if hasattr(obj, attr):
+            timer.wrap(obj, attr, name)
+    try:
+        r = host_profile(llm, timer, steps)
+    finally:
+        timer.restore()
+    return {k: r[k] for k in ("step_ms", "step_ms_median", "host_ms", "buckets_ms", "seams_ms", "seams_cpu_ms")}
+
+
 def profile_decode(llm, prompts: list, steps: int, out_dir: str, label: str, cuda: bool) -> dict:
     """Steady decode of ``prompts`` (a prefix hit: every step a decode): graph replay device times
     over ``2 * steps`` steps, then ``steps`` steps under ``torch.profiler`` (step_profile's kernel
@@ -94,6 +113,7 @@ def profile_decode(llm, prompts: list, steps: int, out_dir: str, label: str, cud
     for _ in range(6):  # the prefix-hit step and the first decodes (async scheduling settles)
         eng.step()
     res = {"graph_replay": graph_replay_ms(llm, 2 * steps, cuda)}
+    res["host"] = host_seams(llm, 2 * steps)
     res.update(device_profile(llm, steps, out_dir, label))
     for rid in ids:
         eng.abort_request(rid)
@@ -281,6 +301,13 @@ def print_profiles(recs: list[dict]) -> None:
             print(f"| {r['config']} | {r['async_scheduling']} | {b} | {g.get('wall_ms_per_step')} | "
                   f"{g.get('host_wait_ms_per_step')} | {g.get('median_ms')} | {pr.get('gpu_busy_ms_per_step')} | "
                   f"{(pr.get('ms_per_step') or {}).get('host gaps (GPU idle)')} |")
+    for r in recs:
+        for b, x in r.get("batches", {}).items():
+            h = (x.get("profile") or {}).get("host") or {}
+            if h:
+                print(f"\n{r['config']} ({r['async_scheduling']}), batch {b}: {h['step_ms']} ms/step, host "
+                      f"{h['host_ms']} ms/step; seams (wall ms): " +
+                      ", ".join(f"{k} {v}" for k, v in sorted(h["seams_ms"].items(), key=lambda kv: -kv[1])))
     for r in recs:
         for b, x in r.get("batches", {}).items():
             pr = x.get("profile") or {}
