@@ -214,8 +214,8 @@ def child(ns) -> dict:
                            **{k: v for k, v in counts.items() if k != "proposer_s"})
         if prof is not None:  # Python calls per step (cProfile; its timings are not kept: it slows the run)
             out[str(b)]["host_calls_per_step"] = {k: round(v, 2) for k, v in calls.items() if v >= 1}
-        if ns.profile:
-            out[str(b)]["profile"] = profile_decode(llm, prompts, 4 if smoke else ns.profile_steps, ns.tmp,
+        if ns.profile:  # on the CPU (smoke) no more than 8 steps: the code path, not a measurement
+            out[str(b)]["profile"] = profile_decode(llm, prompts, min(ns.profile_steps, 8) if smoke else ns.profile_steps, ns.tmp,
                                                     f"{ns.config}-{b}", dev == "cuda")
     llm.shutdown()
     return out
