@@ -215,8 +215,8 @@ def child(ns) -> dict:
         if prof is not None:  # Python calls per step (cProfile; its timings are not kept: it slows the run)
             out[str(b)]["host_calls_per_step"] = {k: round(v, 2) for k, v in calls.items() if v >= 1}
         if ns.profile:  # on the CPU (smoke) no more than 8 steps: the code path, not a measurement
-            out[str(b)]["profile"] = profile_decode(llm, prompts, min(ns.profile_steps, 8) if smoke else ns.profile_steps, ns.tmp,
-                                                    f"{ns.config}-{b}", dev == "cuda")
+            steps = min(ns.profile_steps, 8) if smoke else ns.profile_steps
+            out[str(b)]["profile"] = profile_decode(llm, prompts, steps, ns.tmp, f"{ns.config}-{b}", dev == "cuda")
     llm.shutdown()
     return out
 
