@@ -132,6 +132,27 @@ class OutputProcessor:
             updated.append((req, len(o.new_token_ids)))
         return updated
 
+    def apply_plain(self, req_ids: list[str], token_ids: list[int], stop_only: bool = False) -> list[RequestState]:
+        """Append the plain decode rows' tokens (``EngineCoreOutputs.plain_req_ids``: one new
+        token, nothing else new). Returns the states of the children still open, in order; with
+        ``stop_only`` only those with stop strings (the rest need nothing from ``process``
+        unless the caller detokenizes every step: they are running, so their parent is too).
+        Rows of unknown or closed children are dropped."""
+        out = []
+        child_to_parent = self.child_to_parent
+        for rid, tok in zip(req_ids, token_ids):
+            entry = child_to_parent.get(rid)
+            if entry is None:
+                continue
+            seq = entry[1]
+            if seq.finish_reason is not None:
+                continue
+            req = seq.request
+            req.output_token_ids.append(tok)
+            if not stop_only or req.sampling_params.stop:
+                out.append(req)
+        return out
+
     def _decode(self, seq: _SeqState) -> str:
         if self.tokenizer is None:
             return ""

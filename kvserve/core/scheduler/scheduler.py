@@ -109,6 +109,8 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Unfinished requests whose sampling reads their own output (``Request.reads_output``).
+        self.num_output_readers = 0
         # KV transfer between engines (kvserve.kv_connector.p2p): requests whose blocks a remote
         # engine is filling, and finished requests whose blocks a remote engine still reads.
         self.remote_kv = RemoteKVTracker(kv_cache_manager, connector)
@@ -152,6 +154,12 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         sp = request.sampling_params
         if sp.attention_sinks is not None or sp.max_attention_window is not None:
             self._check_bounded_params(sp)
+        # Sampling that reads the request's own output (penalties, min_tokens, a grammar): counted,
+        # so the engine asks each running request only while one of these is unfinished.
+        request.reads_output = (sp.repetition_penalty != 1.0 or bool(sp.frequency_penalty or sp.presence_penalty)
+                                or sp.min_tokens > 0 or sp.structured_outputs is not None
+                                or request.structured_output is not None)
+        self.num_output_readers += request.reads_output
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -196,6 +204,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         else:
             self.kv.free(req)
         del self.requests[req.request_id]
+        self.num_output_readers -= req.reads_output
         self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
