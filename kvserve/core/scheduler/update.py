@@ -92,6 +92,28 @@ class OutputUpdateMixin:
                 elif plain is not None and req.plain_output and not req.num_preemptions \
                         and req.first_token_time is not None:
                     quiet = len(toks) == 1
+                    if quiet and req.structured_output is None:
+                        # The common row, one token and no grammar: the loop below unrolled.
+                        tok = toks[0]
+                        out_ids, all_ids, sp = req.output_token_ids, req.all_token_ids, req.sampling_params
+                        out_ids.append(tok)
+                        all_ids.append(tok)
+                        if (bounded or (sp.max_tokens is not None and len(out_ids) >= sp.max_tokens)
+                                or len(all_ids) >= max_model_len or len(out_ids) < sp.min_tokens
+                                or tok == req.eos_token_id or sp.stop_token_ids) \
+                                and (status := check_stop(req, tok)) is not None:
+                            self.running.remove(req)
+                            self._finish(req, status)
+                            lps = all_lps.get(rid) if all_lps else None
+                            updated.append((req, toks, lps[:1] if lps is not None else None))
+                            continue
+                        if draft_ids:
+                            drafts = draft_ids.get(rid)
+                            if drafts:
+                                req.spec_token_ids = list(drafts)
+                        plain_ids.append(rid)
+                        plain_toks.append(tok)
+                        continue
             elif req.status != preempted_status:
                 continue
             # A request preempted after this step was scheduled keeps the token: its KV was
