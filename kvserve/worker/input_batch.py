@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.sample.metadata import plain_greedy
 from kvserve.sampling_params import SamplingParams
 
 
@@ -153,6 +154,9 @@ class InputBatch:
         self.states: dict[str, CachedRequestState] = {}
         # Requests that asked for prompt logprobs (the runner looks at these only, not every row).
         self.prompt_logprobs_reqs: set[str] = set()
+        # Requests whose sampling is more than a plain argmax (``sample.metadata.plain_greedy``):
+        # while none is held, the sampler skips its per-request look at the batch.
+        self.sampling_extra_reqs: set[str] = set()
         self._free_rows = list(range(n - 1, -1, -1))
 
     @property
@@ -184,6 +188,8 @@ class InputBatch:
         self.states[new.req_id] = st
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs_reqs.add(new.req_id)
+        if not plain_greedy(new.sampling_params):
+            self.sampling_extra_reqs.add(new.req_id)
         p, o = len(st.prompt_token_ids), len(st.output_token_ids)
         self._ensure_token_cols(p + o)
         self.token_ids[row, :p] = st.prompt_token_ids
@@ -200,6 +206,7 @@ class InputBatch:
         if st is not None:
             self._free_rows.append(st.row)
             self.prompt_logprobs_reqs.discard(req_id)
+            self.sampling_extra_reqs.discard(req_id)
 
     def update_cached(self, cached: CachedRequestData) -> None:
         """Append new block ids and set ``num_computed_tokens`` for running requests.

@@ -395,7 +395,7 @@ class ModelRunner:
             # Seeded requests replay their RNG once the accepted count is known.
             saved = {r: states[r].generator.get_state() for r in spec_ids if states[r].generator is not None}
             spec_out = (spec_ids, spec_drafts, saved, logits.shape[-1])
-        sampled, packed, md = self.sampler.launch(logits, reqs)
+        sampled, packed, md = self.sampler.launch(logits, reqs, not self.input_batch.sampling_extra_reqs)
         (packed,), event = copy_to_host([packed])
         self._last_sampled = sampled
         self._last_rows = dict(zip(plain_ids, range(len(plain_ids))))

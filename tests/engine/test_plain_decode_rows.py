@@ -159,7 +159,8 @@ def test_plain_rows_equal_the_general_path_with_speculation(model_dir):
     llm.llm_engine.shutdown()
 
 
-def test_streamed_steps_and_an_abort_equal_the_general_path(model_dir):
+@pytest.mark.parametrize("stream", [True, False])
+def test_steps_and_an_abort_equal_the_general_path(model_dir, stream):
     llm = _engine(model_dir, kv_cache_memory="1MiB")
     eng = llm.llm_engine
     prompts, params = _prompts(8, seed=2), _params(8)
@@ -170,7 +171,7 @@ def test_streamed_steps_and_an_abort_equal_the_general_path(model_dir):
         steps, deltas = [], {i: [] for i in ids}
         n = 0
         while eng.has_unfinished_requests():
-            outs = eng.step(stream=True)
+            outs = eng.step(stream=stream)
             steps.append(_view(outs, {rid: j for j, rid in enumerate(ids)}))
             for rid in ids:
                 if rid in eng.output_processor.parents:
