@@ -304,7 +304,9 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
                     i += 1
                     continue
             c = req.num_computed_tokens
-            n = min(num_tokens + pending - c, budget, max_len - c, chunk_cap)
+            n = num_tokens + pending - c
+            if n > budget or n > max_len - c or n > chunk_cap:  # min(), without the call (hot)
+                n = min(n, budget, max_len - c, chunk_cap)
             if n <= 0:
                 i += 1
                 continue
