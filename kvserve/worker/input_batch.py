@@ -228,12 +228,14 @@ class InputBatch:
         except KeyError as e:
             raise RuntimeError(f"step names request {e.args[0]!r} that this worker does not hold") from None
         nc = np.asarray(cached.num_computed_tokens, dtype=np.int64)
-        # Over the batch at once; the per-request work below touches only rows that changed.
-        for i in np.flatnonzero(nc != self.num_computed[rows]).tolist():
-            row, keep = int(rows[i]), -(-int(nc[i]) // bs)
+        # Over the batch at once, rows whose count changed (every decode row, each step).
+        changed = np.flatnonzero(nc != self.num_computed[rows])
+        if len(changed):
+            crows, keep = rows[changed], -(-nc[changed] // bs)
             for bt in self.block_tables:
-                if bt.num_blocks[row] > keep:
-                    bt.num_blocks[row] = keep
+                cut = bt.num_blocks[crows] > keep
+                if cut.any():
+                    bt.num_blocks[crows[cut]] = keep[cut]
         self.num_computed[rows] = nc
         tables = self.block_tables
         nb = cached.new_block_ids
@@ -290,14 +292,13 @@ class InputBatch:
     def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
         """One sampled token per request (``req_ids[i]`` gets ``tokens[i]``): ``append_tokens``
         over the batch at once (requests gone are skipped)."""
-        states = self.states
-        sts = [states.get(r) for r in req_ids]
+        sts = list(map(self.states.get, req_ids))
         if None in sts:
             keep = [i for i, st in enumerate(sts) if st is not None]
-            sts, tokens = [sts[i] for i in keep], [tokens[i] for i in keep]
+            sts, tokens, req_ids = [sts[i] for i in keep], [tokens[i] for i in keep], [req_ids[i] for i in keep]
         if not sts:
             return
-        rows = np.fromiter((st.row for st in sts), dtype=np.int64, count=len(sts))
+        rows = np.fromiter(map(self.rows.__getitem__, req_ids), dtype=np.int64, count=len(sts))
         n = self.num_tokens[rows]
         self._ensure_token_cols(int(n.max()) + 1)
         self.token_ids[rows, n] = tokens
@@ -346,11 +347,13 @@ class InputBatch:
             token_ids[pending_idx] = 0
             preq = req_idx[pending_idx]
             ok = (positions[pending_idx] == self.num_tokens[rows[preq]]) & (k[preq] == 0)
-            if not ok.all() or len(np.unique(preq)) != len(preq):
+            # preq is nondecreasing (token order): one pending token per request <=> strictly increasing.
+            if not ok.all() or (len(preq) > 1 and not (preq[1:] != preq[:-1]).all()):
                 bad = rids[int(preq[np.flatnonzero(~ok)[0]] if not ok.all() else preq[0])]
                 raise RuntimeError(f"request {bad!r}: a scheduled token is neither known nor sampled by the "
                                    f"previous step")
-            pending_req = [rids[i] for i in preq]
+            # Every request pending (the usual async decode step): preq is 0..R-1.
+            pending_req = list(rids) if len(preq) == len(rids) else [rids[i] for i in preq.tolist()]
         bs = self.block_size
         blk, off = positions // bs, positions % bs
         block_tables, slots = [], []
