@@ -56,6 +56,17 @@ class Request:
             with ``sampling_params.structured_outputs``, else None.
     """
 
+    # Slots: the scheduler reads these per request every step; a plain instance dict of this
+    # many attributes loses CPython's shared-key layout (more than 30 keys) and reads slower.
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "eos_token_id",
+        "cache_salt", "output_token_ids", "all_token_ids", "num_computed_tokens", "num_pending_tokens", "status",
+        "stop_reason", "num_preemptions", "num_draft_tokens", "num_accepted_tokens", "num_computed_at_preemption",
+        "num_cached_tokens", "first_token_time", "first_scheduled_time", "finished_time", "spec_token_ids",
+        "prompt_logprobs", "prompt_logprobs_sent", "plain_output", "reads_output", "block_hashes",
+        "structured_output", "delay_cache_blocks", "kv_ready", "kv_transfer_params", "__weakref__",
+    )
+
     def __init__(
         self,
         request_id: str,
@@ -92,6 +103,12 @@ class Request:
         # Prompt logprobs gathered so far (entry j: prompt token j + 1), and whether sent.
         self.prompt_logprobs: list[dict[int, tuple[float, int]]] = []
         self.prompt_logprobs_sent = False
+        # Its outputs carry no logprobs of any kind: after the first token a running step's
+        # update is its new token alone (``Scheduler.update_from_output``'s plain rows).
+        self.plain_output = sampling_params.logprobs is None and sampling_params.prompt_logprobs is None
+        # Its sampling reads its own output (penalties, min_tokens, a grammar); set on admission
+        # to a scheduler (``Scheduler.add_request``).
+        self.reads_output = False
         # Block hashes of the full blocks of all_token_ids (prefix cache keys).
         self.block_hashes: list[int] = []
         # Grammar matcher state (kvserve.structured_output) when the request is constrained.

@@ -357,7 +357,10 @@ class AsyncLLM:
         now = time.time()
         op = self.output_processor
         updated = []
-        for req, num_new in op.apply_outputs(msg.outputs):
+        applied = op.apply_outputs(msg.outputs)
+        if msg.plain_req_ids:  # one new token each, nothing else new
+            applied += [(req, 1) for req in op.apply_plain(msg.plain_req_ids, msg.plain_token_ids)]
+        for req, num_new in applied:
             updated.append(req)
             if num_new:
                 parent, seq = op.child_to_parent[req.request_id]

@@ -147,6 +147,8 @@ class EngineCoreProc:
             logger.error("engine core: the API server process died; exiting")
             return False
         outputs, n_prompt, n_gen = self.rejected, 0, 0
+        plain_ids: list[str] = []
+        plain_toks: list[int] = []
         self.rejected = []
         stepped = False
         # With KV transfers between engines under way, step (a poll of the workers) every turn.
@@ -156,8 +158,9 @@ class EngineCoreProc:
             self.num_steps += 1
             n_prompt, n_gen = res.num_prompt_tokens, res.num_generation_tokens
             outputs.extend(res.outputs)
+            plain_ids, plain_toks = res.plain_req_ids, res.plain_token_ids
         if stepped or handled:
-            self.send(StepOutputs(outputs, self._stats(), n_prompt, n_gen, time.time()))
+            self.send(StepOutputs(outputs, self._stats(), n_prompt, n_gen, time.time(), plain_ids, plain_toks))
         elif time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S:
             self.send(Heartbeat(time.time(), self.num_steps))
         return True

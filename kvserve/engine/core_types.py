@@ -81,8 +81,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 @dataclass
 class EngineCoreOutputs:
-    """One step's outputs and the tokens it computed."""
+    """One step's outputs and the tokens it computed.
+
+    ``outputs`` holds a full ``EngineCoreOutput`` per request that got tokens, except the plain
+    decode rows: ``plain_req_ids[i]`` got the one token ``plain_token_ids[i]`` and nothing
+    else changed for it since its previous output (it is running, past its first token, never
+    preempted, asks for no logprobs and verified no drafts). A frontend appends the token and
+    keeps every other field of the request's state as it was.
+    """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    plain_req_ids: list[str] = field(default_factory=list)
+    plain_token_ids: list[int] = field(default_factory=list)

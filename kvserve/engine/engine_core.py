@@ -373,6 +373,8 @@ class EngineCore:
         res = self._update(prev[0], prev[1].get())
         if polled is not None:
             res.outputs[:0] = polled.outputs
+            res.plain_req_ids[:0] = polled.plain_req_ids
+            res.plain_token_ids[:0] = polled.plain_token_ids
         return res
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
@@ -396,6 +398,8 @@ class EngineCore:
     def _needs_host_tokens(self) -> bool:
         if self.scheduler.wants_drafts():  # speculation on for the next step: drafts need step N
             return True
+        if not self.scheduler.num_output_readers:  # no request reads its own output: none to ask
+            return False
         for r in self.scheduler.running:
             if r.num_pending_tokens:
                 sp = r.sampling_params
@@ -419,11 +423,16 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, runner_out) -> EngineCoreOutputs:
         if self.scheduler.spec_policy is not None and sched.num_scheduled_tokens:
             self._time_step(sched)
-        updated = self.scheduler.update_from_output(sched, runner_out)
+        # Plain decode rows (one token, nothing else new) come back as two flat lists: no
+        # EngineCoreOutput each, and the frontend only appends their tokens.
+        plain_ids: list[str] = []
+        plain_toks: list[int] = []
+        updated = self.scheduler.update_from_output(sched, runner_out, (plain_ids, plain_toks))
         if getattr(runner_out, "moe_expert_tokens", None) is not None:
             self.moe_expert_tokens = runner_out.moe_expert_tokens
-        outs = EngineCoreOutputs(num_prompt_tokens=sched.num_prompt_tokens)
-        n_gen = 0
+        outs = EngineCoreOutputs(num_prompt_tokens=sched.num_prompt_tokens, plain_req_ids=plain_ids,
+                                 plain_token_ids=plain_toks)
+        n_gen = len(plain_toks)
         append = outs.outputs.append
         running = RequestStatus.RUNNING
         # One output per request every step: positional fields (EngineCoreOutput's order), the
@@ -451,6 +460,8 @@ class EngineCore:
             flush.kv_connector_metadata = self.kv_connector.build_connector_meta(flush)
             more = self._update(flush, self.executor.execute_model(flush).get())
             outs.outputs.extend(more.outputs)
+            plain_ids.extend(more.plain_req_ids)
+            plain_toks.extend(more.plain_token_ids)
         return outs
 
     def shutdown(self) -> None:

@@ -117,6 +117,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
     ``outputs``: the step's ``EngineCoreOutput`` records, as the engine core made them.
     ``num_prompt_tokens`` / ``num_generation_tokens`` are the tokens computed in this step.
+    ``plain_req_ids`` / ``plain_token_ids``: the step's plain decode rows, one new token each
+    and nothing else new (``EngineCoreOutputs``).
     """
 
     outputs: list[EngineCoreOutput]
@@ -124,6 +126,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     timestamp: float = 0.0
+    plain_req_ids: list[str] = []
+    plain_token_ids: list[int] = []
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):

@@ -171,6 +171,8 @@ class LLMEngine:
         res = self.engine_core.step()
         op = self.output_processor
         updated = [st for st, _ in op.apply_outputs(res.outputs)]
+        if res.plain_req_ids:
+            updated += op.apply_plain(res.plain_req_ids, res.plain_token_ids, stop_only=not stream)
         parents, stopped = op.process(updated, detokenize_all=stream)
         if stopped:
             self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

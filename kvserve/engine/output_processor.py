@@ -110,6 +110,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, _SeqState]] = {}
+        # Open children without stop strings -> their output token list: a plain decode row
+        # that needs no ``process`` is one append (``apply_plain``). Dropped when the child closes.
+        self._token_lists: dict[str, list[int]] = {}
 
     def add(self, parent: ParentState, children: list[EngineCoreRequest]) -> None:
         self.parents[parent.request_id] = parent
@@ -117,6 +120,8 @@ class OutputProcessor:
             seq = _SeqState(i, RequestState(child))
             parent.seqs.append(seq)
             self.child_to_parent[child.request_id] = (parent, seq)
+            if not child.sampling_params.stop:
+                self._token_lists[child.request_id] = seq.request.output_token_ids
 
     def apply_outputs(self, outputs: list[EngineCoreOutput]) -> list[tuple[RequestState, int]]:
         """Fold engine-core outputs into the children's states; returns ``(state, number of
@@ -131,6 +136,31 @@ class OutputProcessor:
             req.apply(o)
             updated.append((req, len(o.new_token_ids)))
         return updated
+
+    def apply_plain(self, req_ids: list[str], token_ids: list[int], stop_only: bool = False) -> list[RequestState]:
+        """Append the plain decode rows' tokens (``EngineCoreOutputs.plain_req_ids``: one new
+        token, nothing else new). Returns the states of the children still open, in order; with
+        ``stop_only`` only those with stop strings (the rest need nothing from ``process``
+        unless the caller detokenizes every step: they are running, so their parent is too).
+        Rows of unknown or closed children are dropped."""
+        out = []
+        child_to_parent = self.child_to_parent
+        lists = self._token_lists
+        for rid, tok in zip(req_ids, token_ids):
+            if stop_only and (toks := lists.get(rid)) is not None:
+                toks.append(tok)  # open, no stop strings: nothing for ``process`` to do
+                continue
+            entry = child_to_parent.get(rid)
+            if entry is None:
+                continue
+            seq = entry[1]
+            if seq.finish_reason is not None:
+                continue
+            req = seq.request
+            req.output_token_ids.append(tok)
+            if not stop_only or req.sampling_params.stop:
+                out.append(req)
+        return out
 
     def _decode(self, seq: _SeqState) -> str:
         if self.tokenizer is None:
@@ -176,12 +206,15 @@ class OutputProcessor:
             if finished and seq.finish_reason is None:
                 seq.finish_reason = req.finish_reason
                 seq.stop_reason = req.stop_reason
+            if seq.finish_reason is not None:
+                self._token_lists.pop(req.request_id, None)
         return list(touched.values()), stopped
 
     def abort(self, child_id: str) -> None:
         entry = self.child_to_parent.get(child_id)
         if entry is not None and entry[1].finish_reason is None:
             entry[1].finish_reason = "abort"
+        self._token_lists.pop(child_id, None)
 
     def take_delta(self, parent: ParentState, index: int = 0) -> str:
         """New text of completion ``index`` since the last call (held back while it could
@@ -235,6 +268,7 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         for seq in parent.seqs:
             self.child_to_parent.pop(seq.request.request_id, None)
+            self._token_lists.pop(seq.request.request_id, None)
 
 
 __all__ = ["OutputProcessor", "ParentState", "RequestState"]

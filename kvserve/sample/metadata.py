@@ -115,16 +115,19 @@ def get_generator(request: "SamplingRequest", device: torch.device) -> torch.Gen
     return g
 
 
-def _plain_greedy(sp: SamplingParams) -> bool:
+def plain_greedy(sp: SamplingParams) -> bool:
     """Greedy with nothing else to build: no penalties, min_tokens or logprobs."""
     return (sp.temperature < GREEDY_EPS and sp.logprobs is None and not sp.min_tokens
             and sp.repetition_penalty == 1.0 and not sp.frequency_penalty and not sp.presence_penalty)
 
 
 def build_sampling_metadata(
-    requests: list["SamplingRequest"], vocab_size: int, device: torch.device | str
+    requests: list["SamplingRequest"], vocab_size: int, device: torch.device | str, all_plain_greedy: bool = False
 ) -> SamplingMetadata:
     """Collect the batch's sampling parameters into device tensors (see ``SamplingMetadata``).
+
+    ``all_plain_greedy``: the caller knows every request is ``plain_greedy`` (e.g. the input
+    batch holds no other), so the per-request check is skipped; False: checked here.
 
     min_tokens (vLLM semantics): while ``len(output_token_ids) < min_tokens`` the row's
     ``stop_token_ids`` and ``all_stop_token_ids`` are suppressed, and so is
@@ -134,7 +137,7 @@ def build_sampling_metadata(
     V = vocab_size
     B = len(requests)
     params = [r.sampling_params for r in requests]
-    if all(map(_plain_greedy, params)):  # the common large batch: one pass, nothing to build
+    if all_plain_greedy or all(map(plain_greedy, params)):  # the common large batch: one pass, nothing to build
         return SamplingMetadata(batch_size=B, vocab_size=V, all_greedy=True, all_random=B == 0)
     greedy = [sp.temperature < GREEDY_EPS for sp in params]
     rand_rows = [i for i in range(B) if not greedy[i]]

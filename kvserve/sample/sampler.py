@@ -199,15 +199,17 @@ class Sampler:
         _, packed, md = self.launch(logits, requests)
         return self.unpack(packed.tolist(), md)
 
-    def launch(self, logits: Tensor, requests: list[SamplingRequest]) -> tuple[Tensor, Tensor, SamplingMetadata]:
-        """The device part of ``__call__``, with no host sync.
+    def launch(self, logits: Tensor, requests: list[SamplingRequest],
+               all_plain_greedy: bool = False) -> tuple[Tensor, Tensor, SamplingMetadata]:
+        """The device part of ``__call__``, with no host sync. ``all_plain_greedy``: the caller
+        knows every request samples by a plain argmax (``build_sampling_metadata``).
 
         Returns ``(sampled, packed, md)``: sampled ids long ``[B]`` on the device, the tensor
         whose host copy ``unpack`` reads (the ids, with logprobs packed in when asked), and
         the batch's sampling metadata.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(requests), (logits.shape, len(requests))
-        md = build_sampling_metadata(requests, logits.shape[1], logits.device)
+        md = build_sampling_metadata(requests, logits.shape[1], logits.device, all_plain_greedy)
         sampled = self.sample(logits, md)
         return sampled, self._pack(logits, sampled, md), md
 

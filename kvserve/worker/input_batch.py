@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from kvserve.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.sample.metadata import plain_greedy
 from kvserve.sampling_params import SamplingParams
 
 
@@ -151,8 +152,13 @@ class InputBatch:
         self.num_computed = np.zeros(n, dtype=np.int64)  # the scheduler's count, before this step
         self.block_tables = [BlockTable(n, mb) for mb in max_blocks_per_group]
         self.states: dict[str, CachedRequestState] = {}
+        # Request id -> its row (``states[r].row``), read over the batch at C speed every step.
+        self.rows: dict[str, int] = {}
         # Requests that asked for prompt logprobs (the runner looks at these only, not every row).
         self.prompt_logprobs_reqs: set[str] = set()
+        # Requests whose sampling is more than a plain argmax (``sample.metadata.plain_greedy``):
+        # while none is held, the sampler skips its per-request look at the batch.
+        self.sampling_extra_reqs: set[str] = set()
         self._free_rows = list(range(n - 1, -1, -1))
 
     @property
@@ -182,8 +188,11 @@ class InputBatch:
         st = CachedRequestState(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                                 new.sampling_params, new.eos_token_id, row)
         self.states[new.req_id] = st
+        self.rows[new.req_id] = row
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs_reqs.add(new.req_id)
+        if not plain_greedy(new.sampling_params):
+            self.sampling_extra_reqs.add(new.req_id)
         p, o = len(st.prompt_token_ids), len(st.output_token_ids)
         self._ensure_token_cols(p + o)
         self.token_ids[row, :p] = st.prompt_token_ids
@@ -198,8 +207,10 @@ class InputBatch:
     def remove_request(self, req_id: str) -> None:
         st = self.states.pop(req_id, None)
         if st is not None:
+            del self.rows[req_id]
             self._free_rows.append(st.row)
             self.prompt_logprobs_reqs.discard(req_id)
+            self.sampling_extra_reqs.discard(req_id)
 
     def update_cached(self, cached: CachedRequestData) -> None:
         """Append new block ids and set ``num_computed_tokens`` for running requests.
@@ -212,18 +223,19 @@ class InputBatch:
         if not ids:
             return
         bs = self.block_size
-        states = self.states
         try:
-            rows = np.fromiter((states[r].row for r in ids), dtype=np.int64, count=len(ids))
+            rows = np.fromiter(map(self.rows.__getitem__, ids), dtype=np.int64, count=len(ids))
         except KeyError as e:
             raise RuntimeError(f"step names request {e.args[0]!r} that this worker does not hold") from None
         nc = np.asarray(cached.num_computed_tokens, dtype=np.int64)
-        # Over the batch at once; the per-request work below touches only rows that changed.
-        for i in np.flatnonzero(nc != self.num_computed[rows]).tolist():
-            row, keep = int(rows[i]), -(-int(nc[i]) // bs)
+        # Over the batch at once, rows whose count changed (every decode row, each step).
+        changed = np.flatnonzero(nc != self.num_computed[rows])
+        if len(changed):
+            crows, keep = rows[changed], -(-nc[changed] // bs)
             for bt in self.block_tables:
-                if bt.num_blocks[row] > keep:
-                    bt.num_blocks[row] = keep
+                cut = bt.num_blocks[crows] > keep
+                if cut.any():
+                    bt.num_blocks[crows[cut]] = keep[cut]
         self.num_computed[rows] = nc
         tables = self.block_tables
         nb = cached.new_block_ids
@@ -280,14 +292,13 @@ class InputBatch:
     def append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
         """One sampled token per request (``req_ids[i]`` gets ``tokens[i]``): ``append_tokens``
         over the batch at once (requests gone are skipped)."""
-        states = self.states
-        sts = [states.get(r) for r in req_ids]
+        sts = list(map(self.states.get, req_ids))
         if None in sts:
             keep = [i for i, st in enumerate(sts) if st is not None]
-            sts, tokens = [sts[i] for i in keep], [tokens[i] for i in keep]
+            sts, tokens, req_ids = [sts[i] for i in keep], [tokens[i] for i in keep], [req_ids[i] for i in keep]
         if not sts:
             return
-        rows = np.fromiter((st.row for st in sts), dtype=np.int64, count=len(sts))
+        rows = np.fromiter(map(self.rows.__getitem__, req_ids), dtype=np.int64, count=len(sts))
         n = self.num_tokens[rows]
         self._ensure_token_cols(int(n.max()) + 1)
         self.token_ids[rows, n] = tokens
@@ -302,10 +313,9 @@ class InputBatch:
         Raises RuntimeError if a token to compute is neither known nor the single token the
         previous step sampled for its request.
         """
-        states = self.states
         nst = sched.num_scheduled_tokens
         rids = list(nst)
-        rows = np.fromiter((states[r].row for r in rids), dtype=np.int64, count=len(rids))
+        rows = np.fromiter(map(self.rows.__getitem__, rids), dtype=np.int64, count=len(rids))
         q = np.fromiter(nst.values(), dtype=np.int64, count=len(rids))
         spec = sched.scheduled_spec_decode_tokens
         k = np.zeros(len(rids), dtype=np.int64)
@@ -337,11 +347,13 @@ class InputBatch:
             token_ids[pending_idx] = 0
             preq = req_idx[pending_idx]
             ok = (positions[pending_idx] == self.num_tokens[rows[preq]]) & (k[preq] == 0)
-            if not ok.all() or len(np.unique(preq)) != len(preq):
+            # preq is nondecreasing (token order): one pending token per request <=> strictly increasing.
+            if not ok.all() or (len(preq) > 1 and not (preq[1:] != preq[:-1]).all()):
                 bad = rids[int(preq[np.flatnonzero(~ok)[0]] if not ok.all() else preq[0])]
                 raise RuntimeError(f"request {bad!r}: a scheduled token is neither known nor sampled by the "
                                    f"previous step")
-            pending_req = [rids[i] for i in preq]
+            # Every request pending (the usual async decode step): preq is 0..R-1.
+            pending_req = list(rids) if len(preq) == len(rids) else [rids[i] for i in preq.tolist()]
         bs = self.block_size
         blk, off = positions // bs, positions % bs
         block_tables, slots = [], []

@@ -294,9 +294,10 @@ class ModelRunner:
         pending = None
         if len(inp.pending_idx):
             rows = self._last_rows
-            src = [rows.get(r, -1) for r in inp.pending_req]
-            if -1 in src or self._last_sampled is None:
-                raise RuntimeError(f"{inp.pending_req[src.index(-1)]}: pending token not sampled by the previous step")
+            src = list(map(rows.get, inp.pending_req))
+            if None in src or self._last_sampled is None:
+                missing = src.index(None) if None in src else 0
+                raise RuntimeError(f"{inp.pending_req[missing]}: pending token not sampled by the previous step")
             pending = (inp.pending_idx, np.asarray(src), self._last_sampled)
         gr, pw = self.graph_runner, self.piecewise_runner
         num_reqs = len(inp.req_ids)
@@ -394,13 +395,14 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[to_device(rows, self.device)])
         req_ids = inp.req_ids
-        plain_ids = [req_ids[i] for i in plain.tolist()]
+        # Every row samples with no drafts (a decode step): plain is 0..R-1.
+        plain_ids = list(req_ids) if len(plain) == len(req_ids) else [req_ids[i] for i in plain.tolist()]
         if grammar is not None and plain_ids:
             row_of, bitmask = grammar
             pairs = [(j, row_of[r]) for j, r in enumerate(plain_ids) if r in row_of]
             if pairs:
                 apply_grammar_bitmask(logits, bitmask[[b for _, b in pairs]], [j for j, _ in pairs])
-        reqs = [states[r] for r in plain_ids]
+        reqs = list(map(states.__getitem__, plain_ids))
         spec_out = None
         if spec:
             spec_ids = [inp.req_ids[i] for i in spec]
@@ -413,7 +415,7 @@ class ModelRunner:
             # Seeded requests replay their RNG once the accepted count is known.
             saved = {r: states[r].generator.get_state() for r in spec_ids if states[r].generator is not None}
             spec_out = (spec_ids, spec_drafts, saved, logits.shape[-1])
-        sampled, packed, md = self.sampler.launch(logits, reqs)
+        sampled, packed, md = self.sampler.launch(logits, reqs, not self.input_batch.sampling_extra_reqs)
         (packed,), event = copy_to_host([packed])
         self._last_sampled = sampled
         self._last_rows = dict(zip(plain_ids, range(len(plain_ids))))

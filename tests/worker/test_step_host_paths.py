@@ -82,7 +82,7 @@ def _requests(params: list[SamplingParams]):
 def test_all_greedy_metadata_equals_the_general_path(monkeypatch):
     reqs = _requests([SamplingParams(temperature=0.0, seed=s, max_tokens=4) for s in (None, 3, None)])
     fast = sample_metadata.build_sampling_metadata(reqs, 32, "cpu")
-    monkeypatch.setattr(sample_metadata, "_plain_greedy", lambda sp: False)
+    monkeypatch.setattr(sample_metadata, "plain_greedy", lambda sp: False)
     general = sample_metadata.build_sampling_metadata(reqs, 32, "cpu")
     assert dataclasses.asdict(fast) == dataclasses.asdict(general)
     assert fast.all_greedy and not fast.all_random
@@ -114,3 +114,19 @@ def test_top_k_top_p_without_the_full_sort_equals_the_sorted_path():
     assert torch.equal(fast, full)
     kept = torch.isfinite(fast).sum(-1)
     assert (kept >= 1).all() and (kept <= top_k).all() and (kept[::7] == top_k[::7]).all()
+
+
+def test_sampling_extra_reqs_follow_the_batch():
+    """The input batch's set of requests that sample by more than a plain argmax (the runner
+    skips the sampler's per-request check while it is empty)."""
+    b = _batch(3)  # SamplingParams(): temperature 1, not plain greedy
+    assert b.sampling_extra_reqs == {"r0", "r1", "r2"}
+    kinds = {"g": SamplingParams(temperature=0.0), "lp": SamplingParams(temperature=0.0, logprobs=1),
+             "pen": SamplingParams(temperature=0.0, repetition_penalty=1.1)}
+    for rid, sp in kinds.items():
+        b.add_request(NewRequestData(rid, [3, 4], [], sp, 2, [[99]], 1))
+    assert b.sampling_extra_reqs == {"r0", "r1", "r2", "lp", "pen"}
+    for rid in ("r0", "r1", "r2", "lp", "pen", "never"):
+        b.remove_request(rid)
+    assert not b.sampling_extra_reqs and set(b.states) == {"g"}
+    assert all(sample_metadata.plain_greedy(st.sampling_params) for st in b.states.values())

@@ -56,9 +56,6 @@ from kvserve.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "SchedulerStats", "RequestUpdate"]
 
-#: ``allocate_slots``'s answer for a request that needs no new block (one group; never mutated).
-_NO_NEW_BLOCKS = ([],)
-
 
 @dataclass
 class SchedulerStats:
@@ -109,6 +106,8 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Unfinished requests whose sampling reads their own output (``Request.reads_output``).
+        self.num_output_readers = 0
         # KV transfer between engines (kvserve.kv_connector.p2p): requests whose blocks a remote
         # engine is filling, and finished requests whose blocks a remote engine still reads.
         self.remote_kv = RemoteKVTracker(kv_cache_manager, connector)
@@ -152,6 +151,12 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         sp = request.sampling_params
         if sp.attention_sinks is not None or sp.max_attention_window is not None:
             self._check_bounded_params(sp)
+        # Sampling that reads the request's own output (penalties, min_tokens, a grammar): counted,
+        # so the engine asks each running request only while one of these is unfinished.
+        request.reads_output = (sp.repetition_penalty != 1.0 or bool(sp.frequency_penalty or sp.presence_penalty)
+                                or sp.min_tokens > 0 or sp.structured_outputs is not None
+                                or request.structured_output is not None)
+        self.num_output_readers += request.reads_output
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -196,6 +201,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
         else:
             self.kv.free(req)
         del self.requests[req.request_id]
+        self.num_output_readers -= req.reads_output
         self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -260,11 +266,18 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             self._k_cap = self.spec_policy.num_speculative_tokens(len(self.running))
         # The worst request sits last, so a victim is never one already scheduled this step.
         self.running.sort(key=self._sort_key)
-        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft tokens)
-        new_blocks: list = []  # per running request scheduled, its new blocks (allocate_slots')
         preempted = False
 
-        # The loop runs once per running request every step: plain locals, no property calls.
+        # The loop runs once per running request every step: plain locals, no property calls;
+        # each request scheduled is written into the step's description at once (its row of
+        # ``scheduled_cached_reqs``, in running order), not gathered and walked again.
+        cached = out.scheduled_cached_reqs
+        c_ids, c_blocks, c_computed, c_tokens = (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                                 cached.new_token_ids)
+        nst = out.num_scheduled_tokens
+        spec_out = out.scheduled_spec_decode_tokens
+        num_prompt = 0
+        grammar_reqs: list[Request] = []
         max_model_len = cfg.max_model_len
         bounded, k_cap = self._bounded, self._k_cap
         running = self.running
@@ -281,7 +294,7 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
             if skip_in_flight and pending:
                 i += 1  # its previous step is still in flight
                 continue
-            if max_batch_requests is not None and len(scheduled) >= max_batch_requests:
+            if max_batch_requests is not None and len(c_ids) >= max_batch_requests:
                 break
             num_tokens = len(req.all_token_ids)
             max_len = self._max_len(req) if bounded else max_model_len
@@ -291,66 +304,70 @@ class Scheduler(AdmissionMixin, OutputUpdateMixin):
                     i += 1
                     continue
             c = req.num_computed_tokens
-            n = min(num_tokens + pending - c, budget, max_len - c, chunk_cap)
+            n = num_tokens + pending - c
+            if n > budget or n > max_len - c or n > chunk_cap:  # min(), without the call (hot)
+                n = min(n, budget, max_len - c, chunk_cap)
             if n <= 0:
                 i += 1
                 continue
             k = self._num_drafts(req, n, budget) if k_cap else 0  # 0 while speculation is off
-            # allocate_slots changes nothing when blocks are short: retry with the drafts dropped,
-            # then preempting the worst request (this one last) until it fits.
-            if held is not None and (st := held.get(req.request_id)) is not None \
+            rid = req.request_id
+            if held is not None and (st := held.get(rid)) is not None \
                     and c + n + k <= len(st.blocks) * bs and c + n + k < st.cache_at:
-                new_blocks.append(_NO_NEW_BLOCKS)
-                scheduled.append((req, n, k))
-                budget -= n + k
-                i += 1
-                continue
-            while (blocks := self.kv.allocate_slots(req, n + k)) is None:
-                if k:
-                    k = 0
-                    continue
-                victim = self._pick_victim(i)
-                self._preempt(victim)
-                out.preempted_req_ids.append(victim.request_id)
-                preempted = True
-                if victim is req:
+                c_blocks.append(None)
+            else:
+                # allocate_slots changes nothing when blocks are short: retry with the drafts
+                # dropped, then preempting the worst request (this one last) until it fits.
+                while (blocks := self.kv.allocate_slots(req, n + k)) is None:
+                    if k:
+                        k = 0
+                        continue
+                    victim = self._pick_victim(i)
+                    self._preempt(victim)
+                    out.preempted_req_ids.append(victim.request_id)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
                     break
-            if req.status != RequestStatus.RUNNING:
-                break
-            new_blocks.append(blocks)
-            scheduled.append((req, n, k))
+                c_blocks.append(None if not any(blocks) else tuple([b.block_id for b in g] for g in blocks))
+            c_ids.append(rid)
+            c_computed.append(c)
+            c_tokens.append([])
+            nst[rid] = n + k
+            if k:
+                spec_out[rid] = req.spec_token_ids[:k]
+                self.num_drafts += 1
+                self.num_draft_tokens += k
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            if n > 1 or c < len(req.prompt_token_ids):
+                num_prompt += n
+            req.num_computed_tokens = c + n + k
+            if c + n == num_tokens + pending:  # reaches the end: samples
+                if req.structured_output is not None:
+                    grammar_reqs.append(req)
+                req.num_pending_tokens = pending + 1
             budget -= n + k
             i += 1
-        num_cached = len(scheduled)
+        scheduled: list[tuple[Request, int, int]] = []  # (request, tokens, draft tokens) admitted now
         cap = self.max_batch_requests
-        if not preempted and (cap is None or len(scheduled) < cap):  # none while this step preempted
+        if not preempted and (cap is None or len(c_ids) < cap):  # none while this step preempted
             self._admit_waiting(budget, scheduled)
-        return self._make_output(out, scheduled, num_cached, new_blocks)
+        return self._make_output(out, scheduled, num_prompt, grammar_reqs)
 
-    def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_cached: int,
-                     new_blocks: list) -> SchedulerOutput:
-        """Advance ``num_computed_tokens`` (and pending tokens) and describe the step as data."""
-        cached = out.scheduled_cached_reqs
+    def _make_output(self, out: SchedulerOutput, scheduled: list[tuple[Request, int, int]], num_prompt: int,
+                     grammar_reqs: list[Request]) -> SchedulerOutput:
+        """Add the requests admitted this step (``scheduled``, after the running ones ``schedule``
+        wrote), advance their ``num_computed_tokens`` (and pending tokens) and finish the step's
+        description as data."""
         nst = out.num_scheduled_tokens
-        num_prompt = 0
-        grammar_reqs: list[Request] = []
-        c_ids, c_blocks, c_computed, c_tokens = (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                                                 cached.new_token_ids)
-        no_new = _NO_NEW_BLOCKS
-        for j, (req, n, k) in enumerate(scheduled):
+        for req, n, k in scheduled:
             rid = req.request_id
             c = req.num_computed_tokens
-            if j < num_cached:
-                c_ids.append(rid)
-                blocks = new_blocks[j]
-                c_blocks.append(None if blocks is no_new or not any(blocks)
-                                else tuple([b.block_id for b in g] for g in blocks))
-                c_computed.append(c)
-                c_tokens.append([])
-            else:
-                out.scheduled_new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, req.eos_token_id,
-                    self.kv.get_block_ids(rid), c))
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, req.prompt_token_ids, list(req.output_token_ids), req.sampling_params, req.eos_token_id,
+                self.kv.get_block_ids(rid), c))
             nst[rid] = n + k
             if k:
                 out.scheduled_spec_decode_tokens[rid] = req.spec_token_ids[:k]

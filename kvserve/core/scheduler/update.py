@@ -40,17 +40,23 @@ class OutputUpdateMixin:
     spec_policy: object  # DynamicSpeculation, or None
     _bounded: bool
 
-    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput,
+                           plain: Optional[tuple[list[str], list[int]]] = None) -> list[RequestUpdate]:
         """Append sampled tokens, roll back rejected drafts, finish requests that stop.
 
         Args:
             sched: the step's schedule (with async scheduling, a later step may already
                 have been scheduled).
             output: the step's sampled tokens (and drafts for the next step).
+            plain: ``(request ids, token ids)`` lists to append the plain decode rows to instead
+                of the returned list: a request still running after one new token, without
+                logprobs or prompt logprobs, never preempted, not verifying drafts this step and
+                past its first token (so nothing but the token is new since its last update).
+                None: every request in the returned list.
 
         Returns:
             ``(request, new token ids, new logprobs)`` for requests that got tokens (finished
-            ones included); tokens past a stop are dropped.
+            ones included; with ``plain``, all but the plain rows); tokens past a stop are dropped.
         """
         now = time.time()
         updated: list[RequestUpdate] = []
@@ -71,16 +77,43 @@ class OutputUpdateMixin:
         check_stop = self._check_stop
         draft_ids = output.draft_token_ids
         bounded, max_model_len = self._bounded, self.config.max_model_len
+        if plain is not None:
+            plain_ids, plain_toks = plain
         for rid, toks in output.sampled_token_ids.items():
             req = requests.get(rid)
             if req is None:
                 continue  # finished or aborted since: a token computed past the end is dropped
+            quiet = False  # a plain row if it does not stop (see ``plain``)
             if req.status == running_status:
                 req.num_pending_tokens -= 1
-                if spec:
-                    drafts = spec.get(rid)
-                    if drafts:
-                        self._roll_back_drafts(req, len(drafts), len(toks) - 1)
+                drafts = spec.get(rid) if spec else None
+                if drafts:
+                    self._roll_back_drafts(req, len(drafts), len(toks) - 1)
+                elif plain is not None and req.plain_output and not req.num_preemptions \
+                        and req.first_token_time is not None:
+                    quiet = len(toks) == 1
+                    if quiet and req.structured_output is None:
+                        # The common row, one token and no grammar: the loop below unrolled.
+                        tok = toks[0]
+                        out_ids, all_ids, sp = req.output_token_ids, req.all_token_ids, req.sampling_params
+                        out_ids.append(tok)
+                        all_ids.append(tok)
+                        if (bounded or (sp.max_tokens is not None and len(out_ids) >= sp.max_tokens)
+                                or len(all_ids) >= max_model_len or len(out_ids) < sp.min_tokens
+                                or tok == req.eos_token_id or sp.stop_token_ids) \
+                                and (status := check_stop(req, tok)) is not None:
+                            self.running.remove(req)
+                            self._finish(req, status)
+                            lps = all_lps.get(rid) if all_lps else None
+                            updated.append((req, toks, lps[:1] if lps is not None else None))
+                            continue
+                        if draft_ids:
+                            drafts = draft_ids.get(rid)
+                            if drafts:
+                                req.spec_token_ids = list(drafts)
+                        plain_ids.append(rid)
+                        plain_toks.append(tok)
+                        continue
             elif req.status != preempted_status:
                 continue
             # A request preempted after this step was scheduled keeps the token: its KV was
@@ -115,6 +148,10 @@ class OutputUpdateMixin:
                 drafts = draft_ids.get(rid)
                 if drafts:
                     req.spec_token_ids = list(drafts)
+            if quiet and status is None:
+                plain_ids.append(rid)
+                plain_toks.append(toks[0])
+                continue
             updated.append((req, toks, lps[: len(toks)] if lps is not None else None))
         if self.kv.has_sliding_window or self._bounded:
             self._free_outside_window(sched)
