@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from tests.utils import save_random_causal_lm
 
 VOCAB = 64
 
@@ -21,19 +22,13 @@ VOCAB = 64
 def model_dir(tmp_path_factory):
     """A tiny random Llama with a word-level tokenizer (one printable character per id)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.1)
     d = tmp_path_factory.mktemp("plain-rows")
-    model.save_pretrained(d)
+    save_random_causal_lm(d, cfg, 0.1)
     chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ."
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars[:VOCAB - 3])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
