@@ -37,6 +37,9 @@ logger = logging.getLogger("kvserve")
 _LOCAL_DECODERS = frozenset({"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Replace", "Strip"})
 
 
+_CUT_AFTER = 4  # tokens between the window start and the read offset before a cut is tried (fastest of 1-16)
+
+
 def _decoder_is_local(d: Optional[dict]) -> bool:
     if d is None:
         return False
@@ -175,7 +178,7 @@ class IncrementalDetokenizer:
         if not new_text.startswith(prefix):
             # The window's committed text changed (e.g. a byte-fallback run turned invalid, which
             # the full decode shows as U+FFFD for every byte of the run): restart from token 0.
-            # The full decode below is exact; the next clean step cuts the window again.
+            # The full decode below is exact; a later commit cuts the window again.
             self._p = self._r = p = 0
             self._stable = self._prefix = prefix = ""
             new_text = self._decode(ids, self.skip)
@@ -186,7 +189,9 @@ class IncrementalDetokenizer:
             self._stable = text
             r_old = self._r
             self._r = n
-            if r_old > p and ids[r_old - 1] not in self._unsafe:
+            # Move the window start only once the window is long: a decode of a few more tokens
+            # costs less than the second decode that a cut needs.
+            if r_old - p >= _CUT_AFTER and ids[r_old - 1] not in self._unsafe:
                 cut_prefix = self._decode(ids[r_old:n], self.skip)
                 if cut_prefix:
                     self._p = r_old
@@ -196,11 +201,4 @@ class IncrementalDetokenizer:
         return text
 
 
-def full_decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
-    """The reference: ``tokenizer.decode(ids, skip_special_tokens=...)`` ("" without a tokenizer)."""
-    if tokenizer is None:
-        return ""
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-__all__ = ["DetokenizerSpec", "IncrementalDetokenizer", "full_decode"]
+__all__ = ["DetokenizerSpec", "IncrementalDetokenizer"]

@@ -15,10 +15,10 @@ import pytest
 
 from kvserve.engine.detokenizer import DetokenizerSpec
 
-TEXTS = ["東京 🚀 naïve café — Привет мир 👨‍👩‍👧 ", "def f(x):\n    return x**2\n", "  spaces\t\ttabs  ",
-         "日本語のテキスト、絵文字😀🎉", "Hello world. The end"]
-WORDS = ["▁the", "▁hello", "▁world", "東京", "▁", "▁▁", "e", "a", ".", "▁naïve", "😀", "\n", "ing", "Привет", "x",
-         "▁end", "Q", "?"]
+TEXTS = ["東京 🚀 naïve café — Привет мир 👨‍👩‍👧 ", "def f(x):\n    return x**2\n",
+         "  spaces\t\ttabs  ", "日本語のテキスト、絵文字😀🎉", "Hello world. The end"]
+WORDS = ["▁the", "▁hello", "▁world", "東京", "▁", "▁▁", "e", "a", ".", "▁naïve", "😀", "\n", "ing", "Привет",
+         "x", "▁end", "Q", "?"]
 
 
 def _sentencepiece_like(decoder: str):
@@ -268,7 +268,8 @@ def test_engine_streamed_text_equals_the_full_decode(tmp_path):
               max_num_batched_tokens=48, enable_prefix_caching=False, disable_log_stats=True)
     eng = llm.llm_engine
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, len(tok), (int(k),), generator=g).tolist() for k in torch.randint(2, 20, (6,), generator=g)]
+    prompts = [torch.randint(4, len(tok), (int(k),), generator=g).tolist()
+               for k in torch.randint(2, 20, (6,), generator=g)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True,
                              stop=["e"] if i % 3 == 0 else None, n=2 if i % 3 == 1 else 1,
                              skip_special_tokens=i % 2 == 0) for i in range(6)]
