@@ -52,6 +52,34 @@ def corpus_ids(tok, need: int) -> list[int]:
     return ids
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict:
+    import tokenizers
+    import transformers
+
+    return {"tokenizers": tokenizers.__version__, "transformers": transformers.__version__}
+
+
+def commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def run(tok, mode: str, batch: int, tokens: int, corpus: list[int], timed: set[int]) -> dict:
     from kvserve import SamplingParams
     from kvserve.engine.input_processor import make_child_requests
@@ -145,7 +173,8 @@ def main(argv=None) -> int:
         "what": "frontend CPU per decode step: OutputProcessor.process(detokenize_all=True) + take_delta + "
                 "make_output for every request, one new token per request per step",
         "batch": args.batch, "output_tokens": args.tokens, "tokenizer": os.path.basename(path),
-        "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "versions": versions(), "commit": commit(),
         "results": results,
         "speedup_at": {n: round(results["full"]["ms_per_step"][n] / max(results["incremental"]["ms_per_step"][n],
                                                                         1e-9), 1)

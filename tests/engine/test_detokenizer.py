@@ -270,7 +270,7 @@ def test_engine_streamed_text_equals_the_full_decode(tmp_path):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, len(tok), (int(k),), generator=g).tolist()
                for k in torch.randint(2, 20, (6,), generator=g)]
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True,
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True,
                              stop=["e"] if i % 3 == 0 else None, n=2 if i % 3 == 1 else 1,
                              skip_special_tokens=i % 2 == 0) for i in range(6)]
     runs = []
