@@ -19,6 +19,10 @@ window's text still starts with its committed part; if it does not (a byte-fallb
 turned invalid changes earlier text), the sequence is decoded in full once and the window
 restarts from token 0.
 
+The reference is the decode of the output alone (as before), so the prompt is no context here.
+A window grows while no cut is allowed (a long run of byte-fallback or special tokens, text that
+keeps ending in U+FFFD); each step then decodes the whole run, as a full decode of it would.
+
 Decoders whose text is not local to tokens (BPE suffix decoders that treat the last token
 apart, CTC, regex ``Replace`` patterns, ``Strip`` of trailing characters) and tokenizers that
 clean up tokenization spaces use the full decode (``DetokenizerSpec.mode == "full"``).
@@ -27,15 +31,11 @@ clean up tokenization spaces use the full decode (``DetokenizerSpec.mode == "ful
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, Callable, Optional
-
-logger = logging.getLogger("kvserve")
 
 # Decoder components whose output is a concatenation of per-token pieces, up to the first
 # token's leading-space strip (Metaspace, Strip) and byte runs (ByteLevel, ByteFallback).
 _LOCAL_DECODERS = frozenset({"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Replace", "Strip"})
-
 
 _CUT_AFTER = 4  # tokens between the window start and the read offset before a cut is tried (fastest of 1-16)
 
