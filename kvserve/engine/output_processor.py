@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from kvserve.engine.core_types import EngineCoreOutput, EngineCoreRequest
+from kvserve.engine.detokenizer import DetokenizerSpec, IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -84,6 +85,7 @@ class _SeqState:
     stop_reason: Optional[str] = None
     finish_reason: Optional[str] = None
     streamed: int = 0  # characters already handed out by ``take_delta``
+    detok: Optional[IncrementalDetokenizer] = None  # built on the first decode
 
 
 @dataclass
@@ -108,6 +110,9 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Each completion's text is decoded incrementally (a short window of its last tokens per
+        # step), identical to ``tokenizer.decode(output_token_ids)`` (detokenizer.py).
+        self.detokenizer_spec = DetokenizerSpec(tokenizer)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, _SeqState]] = {}
         # Open children without stop strings -> their output token list: a plain decode row
@@ -163,10 +168,14 @@ class OutputProcessor:
         return out
 
     def _decode(self, seq: _SeqState) -> str:
+        """``tokenizer.decode(output_token_ids, skip_special_tokens=...)``, decoded incrementally."""
         if self.tokenizer is None:
             return ""
-        sp = seq.request.sampling_params
-        return self.tokenizer.decode(seq.request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        d = seq.detok
+        if d is None:
+            req = seq.request
+            d = seq.detok = self.detokenizer_spec.new(req.output_token_ids, req.sampling_params.skip_special_tokens)
+        return d.update()
 
     def process(self, updated: list[RequestState], detokenize_all: bool) -> tuple[list[ParentState], list[str]]:
         """Handle requests that got a token this step.
