@@ -21,11 +21,15 @@ what the device runs and by how long it waits for the host.
         --configs none,eagle_dynamic,ngram_dynamic,eagle1_dynamic --out $OUT/spec-off   # the GPU part
     PYTHONPATH=. python3 benchmarks/spec_off_cost.py --batches 64 --rounds 4 --repeats 3 \
         --configs none,eagle_dynamic,ngram_dynamic --out $OUT/spec-off-rounds   # process-to-process spread
+    PYTHONPATH=. python3 benchmarks/spec_off_cost.py --batches 64 --interleave --rounds 5 --repeats 2 \
+        --configs none,eagle_dynamic,ngram_dynamic --out $OUT/spec-off-interleaved   # one process, alternating
     PYTHONPATH=. python3 benchmarks/spec_off_cost.py --cpu-smoke --profile --out /tmp/spec-off   # tiny, CPU
 
 ``--rounds`` repeats the configurations in alternating fresh processes: on the H200 machine one
 process's host work can run ~1.5x slower than the next one's at every seam alike, so a single
 process per configuration cannot tell a 0.5 ms per-step difference from that spread.
+``--interleave`` removes the process from the comparison: every configuration's engine lives in
+one process and their timed runs alternate.
 """
 
 from __future__ import annotations
@@ -128,29 +132,78 @@ def profile_decode(llm, prompts: list, steps: int, out_dir: str, label: str, cud
     return res
 
 
+def speculative_config(name: str, tmp: str, cfg: dict, smoke: bool) -> dict | None:
+    """The ``speculative_config`` of a configuration name (none: no speculation)."""
+    import transformers
+
+    from kvserve.models.llama_eagle import save_random_eagle_head
+
+    if name.startswith("eagle"):  # eagle_dynamic (k = 4), eagle1_dynamic (k = 1)
+        head = os.path.join(tmp, "off-eagle-head")
+        save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=False,
+                               draft_vocab_size=256 if smoke else 32000, seed=1, std=0.05)
+        return {"method": "eagle", "model": head, "num_speculative_tokens": 1 if name.startswith("eagle1") else 4,
+                "dynamic": True}
+    if name == "ngram_dynamic":  # stateless: no hidden states, no head
+        return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "dynamic": True}
+    return None
+
+
+def interleaved(ns, path: str, cfg: dict, dev: str) -> dict:
+    """Every configuration's engine alive in this one process, their timed runs alternating
+    (``--rounds`` x ``--repeats`` each): the process's host speed is the same for all of them."""
+    import torch
+
+    from gpu_spec import _llm
+    from kvserve import SamplingParams
+
+    smoke = ns.cpu_smoke
+    n_tok = 16 if smoke else 256
+    names = [c.partition(":")[0] for c in ns.configs.split(",")]
+    kw = dict(max_model_len=1024, max_num_seqs=64, kv_cache_memory="64MiB" if smoke else "8GiB")
+    if smoke:
+        kw["cpu_threads"] = 1
+    llms = {n: _llm(path, dev, speculative_config=speculative_config(n, ns.tmp, cfg, smoke), **kw) for n in names}
+    out = {}
+    for b in ns.batches:
+        g = torch.Generator().manual_seed(b)
+        prompts = [torch.randint(3, 500, (64,), generator=g).tolist() for _ in range(b)]
+        for llm in llms.values():  # warm-up: the batch once
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        runs: dict[str, list[float]] = {n: [] for n in names}
+        drafts = {n: llms[n].llm_engine.stats.num_drafts for n in names}
+        for _ in range(ns.rounds):
+            for n, llm in llms.items():
+                for _ in range(ns.repeats):
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True),
+                                 use_tqdm=False)
+                    runs[n].append(round(b * n_tok / (time.perf_counter() - t), 1))
+        out[str(b)] = {n: dict(output_tok_s=sorted(v)[len(v) // 2], output_tok_s_runs=v,
+                               drafts=llms[n].llm_engine.stats.num_drafts - drafts[n]) for n, v in runs.items()}
+    for llm in llms.values():
+        llm.shutdown()
+    out["cpu"] = last_cpu()
+    return out
+
+
 def child(ns) -> dict:
     import torch
-    import transformers
 
     from gpu_spec import SMOLLM2_135M, TINY, _config_dir, _llm
     from kvserve import SamplingParams
     from kvserve.engine import engine_core
-    from kvserve.models.llama_eagle import save_random_eagle_head
     from kvserve.worker import cuda_graphs
 
     smoke = ns.cpu_smoke
     dev = "cpu" if smoke else "cuda"
     cfg = dict(TINY, num_hidden_layers=4) if smoke else SMOLLM2_135M
     path = _config_dir(ns.tmp, "off-target", cfg)
-    spec = None
-    if ns.config.startswith("eagle"):  # eagle_dynamic (k = 4), eagle1_dynamic (k = 1)
-        head = os.path.join(ns.tmp, "off-eagle-head")
-        save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=False,
-                               draft_vocab_size=256 if smoke else 32000, seed=1, std=0.05)
-        spec = {"method": "eagle", "model": head, "num_speculative_tokens": 1 if ns.config.startswith("eagle1") else 4,
-                "dynamic": True}
-    elif ns.config == "ngram_dynamic":  # stateless: no hidden states, no head
-        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "dynamic": True}
+    if ns.config == "interleave":
+        return interleaved(ns, path, cfg, dev)
+    spec = speculative_config(ns.config, ns.tmp, cfg, smoke)
     counts = {"sync_steps": 0, "graph_misses": 0, "graph_runs": 0, "proposer_s": 0.0}
     nh = engine_core.EngineCore._needs_host_tokens
 
@@ -258,6 +311,8 @@ def main() -> None:
                                                             "kernel table of steady decode steps per configuration")
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per batch in each process (the median)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="every configuration's engine in one process, their timed runs alternating")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the configurations this many times, alternating, each in a fresh process")
     ap.add_argument("--host-calls", action="store_true", help="Python calls per step of the timed run (cProfile); "
@@ -268,6 +323,9 @@ def main() -> None:
         print("RESULT " + json.dumps(child(ns)), flush=True)
         return
     os.makedirs(ns.out, exist_ok=True)
+    if ns.interleave:
+        interleave_parent(ns)
+        return
     recs = []
     for rnd, c in ((r, c) for r in range(ns.rounds) for c in ns.configs.split(",")):
         name, _, asy = c.partition(":")
@@ -307,6 +365,35 @@ def main() -> None:
         print_host_calls(recs)
         with open(os.path.join(ns.out, "spec_off_cost.json"), "w") as f:
             json.dump(recs, f, indent=1)
+
+
+def interleave_parent(ns) -> None:
+    """One child process with every configuration (``--interleave``): tok/s of each timed run."""
+    cmd = [sys.executable, __file__, "--config", "interleave", "--configs", ns.configs, "--tmp", ns.tmp,
+           "--batches", *map(str, ns.batches), "--rounds", str(ns.rounds), "--repeats", str(ns.repeats)] + \
+        (["--cpu-smoke"] if ns.cpu_smoke else [])
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
+    rec = dict(mode="interleave", configs=ns.configs, rounds=ns.rounds, repeats=ns.repeats,
+               process_s=round(time.perf_counter() - t0, 1))
+    if line:
+        res = json.loads(line[-1][7:])
+        rec["cpu"] = res.pop("cpu", None)
+        rec["batches"] = res
+    else:
+        rec["error"] = p.stderr[-3000:]
+    print(json.dumps(rec), flush=True)
+    with open(os.path.join(ns.out, "spec_off_interleaved.json"), "w") as f:
+        json.dump(rec, f, indent=1)
+    print("\n| config | batch | tok/s per timed run (alternating with the others) | median | vs first | drafts |")
+    print("|---|---|---|---|---|---|")
+    for b, per in rec.get("batches", {}).items():
+        first = None
+        for n, x in per.items():
+            first = first or x["output_tok_s"]
+            print(f"| {n} | {b} | {', '.join(f'{v:,.0f}' for v in x['output_tok_s_runs'])} | "
+                  f"{x['output_tok_s']:,.0f} | {x['output_tok_s'] / first:.3f}x | {x['drafts']} |")
 
 
 def print_rounds(recs: list[dict]) -> None:
