@@ -183,10 +183,35 @@ def interleaved(ns, path: str, cfg: dict, dev: str) -> dict:
                     runs[n].append(round(b * n_tok / (time.perf_counter() - t), 1))
         out[str(b)] = {n: dict(output_tok_s=sorted(v)[len(v) // 2], output_tok_s_runs=v,
                                drafts=llms[n].llm_engine.stats.num_drafts - drafts[n]) for n, v in runs.items()}
+        if ns.host_calls:  # one more run each under cProfile: host ms per step per function
+            for n, llm in llms.items():
+                out[str(b)][n]["host_functions"] = profiled_run(llm, prompts, n_tok)
     for llm in llms.values():
         llm.shutdown()
     out["cpu"] = last_cpu()
     return out
+
+
+def profiled_run(llm, prompts: list, n_tok: int) -> dict[str, list[float]]:
+    """One timed run under cProfile: per function (file:name), [calls, own ms, cumulative ms]
+    per decode step, for functions with at least 2 us of own time per step."""
+    import cProfile
+    import pstats
+
+    from kvserve import SamplingParams
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_tok, ignore_eos=True), use_tqdm=False)
+    prof.disable()
+    res: dict[str, list[float]] = {}
+    for (f, line, name), (_, nc, tt, ct, _c) in pstats.Stats(prof).stats.items():
+        k = f"{os.path.basename(f)}:{line}:{name.split(' at 0x')[0]}"
+        r = res.setdefault(k, [0.0, 0.0, 0.0])
+        r[0] += nc / n_tok
+        r[1] += 1e3 * tt / n_tok
+        r[2] += 1e3 * ct / n_tok
+    return {k: [round(x, 4) for x in v] for k, v in res.items() if v[1] >= 0.002}
 
 
 def child(ns) -> dict:
@@ -371,7 +396,7 @@ def interleave_parent(ns) -> None:
     """One child process with every configuration (``--interleave``): tok/s of each timed run."""
     cmd = [sys.executable, __file__, "--config", "interleave", "--configs", ns.configs, "--tmp", ns.tmp,
            "--batches", *map(str, ns.batches), "--rounds", str(ns.rounds), "--repeats", str(ns.repeats)] + \
-        (["--cpu-smoke"] if ns.cpu_smoke else [])
+        (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--host-calls"] if ns.host_calls else [])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
@@ -394,6 +419,16 @@ def interleave_parent(ns) -> None:
             first = first or x["output_tok_s"]
             print(f"| {n} | {b} | {', '.join(f'{v:,.0f}' for v in x['output_tok_s_runs'])} | "
                   f"{x['output_tok_s']:,.0f} | {x['output_tok_s'] / first:.3f}x | {x['drafts']} |")
+        names = list(per)
+        base = per[names[0]].get("host_functions")
+        for n in names[1:] if base else []:
+            cur = per[n].get("host_functions", {})
+            tot = sum(v[1] for v in cur.values()) - sum(v[1] for v in base.values())
+            diff = {k: cur.get(k, [0, 0, 0])[1] - base.get(k, [0, 0, 0])[1] for k in set(cur) | set(base)}
+            top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:15]
+            print(f"\n{n} vs {names[0]}, batch {b}, under cProfile: own host ms per step {tot:+.3f}; most: ")
+            for k, v in top:
+                print(f"  {v:+.4f} ms  calls {base.get(k, [0])[0]:.1f} -> {cur.get(k, [0])[0]:.1f}  {k}")
 
 
 def print_rounds(recs: list[dict]) -> None:

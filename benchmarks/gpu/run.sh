@@ -83,7 +83,7 @@ ray-tp:150:two GPUs: TP=2 through a one-node Ray cluster vs mp: equal outputs, s
 eagle3-train:300:EAGLE-3 head for the default model trained on the GPU (real weights): held-out acceptance k=2..5, batch-1 ms/token k=3/4 vs none, batch 16/64 dynamic (gpu_eagle3_train.py)
 spec-policy:200:the shipped EAGLE head on the default model (real weights): batch 16/64 dynamic speculation vs none, batch-1 k=4 vs none (gpu_eagle3_train.py --head)
 spec-off-rounds:300:speculation configured but off, batch 64: none vs EAGLE k=4 vs n-gram dynamic, 4 alternating rounds of fresh processes, 3 timed runs each (spec_off_cost.py --rounds)
-spec-off-interleaved:200:speculation configured but off, batch 64: none, EAGLE k=4 and n-gram dynamic engines in one process, timed runs alternating (spec_off_cost.py --interleave)
+spec-off-interleaved:200:speculation configured but off, batch 64: none, EAGLE k=4 and n-gram dynamic engines in one process, timed runs alternating, then one run each under cProfile (spec_off_cost.py --interleave --host-calls)
 spec-off:240:speculation configured but off (dynamic, batch 64 above its band): none vs EAGLE k=4 / k=1 / n-gram tok/s, graph replay device ms, kernel table (spec_off_cost.py --profile; KVSERVE_BASELINE's tree after: none, EAGLE k=4)
 spec-edit:150:default model (real weights), batch 1: n-gram and suffix decoding on code edits, repeated edits and chat vs none (spec_decode_cpu.py --device cuda)
 prefill:150:long prompts, 8B shape: prefill kernel alone 4K/32K/128K vs matmul peak, W5 TTFT bf16 vs fp8 KV (gpu_prefill.py)
@@ -261,7 +261,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       fi ;;
     spec-off-rounds) py $B/spec_off_cost.py --out "$d" --batches 64 --rounds "${SPEC_OFF_ROUNDS:-4}" --repeats 3 \
       --configs "${SPEC_OFF_CONFIGS:-none,eagle_dynamic,ngram_dynamic}" ;;
-    spec-off-interleaved) py $B/spec_off_cost.py --out "$d" --batches 64 --interleave --rounds 5 --repeats 2 \
+    spec-off-interleaved) py $B/spec_off_cost.py --out "$d" --batches 64 --interleave --rounds 5 --repeats 2 --host-calls \
       --configs "${SPEC_OFF_CONFIGS:-none,eagle_dynamic,ngram_dynamic}" ;;
     spec-edit)  # the default GGUF from the carried pieces, as eagle3-train
       [ -z "${KVSERVE_DEFAULT_GGUF:-}" ] && [ -d "$ROOT/.gguf_part2" ] && \
