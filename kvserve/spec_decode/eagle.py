@@ -216,6 +216,10 @@ class EagleProposer(Proposer):
                 st.pend, st.pend_start = rows, s
 
     # ---- proposing ------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return self.k <= 0 and self._idle  # off, and every state already reset
+
     @torch.inference_mode()
     def propose(self, requests: list, batch) -> list[list[int]]:
         k = self.k

@@ -149,6 +149,10 @@ class NgramProposer(Proposer):
         self.min_n = sc.prompt_lookup_min
         self.max_n = sc.prompt_lookup_max
 
+    @property
+    def idle(self) -> bool:
+        return self.k <= 0  # stateless: nothing to do while off
+
     def propose(self, requests: list, batch) -> list[list[int]]:
         k = self.k
         if k <= 0:

@@ -48,6 +48,13 @@ class Proposer(ABC):
         return self.uses_hidden_states and self.k > 0
 
     @property
+    def idle(self) -> bool:
+        """Whether a ``propose`` now would draft nothing and change nothing (speculation off and
+        nothing left to release): the runner then skips the call. False unless a proposer says
+        so: one that keeps per-request state may need the calls while off."""
+        return False
+
+    @property
     def needs_eager_target(self) -> bool:
         """Whether the target must run without CUDA graphs (the proposer reads states the
         graphs do not return, e.g. EAGLE-3's mid-layer ones)."""

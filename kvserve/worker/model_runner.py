@@ -360,7 +360,7 @@ class ModelRunner:
     def _record_hidden(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray) -> None:
         """Hand the step's target hidden states to a proposer that drafts from them (EAGLE)."""
         p = self.proposer
-        if p is not None and p.uses_hidden_states:  # it keeps nothing while k == 0
+        if p is not None and p.wants_hidden_states:  # nothing is kept while k == 0
             p.record_hidden_states(inp.req_ids, inp.seq_lens - inp.query_lens, inp.query_lens, hidden, row_start)
 
     def _sample(self, inp: BatchInputs, hidden: torch.Tensor, row_start: np.ndarray,
@@ -460,6 +460,8 @@ class ModelRunner:
     # ---- speculative decoding ------------------------------------------------------------
     def propose(self, req_ids: list[str]) -> dict[str, list[int]]:
         """Drafts for the next step from the proposer (every sampling setting can verify them)."""
+        if self.proposer.idle:  # speculation off (dynamic): no call per step
+            return {}
         states = self.input_batch.states
         eligible = [states[r] for r in req_ids if r in states]
         if not eligible:

@@ -186,10 +186,10 @@ def test_tiny_target_eagle3_dynamic_async_off_then_on(tiny_target, tmp_path):
     policy.observe_step = scripted
     out = spec.generate(prompts, sps, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
-    assert ks[0] > 0 and 0 in ks and ks[-1] > 0  # on, off under load, on again at the end
+    assert ks and all(k > 0 for k in ks)  # the runner hands over states only while on
     assert spec.llm_engine.stats.num_draft_tokens > 0
-    kinds = {k for _, k in steps}
-    assert 0 in kinds and kinds - {0}  # the engine timed decode steps of both kinds
+    kinds = [k for _, k in steps]
+    assert 0 in kinds and kinds[-1] > 0  # off under load, on again at the end (on at first: ks)
     spec.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert len(proposer.free_blocks) + sum(len(s.blocks) for s in proposer.states.values()) == \
         proposer.num_blocks - 1
