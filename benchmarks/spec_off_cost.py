@@ -138,12 +138,13 @@ def speculative_config(name: str, tmp: str, cfg: dict, smoke: bool) -> dict | No
 
     from kvserve.models.llama_eagle import save_random_eagle_head
 
-    if name.startswith("eagle"):  # eagle_dynamic (k = 4), eagle1_dynamic (k = 1)
-        head = os.path.join(tmp, "off-eagle-head")
-        save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=False,
+    if name.startswith("eagle"):  # eagle_dynamic (k = 4), eagle1_dynamic (k = 1), eagle3_dynamic (k = 4)
+        e3 = name.startswith("eagle3")
+        head = os.path.join(tmp, "off-eagle3-head" if e3 else "off-eagle-head")
+        save_random_eagle_head(head, transformers.LlamaConfig(**cfg), eagle3=e3,
                                draft_vocab_size=256 if smoke else 32000, seed=1, std=0.05)
-        return {"method": "eagle", "model": head, "num_speculative_tokens": 1 if name.startswith("eagle1") else 4,
-                "dynamic": True}
+        return {"method": "eagle3" if e3 else "eagle", "model": head,
+                "num_speculative_tokens": 1 if name.startswith("eagle1") else 4, "dynamic": True}
     if name == "ngram_dynamic":  # stateless: no hidden states, no head
         return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "dynamic": True}
     return None
@@ -327,7 +328,8 @@ def main() -> None:
     ap.add_argument("--tmp", default="/tmp/kvserve-spec-off")
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--configs", default="none,eagle_dynamic,none:off,eagle_dynamic:off",
-                    help="NAME[:on|off]: none, eagle_dynamic (k=4), eagle1_dynamic (k=1), ngram_dynamic (k=4); "
+                    help="NAME[:on|off]: none, eagle_dynamic (k=4), eagle1_dynamic (k=1), eagle3_dynamic (k=4), "
+                         "ngram_dynamic (k=4); "
                          "async scheduling forced on/off (default: the engine's)")
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # child
     ap.add_argument("--async-scheduling", default="default", help=argparse.SUPPRESS)

@@ -158,18 +158,26 @@ def make_llm(workload: str, a: argparse.Namespace, **extra):
     return LLM(model=path, load_format="dummy", skip_tokenizer_init=True, disable_log_stats=True, **args), args
 
 
-def w1(a: argparse.Namespace) -> dict:
-    """Output tokens per wall second of 256 requests submitted at once."""
+def w1_requests(s: dict) -> tuple:
+    """W1's requests (seed 0): ``(prompt lengths, output lengths, prompts, SamplingParams list)``."""
     import numpy as np
 
     from kvserve import SamplingParams
 
-    s = (TINY_SIZES if a.tiny else SIZES)["w1"]
     rng = np.random.default_rng(0)
     in_lens = rng.integers(s["min_in"], s["max_in"] + 1, s["requests"])
     out_lens = rng.integers(s["min_out"], s["max_out"] + 1, s["requests"])
     prompts = [rng.integers(0, s["vocab"], n).tolist() for n in in_lens]
     params = [SamplingParams(temperature=0.6, max_tokens=int(n), ignore_eos=True) for n in out_lens]
+    return in_lens, out_lens, prompts, params
+
+
+def w1(a: argparse.Namespace) -> dict:
+    """Output tokens per wall second of 256 requests submitted at once."""
+    from kvserve import SamplingParams
+
+    s = (TINY_SIZES if a.tiny else SIZES)["w1"]
+    in_lens, out_lens, prompts, params = w1_requests(s)
     llm, args = make_llm("w1", a)
     llm.generate([list(range(100))] * 4, SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     _sync()

@@ -38,6 +38,7 @@ PARTS="
 tests-cuda:300:the GPU-relevant tests on CUDA (GPU_TESTS; default attention, worker, layers, kv_connector)
 equality:150:greedy equality with transformers, float32, Qwen3-0.6B shape (gpu_equality.py)
 w1:240:W1 offline throughput, Qwen3-0.6B shape (workloads.py)
+w1-steps:150:W1 step by step: wall time by step kind and decode batch size, the tail's cost (w1_steps.py)
 w2:200:W2 batch-1 decode ms/token, Llama-3.1-8B shape (workloads.py)
 w3:300:W3 prefix reuse, caching on vs off (workloads.py)
 w2-peer:240:W2 of transformers' static-cache generate beside ours, decode step times (gpu_decode.py)
@@ -157,6 +158,7 @@ run_part() {  # run_part <name> <dir>: the commands of one part
       py -m pytest -q -p no:cacheprovider -m "not slow" ${GPU_TESTS:-tests/attention tests/worker tests/layers tests/kv_connector} ;;
     equality) py $B/gpu_equality.py --out "$d" --skip-w1 ;;
     w1|w2|w3) workload "$p" "$d" ;;
+    w1-steps) py $B/w1_steps.py --out "$d" ;;
     w2-peer) py $B/gpu_decode.py --out "$d" --backends triton --w1-backends "" ;;
     w1-peer) py $B/w1_peer.py --out "$d" ;;
     w3-ttft) py $B/w3_prefix.py --out "$d" ;;
