@@ -59,6 +59,7 @@ BUCKETS = {
     "schedule": "scheduler", "update_from_output": "scheduler",
     "batch.apply": "input prep", "batch.prepare": "input prep", "attn.prepare": "input prep",
     "attn.build": "input prep", "graph.run": "input prep", "block_ops": "input prep",
+    "graph.prepare": "input prep", "graph.copy": "input prep", "graph.replay": "input prep",
     "model.forward": "forward", "compute_logits": "logits",
     "sampler.launch": "sampling", "runner._sample": "sampling",
     "output.get": "output", "engine._update": "output", "output_processor": "output",
@@ -144,8 +145,14 @@ def install_seams(llm) -> SeamTimer:
     t.wrap(runner.sampler, "launch", "sampler.launch")
     t.wrap(runner.model, "forward", "model.forward")
     t.wrap(runner.model, "compute_logits", "compute_logits")
-    if runner.graph_runner is not None:
+    if runner.graph_runner is not None:  # graph.run: the packing; its parts below are their own seams
+        from kvserve.worker import cuda_graphs
+
         t.wrap(runner.graph_runner, "run", "graph.run")
+        t.wrap(runner.graph_runner.builder, "prepare_for_replay", "graph.prepare")
+        t.wrap(cuda_graphs, "to_device", "graph.copy")
+        if runner.device.type == "cuda":
+            t.wrap(torch.cuda.CUDAGraph, "replay", "graph.replay")
     t.wrap(runner_output.AsyncModelRunnerOutput, "get", "output.get")
     if torch.cuda.is_available() and runner.device.type == "cuda":
         t.wrap(torch.cuda.Event, "synchronize", "gpu wait")

@@ -184,7 +184,7 @@ class AttentionMetadataBuilder:
             slots = np.full(t, -1, dtype=np.int64)
             slots[dst] = inp.slot_mappings[g]
             w = inp.block_tables[g].shape[1]
-            table = np.zeros((bs, w), dtype=np.int64)  # padding rows read the null block
+            table = np.zeros((bs, w), dtype=np.int32)  # padding rows read the null block
             table[:r] = inp.block_tables[g]
             pairs += [(sm[:t], slots), (bt[:bs, :w], table)]
         seq = np.full(bs, q, dtype=np.int64)

@@ -247,18 +247,24 @@ class CUDAGraphRunner:
         pairs = [(self.input_ids[:t], ids), (self.positions[:t], pos)]
         pairs += self.builder.prepare_for_replay(inp, bs, q, dst)
         k = 0 if pending is None else len(pending[0])
-        # One packed host buffer: every (static tensor, values) pair, then pending dst | src.
-        sizes = [v.size for _, v in pairs] + [k, k]
+        # One packed int64 host buffer: every (static tensor, values) pair, then pending dst | src.
+        # int32 values (block tables) travel two to a slot: half the bytes, no widening on the host.
+        half = [v.dtype == np.int32 for _, v in pairs]
+        sizes = [(v.size + 1) // 2 if h else v.size for (_, v), h in zip(pairs, half)] + [k, k]
         offs = np.concatenate([[0], np.cumsum(sizes)])
         buf = np.empty(int(offs[-1]), dtype=np.int64)
-        for (_, v), o in zip(pairs, offs):
-            buf[o:o + v.size] = v.ravel()
+        for (_, v), o, n, h in zip(pairs, offs, sizes, half):
+            if h:
+                buf[o:o + n].view(np.int32)[:v.size] = v.ravel()
+            else:
+                buf[o:o + n] = v.ravel()
         if k:
             buf[offs[-3]:offs[-2]] = dst[pending[0]]
             buf[offs[-2]:offs[-1]] = pending[1]
         dev = to_device(buf, self.input_ids.device)
-        for (static, v), o in zip(pairs, offs):
-            static.copy_(dev[o:o + v.size].view(static.shape))
+        for (static, v), o, n, h in zip(pairs, offs, sizes, half):
+            src = dev[o:o + n].view(torch.int32)[:v.size] if h else dev[o:o + n]
+            static.copy_(src.view(static.shape))
         if k:
             tail = dev[offs[-3]:]
             self.input_ids.index_copy_(0, tail[:k], pending[2].index_select(0, tail[k:]))
