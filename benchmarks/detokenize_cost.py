@@ -4,7 +4,9 @@ An ``OutputProcessor`` with the default model's tokenizer is fed ``--batch`` req
 ``--tokens`` output tokens, one token per request per step (plain decode rows, as the engine
 core sends them), and each step does what the OpenAI server's frontend does
 (``AsyncLLM._process`` / ``_make_output``): ``process(..., detokenize_all=True)`` (the text of
-every request), then ``take_delta`` and ``make_output`` per request. Two detokenizers:
+every request), then ``take_delta`` and ``make_output`` per request (``--output delta``, the
+default: the streaming path, ``make_output(since=...)`` with only the new tokens;
+``--output full``: the whole output every step, as that path did before). Two detokenizers:
 
 * ``full``: ``tokenizer.decode(output_token_ids)`` of the whole output every step (the
   behaviour before incremental detokenization); its cost grows with the output length, so it
@@ -80,7 +82,7 @@ def commit() -> str:
         return ""
 
 
-def run(tok, mode: str, batch: int, tokens: int, corpus: list[int], timed: set[int]) -> dict:
+def run(tok, mode: str, batch: int, tokens: int, corpus: list[int], timed: set[int], output: str = "delta") -> dict:
     from kvserve import SamplingParams
     from kvserve.engine.input_processor import make_child_requests
     from kvserve.engine.output_processor import OutputProcessor, ParentState
@@ -98,6 +100,7 @@ def run(tok, mode: str, batch: int, tokens: int, corpus: list[int], timed: set[i
         rids.append(rid)
         outs.append(corpus[b * stride % (len(corpus) - tokens):][:tokens])
     parents = [op.parents[r] for r in rids]
+    sent = [[0] for _ in parents]  # tokens handed out per request (the streaming delta path)
     step_ms, process_ms = {}, {}
     for t in range(tokens):
         toks = [o[t] for o in outs]
@@ -109,9 +112,13 @@ def run(tok, mode: str, batch: int, tokens: int, corpus: list[int], timed: set[i
         t1 = time.perf_counter()
         op.process(updated, detokenize_all=True)
         t2 = time.perf_counter()
-        for p in parents:
+        for p, st in zip(parents, sent):
             op.take_delta(p)
-            op.make_output(p)
+            if output == "delta":
+                o = op.make_output(p, since=[(st[0], 0)])
+                st[0] += len(o.outputs[0].token_ids)
+            else:
+                op.make_output(p)
         t3 = time.perf_counter()
         step_ms[t + 1] = (t3 - t0) * 1e3
         process_ms[t + 1] = (t2 - t1) * 1e3
@@ -149,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=40, help="timed steps of the full decode")
     ap.add_argument("--out", default=None, help="directory for result.json")
     ap.add_argument("--cpu-smoke", action="store_true", help="batch 8 x 60 tokens")
+    ap.add_argument("--output", choices=("delta", "full"), default="delta",
+                    help="make_output with only the new tokens (streaming) or the whole output")
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         args.batch, args.tokens, args.samples = 8, 60, 10
@@ -164,7 +173,7 @@ def main(argv=None) -> int:
     results = {}
     texts = {}
     for mode, timed in (("incremental", every), ("full", sampled & every)):
-        res = run(tok, mode, args.batch, args.tokens, corpus, timed)
+        res = run(tok, mode, args.batch, args.tokens, corpus, timed, args.output)
         texts[mode] = res.pop("texts")
         results[mode] = summarize(res, lengths, args.tokens)
         print(mode, json.dumps(results[mode]), flush=True)
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
     out = {
         "what": "frontend CPU per decode step: OutputProcessor.process(detokenize_all=True) + take_delta + "
                 "make_output for every request, one new token per request per step",
-        "batch": args.batch, "output_tokens": args.tokens, "tokenizer": os.path.basename(path),
+        "batch": args.batch, "output_tokens": args.tokens, "make_output": args.output, "tokenizer": os.path.basename(path),
         "cpu": cpu_name(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "versions": versions(), "commit": commit(),
         "results": results,

@@ -532,19 +532,18 @@ class AsyncLLM:
 
     def _make_output(self, st: _ReqState) -> Optional[RequestOutput]:
         op = self.output_processor
-        full = op.make_output(st.parent)
         if not st.delta:
-            return full
+            return op.make_output(st.parent)
+        full = op.make_output(st.parent, since=list(zip(st.sent_tokens, st.sent_logprobs)))  # only what is new
         outs = []
         for seq, co in zip(st.parent.seqs, full.outputs):
             i = seq.index
             text = op.take_delta(st.parent, i)
-            toks = co.token_ids[st.sent_tokens[i]:]
-            st.sent_tokens[i] = len(co.token_ids)
-            lps = None
-            if co.logprobs is not None:
-                lps = co.logprobs[st.sent_logprobs[i]:]
-                st.sent_logprobs[i] = len(co.logprobs)
+            toks = co.token_ids
+            st.sent_tokens[i] += len(toks)
+            lps = co.logprobs
+            if lps is not None:
+                st.sent_logprobs[i] += len(lps)
             fin = None
             if co.finish_reason is not None and not st.finish_sent[i]:
                 fin = co.finish_reason

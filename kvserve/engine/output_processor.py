@@ -86,6 +86,8 @@ class _SeqState:
     finish_reason: Optional[str] = None
     streamed: int = 0  # characters already handed out by ``take_delta``
     detok: Optional[IncrementalDetokenizer] = None  # built on the first decode
+    cum_logprob: float = 0  # the sum of the first ``cum_count`` sampled tokens' logprobs
+    cum_count: int = 0
 
 
 @dataclass
@@ -242,16 +244,28 @@ class OutputProcessor:
         seq.streamed = end
         return delta
 
-    def make_output(self, parent: ParentState) -> RequestOutput:
+    def make_output(self, parent: ParentState, since: Optional[list[tuple[int, int]]] = None) -> RequestOutput:
+        """The request's ``RequestOutput`` now: per completion the text, token ids, logprobs and
+        cumulative logprob. ``since[i]``: ``(tokens, logprobs)`` of completion ``i`` already handed
+        out (a streaming delta): its outputs then carry only what follows, and nothing before is
+        copied. The cumulative logprob is kept as a running sum (each token added once)."""
         outs = []
         for seq in parent.seqs:
             req = seq.request
-            lps = list(req.logprobs) if req.sampling_params.logprobs is not None else None
-            cum = None
-            if lps is not None:
-                cum = sum(lp[t][0] for lp, t in zip(lps, req.output_token_ids) if t in lp)
+            toks = req.output_token_ids
+            t0, l0 = since[seq.index] if since is not None else (0, 0)
+            lps = cum = None
+            if req.sampling_params.logprobs is not None:
+                lps = req.logprobs[l0:]
+                n = min(len(req.logprobs), len(toks))
+                c = seq.cum_logprob
+                for lp, t in zip(req.logprobs[seq.cum_count:n], toks[seq.cum_count:n]):
+                    if t in lp:
+                        c += lp[t][0]
+                seq.cum_logprob, seq.cum_count = c, n
+                cum = c
             outs.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=list(req.output_token_ids),
+                index=seq.index, text=seq.text, token_ids=toks[t0:],
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=lps,
                 cumulative_logprob=cum,
             ))
