@@ -270,16 +270,25 @@ class OutputProcessor:
                 cumulative_logprob=cum,
             ))
         first = parent.seqs[0].request
-        ftt = [s.request.first_token_time for s in parent.seqs if s.request.first_token_time]
-        fin = [s.request.finished_time for s in parent.seqs if s.request.finished_time]
-        metrics = RequestMetrics(
-            arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
-            first_token_time=min(ftt) if ftt else None,
-            finished_time=max(fin) if parent.finished and fin else None,
-            num_preemptions=sum(s.request.num_preemptions for s in parent.seqs),
-            num_draft_tokens=sum(s.request.num_draft_tokens for s in parent.seqs),
-            num_accepted_tokens=sum(s.request.num_accepted_tokens for s in parent.seqs),
-        )
+        if len(parent.seqs) == 1:  # n = 1, the common case: the request's own figures
+            metrics = RequestMetrics(
+                arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                first_token_time=first.first_token_time or None,
+                finished_time=(first.finished_time or None) if parent.finished else None,
+                num_preemptions=first.num_preemptions, num_draft_tokens=first.num_draft_tokens,
+                num_accepted_tokens=first.num_accepted_tokens,
+            )
+        else:
+            ftt = [s.request.first_token_time for s in parent.seqs if s.request.first_token_time]
+            fin = [s.request.finished_time for s in parent.seqs if s.request.finished_time]
+            metrics = RequestMetrics(
+                arrival_time=first.arrival_time, first_scheduled_time=first.first_scheduled_time,
+                first_token_time=min(ftt) if ftt else None,
+                finished_time=max(fin) if parent.finished and fin else None,
+                num_preemptions=sum(s.request.num_preemptions for s in parent.seqs),
+                num_draft_tokens=sum(s.request.num_draft_tokens for s in parent.seqs),
+                num_accepted_tokens=sum(s.request.num_accepted_tokens for s in parent.seqs),
+            )
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             outputs=outs, finished=parent.finished, metrics=metrics,

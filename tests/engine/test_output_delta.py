@@ -54,3 +54,25 @@ def test_no_logprobs_no_cumulative():
     o = op.make_output(parent, since=[(1, 0)])
     assert o.outputs[0].token_ids == [8] and o.outputs[0].logprobs is None
     assert o.outputs[0].cumulative_logprob is None
+
+
+def test_single_completion_metrics_equal_the_general_rule():
+    """n = 1 takes a shortcut for ``RequestMetrics``; it must equal the rule for n completions
+    (earliest first token, latest finish once the request is finished, summed counters)."""
+    op = OutputProcessor(None)
+    for finished in (False, True):
+        for ftt in (None, 0.0, 12.5):
+            kids = make_child_requests("m", [1], SamplingParams(max_tokens=5), 1.0, 0, None)
+            parent = ParentState("m", None, [1])
+            op.add(parent, kids)
+            op.apply_outputs([EngineCoreOutput(kids[0].request_id, [7], first_scheduled_time=2.0,
+                                               first_token_time=ftt, finished_time=20.0 if finished else None,
+                                               finish_reason="length" if finished else None, num_preemptions=2,
+                                               num_draft_tokens=5, num_accepted_tokens=3)])
+            m = op.make_output(parent).metrics
+            r = parent.seqs[0].request
+            assert m.arrival_time == r.arrival_time and m.first_scheduled_time == 2.0
+            assert m.first_token_time == (min([ftt]) if ftt else None)
+            assert m.finished_time == (20.0 if finished and parent.finished else None)
+            assert (m.num_preemptions, m.num_draft_tokens, m.num_accepted_tokens) == (2, 5, 3)
+            op.remove(parent)
