@@ -361,17 +361,7 @@ def main() -> None:
                "--repeats", str(ns.repeats)] + \
             (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--profile"] if ns.profile else []) + \
             (["--host-calls"] if ns.host_calls else [])
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
-        rec = dict(config=name, async_scheduling=asy or "default", round=rnd,
-                   process_s=round(time.perf_counter() - t0, 1))
-        if line:
-            res = json.loads(line[-1][7:])
-            rec["cpu"] = res.pop("cpu", None)
-            rec["batches"] = res
-        else:
-            rec["error"] = p.stderr[-1500:]
+        rec = run_child(cmd, dict(config=name, async_scheduling=asy or "default", round=rnd))
         recs.append(rec)
         print(json.dumps(rec), flush=True)
         with open(os.path.join(ns.out, "spec_off_cost.json"), "w") as f:
@@ -394,22 +384,28 @@ def main() -> None:
             json.dump(recs, f, indent=1)
 
 
-def interleave_parent(ns) -> None:
-    """One child process with every configuration (``--interleave``): tok/s of each timed run."""
-    cmd = [sys.executable, __file__, "--config", "interleave", "--configs", ns.configs, "--tmp", ns.tmp,
-           "--batches", *map(str, ns.batches), "--rounds", str(ns.rounds), "--repeats", str(ns.repeats)] + \
-        (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--host-calls"] if ns.host_calls else [])
+def run_child(cmd: list[str], rec: dict) -> dict:
+    """Run one child process; ``rec`` plus its seconds and its result (``batches``, ``cpu``) or
+    the tail of its stderr (``error``)."""
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = [s for s in p.stdout.splitlines() if s.startswith("RESULT ")]
-    rec = dict(mode="interleave", configs=ns.configs, rounds=ns.rounds, repeats=ns.repeats,
-               process_s=round(time.perf_counter() - t0, 1))
+    rec["process_s"] = round(time.perf_counter() - t0, 1)
     if line:
         res = json.loads(line[-1][7:])
         rec["cpu"] = res.pop("cpu", None)
         rec["batches"] = res
     else:
         rec["error"] = p.stderr[-3000:]
+    return rec
+
+
+def interleave_parent(ns) -> None:
+    """One child process with every configuration (``--interleave``): tok/s of each timed run."""
+    cmd = [sys.executable, __file__, "--config", "interleave", "--configs", ns.configs, "--tmp", ns.tmp,
+           "--batches", *map(str, ns.batches), "--rounds", str(ns.rounds), "--repeats", str(ns.repeats)] + \
+        (["--cpu-smoke"] if ns.cpu_smoke else []) + (["--host-calls"] if ns.host_calls else [])
+    rec = run_child(cmd, dict(mode="interleave", configs=ns.configs, rounds=ns.rounds, repeats=ns.repeats))
     print(json.dumps(rec), flush=True)
     with open(os.path.join(ns.out, "spec_off_interleaved.json"), "w") as f:
         json.dump(rec, f, indent=1)
