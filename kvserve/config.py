@@ -7,7 +7,7 @@ text, choices and default in ``field(metadata=...)``; ``EngineArgs``
 (``kvserve.engine.arg_utils``) takes its defaults and ``--help`` text from them, resolves the
 "auto" values once (``EngineArgs.create_engine_config``, with the resolvers at the end of
 this module: bounded KV, CPU threads) and the resolved ``EngineConfig`` is what every process
-receives (it pickles). Field names follow vLLM. The parallel, speculative, KV-transfer,
+receives (it pickles; the transformers config travels as its values, ``HFConfigView``). Field names follow vLLM. The parallel, speculative, KV-transfer,
 attention, device and observability configs are frozen; the model, cache and scheduler
 configs also carry the values the engine core plans at start-up from the KV memory
 (``num_blocks``, a lowered ``max_model_len``).
@@ -109,6 +109,12 @@ class ModelConfig:
                                      "steps with prefill piecewise around attention).")
     hf_config: Any = resolved()  # transformers.PretrainedConfig
     max_model_len_explicit: bool = resolved(False)  # the user set max_model_len (never lowered then)
+
+    def __getstate__(self) -> dict:
+        # Spawned processes get the HF config's values, not its class (kvserve.utils.hf_config_view).
+        from kvserve.utils.hf_config_view import HFConfigView
+
+        return {**self.__dict__, "hf_config": HFConfigView.of(self.hf_config)}
 
 
 #: ``--kv-eviction-policy`` values (``kvserve.core.bounded_kv`` implements them; docs/bounded-kv.md).
@@ -264,6 +270,11 @@ class SpeculativeConfig:
     draft_model_path: Optional[str] = resolved()  # ``model`` resolved to a file / directory
     draft_load_format: Optional[str] = resolved()
     draft_hf_config: Any = resolved()
+
+    def __getstate__(self) -> dict:
+        from kvserve.utils.hf_config_view import HFConfigView  # see ModelConfig.__getstate__
+
+        return {**self.__dict__, "draft_hf_config": HFConfigView.of(self.draft_hf_config)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.layers import materialize
 from kvserve.model_loader.default_model import default_model_path
 from kvserve.model_loader.dummy_loader import init_dummy_weights
 from kvserve.model_loader.gemma3_package import MODEL_ALIAS as GEMMA3_ALIAS
@@ -115,10 +116,13 @@ def load_hf_config(path: str, load_format: str) -> Any:
 
 def _rebuild_buffers(model: nn.Module) -> None:
     from kvserve.layers.rotary import RotaryEmbedding
+    from kvserve.models.moe_stats import moe_blocks
 
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.build_cache()
+    for m in moe_blocks(model):  # routed-token counters start at zero
+        m.expert_counts.zero_()
 
 
 def _fp8_checkpoint(hf_config: Any):
@@ -151,7 +155,7 @@ def get_model(model_config: Any, device: str) -> nn.Module:
         from kvserve.models.pipeline import apply_pipeline_stage
 
         apply_pipeline_stage(model, get_pp_rank(), get_pp_size())
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     _rebuild_buffers(model)  # meta construction left non-persistent buffers empty
     fmt = model_config.load_format
     method = getattr(model_config, "quantization", None)

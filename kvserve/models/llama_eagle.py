@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from kvserve.layers import materialize
 from kvserve.layers.attention import Attention
 from kvserve.layers.linear import ColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from kvserve.layers.norm import RMSNorm
@@ -256,7 +257,7 @@ def load_eagle_head(path: str, target_hf_config: Any, dtype: torch.dtype, device
                          f"{'eagle' if eagle3 else 'eagle3'}")
     with torch.device("meta"):
         head = EagleHead(hc, dtype, eagle3, max_model_len)
-    head = head.to_empty(device=device)
+    head = materialize(head, device)
     head.rotary_emb.build_cache()
     head.load_weights(tensors)
     return head.eval()

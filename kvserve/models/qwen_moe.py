@@ -243,14 +243,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     def moe_spec(cls, cfg: Any) -> MoeSpec:
         raise NotImplementedError
 
-    def to_empty(self, *, device, recurse: bool = True) -> "MoeForCausalLM":
-        """``nn.Module.to_empty``, then the routed-token counters zeroed (built on the meta device)."""
-        super().to_empty(device=device, recurse=recurse)
-        for m in self.modules():
-            if isinstance(m, SparseMoeBlock):
-                m.expert_counts.zero_()
-        return self
-
     @classmethod
     def check_parallel(cls, cfg: Any, tp: int, enable_expert_parallel: bool) -> None:
         """Raise ValueError when ``tp`` ranks cannot split the experts: the expert count under
