@@ -57,7 +57,8 @@ _SKIP = object()
 
 def _values(config: Any) -> dict[str, Any]:
     values: dict[str, Any] = {}
-    for name in dir(config):
+    aliases = getattr(config, "attribute_map", None) or {}  # resolved by the config's __getattribute__, not in dir()
+    for name in [*dir(config), *aliases]:
         if name.startswith("__"):
             continue
         try:

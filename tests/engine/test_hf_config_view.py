@@ -39,6 +39,11 @@ def test_model_config_pickles_a_view_with_the_same_values(tmp_path):
     got = {k: getattr(view, k, "MISSING") for k in want}
     assert got == want
     assert view.rope_scaling["rope_type"] == "llama3" and view.head_dim == 16
+    # attribute_map aliases (not in dir()) come through too.
+    from transformers import MixtralConfig
+
+    mixtral = pickle.loads(pickle.dumps(ModelConfig(model="x", hf_config=MixtralConfig(num_local_experts=4))))
+    assert mixtral.hf_config.num_experts == mixtral.hf_config.num_local_experts == 4
     # Nested configs are views too; their values come through.
     assert isinstance(sc2.draft_hf_config.text_config, HFConfigView)
     assert sc2.draft_hf_config.text_config.sliding_window == 32
