@@ -41,10 +41,11 @@ def model_fingerprint(config) -> str:
         parts["seed"] = mc.seed
     hf = mc.hf_config
     if hf is not None:
-        d = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf.__dict__)
         keep = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "rope_theta", "rope_scaling", "intermediate_size")
-        parts["hf"] = {k: d.get(k) for k in keep}
+        # Read as attributes: the same values from a transformers config and from the HFConfigView a
+        # spawned engine core holds (to_dict() leaves out properties such as rope_scaling).
+        parts["hf"] = {k: getattr(hf, k, None) for k in keep}
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=_DIGEST).hexdigest()
 

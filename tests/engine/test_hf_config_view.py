@@ -56,3 +56,24 @@ def test_model_config_pickles_a_view_with_the_same_values(tmp_path):
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_kv_fingerprint_is_the_same_from_the_config_and_its_view():
+    """The prefix-cache / P2P model fingerprint of an engine core (view) equals an in-process
+    engine's (live config), and RoPE scaling is part of it."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from kvserve.config import ModelConfig
+    from kvserve.kv_connector.block_hash import model_fingerprint
+
+    scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    prints = []
+    for rope_scaling in (None, scaled):
+        mc = ModelConfig(model="x", hf_config=LlamaConfig(max_position_embeddings=131072, rope_scaling=rope_scaling))
+        live = model_fingerprint(SimpleNamespace(model_config=mc))
+        assert model_fingerprint(SimpleNamespace(model_config=pickle.loads(pickle.dumps(mc)))) == live
+        prints.append(live)
+    assert prints[0] != prints[1]
